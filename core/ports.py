@@ -1,0 +1,185 @@
+"""Hexagonal ports: the small interfaces the manager needs from the outside world.
+
+(Network port *numbers* live in :mod:`kvferry.core.addressing`; these are interfaces.)
+
+Every Protocol here has an in-memory adapter that passes the same contract tests as the real
+ones. Optional abilities are separate small Protocols, checked with ``isinstance`` once, where a
+connector is wired, never with scattered ``hasattr`` calls.
+
+Data vocabulary used below:
+
+- *payload data* handed to ``put``: a bytes-like object, a 1-D ``uint8`` tensor, or a sequence
+  of bytes-like buffers ("frames") whose concatenation is the payload. Connectors never look
+  inside a payload.
+- *received data* returned by ``get``: one of bytes / bytearray / memoryview, a 1-D ``uint8``
+  tensor, a :class:`PoolBuffer`, or a sequence of buffers (frames, concatenated meaning).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Mapping, Protocol, runtime_checkable
+
+__all__ = [
+    "PutResult",
+    "GetResult",
+    "Connector",
+    "BlockingGet",
+    "SenderAware",
+    "Reservable",
+    "Reservation",
+    "PoolBuffer",
+    "CollectiveGroup",
+    "Clock",
+]
+
+#: ``(ok, size_in_bytes, metadata)``. On failure ``ok`` is False, size is 0 and metadata is a
+#: dict with ``"reason"`` (a short machine word such as ``"pool_full"``, ``"too_large"``,
+#: ``"closed"``, ``"error"``) and ``"detail"`` (human text).
+PutResult = tuple[bool, int, "dict[str, Any] | None"]
+#: ``(data, size_in_bytes)`` or None for "not there (yet)".
+GetResult = "tuple[Any, int] | None"
+
+
+@runtime_checkable
+class Connector(Protocol):
+    """Moves opaque payloads from a sender stage to a receiver stage under a string key.
+
+    Called by the manager: ``put`` once per (request, target key) on the sender; ``get`` once
+    or repeatedly (polling) per receive key on the receiver. Keyword names are fixed
+    (``from_stage``, ``to_stage``, ``put_key`` / ``get_key``, ``data``, ``metadata``) so that a
+    connector written for the reference plugs in unchanged.
+
+    Consume semantics: a payload is readable by ``readers`` gets (default 1, set per put or in
+    config); after that, or when its lease (``lease_s``) expires, it is freed and further gets
+    return None ("not found"), never another request's data. Memory is bounded: when the pool
+    is full, ``put`` returns ``(False, 0, {"reason": "pool_full", ...})`` promptly.
+    """
+
+    def put(self, from_stage: str, to_stage: str, put_key: str, data: Any) -> PutResult:
+        """Store ``data`` under ``put_key``. Never raises for transfer faults: returns ok=False."""
+        ...
+
+    def get(
+        self,
+        from_stage: str,
+        to_stage: str,
+        get_key: str,
+        metadata: Mapping[str, Any] | None = None,
+    ) -> Any:
+        """Return ``(data, size)`` if the payload is there now, else None. Non-blocking.
+
+        ``metadata`` is what ``put`` returned (use directly), or a partial dict with only
+        ``source_host`` / ``source_port`` (ask that sender), or None (use the default sender
+        set by ``update_sender_info`` where the connector has one).
+        """
+        ...
+
+    def cleanup(self, request_id: str) -> None:
+        """Drop everything held for keys of ``request_id``. Idempotent."""
+        ...
+
+    def health(self) -> dict[str, Any]:
+        """A JSON-able snapshot: at least ``{"ok": bool, "type": str}`` plus counters."""
+        ...
+
+    def close(self) -> None:
+        """Release every resource. Idempotent; connectors are also context managers."""
+        ...
+
+
+@runtime_checkable
+class BlockingGet(Protocol):
+    """Optional: wait for arrival (notification, not sleep-polling) until a deadline."""
+
+    def get_blocking(
+        self,
+        from_stage: str,
+        to_stage: str,
+        get_key: str,
+        metadata: Mapping[str, Any] | None = None,
+        *,
+        timeout_s: float,
+    ) -> Any:
+        """Like ``get`` but waits up to ``timeout_s`` seconds; None when the deadline passes."""
+        ...
+
+
+@runtime_checkable
+class SenderAware(Protocol):
+    """Optional: a receiver-side connector that can be told its default sender endpoint."""
+
+    def update_sender_info(self, host: str, port: int) -> None: ...
+
+
+@runtime_checkable
+class Reservation(Protocol):
+    """A writable region of a connector's pool, reserved by the sender before the data exists.
+
+    ``buffer`` is a writable 1-D ``uint8`` tensor of exactly the reserved size; the sender
+    writes the payload bytes into it (extraction gathers straight into it) and then calls
+    ``commit()`` to publish it under the key, or ``abort()`` to give the space back. Exactly one
+    of the two is called; both are idempotent.
+    """
+
+    buffer: Any
+
+    def commit(self) -> "PutResult": ...
+
+    def abort(self) -> None: ...
+
+
+@runtime_checkable
+class Reservable(Protocol):
+    """Optional: connectors whose pool the sender can write into directly (zero extra copy)."""
+
+    def reserve(self, from_stage: str, to_stage: str, put_key: str, nbytes: int) -> Reservation:
+        """Reserve ``nbytes``; raises :class:`~kvferry.core.errors.PoolFullError` when full."""
+        ...
+
+
+@runtime_checkable
+class PoolBuffer(Protocol):
+    """Received data that lives in a connector's pool: decode zero-copy, then release.
+
+    ``tensor`` is a 1-D ``uint8`` view. The caller releases only after every tensor decoded from
+    it was moved or cloned. ``release()`` is idempotent.
+    """
+
+    tensor: Any
+
+    def release(self) -> None: ...
+
+
+@runtime_checkable
+class CollectiveGroup(Protocol):
+    """The group operations the manager needs (torch.distributed or in-process threads).
+
+    Every call is collective: all ranks of the group make the same call in the same order;
+    ``src``/``dst`` are ranks *within this group* (0..size-1). Each call takes ``timeout_s``
+    and raises :class:`~kvferry.core.errors.TransferTimeout` when the peers do not arrive.
+    """
+
+    @property
+    def rank(self) -> int: ...
+
+    @property
+    def size(self) -> int: ...
+
+    def broadcast_object(self, obj: Any, src: int, *, timeout_s: float) -> Any: ...
+
+    def broadcast_tensor(self, tensor: Any, src: int, *, timeout_s: float) -> Any: ...
+
+    def send_object(self, obj: Any, dst: int, *, timeout_s: float) -> None: ...
+
+    def recv_object(self, src: int, *, timeout_s: float) -> Any: ...
+
+    def send_tensor(self, tensor: Any, dst: int, *, timeout_s: float) -> None: ...
+
+    def recv_tensor(self, tensor: Any, src: int, *, timeout_s: float) -> Any: ...
+
+
+@runtime_checkable
+class Clock(Protocol):
+    """Monotonic time in seconds. Injected so policies and tests never read the real clock."""
+
+    def monotonic(self) -> float: ...
