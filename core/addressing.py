@@ -1,0 +1,200 @@
+"""Network port numbers (SPEC 2.3). Hexagonal ports (interfaces) live in ``core/ports.py``.
+
+A sender rank serves its payloads on one TCP port derived from the configured base port::
+
+    port = base + KV_TRANSFER_PORT_OFFSET                    (100)
+                + replica * KV_REPLICA_PORT_STRIDE           (1024)
+                + (dp_rank * tp_size + tp_rank) * KV_RANK_PORT_STRIDE   (16)
+                + from_stage
+
+With ``dp_rank = 0`` this is the reference's formula. Bounds that make ports collision-free:
+``0 <= from_stage < 16``, rank slot ``(dp_rank * tp_size + tp_rank) < 64`` (so the slot never
+spills into the next replica's 1024-wide window), and the result inside ``1..65535``. Within
+those bounds, distinct ``(replica, dp_rank, tp_rank, from_stage)`` give distinct ports
+(property-tested). The orchestrator advertises rank 0's port; rank ``s`` of the same stage,
+replica and DP group serves on ``advertised + s * 16`` (:func:`sender_endpoint_port`).
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any, Mapping
+
+from kvferry.core.errors import ConfigError, RoutingError
+
+__all__ = [
+    "KV_TRANSFER_PORT_OFFSET",
+    "KV_RANK_PORT_STRIDE",
+    "KV_REPLICA_PORT_STRIDE",
+    "DEFAULT_BASE_PORT",
+    "MAX_STAGE_ID",
+    "MAX_RANK_SLOTS",
+    "MIN_PORT",
+    "MAX_PORT",
+    "kv_port",
+    "sender_endpoint_port",
+    "replica_id_from_env",
+    "expand_base_port",
+]
+
+KV_TRANSFER_PORT_OFFSET = 100
+KV_RANK_PORT_STRIDE = 16
+KV_REPLICA_PORT_STRIDE = 1024
+DEFAULT_BASE_PORT = 50051
+#: Largest stage id whose port cannot collide with the next rank's (stride 16).
+MAX_STAGE_ID = KV_RANK_PORT_STRIDE - 1
+#: Rank slots (``dp_rank * tp_size + tp_rank``) that fit in one replica's window.
+MAX_RANK_SLOTS = KV_REPLICA_PORT_STRIDE // KV_RANK_PORT_STRIDE
+MIN_PORT = 1
+MAX_PORT = 65535
+
+_NAME = r"[A-Za-z_][A-Za-z0-9_]*"
+_VAR = re.compile(r"\$(?:\{(" + _NAME + r")\}|(" + _NAME + r"))")
+
+
+def _int_field(name: str, value: Any, minimum: int) -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise RoutingError(f"{name} must be an integer, got {value!r}")
+    if value < minimum:
+        raise RoutingError(f"{name} must be >= {minimum}, got {value}")
+    return value
+
+
+def _stage_number(from_stage: Any) -> int:
+    """A stage id as a port offset: an int, or a string of decimal digits, in ``0..15``."""
+    if isinstance(from_stage, str) and from_stage.isascii() and from_stage.isdigit():
+        from_stage = int(from_stage)
+    if isinstance(from_stage, bool) or not isinstance(from_stage, int):
+        raise RoutingError(f"from_stage must be an integer 0..{MAX_STAGE_ID} for ports, got {from_stage!r}")
+    if not 0 <= from_stage <= MAX_STAGE_ID:
+        raise RoutingError(
+            f"from_stage must be in 0..{MAX_STAGE_ID} (a larger id collides with the next "
+            f"rank's port), got {from_stage}"
+        )
+    return from_stage
+
+
+def _check_port(name: str, port: int, detail: str) -> int:
+    if not MIN_PORT <= port <= MAX_PORT:
+        raise RoutingError(f"{name} {port} is outside {MIN_PORT}..{MAX_PORT} ({detail})")
+    return port
+
+
+def kv_port(
+    base_port: int,
+    from_stage: int | str,
+    tp_rank: int = 0,
+    replica: int = 0,
+    dp_rank: int = 0,
+    tp_size: int = 1,
+) -> int:
+    """The port sender rank ``tp_rank`` of stage ``from_stage`` binds (see module docstring).
+
+    ``tp_size`` matters only with ``dp_rank > 0``; when ``dp_rank > 0`` or ``tp_size > 1``,
+    ``tp_rank`` must be below ``tp_size``. Raises RoutingError naming the field for: a stage
+    outside ``0..15``, a negative rank/replica/dp rank, ``tp_size < 1``, a rank slot
+    ``(dp_rank*tp_size+tp_rank)*16 >= 1024``, a base port or result outside ``1..65535``.
+    """
+    base = _int_field("base_port", base_port, MIN_PORT)
+    _check_port("base_port", base, "the configured base port")
+    stage = _stage_number(from_stage)
+    rank = _int_field("tp_rank", tp_rank, 0)
+    rep = _int_field("replica", replica, 0)
+    dp = _int_field("dp_rank", dp_rank, 0)
+    size = _int_field("tp_size", tp_size, 1)
+    if (dp > 0 or size > 1) and rank >= size:
+        raise RoutingError(f"tp_rank {rank} is not below tp_size {size}")
+    slot = dp * size + rank
+    if slot * KV_RANK_PORT_STRIDE >= KV_REPLICA_PORT_STRIDE:
+        raise RoutingError(
+            f"rank slot too large: (dp_rank*tp_size+tp_rank)*{KV_RANK_PORT_STRIDE} = "
+            f"{slot * KV_RANK_PORT_STRIDE} >= {KV_REPLICA_PORT_STRIDE} "
+            f"(tp_rank={rank}, dp_rank={dp}, tp_size={size}); it would collide with replica {rep + 1}"
+        )
+    port = (
+        base
+        + KV_TRANSFER_PORT_OFFSET
+        + rep * KV_REPLICA_PORT_STRIDE
+        + slot * KV_RANK_PORT_STRIDE
+        + stage
+    )
+    return _check_port(
+        "port",
+        port,
+        f"base_port={base}, replica={rep}, dp_rank={dp}, tp_rank={rank}, from_stage={stage}",
+    )
+
+
+def sender_endpoint_port(advertised_port: int, source_rank: int) -> int:
+    """Port of sender rank ``source_rank`` given the advertised rank-0 port: ``+ source_rank*16``.
+
+    Raises RoutingError for an advertised port outside ``1..65535``, a negative source rank,
+    ``source_rank*16 >= 1024`` or a result outside ``1..65535``.
+    """
+    adv = _int_field("advertised_port", advertised_port, MIN_PORT)
+    _check_port("advertised_port", adv, "the sender's advertised rank-0 port")
+    rank = _int_field("source_rank", source_rank, 0)
+    if rank * KV_RANK_PORT_STRIDE >= KV_REPLICA_PORT_STRIDE:
+        raise RoutingError(
+            f"source_rank {rank} too large: {rank}*{KV_RANK_PORT_STRIDE} >= {KV_REPLICA_PORT_STRIDE}"
+        )
+    return _check_port(
+        "port", adv + rank * KV_RANK_PORT_STRIDE, f"advertised_port={adv}, source_rank={rank}"
+    )
+
+
+def replica_id_from_env(raw: str | None) -> int:
+    """The replica id from the raw environment value (the reference's reading).
+
+    Unset, empty, non-integer or negative -> 0. The caller reads the environment.
+    """
+    if raw is None:
+        return 0
+    try:
+        value = int(str(raw).strip())
+    except ValueError:
+        return 0
+    return value if value >= 0 else 0
+
+
+def expand_base_port(value: int | str, env: Mapping[str, str], field: str = "base_port") -> int:
+    """A configured base port: an int, or a string with ``${VAR}`` / ``$VAR`` references.
+
+    Expansion is strict: an unset variable raises ConfigError naming it; a ``$`` not starting
+    a variable reference, a non-integer result or a port outside ``1..65535`` raises
+    ConfigError naming ``field``.
+    """
+    if isinstance(value, bool):
+        raise ConfigError(f"{field} must be an integer port or a string, got {value!r}")
+    if isinstance(value, int):
+        text = str(value)
+    elif isinstance(value, str):
+        text = _expand(value, env, field)
+    else:
+        raise ConfigError(f"{field} must be an integer port or a string, got {value!r}")
+    stripped = text.strip()
+    if not (stripped.isascii() and stripped.isdigit()):
+        raise ConfigError(f"{field} must be an integer port, got {value!r} (expanded to {text!r})")
+    port = int(stripped)
+    if not MIN_PORT <= port <= MAX_PORT:
+        raise ConfigError(f"{field} {port} is outside {MIN_PORT}..{MAX_PORT} (from {value!r})")
+    return port
+
+
+def _expand(text: str, env: Mapping[str, str], field: str) -> str:
+    out: list[str] = []
+    pos = 0
+    while True:
+        dollar = text.find("$", pos)
+        if dollar < 0:
+            out.append(text[pos:])
+            return "".join(out)
+        out.append(text[pos:dollar])
+        match = _VAR.match(text, dollar)
+        if match is None:
+            raise ConfigError(f"{field}: malformed variable reference in {text!r} at position {dollar}")
+        name = match.group(1) or match.group(2)
+        if name not in env:
+            raise ConfigError(f"{field}: environment variable {name} is not set (in {text!r})")
+        out.append(env[name])
+        pos = match.end()
