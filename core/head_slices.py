@@ -1,0 +1,240 @@
+"""Head-slice plans for heterogeneous TP (SPEC 2.4), in plain integers.
+
+KV tensors are ``[tokens, heads, head_dim]``; heads are dim 1. With ``H`` KV heads in the full
+model, sender rank ``s`` of a stage with TP ``S`` holds heads ``s*H/S .. (s+1)*H/S`` and
+receiver rank ``t`` of a stage with TP ``T`` needs heads ``t*H/T .. (t+1)*H/T``.
+
+- Fan-out (``S < T``, ``k = T // S``): receiver ``t`` takes slice ``t % k`` of ``k`` equal
+  slices of its sender's shard (:func:`fan_out_slice`, :func:`slice_bounds`).
+- Fan-in (``S > T``, ``k = S // T``): receiver ``t`` concatenates the shards of senders
+  ``t*k .. t*k+k-1`` along dim 1 in increasing rank order (:func:`merge_order`).
+- Equal sizes: shard ``r`` goes unchanged to rank ``r``.
+
+Invariant (property-tested): for every valid topology and head count, slicing then merging
+gives every receiver exactly its own contiguous head range, and every head of the model is
+delivered to exactly one receiver rank. The tensor adapters apply these integer plans; the
+plans themselves never touch tensors.
+
+Head counts must be divisible by the larger TP size (no replicated KV heads).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Mapping
+
+import attrs
+
+from kvferry.core.errors import RoutingError
+from kvferry.core.topology import recv_rank_map, send_rank_map, validate_sizes
+
+__all__ = [
+    "TP_HEAD_SLICE_KEY",
+    "HeadSlice",
+    "TargetHeadPlan",
+    "slice_bounds",
+    "fan_out_slice",
+    "merge_order",
+    "sender_slices",
+    "plan_heads",
+    "tp_head_slice_record",
+    "applied_head_slice",
+]
+
+#: Metadata key of the tag a sliced payload carries.
+TP_HEAD_SLICE_KEY = "tp_head_slice"
+_SIDES = ("sender", "receiver")
+
+
+def _int(name: str, value: Any, minimum: int) -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise RoutingError(f"{name} must be an integer, got {value!r}")
+    if value < minimum:
+        raise RoutingError(f"{name} must be >= {minimum}, got {value}")
+    return value
+
+
+def slice_bounds(shard_heads: int, offset_in_shard: int, num_slices: int) -> tuple[int, int]:
+    """``(start, stop)`` on dim 1 of slice ``offset_in_shard`` of ``num_slices`` equal slices.
+
+    Raises RoutingError for ``num_slices < 1``, an offset outside ``[0, num_slices)`` or a head
+    count not divisible by ``num_slices``.
+    """
+    heads = _int("shard_heads", shard_heads, 0)
+    slices = _int("num_slices", num_slices, 1)
+    offset = _int("offset_in_shard", offset_in_shard, 0)
+    if offset >= slices:
+        raise RoutingError(f"offset_in_shard {offset} is outside [0, {slices})")
+    if heads % slices:
+        raise RoutingError(f"head count {heads} is not divisible by num_slices {slices}")
+    width = heads // slices
+    return offset * width, (offset + 1) * width
+
+
+def fan_out_slice(source_tp: int, target_tp: int, target_rank: int) -> tuple[int, int]:
+    """``(offset_in_shard, num_slices)`` receiver ``target_rank`` takes from its sender's shard.
+
+    Fan-out: ``(target_rank % k, k)``; equal sizes or fan-in: ``(0, 1)`` (the whole shard).
+    """
+    ratio = validate_sizes(source_tp, target_tp)
+    rank = _int("target_rank", target_rank, 0)
+    if rank >= target_tp:
+        raise RoutingError(f"target_rank {rank} is not a receiver rank (target_tp={target_tp})")
+    if source_tp < target_tp:
+        return rank % ratio, ratio
+    return 0, 1
+
+
+def merge_order(source_tp: int, target_tp: int, target_rank: int) -> tuple[int, ...]:
+    """Sender ranks whose payloads receiver ``target_rank`` concatenates on dim 1, increasing."""
+    rank = _int("target_rank", target_rank, 0)
+    ranks = recv_rank_map(source_tp, target_tp)
+    if rank >= target_tp:
+        raise RoutingError(f"target_rank {rank} is not a receiver rank (target_tp={target_tp})")
+    return ranks[rank]
+
+
+@attrs.frozen
+class HeadSlice:
+    """The heads one payload carries from ``source_rank`` to ``target_rank``.
+
+    ``head_start:head_stop`` index dim 1 of the sender's shard; ``abs_head_*`` index the full
+    model's heads; ``recv_head_*`` index dim 1 of the receiver's merged shard. All counts are
+    KV heads. ``(offset_in_shard, num_slices)`` is ``(0, 1)`` when nothing is cut.
+    """
+
+    source_rank: int
+    target_rank: int
+    offset_in_shard: int
+    num_slices: int
+    head_start: int
+    head_stop: int
+    abs_head_start: int
+    abs_head_stop: int
+    recv_head_start: int
+    recv_head_stop: int
+
+    @property
+    def num_heads(self) -> int:
+        return self.head_stop - self.head_start
+
+    @property
+    def is_sliced(self) -> bool:
+        """True when the payload is a part of the sender's shard (fan-out)."""
+        return self.num_slices > 1
+
+
+@attrs.frozen
+class TargetHeadPlan:
+    """What receiver ``target_rank`` ends up with: its head range and the slices, merge order."""
+
+    target_rank: int
+    abs_head_start: int
+    abs_head_stop: int
+    slices: tuple[HeadSlice, ...]
+
+    @property
+    def merge_order(self) -> tuple[int, ...]:
+        return tuple(s.source_rank for s in self.slices)
+
+
+def _shard_sizes(source_tp: int, target_tp: int, num_heads: int) -> tuple[int, int]:
+    validate_sizes(source_tp, target_tp)
+    heads = _int("num_heads", num_heads, 1)
+    larger = max(source_tp, target_tp)
+    if heads % larger:
+        raise RoutingError(
+            f"num_heads {heads} is not divisible by the larger TP size {larger} "
+            f"(source_tp={source_tp}, target_tp={target_tp})"
+        )
+    return heads // source_tp, heads // target_tp
+
+
+def _slice(source_tp: int, target_tp: int, num_heads: int, source: int, target: int) -> HeadSlice:
+    send_shard, recv_shard = _shard_sizes(source_tp, target_tp, num_heads)
+    offset, slices = fan_out_slice(source_tp, target_tp, target)
+    start, stop = slice_bounds(send_shard, offset, slices)
+    abs_start = source * send_shard + start
+    abs_stop = source * send_shard + stop
+    recv_start = abs_start - target * recv_shard
+    return HeadSlice(
+        source_rank=source,
+        target_rank=target,
+        offset_in_shard=offset,
+        num_slices=slices,
+        head_start=start,
+        head_stop=stop,
+        abs_head_start=abs_start,
+        abs_head_stop=abs_stop,
+        recv_head_start=recv_start,
+        recv_head_stop=recv_start + (stop - start),
+    )
+
+
+def sender_slices(
+    source_tp: int, target_tp: int, num_heads: int, source_rank: int
+) -> tuple[HeadSlice, ...]:
+    """The payloads sender ``source_rank`` produces, one per receiver it feeds, increasing."""
+    rank = _int("source_rank", source_rank, 0)
+    targets = send_rank_map(source_tp, target_tp)
+    if rank >= source_tp:
+        raise RoutingError(f"source_rank {rank} is not a sender rank (source_tp={source_tp})")
+    return tuple(_slice(source_tp, target_tp, num_heads, rank, t) for t in targets[rank])
+
+
+def plan_heads(source_tp: int, target_tp: int, num_heads: int) -> tuple[TargetHeadPlan, ...]:
+    """One :class:`TargetHeadPlan` per receiver rank (index = rank) for ``num_heads`` KV heads.
+
+    Raises RoutingError for unmappable sizes or a head count not divisible by the larger TP.
+    """
+    _, recv_shard = _shard_sizes(source_tp, target_tp, num_heads)
+    plans = []
+    for target, sources in recv_rank_map(source_tp, target_tp).items():
+        slices = tuple(_slice(source_tp, target_tp, num_heads, s, target) for s in sources)
+        plans.append(
+            TargetHeadPlan(target, target * recv_shard, (target + 1) * recv_shard, slices)
+        )
+    return tuple(plans)
+
+
+def tp_head_slice_record(
+    side: str,
+    source_rank: int,
+    target_rank: int,
+    from_tp: int,
+    to_tp: int,
+    offset_in_shard: int,
+    num_slices: int,
+) -> dict[str, Any]:
+    """The ``tp_head_slice`` metadata tag of a sliced payload (SPEC 2.4); JSON-able.
+
+    ``side`` is ``"sender"`` (sliced before sending) or ``"receiver"`` (sliced on arrival).
+    """
+    if side not in _SIDES:
+        raise RoutingError(f"side must be one of {_SIDES}, got {side!r}")
+    slices = _int("num_slices", num_slices, 1)
+    offset = _int("offset_in_shard", offset_in_shard, 0)
+    if offset >= slices:
+        raise RoutingError(f"offset_in_shard {offset} is outside [0, {slices})")
+    return {
+        "applied": True,
+        "side": side,
+        "target_rank": _int("target_rank", target_rank, 0),
+        "source_rank": _int("source_rank", source_rank, 0),
+        "from_tp": _int("from_tp", from_tp, 1),
+        "to_tp": _int("to_tp", to_tp, 1),
+        "offset_in_shard": offset,
+        "num_slices": slices,
+    }
+
+
+def applied_head_slice(metadata: Any) -> Mapping[str, Any] | None:
+    """The payload's ``tp_head_slice`` tag when its ``applied`` is truthy, else None.
+
+    A payload with such a tag is never sliced again. Tolerates any metadata shape (remote data).
+    """
+    if not isinstance(metadata, Mapping):
+        return None
+    tag = metadata.get(TP_HEAD_SLICE_KEY)
+    if isinstance(tag, Mapping) and bool(tag.get("applied")):
+        return tag
+    return None
