@@ -1,0 +1,285 @@
+"""Properties of the pool bookkeeping: allocator geometry, lease/reader semantics, expiry."""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from kvferry.core.errors import ConfigError
+from kvferry.core.pool import (
+    POOL_FULL,
+    TOO_LARGE,
+    AllocationFailure,
+    EntryState,
+    LeaseTable,
+    PoolLedger,
+    Region,
+    RegionAllocator,
+    aligned_span,
+    request_id_of_key,
+)
+
+settings.register_profile("kvferry-pool", max_examples=60, deadline=None)
+POOL = settings.get_profile("kvferry-pool")
+
+
+def check_allocator(alloc: RegionAllocator) -> None:
+    """Every structural invariant of the allocator."""
+    live = alloc.live_regions()
+    holes = alloc.holes()
+    spans = sorted([(r.offset, r.end) for r in live] + [(o, o + s) for o, s in holes])
+    # live regions and holes tile [0, usable) exactly: no overlap, no gap.
+    cursor = 0
+    for start, end in spans:
+        assert start == cursor, (spans, alloc.usable_bytes)
+        assert end > start
+        cursor = end
+    assert cursor == alloc.usable_bytes or (not spans and alloc.usable_bytes == 0)
+    for r in live:
+        assert r.offset % alloc.alignment == 0 and r.span % alloc.alignment == 0
+        assert r.nbytes <= r.span
+    assert alloc.used_bytes == sum(r.span for r in live)
+    assert alloc.free_bytes == sum(s for _, s in holes)
+    assert alloc.free_bytes + alloc.used_bytes == alloc.usable_bytes
+    # coalescing: no two holes touch.
+    for (o1, s1), (o2, _) in zip(holes, holes[1:]):
+        assert o1 + s1 < o2
+
+
+@given(
+    capacity=st.integers(1, 1 << 14),
+    alignment=st.sampled_from([1, 8, 64, 256]),
+    ops=st.lists(st.tuples(st.booleans(), st.integers(0, 3000), st.integers(0, 1 << 30)), max_size=60),
+)
+@POOL
+def test_allocator_random_operations_keep_invariants(capacity, alignment, ops) -> None:
+    alloc = RegionAllocator(capacity, alignment)
+    live: list[Region] = []
+    for is_alloc, nbytes, pick in ops:
+        if is_alloc or not live:
+            region = alloc.allocate(nbytes)
+            if region is None:
+                failure = alloc.failure(nbytes)
+                expected = TOO_LARGE if aligned_span(nbytes, alignment) > alloc.usable_bytes else POOL_FULL
+                assert failure.reason == expected
+                if expected == POOL_FULL:
+                    # "full now" really means no hole fits.
+                    assert alloc.largest_free < aligned_span(nbytes, alignment)
+            else:
+                assert region.nbytes == nbytes and region.span == aligned_span(nbytes, alignment)
+                live.append(region)
+        else:
+            alloc.free(live.pop(pick % len(live)))
+        check_allocator(alloc)
+    for region in live:
+        alloc.free(region)
+    check_allocator(alloc)
+    expected_holes = ((0, alloc.usable_bytes),) if alloc.usable_bytes else ()
+    assert alloc.holes() == expected_holes
+
+
+def test_too_large_is_distinguishable_from_full() -> None:
+    alloc = RegionAllocator(1000, 64)  # usable 960
+    assert alloc.usable_bytes == 960
+    assert alloc.too_large(961) and not alloc.too_large(960)
+    assert alloc.allocate(961) is None and alloc.failure(961).reason == TOO_LARGE
+    first = alloc.allocate(900)
+    assert first is not None
+    assert alloc.allocate(100) is None
+    failure = alloc.failure(100)
+    assert isinstance(failure, AllocationFailure) and failure.reason == POOL_FULL
+    assert "pool full" in failure.detail and "exceeds" in alloc.failure(5000).detail
+    alloc.free(first)
+    assert alloc.allocate(100) is not None
+
+
+def test_best_fit_picks_smallest_hole_and_double_free_is_an_error() -> None:
+    alloc = RegionAllocator(64 * 10, 64)
+    a, b, c, d = (alloc.allocate(64 * n) for n in (3, 1, 2, 1))
+    alloc.free(a)  # hole of 3 units at 0
+    alloc.free(c)  # hole of 2 units at 4
+    got = alloc.allocate(100)  # 2 units: the 2-unit hole wins over the 3-unit one
+    assert got.offset == c.offset
+    with pytest.raises(ConfigError):
+        alloc.free(a)
+    with pytest.raises(ConfigError):
+        alloc.allocate(-1)
+    with pytest.raises(ConfigError):
+        RegionAllocator(100, 48)
+    assert b and d
+
+
+def test_zero_byte_regions_are_distinct() -> None:
+    alloc = RegionAllocator(256, 64)
+    regions = [alloc.allocate(0) for _ in range(4)]
+    assert len({r.offset for r in regions}) == 4 and alloc.allocate(0) is None
+
+
+# ------------------------------------------------------------------------------ lease table
+
+
+@given(readers=st.integers(1, 5), extra=st.integers(1, 3), order=st.randoms(use_true_random=False))
+@POOL
+def test_n_readers_then_not_found_and_freed_after_last_release(readers, extra, order) -> None:
+    table = LeaseTable()
+    table.publish("k", "H", 10, readers=readers, now_s=0.0, lease_s=5.0)
+    tickets = [table.take("k", 1.0) for _ in range(readers)]
+    assert all(t is not None and t.handle == "H" and t.size == 10 for t in tickets)
+    assert len({t.ticket_id for t in tickets}) == readers
+    for _ in range(extra):
+        assert table.take("k", 1.0) is None  # late/duplicate reader: not found
+    assert table.status("k") == EntryState.DRAINED
+    order.shuffle(tickets)
+    for index, ticket in enumerate(tickets):
+        freed = table.release(ticket.ticket_id)
+        assert (freed is not None) == (index == readers - 1)
+        assert table.release(ticket.ticket_id) is None  # idempotent
+    assert len(table) == 0 and table.entries() == ()
+
+
+def test_unread_payload_expires_and_is_reported_once() -> None:
+    table = LeaseTable()
+    table.publish("a", 1, 1, now_s=0.0, lease_s=2.0)
+    table.publish("b", 2, 1, now_s=1.0, lease_s=2.0)
+    assert table.next_deadline() == 2.0
+    assert table.expire(1.9) == ()
+    report = table.expire(2.0)
+    assert [(x.entry.key, x.kind, x.freed) for x in report] == [("a", "unread", True)]
+    assert table.take("a", 2.0) is None and table.status("a") == EntryState.EXPIRED
+    assert table.status("never") == "unknown"  # expired is distinguishable from never existed
+    assert table.take("b", 2.5) is not None
+    assert table.expire(2.0) == ()
+
+
+def test_take_past_deadline_is_not_found_even_before_expire() -> None:
+    table = LeaseTable()
+    table.publish("a", 1, 1, now_s=0.0, lease_s=1.0)
+    assert table.take("a", 1.0) is None
+
+
+def test_unreleased_ticket_is_revoked_after_hold() -> None:
+    table = LeaseTable(hold_s=3.0)
+    table.publish("a", "R", 1, readers=2, now_s=0.0, lease_s=10.0)
+    t1 = table.take("a", 1.0)
+    t2 = table.take("a", 2.0)
+    assert table.release(t2.ticket_id) is None  # t1 still out
+    report = table.expire(4.0)
+    assert [(x.kind, x.freed) for x in report] == [("unreleased", True)]
+    assert table.release(t1.ticket_id) is None  # revoked: a late release is a no-op
+    assert len(table) == 0
+
+
+def test_late_release_never_touches_a_newer_payload_under_the_same_key() -> None:
+    table = LeaseTable(hold_s=1.0)
+    table.publish("k", "old", 1, now_s=0.0, lease_s=5.0)
+    old = table.take("k", 0.5)
+    table.expire(2.0)  # revokes the old ticket
+    table.publish("k", "new", 1, now_s=2.0, lease_s=5.0)
+    assert table.release(old.ticket_id) is None
+    new = table.take("k", 2.5)
+    assert new.handle == "new" and new.entry_id != old.entry_id
+
+
+def test_publish_validation_and_duplicates() -> None:
+    table = LeaseTable()
+    table.publish("k", 0, 1, now_s=0.0, lease_s=1.0)
+    with pytest.raises(ConfigError, match="already published"):
+        table.publish("k", 0, 1, now_s=0.0, lease_s=1.0)
+    for bad in ({"readers": 0}, {"lease_s": 0}, {"lease_s": float("nan")}):
+        kwargs = {"readers": 1, "now_s": 0.0, "lease_s": 1.0} | bad
+        with pytest.raises(ConfigError):
+            table.publish("x", 0, 1, **kwargs)
+
+
+def test_drop_request_uses_key_formats() -> None:
+    table = LeaseTable()
+    keys = ["req_1_0_0_0", "req_1_0_1_0", "omni_0_to_1_kv_cache_req", "other_1_0_0_0"]
+    for key in keys:
+        table.publish(key, key, 1, now_s=0.0, lease_s=9.0)
+    held = table.take("req_1_0_1_0", 0.0)
+    freed = table.drop_request("req")
+    assert sorted(e.key for e in freed) == ["omni_0_to_1_kv_cache_req", "req_1_0_0_0"]
+    assert table.take("req_1_0_0_0", 0.0) is None and table.status("req_1_0_0_0") == "dropped"
+    assert table.take("other_1_0_0_0", 0.0) is not None
+    assert table.release(held.ticket_id) is not None  # drained entry freed at its release
+    assert request_id_of_key("a_b_c") == "a_b_c"
+    assert request_id_of_key("my_req_7_3_0_1_2") == "my_req_7"
+
+
+# ------------------------------------------------------------------------------- ledger
+
+
+ledger_ops = st.lists(
+    st.one_of(
+        st.tuples(st.just("put"), st.integers(0, 3), st.integers(0, 700), st.integers(1, 3)),
+        st.tuples(st.just("take"), st.integers(0, 3)),
+        st.tuples(st.just("release"), st.integers(0, 50)),
+        st.tuples(st.just("tick"), st.floats(0.0, 3.0)),
+        st.tuples(st.just("drop"), st.integers(0, 3)),
+    ),
+    max_size=80,
+)
+
+
+@given(ops=ledger_ops)
+@POOL
+def test_ledger_regions_follow_entries(ops) -> None:
+    """Regions are freed exactly when their entry is gone; readers never see another payload."""
+    ledger = PoolLedger.create(4096, alignment=64, hold_s=4.0)
+    now = 0.0
+    contents: dict[int, str] = {}  # region offset -> key written there (the "bytes")
+    tickets = []
+    for op in ops:
+        if op[0] == "put":
+            key = f"r{op[1]}_0_0_0_0"
+            region = ledger.reserve(op[2])
+            if isinstance(region, AllocationFailure):
+                assert region.reason in (POOL_FULL, TOO_LARGE)
+                continue
+            assert region.offset not in contents  # never hand out a region still in use
+            contents[region.offset] = key
+            ledger.publish(key, region, readers=op[3], now_s=now, lease_s=2.0)
+        elif op[0] == "take":
+            ticket = ledger.take(f"r{op[1]}_0_0_0_0", now)
+            if ticket is not None:
+                assert contents[ticket.handle.offset] == ticket.key
+                tickets.append(ticket)
+        elif op[0] == "release" and tickets:
+            ledger.release(tickets[op[1] % len(tickets)].ticket_id)
+        elif op[0] == "tick":
+            now += op[1]
+            ledger.expire(now)
+        elif op[0] == "drop":
+            ledger.drop_request(f"r{op[1]}")
+        live = {r.offset for r in ledger.allocator.live_regions()}
+        held = {e.handle.offset for e in ledger.leases.entries()}
+        assert live == held  # nothing reserved-but-unpublished in this test
+        for offset in list(contents):
+            if offset not in live:
+                del contents[offset]
+        check_allocator(ledger.allocator)
+    ledger.expire(now + 100.0)
+    assert ledger.allocator.used_bytes == 0 and len(ledger.leases) == 0
+
+
+def test_ledger_reserve_abort_publish() -> None:
+    ledger = PoolLedger.create(256)
+    region = ledger.reserve(100)
+    assert ledger.stats()["reserved"] == 1
+    ledger.abort(region)
+    ledger.abort(region)  # idempotent
+    assert ledger.stats()["used_bytes"] == 0
+    with pytest.raises(ConfigError):
+        ledger.publish("k", region, now_s=0.0, lease_s=1.0)
+    first = ledger.reserve(64)
+    ledger.publish("k", first, now_s=0.0, lease_s=1.0)
+    second = ledger.reserve(64)
+    ledger.publish("k", second, now_s=0.0, lease_s=1.0)  # latest put wins; the old one is freed
+    assert ledger.stats()["live_regions"] == 1
+    ticket = ledger.take("k", 0.5)
+    assert ticket.handle == second and ledger.release(ticket.ticket_id)
+    assert ledger.stats() | {} == {
+        "pool_bytes": 256, "used_bytes": 0, "free_bytes": 256, "largest_free": 256,
+        "live_regions": 0, "reserved": 0, "entries": 0, "readable": 0,
+    }
