@@ -33,6 +33,7 @@ __all__ = [
     "MAX_PORT",
     "kv_port",
     "sender_endpoint_port",
+    "pull_port",
     "replica_id_from_env",
     "expand_base_port",
 ]
@@ -141,6 +142,17 @@ def sender_endpoint_port(advertised_port: int, source_rank: int) -> int:
     return _check_port(
         "port", adv + rank * KV_RANK_PORT_STRIDE, f"advertised_port={adv}, source_rank={rank}"
     )
+
+
+def pull_port(advertised_port: int, from_rank: int | None, local_rank: int) -> int:
+    """Port a receiver rank pulls one key from, given the sender's advertised rank-0 port.
+
+    A key with a known source rank (``from_rank``) is served by that sender rank:
+    ``advertised + from_rank*16``. A key without one (legacy keys, custom hooks) follows the
+    homogeneous rule: the sender rank with the receiver's own index, ``advertised +
+    local_rank*16``. Same errors as :func:`sender_endpoint_port`.
+    """
+    return sender_endpoint_port(advertised_port, local_rank if from_rank is None else from_rank)
 
 
 def replica_id_from_env(raw: str | None) -> int:

@@ -14,6 +14,7 @@ from kvferry.core.addressing import (
     MAX_RANK_SLOTS,
     expand_base_port,
     kv_port,
+    pull_port,
     replica_id_from_env,
     sender_endpoint_port,
 )
@@ -192,3 +193,11 @@ def test_expand_round_trip(port: int, name: str) -> None:
     assert expand_base_port("$" + name, env) == port
     with pytest.raises(ConfigError, match=name):
         expand_base_port("${" + name + "}", {})
+
+
+def test_pull_port() -> None:
+    assert pull_port(50151, 2, 0) == 50183  # the key's source rank wins
+    assert pull_port(50151, None, 0) == 50151  # legacy: homogeneous rule
+    assert pull_port(50151, None, 3) == 50199
+    with pytest.raises(RoutingError, match="source_rank"):
+        pull_port(50151, None, -1)
