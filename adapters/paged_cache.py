@@ -1,0 +1,506 @@
+"""Extracting one request's KV from a paged cache (SPEC 4), moving each byte once.
+
+Phase 1, :func:`plan_extraction`, reads shapes only: every layer is normalised to
+``(key_blocks, value_blocks)`` views (:func:`normalize_layer_kv`), block ids outside
+``[0, num_blocks)`` are dropped, and each tensor's output shape ``[tokens, *token_shape]``
+(``[tokens, heads, head_dim]`` for the usual layouts) and dtype are known. Phase 2,
+:meth:`ExtractionPlan.gather_into`, copies one tensor's tokens straight into a destination the
+caller owns (e.g. a typed view into a shared-memory region laid out by the wire codec);
+:meth:`ExtractionPlan.materialize` allocates fresh tensors instead. One copy per byte, no
+temporaries (except the ``"staged"`` method, see :data:`GatherMethod`).
+
+Invariants (property-tested against ``torch.cat`` of per-block slices):
+
+- a layer's valid ids are the request's ids ``b`` with ``0 <= b < min(K blocks, V blocks)``, in
+  request order, duplicates kept;
+- ``tokens = min(seq_len, len(valid ids) * block_tokens)``; the output is the selected blocks'
+  tokens, concatenated and truncated to ``tokens``;
+- a layer that cannot be normalised, has no valid id, or would hold zero tokens is absent
+  (None); a request whose layers are all absent yields :class:`ExtractionSkipped`.
+
+Same code on CPU and CUDA; on CUDA copies are queued on the current stream (synchronise
+before another process reads the destination).
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import operator
+from types import MappingProxyType
+from typing import Any, Iterable, Literal, Mapping, Sequence
+
+import attrs
+import torch
+
+from kvferry.core.errors import ConfigError
+
+__all__ = [
+    "GatherMethod", "CROSS_DEVICE_MAX_RUNS", "DEVICE_MAX_RUNS", "LayerSkip", "ExtractionSkipped",
+    "TensorGather", "ExtractionPlan", "ExtractedKV", "normalize_layer_kv", "valid_block_ids",
+    "block_runs", "token_split", "plan_extraction", "extract_request",
+]
+
+logger = logging.getLogger(__name__)
+
+#: ``"index"``: one ``index_select(out=...)`` over byte rows of whole blocks; ``"runs"``: one
+#: ``copy_`` per run of consecutive block ids; ``"staged"``: gather on the cache's device, then
+#: one copy (the only method with a temporary; for cross-device destinations with scattered
+#: blocks); ``"auto"``: chosen per tensor by :meth:`TensorGather.choose_method`.
+GatherMethod = Literal["auto", "index", "runs", "staged"]
+_METHODS = ("auto", "index", "runs", "staged")
+_WHICH = ("key", "value")
+#: Cross-device ``"auto"``: up to this many runs are copied run by run into the destination;
+#: more are staged, so the link sees one large transfer instead of many small ones.
+CROSS_DEVICE_MAX_RUNS = 16
+#: Same-device ``"auto"`` on an accelerator: up to this many runs use one device memcpy per
+#: run, more use one index kernel. On CPU ``"auto"`` is always ``"index"`` (measured fastest).
+DEVICE_MAX_RUNS = 4
+_WIDE = ((8, torch.int64), (4, torch.int32), (2, torch.int16))
+
+
+@attrs.frozen
+class LayerSkip:
+    """A layer without tensors; ``reason``: unsupported_layout | no_valid_blocks | no_tokens."""
+
+    layer: int
+    reason: str
+    detail: str
+
+
+@attrs.frozen
+class ExtractionSkipped:
+    """No payload for the request. Falsy, so ``if not result:`` catches every skip.
+
+    ``reason``: ``"no_block_ids"``, ``"no_layers"`` or ``"all_layers_empty"``.
+    """
+
+    request_id: str
+    reason: str
+    detail: str
+    skipped_layers: tuple[LayerSkip, ...] = ()
+
+    def __bool__(self) -> bool:
+        return False
+
+
+def valid_block_ids(block_ids: Sequence[int], num_blocks: int) -> tuple[int, ...]:
+    """Ids ``b`` with ``0 <= b < num_blocks``, in the given order, duplicates kept."""
+    return tuple(b for b in block_ids if 0 <= b < num_blocks)
+
+
+def block_runs(ids: Sequence[int]) -> tuple[tuple[int, int, int], ...]:
+    """Maximal runs of consecutive ids as ``(dst_block, src_block, count)``.
+
+    Concatenating ``range(src, src + count)`` over the runs gives ``ids``; ``dst_block`` is the
+    position in ``ids`` of the run's first id.
+    """
+    runs: list[tuple[int, int, int]] = []
+    for pos, b in enumerate(ids):
+        if runs and runs[-1][1] + runs[-1][2] == b:
+            runs[-1] = (runs[-1][0], runs[-1][1], runs[-1][2] + 1)
+        else:
+            runs.append((pos, b, 1))
+    return tuple(runs)
+
+
+def token_split(selected_blocks: int, block_tokens: int, seq_len: int) -> tuple[int, int, int]:
+    """``(tokens, full_blocks, tail_tokens)``: ``tokens = min(seq_len, blocks * block_tokens)``
+    (0 when ``block_tokens <= 0``) ``== full_blocks * block_tokens + tail_tokens``, with
+    ``0 <= tail_tokens < block_tokens``."""
+    if block_tokens <= 0:
+        return 0, 0, 0
+    tokens = max(0, min(seq_len, selected_blocks * block_tokens))
+    return (tokens, *divmod(tokens, block_tokens))
+
+
+def _split_layer(layer_kv: Any, block_size: int | None) -> tuple[torch.Tensor, torch.Tensor] | str:
+    """``(key_blocks, value_blocks)`` views, or a human reason why the layer is unusable."""
+    if isinstance(layer_kv, torch.Tensor):
+        shape = tuple(layer_kv.shape)
+        if layer_kv.ndim == 4 and block_size is not None and shape[2] == block_size \
+                and shape[3] % 2 == 0:  # packed [blocks, heads, block_size, 2*head_dim]
+            half, blocks = shape[3] // 2, layer_kv.transpose(1, 2)
+            key, value = blocks.narrow(-1, 0, half), blocks.narrow(-1, half, half)
+        elif layer_kv.ndim >= 3 and shape[0] == 2:  # [2, blocks, ...]; wins when blocks == 2
+            key, value = layer_kv[0], layer_kv[1]
+        elif layer_kv.ndim >= 3 and shape[1] == 2:  # [blocks, 2, ...]
+            key, value = layer_kv[:, 0], layer_kv[:, 1]
+        else:
+            return (f"unsupported KV tensor shape {shape}: expected [2, blocks, ...], "
+                    "[blocks, 2, ...] or packed [blocks, heads, block_size, 2*head_dim]")
+    elif isinstance(layer_kv, (tuple, list)):
+        if len(layer_kv) != 2:
+            return f"KV pair has {len(layer_kv)} entries (expected 2)"
+        key, value = layer_kv
+        if not isinstance(key, torch.Tensor) or not isinstance(value, torch.Tensor):
+            return f"KV pair holds {type(key).__name__}, {type(value).__name__}, not tensors"
+    else:
+        return f"unsupported KV type {type(layer_kv).__name__}"
+    if key.ndim < 2 or value.ndim < 2:
+        return f"key/value blocks under 2-D: key={tuple(key.shape)} value={tuple(value.shape)}"
+    return key.detach(), value.detach()
+
+
+def normalize_layer_kv(
+    layer_kv: Any, *, req_id: str = "", layer_idx: int = -1, block_size: int | None = None
+) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """One layer's cache as ``(key_blocks, value_blocks)`` views, ``[num_blocks, ...]`` each.
+
+    Recognised in this order: packed ``[blocks, heads, block_size, 2*head_dim]`` (4-D, only when
+    ``block_size`` is given and equals dim 2, last dim even; K is the first half); then, for rank
+    >= 3, ``dim 0 == 2`` (K/V on dim 0), then ``dim 1 == 2`` (K/V on dim 1); or a ``(key, value)``
+    tuple/list of tensors. So ``[2, 2, ...]`` reads as K/V on dim 0. Anything else, or key/value
+    under 2-D, gives None and a warning naming request and layer.
+    """
+    split = _split_layer(layer_kv, block_size)
+    if isinstance(split, str):
+        logger.warning("request %s layer %s skipped: %s", req_id, layer_idx, split)
+        return None
+    return split
+
+
+def _byte_rows(t: torch.Tensor) -> torch.Tensor | None:
+    """``t`` as a 2-D uint8 view ``[t.shape[0], bytes per row]``; None if ``t[i]`` is strided."""
+    row = 1
+    for size, stride in zip(reversed(t.shape[1:]), reversed(t.stride()[1:])):
+        if size != 1 and stride != row:
+            return None
+        row *= size
+    return t.as_strided((t.shape[0], row), (t.stride(0), 1)).view(torch.uint8)
+
+
+def _widen(a: torch.Tensor, b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Reinterpret two uint8 row views as the widest integer type both allow (same bytes)."""
+    for width, dtype in _WIDE:
+        if all(t.shape[1] % width == 0 and t.stride(0) % width == 0 and t.data_ptr() % width == 0
+               and t.storage_offset() % width == 0 for t in (a, b)):
+            return a.view(dtype), b.view(dtype)
+    return a, b
+
+
+@attrs.frozen(eq=False)
+class TensorGather:
+    """How to gather one layer's key or value tensor.
+
+    ``blocks``: the normalised ``[num_blocks, block_tokens, *token_shape]`` view into the cache;
+    ``block_ids``: the blocks read (``full_blocks`` whole ones, then one partial block of
+    ``tail_tokens`` tokens when that is > 0); ``index``: the whole blocks' ids, int64 on the
+    cache's device; ``runs``: their :func:`block_runs`.
+    """
+
+    layer: int
+    which: str
+    blocks: torch.Tensor = attrs.field(repr=False)
+    block_ids: tuple[int, ...] = attrs.field(repr=False)
+    tokens: int
+    full_blocks: int
+    tail_tokens: int
+    index: torch.Tensor = attrs.field(repr=False)
+    runs: tuple[tuple[int, int, int], ...] = attrs.field(repr=False)
+
+    @property
+    def name(self) -> str:
+        """Wire name: ``key_cache_{layer}`` or ``value_cache_{layer}``."""
+        return f"{self.which}_cache_{self.layer}"
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return (self.tokens, *self.blocks.shape[2:])
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.blocks.dtype
+
+    @property
+    def device(self) -> torch.device:
+        return self.blocks.device
+
+    @property
+    def dtype_name(self) -> str:
+        """The wire dtype name (torch's, without ``torch.``)."""
+        return str(self.blocks.dtype).removeprefix("torch.")
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the output tensor."""
+        return math.prod(self.shape) * self.blocks.element_size()
+
+    def choose_method(self, out_device: torch.device, method: GatherMethod = "auto") -> str:
+        """The concrete method for a destination on ``out_device``."""
+        if method not in _METHODS:
+            raise ConfigError(f"gather method must be one of {_METHODS}, got {method!r}")
+        cross = torch.device(out_device) != self.device
+        if method == "index" and cross:
+            raise ConfigError(f"'index' needs the destination on {self.device}, not {out_device}")
+        if method != "auto":
+            return method
+        if cross:
+            return "runs" if len(self.runs) <= CROSS_DEVICE_MAX_RUNS else "staged"
+        return "runs" if self.device.type != "cpu" and len(self.runs) <= DEVICE_MAX_RUNS else "index"
+
+    def check_out(self, out: Any) -> None:
+        """ConfigError unless ``out`` is a contiguous tensor of this shape and dtype."""
+        if not isinstance(out, torch.Tensor):
+            raise ConfigError(f"{self.name}: destination must be a tensor, not {type(out).__name__}")
+        if tuple(out.shape) != self.shape or out.dtype != self.dtype or not out.is_contiguous():
+            raise ConfigError(
+                f"{self.name}: destination is {out.dtype}{list(out.shape)} "
+                f"(contiguous={out.is_contiguous()}), need contiguous {self.dtype}{list(self.shape)}")
+
+    @torch.no_grad()
+    def gather_into(self, out: torch.Tensor, *, method: GatherMethod = "auto") -> torch.Tensor:
+        """Write this tensor's tokens into ``out`` in place; return ``out``.
+
+        Whole blocks: one ``index_select(out=...)`` over byte rows (``"index"``), one ``copy_``
+        per run (``"runs"``) or one temporary (``"staged"``); then the partial last block's first
+        ``tail_tokens`` tokens in one more ``copy_``.
+        """
+        self.check_out(out)
+        chosen = self.choose_method(out.device, method)
+        if self.nbytes == 0:
+            return out
+        block_shape = tuple(self.blocks.shape[1:])
+        if self.full_blocks:
+            dst = out.narrow(0, 0, self.full_blocks * block_shape[0]).view(
+                self.full_blocks, *block_shape)
+            if chosen == "runs":
+                for at, src, count in self.runs:
+                    dst.narrow(0, at, count).copy_(self.blocks.narrow(0, src, count))
+            elif chosen == "staged":
+                dst.copy_(torch.index_select(self.blocks, 0, self.index))
+            else:
+                src_rows, dst_rows = _byte_rows(self.blocks), _byte_rows(dst)
+                if src_rows is not None and dst_rows is not None:
+                    src_rows, dst_rows = _widen(src_rows, dst_rows)
+                    torch.index_select(src_rows, 0, self.index, out=dst_rows)
+                else:  # strided blocks (packed layout): element-wise gather, still no temporary
+                    torch.index_select(self.blocks, 0, self.index, out=dst)
+        if self.tail_tokens:
+            last = self.blocks.select(0, self.block_ids[self.full_blocks])
+            out.narrow(0, self.full_blocks * block_shape[0], self.tail_tokens).copy_(
+                last.narrow(0, 0, self.tail_tokens))
+        return out
+
+
+@attrs.frozen(eq=False)
+class ExtractionPlan:
+    """One request's payload before any byte moves. Truthy (:class:`ExtractionSkipped` is not).
+
+    ``keys[i]``/``values[i]`` describe layer ``i`` (None when absent, both or neither);
+    ``num_layers`` counts every layer of the cache; ``block_ids`` are the request's, as given.
+    """
+
+    request_id: str
+    block_ids: tuple[int, ...]
+    seq_len: int
+    keys: tuple[TensorGather | None, ...]
+    values: tuple[TensorGather | None, ...]
+    _metadata: Mapping[str, Any] = attrs.field(converter=lambda m: MappingProxyType(dict(m)))
+    skipped_layers: tuple[LayerSkip, ...] = ()
+
+    @property
+    def num_layers(self) -> int:
+        return len(self.keys)
+
+    @property
+    def metadata(self) -> dict[str, Any]:
+        """A fresh dict: ``block_size``, ``num_layers``, ``dtype``, ``seq_len``, custom keys."""
+        return dict(self._metadata)
+
+    @property
+    def nbytes(self) -> int:
+        """Total bytes of all output tensors."""
+        return sum(g.nbytes for g in self.tensors() if g is not None)
+
+    def tensors(self) -> tuple[TensorGather | None, ...]:
+        """Wire order: every layer's key, then every layer's value (None where absent)."""
+        return self.keys + self.values
+
+    def dtype_shapes(self) -> tuple[list[tuple[str, tuple[int, ...]] | None], ...]:
+        """``(keys, values)``: per layer ``(dtype name, shape)`` or None, the input of the wire
+        codec's ``kv_tensor_specs``."""
+        return tuple([None if g is None else (g.dtype_name, g.shape) for g in gathers]
+                     for gathers in (self.keys, self.values))
+
+    def tensor(self, layer: int, which: str) -> TensorGather | None:
+        """``which`` (``"key"``/``"value"``) of ``layer`` (shape, dtype, ...); None if absent."""
+        if which not in _WHICH:
+            raise ConfigError(f"which must be 'key' or 'value', got {which!r}")
+        if not 0 <= layer < self.num_layers:
+            raise ConfigError(f"layer must be in [0, {self.num_layers}), got {layer}")
+        return (self.keys if which == "key" else self.values)[layer]
+
+    def gather_into(self, layer: int, which: str, out: torch.Tensor, *,
+                    method: GatherMethod = "auto") -> torch.Tensor:
+        """Write one tensor into the preallocated ``out`` in place (ConfigError if absent)."""
+        gather = self.tensor(layer, which)
+        if gather is None:
+            raise ConfigError(f"request {self.request_id}: layer {layer} has no {which} tensor")
+        return gather.gather_into(out, method=method)
+
+    def gather_all(self, dest_views: Sequence[Sequence[torch.Tensor | None]], *,
+                   method: GatherMethod = "auto") -> None:
+        """Fill ``(key_views, value_views)``: one view per layer, None exactly where absent.
+
+        Every view is checked before the first byte moves.
+        """
+        if len(dest_views) != 2:
+            raise ConfigError("dest_views must be (key_views, value_views)")
+        pairs = []
+        for which, gathers, views in zip(_WHICH, (self.keys, self.values), dest_views):
+            if len(views) != self.num_layers:
+                raise ConfigError(f"{which} views: need {self.num_layers}, got {len(views)}")
+            for layer, (gather, view) in enumerate(zip(gathers, views)):
+                if (gather is None) != (view is None):
+                    raise ConfigError(f"{which} layer {layer}: view must be None exactly when "
+                                      "the layer is absent")
+                if gather is not None:
+                    gather.check_out(view)
+                    pairs.append((gather, view))
+        for gather, view in pairs:
+            gather.gather_into(view, method=method)
+
+    def materialize(self, *, method: GatherMethod = "auto"
+                    ) -> tuple[list[torch.Tensor | None], list[torch.Tensor | None]]:
+        """Fresh contiguous tensors on the cache's device (one copy): ``(keys, values)``."""
+        def fresh(g: TensorGather | None) -> torch.Tensor | None:
+            if g is None:
+                return None
+            out = torch.empty(g.shape, dtype=g.dtype, device=g.device)
+            return g.gather_into(out, method=method)
+        return [fresh(g) for g in self.keys], [fresh(g) for g in self.values]
+
+
+@attrs.frozen(eq=False)
+class ExtractedKV:
+    """A materialised payload body; ``metadata`` is a fresh dict the caller owns."""
+
+    request_id: str
+    key_cache: tuple[torch.Tensor | None, ...] = attrs.field(repr=False)
+    value_cache: tuple[torch.Tensor | None, ...] = attrs.field(repr=False)
+    metadata: dict[str, Any]
+    block_ids: tuple[int, ...]
+
+    def layer_blocks(self) -> dict[str, list[torch.Tensor | None]]:
+        """The reference's ``{"key_cache": [...], "value_cache": [...]}`` (fresh lists)."""
+        return {"key_cache": list(self.key_cache), "value_cache": list(self.value_cache)}
+
+
+def _check_args(block_ids: Any, seq_len: Any, block_size: Any, custom_metadata: Any
+                ) -> tuple[tuple[int, ...], int, int]:
+    try:
+        seq_len, block_size = operator.index(seq_len), operator.index(block_size)
+        if isinstance(block_ids, torch.Tensor):
+            if block_ids.ndim != 1 or block_ids.is_floating_point() or block_ids.is_complex():
+                raise TypeError(f"block_ids tensor is {block_ids.dtype}{list(block_ids.shape)}")
+            block_ids = block_ids.tolist()
+        ids = tuple(operator.index(b) for b in (block_ids if block_ids is not None else ()))
+    except TypeError as exc:
+        raise ConfigError(f"block_ids, seq_len and block_size must be integers: {exc}") from None
+    if seq_len < 0 or block_size < 1:
+        raise ConfigError(f"need seq_len >= 0 and block_size >= 1, got {seq_len}, {block_size}")
+    if custom_metadata is not None and not isinstance(custom_metadata, Mapping):
+        raise ConfigError(f"custom_metadata must be a mapping, not {type(custom_metadata).__name__}")
+    return ids, seq_len, block_size
+
+
+def plan_extraction(
+    kv_caches: Iterable[Any],
+    block_ids: Any,
+    seq_len: int,
+    block_size: int,
+    *,
+    cache_dtype: Any,
+    custom_metadata: Mapping[str, Any] | None = None,
+    request_id: str = "",
+) -> ExtractionPlan | ExtractionSkipped:
+    """Plan one request's extraction: shapes only, no data moves (see the module docstring).
+
+    ``block_ids``: a sequence of ints or a 1-D integer tensor (read once with ``tolist``).
+    Returns :class:`ExtractionSkipped` (falsy, with the reason) when there is nothing to send.
+    Raises ConfigError for non-integer ids/sizes, ``seq_len < 0``, ``block_size < 1`` or a
+    non-mapping ``custom_metadata``.
+    """
+    ids, seq_len, block_size = _check_args(block_ids, seq_len, block_size, custom_metadata)
+    layers = list(kv_caches)
+    if not ids:
+        logger.warning("request %s skipped: no block ids", request_id)
+        return ExtractionSkipped(request_id, "no_block_ids", "the request has no block ids")
+    if not layers:
+        logger.warning("request %s skipped: the KV cache has no layers", request_id)
+        return ExtractionSkipped(request_id, "no_layers", "the KV cache has no layers")
+    indexes: dict[tuple[torch.device, tuple[int, ...]], torch.Tensor] = {}
+    runs: dict[tuple[int, ...], tuple[tuple[int, int, int], ...]] = {}
+
+    def plan_tensor(layer: int, which: str, blocks: torch.Tensor, valid: tuple[int, ...]
+                    ) -> TensorGather | None:
+        tokens, full, tail = token_split(len(valid), blocks.shape[1], seq_len)
+        if tokens == 0:
+            return None
+        whole = valid[:full]
+        if (blocks.device, whole) not in indexes:
+            indexes[blocks.device, whole] = torch.tensor(whole, dtype=torch.int64,
+                                                         device=blocks.device)
+        if whole not in runs:
+            runs[whole] = block_runs(whole)
+        return TensorGather(layer, which, blocks, valid[: full + (1 if tail else 0)], tokens,
+                            full, tail, indexes[blocks.device, whole], runs[whole])
+
+    keys: list[TensorGather | None] = [None] * len(layers)
+    values: list[TensorGather | None] = [None] * len(layers)
+    skipped: list[LayerSkip] = []
+    warned_bounds: set[int] = set()
+    for layer, layer_kv in enumerate(layers):
+        split = _split_layer(layer_kv, block_size)
+        if isinstance(split, str):
+            logger.warning("request %s layer %s skipped: %s", request_id, layer, split)
+            skipped.append(LayerSkip(layer, "unsupported_layout", split))
+            continue
+        key_blocks, value_blocks = split
+        bound = min(key_blocks.shape[0], value_blocks.shape[0])
+        if key_blocks.shape[0] != value_blocks.shape[0]:
+            logger.warning("request %s layer %s: key has %s blocks, value %s; using the first %s",
+                           request_id, layer, key_blocks.shape[0], value_blocks.shape[0], bound)
+        valid = valid_block_ids(ids, bound)
+        if len(valid) != len(ids) and bound not in warned_bounds:
+            warned_bounds.add(bound)
+            logger.warning("request %s: dropped %s of %s block ids outside [0, %s)",
+                           request_id, len(ids) - len(valid), len(ids), bound)
+        if not valid:
+            skipped.append(LayerSkip(layer, "no_valid_blocks", f"no block id in [0, {bound})"))
+            continue
+        k = plan_tensor(layer, "key", key_blocks, valid)
+        v = plan_tensor(layer, "value", value_blocks, valid)
+        if k is None or v is None:
+            skipped.append(LayerSkip(layer, "no_tokens", "the layer would hold zero tokens"))
+            continue
+        keys[layer], values[layer] = k, v
+    if all(k is None for k in keys):
+        logger.warning("request %s skipped: every layer is empty", request_id)
+        return ExtractionSkipped(request_id, "all_layers_empty", "no layer yielded a token",
+                                 tuple(skipped))
+    metadata = {"block_size": block_size, "num_layers": len(layers), "dtype": str(cache_dtype),
+                "seq_len": seq_len, **(custom_metadata or {})}
+    return ExtractionPlan(request_id, ids, seq_len, tuple(keys), tuple(values), metadata,
+                          tuple(skipped))
+
+
+def extract_request(
+    kv_caches: Iterable[Any],
+    block_ids: Any,
+    seq_len: int,
+    block_size: int,
+    *,
+    cache_dtype: Any,
+    custom_metadata: Mapping[str, Any] | None = None,
+    request_id: str = "",
+    method: GatherMethod = "auto",
+) -> ExtractedKV | ExtractionSkipped:
+    """:func:`plan_extraction` then :meth:`ExtractionPlan.materialize` (fresh tensors)."""
+    plan = plan_extraction(kv_caches, block_ids, seq_len, block_size, cache_dtype=cache_dtype,
+                           custom_metadata=custom_metadata, request_id=request_id)
+    if isinstance(plan, ExtractionSkipped):
+        return plan
+    keys, values = plan.materialize(method=method)
+    return ExtractedKV(request_id, tuple(keys), tuple(values), plan.metadata, plan.block_ids)
