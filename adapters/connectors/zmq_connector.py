@@ -1,0 +1,363 @@
+"""The ``zmq`` connector: a sender serves the payloads it holds to pulling receivers.
+
+Roles (config ``role``):
+
+- ``"sender"`` binds a ROUTER on ``host`` (loopback by default; binds only where told) and
+  ``port`` (0: the OS chooses; the bound port is in ``health()`` and put metadata), or on
+  ``ipc://{ipc_dir}/kvferry-zmq-{port}.ipc`` with ``transport: "ipc"``. A bind failure raises
+  BindError naming host and port (fatal; never retried on another port). ``put`` keeps the
+  payload's buffers by reference (no copy: do not modify them afterwards) for ``readers`` gets
+  or ``lease_s`` seconds, bounded by ``pool_bytes`` and ``max_payloads``.
+- ``"receiver"`` only pulls. The sender it asks comes from ``get``'s metadata (what ``put``
+  returned, or partial ``source_host``/``source_port``), else from ``update_sender_info`` or
+  config ``sender_host``/``sender_port``. A sender connector's default sender is itself.
+
+Every connector can ``get``. ``get`` asks once ("now") and waits at most ``request_timeout_s``
+for the answer; ``get_blocking`` parks the request at the sender ("wait") until the key is
+published or ``timeout_s`` passes. Both return ``(frames, size)`` where ``frames`` is a tuple
+of memoryviews of the received zmq frames (kept alive by the views; their concatenation is
+the payload, so a decoder can build tensor views without copying), or None.
+
+Wire protocol, ports and security: docs/zmq.md.
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+import time
+from typing import Any, Callable, Mapping
+
+import attrs
+import zmq
+
+from kvferry.adapters.connectors.zmq_client import Outcome, ZmqClient
+from kvferry.adapters.connectors.zmq_config import ZmqConfig
+from kvferry.adapters.connectors.zmq_protocol import (
+    MAX_PAYLOAD_FRAMES,
+    resolve_endpoint,
+)
+from kvferry.adapters.connectors.zmq_server import ZmqServer
+from kvferry.core.errors import ConfigError
+
+__all__ = ["ZmqConnector", "as_frames"]
+
+logger = logging.getLogger(__name__)
+#: Part of a blocking get's budget kept back so the sender's own "timeout" answer (or a payload
+#: published at the last moment) still arrives before the caller's deadline.
+_WAIT_MARGIN_S = 0.05
+
+
+def _flat(buffer: Any, what: str) -> memoryview:
+    try:
+        view = memoryview(buffer)
+    except TypeError:
+        raise ConfigError(f"{what} is a {type(buffer).__name__}, not a bytes-like buffer") from None
+    if not view.c_contiguous:
+        raise ConfigError(f"{what} is not contiguous")
+    if view.ndim == 1 and view.format == "B":
+        return view
+    return view.cast("B") if view.ndim else view.cast("B", (view.nbytes,))
+
+
+def _tensor_frame(tensor: Any, what: str) -> memoryview:
+    torch = sys.modules["torch"]
+    t = tensor.detach()
+    if t.device.type != "cpu":
+        t = t.cpu()
+    t = t.contiguous().reshape(-1)
+    if t.dtype != torch.uint8:
+        t = t.view(torch.uint8)
+    return _flat(t.numpy(), what)
+
+
+def _is_tensor(obj: Any) -> bool:
+    torch = sys.modules.get("torch")
+    return torch is not None and isinstance(obj, torch.Tensor)
+
+
+def as_frames(data: Any) -> tuple[tuple[memoryview, ...], tuple[int, ...]]:
+    """Payload data -> (frames, their byte sizes), without copying CPU data.
+
+    Accepts a bytes-like object, a tensor (normally 1-D ``uint8``; device tensors are copied
+    to the CPU), or a list/tuple of those (zero-copy frames whose concatenation is the
+    payload). Anything else, a non-contiguous buffer, or more than 65536 frames: ConfigError.
+    """
+    if isinstance(data, (list, tuple)):
+        if len(data) > MAX_PAYLOAD_FRAMES:
+            raise ConfigError(f"payload has {len(data)} frames; at most {MAX_PAYLOAD_FRAMES}")
+        items = list(data)
+    else:
+        items = [data]
+    frames = []
+    for index, item in enumerate(items):
+        what = f"payload frame {index}"
+        if _is_tensor(item):
+            frames.append(_tensor_frame(item, what))
+        elif isinstance(item, (str, dict, list, tuple)) or item is None:
+            raise ConfigError(f"{what} is a {type(item).__name__}, not a bytes-like buffer")
+        else:
+            frames.append(_flat(item, what))
+    return tuple(frames), tuple(f.nbytes for f in frames)
+
+
+@attrs.define(eq=False, init=False)
+class ZmqConnector:
+    """Connector, BlockingGet and SenderAware over ZeroMQ (tcp across hosts, ipc on one host).
+
+    Thread-safe: ``put``/``get``/``get_blocking`` may be called from several threads. Owns a
+    private zmq context, one serving thread (sender role) and one receive thread (started on
+    the first get). ``close()`` is idempotent.
+    """
+
+    config: ZmqConfig
+    _clock: Callable[[], float]
+    _context: zmq.Context
+    _server: ZmqServer | None
+    _client: ZmqClient
+    _default_sender: tuple[str, int] | None
+    _unresolved: int
+    _closed: bool
+
+    def __init__(
+        self,
+        config: Mapping[str, Any] | ZmqConfig | None = None,
+        *,
+        clock: Callable[[], float] = time.monotonic,
+        **overrides: Any,
+    ) -> None:
+        if isinstance(config, ZmqConfig):
+            if overrides:
+                raise ConfigError("pass overrides in the config mapping, not with a ZmqConfig")
+            cfg = config
+        else:
+            cfg = ZmqConfig.from_mapping({**dict(config or {}), **overrides})
+        if cfg.ignored_keys:
+            logger.warning("zmq connector ignores unknown config keys %s", list(cfg.ignored_keys))
+        if cfg.curve is not None:
+            (cfg.curve.require_server if cfg.role == "sender" else cfg.curve.require_client)()
+        self.config = cfg
+        self._clock = clock
+        self._closed = False
+        self._unresolved = 0
+        self._default_sender = None
+        if cfg.sender_host is not None and cfg.sender_port is not None:
+            self._default_sender = (cfg.sender_host, cfg.sender_port)
+        self._context = zmq.Context()
+        self._server = None
+        self._client = ZmqClient(cfg, self._context, clock)
+        if cfg.role == "sender":
+            server = ZmqServer(cfg, self._context, clock)
+            try:
+                server.start()
+            except BaseException:
+                self._context.term()
+                self._closed = True
+                raise
+            self._server = server
+            logger.info("zmq sender serving on %s", server.endpoint)
+
+    @classmethod
+    def from_config(cls, config: Mapping[str, Any]) -> "ZmqConnector":
+        """Build from a registry config dict ``{"type": "zmq", ...}``."""
+        return cls(config)
+
+    # ---------------------------------------------------------------- identity
+
+    @property
+    def role(self) -> str:
+        return self.config.role
+
+    @property
+    def endpoint(self) -> str | None:
+        """The bound endpoint (``tcp://127.0.0.1:50151`` / ``ipc://...``); None for receivers."""
+        return self._server.endpoint if self._server is not None else None
+
+    @property
+    def port(self) -> int | None:
+        """The bound port number (the OS's choice when configured as 0); None for receivers."""
+        return self._server.port if self._server is not None else None
+
+    def sender_metadata(self) -> dict[str, Any]:
+        """What a receiver needs to find this sender (also part of every put's metadata)."""
+        if self._server is None:
+            raise ConfigError("only a connector with role 'sender' has sender metadata")
+        meta: dict[str, Any] = {
+            "source_host": self.config.advertise_host,
+            "source_port": self._server.port,
+            "transport": self.config.transport,
+        }
+        if self._server.ipc_file is not None:
+            meta["ipc_path"] = self._server.ipc_file
+        return meta
+
+    # ---------------------------------------------------------------- Connector
+
+    def put(
+        self,
+        from_stage: Any,
+        to_stage: Any,
+        put_key: str,
+        data: Any,
+        *,
+        readers: int | None = None,
+        lease_s: float | None = None,
+    ) -> tuple[bool, int, dict[str, Any] | None]:
+        """Hold ``data`` under ``put_key`` for pulling receivers (latest put of a key wins).
+
+        Returns ``(True, size, metadata)`` or ``(False, 0, {"reason", "detail"})`` with reason
+        ``pool_full``, ``too_large``, ``closed`` or ``not_sender``. Unsupported data types and
+        invalid ``readers``/``lease_s`` raise ConfigError (caller misuse).
+        """
+        if not isinstance(put_key, str) or not put_key:
+            raise ConfigError(f"put_key must be a non-empty string, got {put_key!r}")
+        readers = self.config.readers if readers is None else readers
+        lease = self.config.lease_s if lease_s is None else lease_s
+        if isinstance(readers, bool) or not isinstance(readers, int) or readers < 1:
+            raise ConfigError(f"readers must be an integer >= 1, got {readers!r}")
+        if isinstance(lease, bool) or not isinstance(lease, (int, float)) or not lease > 0:
+            raise ConfigError(f"lease_s must be a number of seconds > 0, got {lease!r}")
+        if self._closed:
+            return False, 0, {"reason": "closed", "detail": "the zmq connector is closed"}
+        if self._server is None:
+            return False, 0, {
+                "reason": "not_sender",
+                "detail": "put needs a zmq connector with role 'sender'",
+            }
+        frames, sizes = as_frames(data)
+        failure = self._server.publish(put_key, frames, sizes, readers, float(lease))
+        if failure is not None:
+            logger.warning("zmq put of %r refused: %s", put_key, failure.detail)
+            return False, 0, {"reason": failure.reason, "detail": failure.detail}
+        size = sum(sizes)
+        return True, size, {**self.sender_metadata(), "key": put_key, "size": size}
+
+    def get(
+        self,
+        from_stage: Any,
+        to_stage: Any,
+        get_key: str,
+        metadata: Mapping[str, Any] | None = None,
+    ) -> tuple[tuple[memoryview, ...], int] | None:
+        """Ask the sender for ``get_key`` now; ``(frames, size)`` or None (not there, sender
+        unreachable within ``request_timeout_s``, or no sender known)."""
+        return self._fetch(get_key, metadata, "now", 0.0, self.config.request_timeout_s)
+
+    def get_blocking(
+        self,
+        from_stage: Any,
+        to_stage: Any,
+        get_key: str,
+        metadata: Mapping[str, Any] | None = None,
+        *,
+        timeout_s: float,
+    ) -> tuple[tuple[memoryview, ...], int] | None:
+        """Wait up to ``timeout_s`` seconds for ``get_key``; the sender answers on arrival."""
+        if isinstance(timeout_s, bool) or not isinstance(timeout_s, (int, float)) or timeout_s < 0:
+            raise ConfigError(f"timeout_s must be a number of seconds >= 0, got {timeout_s!r}")
+        wait = max(0.0, timeout_s - min(_WAIT_MARGIN_S, timeout_s * 0.1))
+        return self._fetch(get_key, metadata, "wait", wait, float(timeout_s))
+
+    def _fetch(
+        self, key: str, metadata: Mapping[str, Any] | None, mode: str, wait: float, timeout: float
+    ) -> tuple[tuple[memoryview, ...], int] | None:
+        if self._closed:
+            return None
+        endpoint = self._endpoint_for(metadata)
+        if endpoint is None:
+            return None
+        outcome: Outcome = self._client.request(endpoint, key, mode, wait, timeout)
+        if outcome.kind != "data":
+            return None
+        return outcome.frames, outcome.size
+
+    def _endpoint_for(self, metadata: Mapping[str, Any] | None) -> str | None:
+        default = self._default_sender
+        if default is None and self._server is not None:
+            default = (self.config.advertise_host or self.config.host, self._server.port)
+        try:
+            endpoint = resolve_endpoint(
+                metadata, default, transport=self.config.transport, ipc_dir=self.config.ipc_dir
+            )
+        except ConfigError as exc:
+            self._unresolved += 1
+            logger.warning("zmq get cannot resolve the sender: %s", exc)
+            return None
+        if endpoint is None:
+            self._unresolved += 1
+            logger.warning("zmq get has no sender: pass metadata or call update_sender_info")
+        return endpoint
+
+    # ---------------------------------------------------------------- SenderAware
+
+    def update_sender_info(self, host: str, port: int) -> None:
+        """Set the default sender for gets without metadata. Raises ConfigError if invalid."""
+        resolve_endpoint(
+            {"source_host": host, "source_port": port}, None, transport=self.config.transport,
+            ipc_dir=self.config.ipc_dir,
+        )
+        self._default_sender = (host, int(port))
+
+    # ---------------------------------------------------------------- housekeeping
+
+    def cleanup(self, request_id: str) -> None:
+        """Drop held payloads (sender) and stashed late payloads (receiver) of the request."""
+        if self._server is not None:
+            self._server.drop_request(request_id)
+        self._client.drop_request(request_id)
+
+    def health(self) -> dict[str, Any]:
+        """``ok``, identity, a summary and the full ``sender`` / ``receiver`` counters.
+
+        Summary, sender side: ``puts``, ``gets_served``, ``misses`` (not found + waits that
+        timed out), ``expired``, ``bytes_served``, ``held_bytes``, ``held_payloads``; receiver
+        side: ``gets``, ``hits``, ``recv_misses`` (the sender said no), ``timeouts`` (no answer
+        in time), ``bytes_received``, ``unresolved`` (no sender known for a get).
+        """
+        sender = self._server.stats() if self._server is not None else {}
+        receiver = self._client.stats()
+        ok = not self._closed and (self._server is None or self._server.alive)
+        return {
+            "ok": ok,
+            "type": "zmq",
+            "role": self.config.role,
+            "transport": self.config.transport,
+            "endpoint": self.endpoint,
+            "host": self.config.host,
+            "port": self.port,
+            "closed": self._closed,
+            "puts": sender.get("puts", 0),
+            "gets_served": sender.get("served", 0),
+            "misses": sender.get("misses_not_found", 0) + sender.get("wait_timeouts", 0),
+            "expired": sender.get("expired", 0),
+            "bytes_served": sender.get("bytes_served", 0),
+            "held_bytes": sender.get("held_bytes", 0),
+            "held_payloads": sender.get("held_payloads", 0),
+            "gets": receiver["requests"],
+            "hits": receiver["hits"],
+            "recv_misses": sum(v for k, v in receiver.items() if k.startswith("misses_")),
+            "bytes_received": receiver["bytes_received"],
+            "timeouts": receiver["timeouts"],
+            "unresolved": self._unresolved,
+            "sender": sender,
+            "receiver": receiver,
+        }
+
+    def close(self) -> None:
+        """Stop both threads, close sockets (linger 0), remove the ipc file. Idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        stopped = self._client.close()
+        if self._server is not None:
+            stopped = self._server.close() and stopped
+        if stopped:
+            self._context.term()
+        else:
+            logger.error("zmq connector closed with a thread still running; context left open")
+
+    def __enter__(self) -> "ZmqConnector":
+        return self
+
+    def __exit__(self, *exc_info: Any) -> None:
+        self.close()

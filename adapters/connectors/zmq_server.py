@@ -1,0 +1,495 @@
+"""The zmq connector's sender side: one serving thread around a ROUTER socket.
+
+Threads: ``publish``/``drop_request``/``stats`` may be called from any thread; they touch only
+the lease table (under ``_lock``) and poke the loop. The ROUTER socket is created, bound, used
+and closed by the serving thread alone. Parked "wait" requests are answered when their key is
+published (the publisher pokes the loop) or when their deadline passes (the poll timeout is the
+next deadline): no sleep-polling anywhere.
+
+What a payload costs: the frames handed to ``publish`` are kept by reference (no copy) and sent
+with ``copy=False``; after the last permitted reader was served they are dropped from the table
+(zmq keeps its own references until the bytes are on the wire).
+"""
+
+from __future__ import annotations
+
+import collections
+import errno
+import heapq
+import logging
+import os
+import socket
+import threading
+import time
+from typing import Any, Callable
+
+import attrs
+import zmq
+
+from kvferry.adapters.connectors.zmq_config import ZmqConfig
+from kvferry.adapters.connectors.zmq_protocol import (
+    MAX_CONTROL_BYTES,
+    Rejection,
+    Reply,
+    Request,
+    decode_request,
+    encode_reply,
+    ipc_path,
+    tcp_endpoint,
+)
+from kvferry.adapters.connectors.zmq_wake import Waker
+from kvferry.core.errors import BindError
+from kvferry.core.pool import EntryState, LeaseTable
+
+__all__ = ["ZmqServer", "PublishFailure"]
+
+logger = logging.getLogger(__name__)
+_BATCH = 256  # most requests handled per loop pass before timers and publications run
+#: Every counter exists from the start (the dict never resizes while another thread reads it);
+#: ``puts``/``put_failures``/``bytes_put``/``expired`` change under the lock, the rest only in
+#: the serving thread.
+COUNTERS = (
+    "puts", "put_failures", "bytes_put", "requests", "served", "bytes_served",
+    "misses_not_found", "misses_expired", "wait_timeouts", "parked_total", "parked_refused",
+    "expired", "bad_messages", "undeliverable", "loop_failures",
+)
+
+
+@attrs.frozen
+class PublishFailure:
+    """Why ``publish`` refused: ``reason`` is ``pool_full``, ``too_large`` or ``closed``."""
+
+    reason: str
+    detail: str
+
+
+@attrs.frozen
+class _Held:
+    """A payload in the lease table: its frames (kept by reference) and their byte sizes."""
+
+    frames: tuple[Any, ...]
+    sizes: tuple[int, ...]
+
+
+@attrs.define(eq=False)
+class _Parked:
+    identity: bytes
+    corr_id: int
+    key: str
+    deadline: float
+    done: bool = False
+
+
+def _admit_keys(keys: tuple[str, ...]) -> Any:
+    class _KeyList:
+        def __init__(self, allowed: tuple[str, ...]) -> None:
+            self.allowed = frozenset(k.encode("ascii") for k in allowed)
+
+        def callback(self, domain: str, key: bytes) -> bool:
+            return key in self.allowed
+
+    return _KeyList(keys)
+
+
+@attrs.define(eq=False)
+class ZmqServer:
+    """Serves published payloads to pulling receivers. ``start()`` binds or raises BindError."""
+
+    config: ZmqConfig
+    context: zmq.Context
+    clock: Callable[[], float] = time.monotonic
+    endpoint: str = ""
+    port: int = 0
+    ipc_file: str | None = None
+    _table: LeaseTable = attrs.field(init=False, factory=LeaseTable)
+    _lock: threading.Lock = attrs.field(init=False, factory=threading.Lock)
+    _waker: Waker = attrs.field(init=False, factory=Waker.create)
+    _published: collections.deque = attrs.field(init=False, factory=collections.deque)
+    _parked: dict[str, collections.deque] = attrs.field(init=False, factory=dict)
+    _deadlines: list = attrs.field(init=False, factory=list)
+    _seq: int = attrs.field(init=False, default=0)
+    _parked_count: int = attrs.field(init=False, default=0)
+    _held_bytes: int = attrs.field(init=False, default=0)
+    _lease_check: float | None = attrs.field(init=False, default=None)
+    _counters: dict[str, int] = attrs.field(init=False, factory=lambda: dict.fromkeys(COUNTERS, 0))
+    _thread: threading.Thread | None = attrs.field(init=False, default=None)
+    _ready: threading.Event = attrs.field(init=False, factory=threading.Event)
+    _bind_error: BaseException | None = attrs.field(init=False, default=None)
+    _stopping: bool = attrs.field(init=False, default=False)
+    _ipc_inode: tuple[int, int] | None = attrs.field(init=False, default=None)
+    _auth: Any = attrs.field(init=False, default=None)
+
+    # ---------------------------------------------------------------- lifecycle
+
+    def start(self) -> None:
+        """Start the serving thread and wait until it has bound. Raises BindError."""
+        if self.config.curve is not None:
+            self._start_authenticator()
+        self._thread = threading.Thread(target=self._run, name="kvferry-zmq-serve", daemon=True)
+        self._thread.start()
+        if not self._ready.wait(self.config.start_timeout_s):
+            self.close(self.config.start_timeout_s)
+            raise BindError(f"zmq sender did not bind {self._wanted()} within the start timeout")
+        if self._bind_error is not None:
+            self._thread.join(self.config.start_timeout_s)
+            self._stop_authenticator()
+            self._waker.close()
+            raise self._bind_error
+
+    def close(self, timeout_s: float = 5.0) -> bool:
+        """Stop serving (parked requests get a "closing" miss), drop every payload, join the
+        thread, remove the ipc file. Idempotent; False when the thread did not stop in time."""
+        with self._lock:
+            self._stopping = True
+            for entry in self._table.entries():
+                self._table.drop_key(entry.key)
+            self._table = LeaseTable()
+            self._held_bytes = 0
+        self._waker.poke()
+        stopped = True
+        if self._thread is not None and self._thread is not threading.current_thread():
+            self._thread.join(timeout_s)
+            stopped = not self._thread.is_alive()
+            if not stopped:
+                logger.error("zmq serving thread for %s did not stop in %.1fs", self.endpoint, timeout_s)
+        if stopped:
+            self._waker.close()
+        self._stop_authenticator()
+        return stopped
+
+    def _start_authenticator(self) -> None:
+        from zmq.auth import CURVE_ALLOW_ANY
+        from zmq.auth.thread import ThreadAuthenticator
+
+        self.config.curve.require_server()
+        auth = ThreadAuthenticator(self.context, log=logging.getLogger(__name__ + ".auth"))
+        auth.start()
+        admitted = self.config.curve.admitted()
+        if admitted:
+            auth.configure_curve_callback(domain="*", credentials_provider=_admit_keys(admitted))
+        else:
+            auth.configure_curve(domain="*", location=CURVE_ALLOW_ANY)
+        self._auth = auth
+
+    def _stop_authenticator(self) -> None:
+        auth, self._auth = self._auth, None
+        if auth is not None:
+            auth.stop()
+
+    def _wanted(self) -> str:
+        cfg = self.config
+        if cfg.transport == "ipc":
+            return f"ipc://{ipc_path(cfg.ipc_dir, cfg.port)} (host {cfg.host}, port {cfg.port})"
+        return tcp_endpoint(cfg.host, cfg.port if cfg.port else "*")
+
+    # ---------------------------------------------------------------- any thread
+
+    def publish(
+        self, key: str, frames: tuple[Any, ...], sizes: tuple[int, ...], readers: int,
+        lease_s: float,
+    ) -> PublishFailure | None:
+        """Hold ``frames`` under ``key`` (latest put wins) for ``readers`` gets or ``lease_s``."""
+        size = sum(sizes)
+        cfg = self.config
+        with self._lock:
+            if self._stopping:
+                return PublishFailure("closed", "the connector is closed")
+            now = self.clock()
+            self._expire_locked(now)
+            old = self._table.entry(key)
+            reclaim = old.size if old is not None else 0
+            if size > cfg.pool_bytes:
+                self._counters["put_failures"] += 1
+                return PublishFailure(
+                    "too_large", f"payload of {size} bytes exceeds pool_bytes={cfg.pool_bytes}"
+                )
+            if self._held_bytes - reclaim + size > cfg.pool_bytes:
+                self._counters["put_failures"] += 1
+                return PublishFailure(
+                    "pool_full",
+                    f"pool full: {size} bytes requested, {self._held_bytes} of "
+                    f"{cfg.pool_bytes} held",
+                )
+            if old is None and len(self._table) >= cfg.max_payloads:
+                self._counters["put_failures"] += 1
+                return PublishFailure(
+                    "pool_full", f"pool full: {len(self._table)} payloads held (max_payloads)"
+                )
+            for gone in self._table.drop_key(key):
+                self._held_bytes -= gone.size
+            self._table.publish(
+                key, _Held(frames, sizes), size, readers=readers, now_s=now, lease_s=lease_s
+            )
+            self._held_bytes += size
+            deadline = now + lease_s
+            if self._lease_check is None or deadline < self._lease_check:
+                self._lease_check = deadline
+            self._counters["puts"] += 1
+            self._counters["bytes_put"] += size
+            self._published.append(key)
+        self._waker.poke()
+        return None
+
+    def drop_request(self, request_id: str) -> None:
+        with self._lock:
+            for gone in self._table.drop_request(request_id):
+                self._held_bytes -= gone.size
+
+    def stats(self) -> dict[str, int]:
+        with self._lock:
+            out = dict(self._counters)
+            out["held_bytes"] = self._held_bytes
+            out["held_payloads"] = len(self._table)
+            out["parked"] = self._parked_count
+        return out
+
+    @property
+    def alive(self) -> bool:
+        return self._thread is not None and self._thread.is_alive() and not self._stopping
+
+    # ---------------------------------------------------------------- serving thread
+
+    def _bind(self, sock: zmq.Socket) -> None:
+        cfg = self.config
+        if cfg.transport == "ipc":
+            path = ipc_path(cfg.ipc_dir, cfg.port)
+            _refuse_live_ipc(path, cfg.host, cfg.port)
+            sock.bind(f"ipc://{path}")
+            info = os.stat(path)
+            self._ipc_inode = (info.st_dev, info.st_ino)
+            self.ipc_file, self.port, self.endpoint = path, cfg.port, f"ipc://{path}"
+            return
+        if ":" in cfg.host.strip("[]"):
+            sock.ipv6 = True
+        sock.bind(tcp_endpoint(cfg.host, cfg.port if cfg.port else "*"))
+        self.endpoint = sock.getsockopt_string(zmq.LAST_ENDPOINT)
+        self.port = int(self.endpoint.rsplit(":", 1)[1])
+
+    def _open(self) -> zmq.Socket | None:
+        cfg = self.config
+        sock = self.context.socket(zmq.ROUTER)
+        sock.linger = 0
+        sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
+        sock.setsockopt(zmq.SNDHWM, 0)
+        sock.setsockopt(zmq.MAXMSGSIZE, MAX_CONTROL_BYTES)
+        if cfg.curve is not None:
+            public, secret = cfg.curve.require_server()
+            sock.curve_secretkey = secret.encode("ascii")
+            sock.curve_publickey = public.encode("ascii")
+            sock.curve_server = True
+        try:
+            self._bind(sock)
+        except (zmq.ZMQError, OSError) as exc:
+            sock.close(linger=0)
+            if isinstance(exc, BindError):
+                self._bind_error = exc
+            else:
+                self._bind_error = BindError(
+                    f"zmq sender cannot bind {self._wanted()} (host {cfg.host!r}, port "
+                    f"{cfg.port}): {exc}"
+                )
+            return None
+        return sock
+
+    def _run(self) -> None:
+        sock = self._open()
+        self._ready.set()
+        if sock is None:
+            return
+        poller = zmq.Poller()
+        poller.register(sock, zmq.POLLIN)
+        poller.register(self._waker.fileno, zmq.POLLIN)
+        try:
+            while not self._stopping:
+                events = dict(poller.poll(self._poll_timeout_ms()))
+                if self._waker.fileno in events:
+                    self._waker.drain()
+                if self._stopping:
+                    break
+                if sock in events:
+                    self._read_requests(sock)
+                self._serve_published(sock)
+                self._fire_timers(sock)
+        except zmq.ZMQError:
+            logger.exception("zmq serving loop for %s failed", self.endpoint)
+            self._counters["loop_failures"] += 1
+        finally:
+            self._answer_all_parked(sock, "closing")
+            sock.close(linger=0)
+            self._remove_ipc_file()
+
+    def _poll_timeout_ms(self) -> int | None:
+        times = [self._deadlines[0][0]] if self._deadlines else []
+        if self._lease_check is not None:
+            times.append(self._lease_check)
+        if not times:
+            return None
+        return max(0, int((min(times) - self.clock()) * 1000) + 1)
+
+    def _send(self, sock: zmq.Socket, identity: bytes, parts: list[Any]) -> bool:
+        try:
+            sock.send_multipart([identity, *parts], copy=False, flags=zmq.NOBLOCK)
+        except zmq.ZMQError as exc:
+            if exc.errno not in (errno.EHOSTUNREACH, zmq.EAGAIN):
+                raise
+            self._counters["undeliverable"] += 1
+            return False
+        return True
+
+    def _reply(self, sock: zmq.Socket, identity: bytes, reply: Reply) -> None:
+        self._send(sock, identity, [encode_reply(reply)])
+
+    def _read_requests(self, sock: zmq.Socket) -> None:
+        for _ in range(_BATCH):
+            try:
+                message = sock.recv_multipart(flags=zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            identity = message[0]
+            if len(message) != 2:
+                self._counters["bad_messages"] += 1
+                bad = Reply("error", None, reason="bad_frames",
+                            detail=f"expected 1 request frame, got {len(message) - 1}")
+                self._reply(sock, identity, bad)
+                continue
+            request = decode_request(message[1])
+            if isinstance(request, Rejection):
+                self._counters["bad_messages"] += 1
+                self._reply(sock, identity, Reply(
+                    "error", request.corr_id, reason=request.reason, detail=request.detail))
+                continue
+            self._serve_request(sock, identity, request)
+
+    def _try_send(self, sock: zmq.Socket, identity: bytes, corr_id: int, key: str) -> str:
+        """``"sent"``, ``"gone"`` (peer unreachable; nothing consumed) or a miss reason."""
+        with self._lock:
+            now = self.clock()
+            entry = self._table.entry(key)
+            if entry is not None and now >= entry.deadline_s:
+                self._expire_locked(now)
+                entry = None
+            if entry is None:
+                status = self._table.status(key)
+                return "expired" if status == EntryState.EXPIRED else "not_found"
+            held: _Held = entry.handle
+            header = encode_reply(Reply("data", corr_id, key, sizes=held.sizes))
+            if not self._send(sock, identity, [header, *held.frames]):
+                return "gone"
+            ticket = self._table.take(key, now)
+            if ticket is not None and self._table.release(ticket.ticket_id) is not None:
+                self._held_bytes -= entry.size
+            self._counters["served"] += 1
+            self._counters["bytes_served"] += entry.size
+            return "sent"
+
+    def _serve_request(self, sock: zmq.Socket, identity: bytes, request: Request) -> None:
+        self._counters["requests"] += 1
+        outcome = self._try_send(sock, identity, request.corr_id, request.key)
+        if outcome in ("sent", "gone"):
+            return
+        if request.mode == "now" or request.wait_s <= 0 or outcome == "expired":
+            self._counters["misses_" + outcome] += 1
+            self._reply(sock, identity, Reply("miss", request.corr_id, request.key, reason=outcome))
+            return
+        parked_count = self._parked_count
+        if parked_count >= self.config.max_parked:
+            self._counters["parked_refused"] += 1
+            self._reply(sock, identity, Reply(
+                "error", request.corr_id, reason="busy",
+                detail=f"{parked_count} requests already wait (max_parked)"))
+            return
+        wait = min(request.wait_s, self.config.max_wait_s)
+        parked = _Parked(identity, request.corr_id, request.key, self.clock() + wait)
+        self._parked.setdefault(request.key, collections.deque()).append(parked)
+        self._seq += 1
+        heapq.heappush(self._deadlines, (parked.deadline, self._seq, parked))
+        self._parked_count += 1
+        self._counters["parked_total"] += 1
+
+    def _serve_published(self, sock: zmq.Socket) -> None:
+        while self._published:
+            key = self._published.popleft()
+            queue = self._parked.get(key)
+            while queue:
+                parked = queue[0]
+                outcome = self._try_send(sock, parked.identity, parked.corr_id, key)
+                if outcome not in ("sent", "gone"):
+                    break  # every permitted reader was served; the rest keep waiting
+                queue.popleft()
+                parked.done = True
+                self._parked_count -= 1
+            if queue is not None and not queue:
+                del self._parked[key]
+
+    def _fire_timers(self, sock: zmq.Socket) -> None:
+        now = self.clock()
+        while self._deadlines and self._deadlines[0][0] <= now:
+            parked = heapq.heappop(self._deadlines)[2]
+            if parked.done:
+                continue
+            parked.done = True
+            self._parked_count -= 1
+            queue = self._parked.get(parked.key)
+            if queue is not None:
+                queue.remove(parked)
+                if not queue:
+                    del self._parked[parked.key]
+            self._counters["wait_timeouts"] += 1
+            self._reply(sock, parked.identity,
+                        Reply("miss", parked.corr_id, parked.key, reason="timeout"))
+        if self._lease_check is not None and self._lease_check <= now:
+            with self._lock:
+                self._expire_locked(now)
+
+    def _expire_locked(self, now: float) -> None:
+        for item in self._table.expire(now):
+            if item.freed:
+                self._held_bytes -= item.entry.size
+            if item.kind == "unread":
+                self._counters["expired"] += 1
+                logger.warning("zmq payload %r expired unread after %.1fs",
+                               item.entry.key, item.entry.lease_s)
+        self._lease_check = self._table.next_deadline()
+
+    def _answer_all_parked(self, sock: zmq.Socket, reason: str) -> None:
+        for queue in self._parked.values():
+            for parked in queue:
+                if not parked.done:
+                    parked.done = True
+                    self._reply(sock, parked.identity,
+                                Reply("miss", parked.corr_id, parked.key, reason=reason))
+        self._parked.clear()
+        self._deadlines.clear()
+        self._parked_count = 0
+
+    def _remove_ipc_file(self) -> None:
+        path = self.ipc_file
+        if path is None or self._ipc_inode is None:
+            return
+        try:
+            info = os.stat(path)
+            if (info.st_dev, info.st_ino) == self._ipc_inode:
+                os.unlink(path)
+        except FileNotFoundError:
+            pass  # libzmq already removed it
+        self._ipc_inode = None
+
+
+def _refuse_live_ipc(path: str, host: str, port: int) -> None:
+    """Raise BindError when a live process serves ``path``; a stale file is left to libzmq,
+    which replaces it on bind."""
+    if not os.path.exists(path):
+        return
+    probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        probe.settimeout(1.0)
+        probe.connect(path)
+    except (ConnectionRefusedError, FileNotFoundError):
+        return
+    except OSError as exc:
+        raise BindError(f"cannot bind ipc://{path} (host {host!r}, port {port}): {exc}") from None
+    finally:
+        probe.close()
+    raise BindError(
+        f"cannot bind ipc://{path} (host {host!r}, port {port}): another process serves it"
+    )
