@@ -79,7 +79,10 @@ class _Outgoing:
 
 @attrs.define(eq=False)
 class ZmqClient:
-    """Pulls payloads from senders. Thread-safe; the I/O thread starts on first use."""
+    """Pulls payloads from senders. Thread-safe; the I/O thread starts on first use.
+
+    ``clock`` (monotonic seconds) times real waits: request deadlines and the stash's TTL.
+    """
 
     config: ZmqConfig
     context: zmq.Context
@@ -207,8 +210,10 @@ class ZmqClient:
                 slot.outcome = outcome
                 slot.event.set()
                 return
+            if outcome.kind != "data":
+                return  # e.g. the sender's own "timeout" answer, just after our deadline
             self._counters["late_replies"] += 1
-            if outcome.kind == "data" and not self._closed and self.config.late_stash_bytes:
+            if not self._closed and self.config.late_stash_bytes:
                 old = self._stash.pop((endpoint, key), None)
                 if old is not None:
                     self._stash_bytes -= old[0].size

@@ -24,7 +24,6 @@ Wire protocol, ports and security: docs/zmq.md.
 from __future__ import annotations
 
 import logging
-import sys
 import time
 from typing import Any, Callable, Mapping
 
@@ -33,72 +32,25 @@ import zmq
 
 from kvferry.adapters.connectors.zmq_client import Outcome, ZmqClient
 from kvferry.adapters.connectors.zmq_config import ZmqConfig
-from kvferry.adapters.connectors.zmq_protocol import (
-    MAX_PAYLOAD_FRAMES,
-    resolve_endpoint,
-)
+from kvferry.adapters.connectors.zmq_protocol import resolve_endpoint
 from kvferry.adapters.connectors.zmq_server import ZmqServer
-from kvferry.core.errors import ConfigError
+from kvferry.adapters.connectors.zmq_store import Held, ZmqReservation, as_frames
+from kvferry.core.errors import ConfigError, PoolFullError, TransferError
 
 __all__ = ["ZmqConnector", "as_frames"]
 
 logger = logging.getLogger(__name__)
-#: Part of a blocking get's budget kept back so the sender's own "timeout" answer (or a payload
-#: published at the last moment) still arrives before the caller's deadline.
-_WAIT_MARGIN_S = 0.05
 
 
-def _flat(buffer: Any, what: str) -> memoryview:
-    try:
-        view = memoryview(buffer)
-    except TypeError:
-        raise ConfigError(f"{what} is a {type(buffer).__name__}, not a bytes-like buffer") from None
-    if not view.c_contiguous:
-        raise ConfigError(f"{what} is not contiguous")
-    if view.ndim == 1 and view.format == "B":
-        return view
-    return view.cast("B") if view.ndim else view.cast("B", (view.nbytes,))
-
-
-def _tensor_frame(tensor: Any, what: str) -> memoryview:
-    torch = sys.modules["torch"]
-    t = tensor.detach()
-    if t.device.type != "cpu":
-        t = t.cpu()
-    t = t.contiguous().reshape(-1)
-    if t.dtype != torch.uint8:
-        t = t.view(torch.uint8)
-    return _flat(t.numpy(), what)
-
-
-def _is_tensor(obj: Any) -> bool:
-    torch = sys.modules.get("torch")
-    return torch is not None and isinstance(obj, torch.Tensor)
-
-
-def as_frames(data: Any) -> tuple[tuple[memoryview, ...], tuple[int, ...]]:
-    """Payload data -> (frames, their byte sizes), without copying CPU data.
-
-    Accepts a bytes-like object, a tensor (normally 1-D ``uint8``; device tensors are copied
-    to the CPU), or a list/tuple of those (zero-copy frames whose concatenation is the
-    payload). Anything else, a non-contiguous buffer, or more than 65536 frames: ConfigError.
-    """
-    if isinstance(data, (list, tuple)):
-        if len(data) > MAX_PAYLOAD_FRAMES:
-            raise ConfigError(f"payload has {len(data)} frames; at most {MAX_PAYLOAD_FRAMES}")
-        items = list(data)
-    else:
-        items = [data]
-    frames = []
-    for index, item in enumerate(items):
-        what = f"payload frame {index}"
-        if _is_tensor(item):
-            frames.append(_tensor_frame(item, what))
-        elif isinstance(item, (str, dict, list, tuple)) or item is None:
-            raise ConfigError(f"{what} is a {type(item).__name__}, not a bytes-like buffer")
-        else:
-            frames.append(_flat(item, what))
-    return tuple(frames), tuple(f.nbytes for f in frames)
+def _as_clock(clock: Any) -> Callable[[], float]:
+    """A Clock (``.monotonic()``), a zero-argument callable, or None (the real clock)."""
+    if clock is None:
+        return time.monotonic
+    if callable(getattr(clock, "monotonic", None)):
+        return clock.monotonic
+    if callable(clock):
+        return clock
+    raise ConfigError(f"clock must have a monotonic() method or be callable, got {clock!r}")
 
 
 @attrs.define(eq=False, init=False)
@@ -123,7 +75,7 @@ class ZmqConnector:
         self,
         config: Mapping[str, Any] | ZmqConfig | None = None,
         *,
-        clock: Callable[[], float] = time.monotonic,
+        clock: Any = None,
         **overrides: Any,
     ) -> None:
         if isinstance(config, ZmqConfig):
@@ -131,13 +83,15 @@ class ZmqConnector:
                 raise ConfigError("pass overrides in the config mapping, not with a ZmqConfig")
             cfg = config
         else:
-            cfg = ZmqConfig.from_mapping({**dict(config or {}), **overrides})
+            raw = {**dict(config or {}), **overrides}
+            clock = raw.pop("clock", None) if clock is None else clock
+            cfg = ZmqConfig.from_mapping(raw)
         if cfg.ignored_keys:
             logger.warning("zmq connector ignores unknown config keys %s", list(cfg.ignored_keys))
         if cfg.curve is not None:
             (cfg.curve.require_server if cfg.role == "sender" else cfg.curve.require_client)()
         self.config = cfg
-        self._clock = clock
+        self._clock = _as_clock(clock)
         self._closed = False
         self._unresolved = 0
         self._default_sender = None
@@ -145,9 +99,9 @@ class ZmqConnector:
             self._default_sender = (cfg.sender_host, cfg.sender_port)
         self._context = zmq.Context()
         self._server = None
-        self._client = ZmqClient(cfg, self._context, clock)
+        self._client = ZmqClient(cfg, self._context)
         if cfg.role == "sender":
-            server = ZmqServer(cfg, self._context, clock)
+            server = ZmqServer(cfg, self._context, self._clock)
             try:
                 server.start()
             except BaseException:
@@ -193,6 +147,24 @@ class ZmqConnector:
 
     # ---------------------------------------------------------------- Connector
 
+    def _check_put(self, put_key: Any, readers: Any, lease_s: Any) -> tuple[int, float]:
+        if not isinstance(put_key, str) or not put_key:
+            raise ConfigError(f"put_key must be a non-empty string, got {put_key!r}")
+        readers = self.config.readers if readers is None else readers
+        lease = self.config.lease_s if lease_s is None else lease_s
+        if isinstance(readers, bool) or not isinstance(readers, int) or readers < 1:
+            raise ConfigError(f"readers must be an integer >= 1, got {readers!r}")
+        if isinstance(lease, bool) or not isinstance(lease, (int, float)) or not lease > 0:
+            raise ConfigError(f"lease_s must be a number of seconds > 0, got {lease!r}")
+        return readers, float(lease)
+
+    def _refusal(self) -> dict[str, str] | None:
+        if self._closed:
+            return {"reason": "closed", "detail": "the zmq connector is closed"}
+        if self._server is None:
+            return {"reason": "not_sender", "detail": "needs a zmq connector with role 'sender'"}
+        return None
+
     def put(
         self,
         from_stage: Any,
@@ -209,28 +181,64 @@ class ZmqConnector:
         ``pool_full``, ``too_large``, ``closed`` or ``not_sender``. Unsupported data types and
         invalid ``readers``/``lease_s`` raise ConfigError (caller misuse).
         """
-        if not isinstance(put_key, str) or not put_key:
-            raise ConfigError(f"put_key must be a non-empty string, got {put_key!r}")
-        readers = self.config.readers if readers is None else readers
-        lease = self.config.lease_s if lease_s is None else lease_s
-        if isinstance(readers, bool) or not isinstance(readers, int) or readers < 1:
-            raise ConfigError(f"readers must be an integer >= 1, got {readers!r}")
-        if isinstance(lease, bool) or not isinstance(lease, (int, float)) or not lease > 0:
-            raise ConfigError(f"lease_s must be a number of seconds > 0, got {lease!r}")
-        if self._closed:
-            return False, 0, {"reason": "closed", "detail": "the zmq connector is closed"}
-        if self._server is None:
-            return False, 0, {
-                "reason": "not_sender",
-                "detail": "put needs a zmq connector with role 'sender'",
-            }
+        readers, lease = self._check_put(put_key, readers, lease_s)
+        refusal = self._refusal()
+        if refusal is not None:
+            return False, 0, refusal
         frames, sizes = as_frames(data)
-        failure = self._server.publish(put_key, frames, sizes, readers, float(lease))
+        return self._publish(put_key, Held(frames, sizes), readers, lease, 0)
+
+    def _publish(
+        self, key: str, held: Held, readers: int, lease: float, reserved: int
+    ) -> tuple[bool, int, dict[str, Any] | None]:
+        failure = self._server.publish(key, held, readers=readers, lease_s=lease, reserved=reserved)
         if failure is not None:
-            logger.warning("zmq put of %r refused: %s", put_key, failure.detail)
+            logger.warning("zmq put of %r refused: %s", key, failure.detail)
             return False, 0, {"reason": failure.reason, "detail": failure.detail}
-        size = sum(sizes)
-        return True, size, {**self.sender_metadata(), "key": put_key, "size": size}
+        size = sum(held.sizes)
+        return True, size, {**self.sender_metadata(), "key": key, "size": size}
+
+    def reserve(
+        self,
+        from_stage: Any,
+        to_stage: Any,
+        put_key: str,
+        nbytes: int,
+        *,
+        readers: int | None = None,
+        lease_s: float | None = None,
+    ) -> ZmqReservation:
+        """Reserve ``nbytes`` of the pool for ``put_key``; write into ``.buffer``, then
+        ``commit()``. Raises PoolFullError (``pool_full`` / ``too_large`` in the message),
+        TransferError when closed, ConfigError for a receiver or bad arguments."""
+        readers, lease = self._check_put(put_key, readers, lease_s)
+        if isinstance(nbytes, bool) or not isinstance(nbytes, int) or nbytes < 0:
+            raise ConfigError(f"nbytes must be an integer >= 0, got {nbytes!r}")
+        refusal = self._refusal()
+        if refusal is not None:
+            if refusal["reason"] == "closed":
+                raise TransferError(f"closed: {refusal['detail']}")
+            raise ConfigError(f"reserve {refusal['detail']}")
+        failure = self._server.store.reserve(nbytes)
+        if failure is not None:
+            if failure.reason == "closed":
+                raise TransferError(f"closed: {failure.detail}")
+            raise PoolFullError(f"{failure.reason}: {failure.detail}")
+        import torch
+
+        try:
+            buffer = torch.empty(nbytes, dtype=torch.uint8)
+        except RuntimeError:
+            self._server.store.unreserve(nbytes)
+            raise
+
+        def publish(held: Held, reserved: int) -> tuple[bool, int, Any]:
+            if self._closed:
+                self._server.store.unreserve(reserved)
+                return False, 0, {"reason": "closed", "detail": "the zmq connector is closed"}
+            return self._publish(put_key, held, readers, lease, reserved)
+
+        return ZmqReservation(buffer, publish, self._server.store.unreserve, nbytes)
 
     def get(
         self,
@@ -255,8 +263,7 @@ class ZmqConnector:
         """Wait up to ``timeout_s`` seconds for ``get_key``; the sender answers on arrival."""
         if isinstance(timeout_s, bool) or not isinstance(timeout_s, (int, float)) or timeout_s < 0:
             raise ConfigError(f"timeout_s must be a number of seconds >= 0, got {timeout_s!r}")
-        wait = max(0.0, timeout_s - min(_WAIT_MARGIN_S, timeout_s * 0.1))
-        return self._fetch(get_key, metadata, "wait", wait, float(timeout_s))
+        return self._fetch(get_key, metadata, "wait", float(timeout_s), float(timeout_s))
 
     def _fetch(
         self, key: str, metadata: Mapping[str, Any] | None, mode: str, wait: float, timeout: float
@@ -303,7 +310,7 @@ class ZmqConnector:
     def cleanup(self, request_id: str) -> None:
         """Drop held payloads (sender) and stashed late payloads (receiver) of the request."""
         if self._server is not None:
-            self._server.drop_request(request_id)
+            self._server.store.drop_request(request_id)
         self._client.drop_request(request_id)
 
     def health(self) -> dict[str, Any]:

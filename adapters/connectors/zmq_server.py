@@ -1,7 +1,7 @@
 """The zmq connector's sender side: one serving thread around a ROUTER socket.
 
-Threads: ``publish``/``drop_request``/``stats`` may be called from any thread; they touch only
-the lease table (under ``_lock``) and poke the loop. The ROUTER socket is created, bound, used
+Threads: ``publish``/``stats`` and the ``store`` may be used from any thread (the store has its
+own lock); publishing pokes the loop. The ROUTER socket is created, bound, used
 and closed by the serving thread alone. Parked "wait" requests are answered when their key is
 published (the publisher pokes the loop) or when their deadline passes (the poll timeout is the
 next deadline): no sleep-polling anywhere.
@@ -37,38 +37,20 @@ from kvferry.adapters.connectors.zmq_protocol import (
     ipc_path,
     tcp_endpoint,
 )
+from kvferry.adapters.connectors.zmq_store import Held, HeldPayloads, PublishFailure
 from kvferry.adapters.connectors.zmq_wake import Waker
 from kvferry.core.errors import BindError
-from kvferry.core.pool import EntryState, LeaseTable
 
-__all__ = ["ZmqServer", "PublishFailure"]
+__all__ = ["ZmqServer"]
 
 logger = logging.getLogger(__name__)
 _BATCH = 256  # most requests handled per loop pass before timers and publications run
-#: Every counter exists from the start (the dict never resizes while another thread reads it);
-#: ``puts``/``put_failures``/``bytes_put``/``expired`` change under the lock, the rest only in
-#: the serving thread.
+#: Every counter exists from the start (the dict never resizes while another thread reads
+#: it); all of them change only in the serving thread.
 COUNTERS = (
-    "puts", "put_failures", "bytes_put", "requests", "served", "bytes_served",
-    "misses_not_found", "misses_expired", "wait_timeouts", "parked_total", "parked_refused",
-    "expired", "bad_messages", "undeliverable", "loop_failures",
+    "requests", "misses_not_found", "misses_expired", "wait_timeouts", "parked_total",
+    "parked_refused", "bad_messages", "undeliverable", "loop_failures",
 )
-
-
-@attrs.frozen
-class PublishFailure:
-    """Why ``publish`` refused: ``reason`` is ``pool_full``, ``too_large`` or ``closed``."""
-
-    reason: str
-    detail: str
-
-
-@attrs.frozen
-class _Held:
-    """A payload in the lease table: its frames (kept by reference) and their byte sizes."""
-
-    frames: tuple[Any, ...]
-    sizes: tuple[int, ...]
 
 
 @attrs.define(eq=False)
@@ -93,24 +75,25 @@ def _admit_keys(keys: tuple[str, ...]) -> Any:
 
 @attrs.define(eq=False)
 class ZmqServer:
-    """Serves published payloads to pulling receivers. ``start()`` binds or raises BindError."""
+    """Serves published payloads to pulling receivers. ``start()`` binds or raises BindError.
+
+    ``lease_clock`` times leases (injectable); parked-request deadlines use the real
+    monotonic clock because they bound real waits on the socket.
+    """
 
     config: ZmqConfig
     context: zmq.Context
-    clock: Callable[[], float] = time.monotonic
+    lease_clock: Callable[[], float] = time.monotonic
     endpoint: str = ""
     port: int = 0
     ipc_file: str | None = None
-    _table: LeaseTable = attrs.field(init=False, factory=LeaseTable)
-    _lock: threading.Lock = attrs.field(init=False, factory=threading.Lock)
+    store: HeldPayloads = attrs.field(init=False)
     _waker: Waker = attrs.field(init=False, factory=Waker.create)
     _published: collections.deque = attrs.field(init=False, factory=collections.deque)
     _parked: dict[str, collections.deque] = attrs.field(init=False, factory=dict)
     _deadlines: list = attrs.field(init=False, factory=list)
     _seq: int = attrs.field(init=False, default=0)
     _parked_count: int = attrs.field(init=False, default=0)
-    _held_bytes: int = attrs.field(init=False, default=0)
-    _lease_check: float | None = attrs.field(init=False, default=None)
     _counters: dict[str, int] = attrs.field(init=False, factory=lambda: dict.fromkeys(COUNTERS, 0))
     _thread: threading.Thread | None = attrs.field(init=False, default=None)
     _ready: threading.Event = attrs.field(init=False, factory=threading.Event)
@@ -118,6 +101,9 @@ class ZmqServer:
     _stopping: bool = attrs.field(init=False, default=False)
     _ipc_inode: tuple[int, int] | None = attrs.field(init=False, default=None)
     _auth: Any = attrs.field(init=False, default=None)
+
+    def __attrs_post_init__(self) -> None:
+        self.store = HeldPayloads(self.config.pool_bytes, self.config.max_payloads, self.lease_clock)
 
     # ---------------------------------------------------------------- lifecycle
 
@@ -139,19 +125,16 @@ class ZmqServer:
     def close(self, timeout_s: float = 5.0) -> bool:
         """Stop serving (parked requests get a "closing" miss), drop every payload, join the
         thread, remove the ipc file. Idempotent; False when the thread did not stop in time."""
-        with self._lock:
-            self._stopping = True
-            for entry in self._table.entries():
-                self._table.drop_key(entry.key)
-            self._table = LeaseTable()
-            self._held_bytes = 0
+        self._stopping = True
+        self.store.close()
         self._waker.poke()
         stopped = True
         if self._thread is not None and self._thread is not threading.current_thread():
             self._thread.join(timeout_s)
             stopped = not self._thread.is_alive()
             if not stopped:
-                logger.error("zmq serving thread for %s did not stop in %.1fs", self.endpoint, timeout_s)
+                logger.error("zmq serving thread for %s did not stop in %.1fs", self.endpoint,
+                             timeout_s)
         if stopped:
             self._waker.close()
         self._stop_authenticator()
@@ -185,62 +168,19 @@ class ZmqServer:
     # ---------------------------------------------------------------- any thread
 
     def publish(
-        self, key: str, frames: tuple[Any, ...], sizes: tuple[int, ...], readers: int,
-        lease_s: float,
+        self, key: str, held: Held, *, readers: int, lease_s: float, reserved: int = 0
     ) -> PublishFailure | None:
-        """Hold ``frames`` under ``key`` (latest put wins) for ``readers`` gets or ``lease_s``."""
-        size = sum(sizes)
-        cfg = self.config
-        with self._lock:
-            if self._stopping:
-                return PublishFailure("closed", "the connector is closed")
-            now = self.clock()
-            self._expire_locked(now)
-            old = self._table.entry(key)
-            reclaim = old.size if old is not None else 0
-            if size > cfg.pool_bytes:
-                self._counters["put_failures"] += 1
-                return PublishFailure(
-                    "too_large", f"payload of {size} bytes exceeds pool_bytes={cfg.pool_bytes}"
-                )
-            if self._held_bytes - reclaim + size > cfg.pool_bytes:
-                self._counters["put_failures"] += 1
-                return PublishFailure(
-                    "pool_full",
-                    f"pool full: {size} bytes requested, {self._held_bytes} of "
-                    f"{cfg.pool_bytes} held",
-                )
-            if old is None and len(self._table) >= cfg.max_payloads:
-                self._counters["put_failures"] += 1
-                return PublishFailure(
-                    "pool_full", f"pool full: {len(self._table)} payloads held (max_payloads)"
-                )
-            for gone in self._table.drop_key(key):
-                self._held_bytes -= gone.size
-            self._table.publish(
-                key, _Held(frames, sizes), size, readers=readers, now_s=now, lease_s=lease_s
-            )
-            self._held_bytes += size
-            deadline = now + lease_s
-            if self._lease_check is None or deadline < self._lease_check:
-                self._lease_check = deadline
-            self._counters["puts"] += 1
-            self._counters["bytes_put"] += size
+        """Hold ``held`` under ``key`` (latest put wins) and wake requests parked on it."""
+        failure = self.store.publish(key, held, readers=readers, lease_s=lease_s, reserved=reserved)
+        if failure is None:
             self._published.append(key)
-        self._waker.poke()
-        return None
-
-    def drop_request(self, request_id: str) -> None:
-        with self._lock:
-            for gone in self._table.drop_request(request_id):
-                self._held_bytes -= gone.size
+            self._waker.poke()
+        return failure
 
     def stats(self) -> dict[str, int]:
-        with self._lock:
-            out = dict(self._counters)
-            out["held_bytes"] = self._held_bytes
-            out["held_payloads"] = len(self._table)
-            out["parked"] = self._parked_count
+        out = self.store.stats()
+        out.update(self._counters)
+        out["parked"] = self._parked_count
         return out
 
     @property
@@ -319,12 +259,13 @@ class ZmqServer:
             self._remove_ipc_file()
 
     def _poll_timeout_ms(self) -> int | None:
-        times = [self._deadlines[0][0]] if self._deadlines else []
-        if self._lease_check is not None:
-            times.append(self._lease_check)
-        if not times:
+        waits = [self._deadlines[0][0] - time.monotonic()] if self._deadlines else []
+        lease_wait = self.store.seconds_to_next_expiry()
+        if lease_wait is not None:
+            waits.append(lease_wait)
+        if not waits:
             return None
-        return max(0, int((min(times) - self.clock()) * 1000) + 1)
+        return max(0, int(min(waits) * 1000) + 1)
 
     def _send(self, sock: zmq.Socket, identity: bytes, parts: list[Any]) -> bool:
         try:
@@ -362,25 +303,12 @@ class ZmqServer:
 
     def _try_send(self, sock: zmq.Socket, identity: bytes, corr_id: int, key: str) -> str:
         """``"sent"``, ``"gone"`` (peer unreachable; nothing consumed) or a miss reason."""
-        with self._lock:
-            now = self.clock()
-            entry = self._table.entry(key)
-            if entry is not None and now >= entry.deadline_s:
-                self._expire_locked(now)
-                entry = None
-            if entry is None:
-                status = self._table.status(key)
-                return "expired" if status == EntryState.EXPIRED else "not_found"
-            held: _Held = entry.handle
+
+        def send(held: Held) -> bool:
             header = encode_reply(Reply("data", corr_id, key, sizes=held.sizes))
-            if not self._send(sock, identity, [header, *held.frames]):
-                return "gone"
-            ticket = self._table.take(key, now)
-            if ticket is not None and self._table.release(ticket.ticket_id) is not None:
-                self._held_bytes -= entry.size
-            self._counters["served"] += 1
-            self._counters["bytes_served"] += entry.size
-            return "sent"
+            return self._send(sock, identity, [header, *held.frames])
+
+        return self.store.serve(key, send)
 
     def _serve_request(self, sock: zmq.Socket, identity: bytes, request: Request) -> None:
         self._counters["requests"] += 1
@@ -399,7 +327,7 @@ class ZmqServer:
                 detail=f"{parked_count} requests already wait (max_parked)"))
             return
         wait = min(request.wait_s, self.config.max_wait_s)
-        parked = _Parked(identity, request.corr_id, request.key, self.clock() + wait)
+        parked = _Parked(identity, request.corr_id, request.key, time.monotonic() + wait)
         self._parked.setdefault(request.key, collections.deque()).append(parked)
         self._seq += 1
         heapq.heappush(self._deadlines, (parked.deadline, self._seq, parked))
@@ -422,7 +350,7 @@ class ZmqServer:
                 del self._parked[key]
 
     def _fire_timers(self, sock: zmq.Socket) -> None:
-        now = self.clock()
+        now = time.monotonic()
         while self._deadlines and self._deadlines[0][0] <= now:
             parked = heapq.heappop(self._deadlines)[2]
             if parked.done:
@@ -437,19 +365,7 @@ class ZmqServer:
             self._counters["wait_timeouts"] += 1
             self._reply(sock, parked.identity,
                         Reply("miss", parked.corr_id, parked.key, reason="timeout"))
-        if self._lease_check is not None and self._lease_check <= now:
-            with self._lock:
-                self._expire_locked(now)
-
-    def _expire_locked(self, now: float) -> None:
-        for item in self._table.expire(now):
-            if item.freed:
-                self._held_bytes -= item.entry.size
-            if item.kind == "unread":
-                self._counters["expired"] += 1
-                logger.warning("zmq payload %r expired unread after %.1fs",
-                               item.entry.key, item.entry.lease_s)
-        self._lease_check = self._table.next_deadline()
+        self.store.expire()
 
     def _answer_all_parked(self, sock: zmq.Socket, reason: str) -> None:
         for queue in self._parked.values():
