@@ -461,6 +461,8 @@ def plan_layout(
     """
     if isinstance(align, bool) or not isinstance(align, int) or align < 1 or align & (align - 1):
         raise ConfigError(f"align must be a power of two >= 1, got {align!r}")
+    if not isinstance(metadata, Mapping):
+        raise ConfigError(f"metadata must be a mapping, got {type(metadata).__name__}")
     if checksums is not None and checksums not in CHECKSUM_ALGORITHMS:
         raise ConfigError(f"unknown checksum algorithm {checksums!r}; known: {sorted(CHECKSUM_ALGORITHMS)}")
     entries: list[Entry] = []

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import struct
 import time
+import tracemalloc
 
 import attrs
 import pytest
@@ -296,6 +297,15 @@ def test_length_lies_fail_fast_without_allocating() -> None:
     header = '{"rid":"r","bids":[],"meta":{},"td":[{"n":"key_cache_0","i":0,"d":"float32","s":[1073741824],"o":0,"b":4294967296}],"nl":1}'
     with pytest.raises(PayloadError, match="outside"):
         decode_header(_golden(header, b"x" * 10))
+    tracemalloc.start()
+    try:
+        for lie in (claims_4gib, _golden(header, b"x" * 10), _with(nl=2**40), _with({**VALID_DESC, "s": [2**62], "b": 2**62})):
+            with pytest.raises(PayloadError):
+                decode_header(lie)
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert peak < 64 * 1024  # a few small objects, nothing sized by the claims
 
 
 def test_limits_are_configurable() -> None:
@@ -318,6 +328,8 @@ def test_plan_rejects_local_misuse_with_config_error() -> None:
         plan_layout("r", [], {}, n, specs, checksums="md5")
     with pytest.raises(ConfigError, match="JSON"):
         plan_layout("r", [], {"x": object()}, n, specs)
+    with pytest.raises(ConfigError, match="metadata"):
+        plan_layout("r", [], None, n, specs)  # type: ignore[arg-type]
     with pytest.raises(ConfigError, match="layer"):
         plan_layout("r", [], {}, 0, specs)
     with pytest.raises(ConfigError, match="dtype"):
