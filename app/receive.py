@@ -1,0 +1,274 @@
+"""The receive path: keys -> wait for arrival -> decode -> merge / slice -> usable tensors (SPEC 7).
+
+One receive of one request on one receiver rank:
+
+1. derive the receive keys (one per source rank) and, from the request's sender info, the
+   endpoint each key is pulled from (``advertised + from_rank*16``);
+2. wait until every key arrived or the deadline passed: the connector's blocking get (arrival
+   notification) when it has one, else polling with 10 ms doubling to 500 ms sleeps;
+3. decode each payload as views of the received memory, merge fan-in shards along the head
+   dimension in source-rank order, slice an untagged fan-out payload to this rank's heads;
+4. move tensors to the target device, or clone them when they live in a pool buffer, then
+   release every pool buffer, on every path.
+
+The result is a :class:`ReceiveResult`: a typed outcome plus the payload in the reference's
+dict shape (``request_id``, ``layer_blocks``, ``block_ids``, ``metadata``).
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any, Callable, Mapping
+
+import attrs
+import torch
+
+from kvferry.adapters.torch_frames import DecodedKV, decode_payload, merge_layers, slice_layers
+from kvferry.core.addressing import pull_port
+from kvferry.core.errors import KVFerryError, PayloadError
+from kvferry.core.head_slices import applied_head_slice, fan_out_slice, tp_head_slice_record
+from kvferry.core.ids import is_dummy_request, recv_keys
+from kvferry.core.outcomes import ReceiveKind, ReceiveOutcome, SkipReason
+from kvferry.core.policy import Deadline, PollBackoff
+from kvferry.core.ports import BlockingGet, Clock, Connector
+from kvferry.core.sender_info import SenderEndpoint, resolve_sender
+from kvferry.core.topology import TPTopology
+
+__all__ = ["ReceivePath", "ReceiveResult", "finalize_tensors", "release_all"]
+
+logger = logging.getLogger(__name__)
+
+
+@attrs.frozen(eq=False)
+class ReceiveResult:
+    """A receive's outcome and, when it succeeded, the payload dict and its size in bytes."""
+
+    outcome: ReceiveOutcome
+    payload: dict[str, Any] | None = None
+
+    @property
+    def ok(self) -> bool:
+        return self.outcome.ok and self.payload is not None
+
+    @property
+    def nbytes(self) -> int:
+        return self.outcome.nbytes
+
+
+def release_all(items: list[Any]) -> None:
+    """Release every pool buffer among received items (idempotent releases; never raises)."""
+    for item in items:
+        release = getattr(item, "release", None)
+        if callable(release):
+            try:
+                release()
+            except Exception:  # a release failure must not hide the receive's outcome
+                logger.exception("releasing a pool buffer failed")
+
+
+def _is_pooled(item: Any) -> bool:
+    return callable(getattr(item, "release", None))
+
+
+def finalize_tensors(payload: dict[str, Any], device: Any, must_copy: bool) -> dict[str, Any]:
+    """Move every tensor of ``payload`` to ``device`` (None: stay), copying when ``must_copy``
+    (the bytes live in a pool buffer about to be released, or in a read-only receive buffer)."""
+    blocks = payload["layer_blocks"]
+
+    def fix(t: Any) -> Any:
+        if not isinstance(t, torch.Tensor):
+            return t
+        if device is not None and torch.device(device) != t.device:
+            return t.to(device, non_blocking=False)
+        return t.clone() if must_copy else t
+
+    payload["layer_blocks"] = {name: [fix(t) for t in blocks.get(name, [])]
+                               for name in ("key_cache", "value_cache")}
+    return payload
+
+
+@attrs.define(eq=False)
+class ReceivePath:
+    """Receives requests for one receiver rank. Thread-compatible (one receive at a time per
+    request id); the manager runs prefetches on one background worker."""
+
+    from_stage: Any
+    to_stage: Any
+    topology: TPTopology
+    get_connector: Callable[[], "Connector | None"]
+    clock: Clock
+    sleep: Callable[[float], None]
+    timeout_s: float
+    poll: PollBackoff = attrs.field(factory=PollBackoff)
+    key_builder: Callable[..., Any] | None = None
+    merger: Callable[[list], Any] | None = None
+    slicer: Callable[[Any], Any] | None = None
+    #: Copy tensors out of receive buffers that are not pool buffers too (bytes, zmq frames), so
+    #: callers get writable memory of their own. Pool buffers are always copied.
+    copy_unpooled: bool = False
+
+    def keys(self, request_id: str) -> tuple[tuple[str, int | None], ...]:
+        return recv_keys(request_id, self.from_stage, self.to_stage, self.topology, self.key_builder)
+
+    def key_metadata(self, endpoint: SenderEndpoint | None, from_rank: int | None) -> dict[str, Any] | None:
+        """Connector metadata naming the sender rank that serves a key (None: connector default)."""
+        if endpoint is None:
+            return None
+        meta: dict[str, Any] = {"source_host": endpoint.host}
+        if endpoint.port is not None:
+            meta["source_port"] = pull_port(endpoint.port, from_rank, self.topology.local_rank)
+        return meta
+
+    # ------------------------------------------------------------------------------ receive
+    def receive(
+        self,
+        request_id: str,
+        *,
+        sender_info: Any = None,
+        target_device: Any = None,
+        timeout_s: float | None = None,
+        receiving: bool = True,
+    ) -> ReceiveResult:
+        """Receive one request (see the module docstring). Never raises for remote faults."""
+        if not request_id:
+            return ReceiveResult(ReceiveOutcome.skipped("", SkipReason.NO_REQUEST_ID))
+        if is_dummy_request(request_id):
+            return ReceiveResult(ReceiveOutcome.skipped(request_id, SkipReason.DUMMY))
+        if not receiving:
+            return ReceiveResult(ReceiveOutcome.skipped(request_id, SkipReason.NOT_RECEIVING))
+        start = self.clock.monotonic()
+        endpoint = None
+        if sender_info is not None:
+            resolution = resolve_sender(sender_info, self.from_stage)
+            if not resolution.resolved:
+                logger.warning("request %s: sender info unresolved: %s", request_id, resolution.reason)
+                return ReceiveResult(ReceiveOutcome.failed(
+                    request_id, ReceiveKind.SENDER_UNRESOLVED, str(resolution.reason)))
+            endpoint = resolution.endpoint
+        connector = self.get_connector()
+        if connector is None:
+            return ReceiveResult(ReceiveOutcome.failed(
+                request_id, ReceiveKind.CONNECTOR_UNAVAILABLE, "no connector could be created"))
+        try:
+            keys = self.keys(request_id)
+            metas = [self.key_metadata(endpoint, rank) for _, rank in keys]
+        except KVFerryError as exc:
+            return ReceiveResult(ReceiveOutcome.failed(request_id, ReceiveKind.ERROR, f"keys: {exc}"))
+        deadline = Deadline(start, self.timeout_s if timeout_s is None else timeout_s)
+        got: list[Any] = []
+        try:
+            missing = self._wait_all(connector, keys, metas, deadline, got)
+            names = tuple(k for k, _ in keys)
+            if missing:
+                return ReceiveResult(ReceiveOutcome.failed(
+                    request_id, ReceiveKind.TIMED_OUT, f"{len(missing)} of {len(keys)} keys missing",
+                    keys=names, missing_keys=missing, seconds=self._since(start)))
+            return self._assemble(request_id, keys, got, target_device, start)
+        finally:
+            release_all([data for data, _ in got])
+
+    def _since(self, start: float) -> float:
+        return max(0.0, self.clock.monotonic() - start)
+
+    def _get_once(self, connector: Connector, key: str, meta: Any, remaining: float) -> Any:
+        if isinstance(connector, BlockingGet):
+            return connector.get_blocking(str(self.from_stage), str(self.to_stage), key, meta,
+                                          timeout_s=remaining)
+        return connector.get(from_stage=str(self.from_stage), to_stage=str(self.to_stage),
+                             get_key=key, metadata=meta)
+
+    def _wait_all(self, connector: Connector, keys: tuple, metas: list, deadline: Deadline,
+                  got: list) -> tuple[str, ...]:
+        """Fill ``got`` with ``(data, size)`` per key in order; return the keys still missing."""
+        blocking = isinstance(connector, BlockingGet)
+        pending = list(range(len(keys)))
+        results: dict[int, Any] = {}
+        polls = 0
+        while pending:
+            for i in list(pending):
+                remaining = deadline.remaining(self.clock.monotonic())
+                result = self._get_once(connector, keys[i][0], metas[i], remaining)
+                if result is not None:
+                    results[i] = result
+                    pending.remove(i)
+                elif blocking:
+                    break  # the deadline passed while blocked on this key
+            if not pending:
+                break
+            remaining = deadline.remaining(self.clock.monotonic())
+            if remaining <= 0.0:
+                break
+            if not blocking:
+                self.sleep(self.poll.next_sleep(polls, remaining))
+                polls += 1
+        got.extend(results[i] for i in sorted(results))
+        return tuple(keys[i][0] for i in pending)
+
+    def _assemble(self, request_id: str, keys: tuple, got: list, device: Any, start: float) -> ReceiveResult:
+        names = tuple(k for k, _ in keys)
+        total = sum(int(size) for _, size in got)
+        decoded: list[DecodedKV] = []
+        try:
+            for data, _ in got:
+                decoded.append(decode_payload(data))
+        except PayloadError as exc:
+            logger.warning("request %s: undecodable payload: %s", request_id, exc)
+            return ReceiveResult(ReceiveOutcome.failed(
+                request_id, ReceiveKind.DECODE_FAILED, str(exc), keys=names, nbytes=total,
+                seconds=self._since(start)))
+        try:
+            payload = self._combine([d.to_reference_dict() for d in decoded])
+            pooled = any(_is_pooled(data) for data, _ in got)
+            must_copy = pooled or self.copy_unpooled
+            if len(decoded) > 1 and self.merger is None:
+                must_copy = False  # torch.cat already made fresh tensors
+            payload = finalize_tensors(payload, device, must_copy)
+        except (KVFerryError, ValueError, RuntimeError) as exc:
+            return ReceiveResult(ReceiveOutcome.failed(
+                request_id, ReceiveKind.CONSUMED_BUT_FAILED, f"post-processing: {exc}", keys=names,
+                nbytes=total, seconds=self._since(start)))
+        return ReceiveResult(ReceiveOutcome.received(request_id, keys=names, nbytes=total,
+                                                     seconds=self._since(start)), payload)
+
+    def _combine(self, payloads: list[dict[str, Any]]) -> dict[str, Any]:
+        """Merge fan-in shards (source-rank order) and slice an untagged fan-out payload."""
+        if self.merger is not None:
+            merged = self.merger(payloads)
+        elif len(payloads) == 1:
+            merged = payloads[0]
+        else:
+            first = payloads[0]
+            merged = {
+                "request_id": first["request_id"],
+                "block_ids": list(first["block_ids"]),
+                "metadata": dict(first["metadata"]),
+                "layer_blocks": {
+                    name: merge_layers([p["layer_blocks"][name] for p in payloads])
+                    for name in ("key_cache", "value_cache")
+                },
+            }
+        if self.slicer is not None:
+            return self.slicer(merged)
+        return self._slice_if_needed(merged)
+
+    def _slice_if_needed(self, payload: dict[str, Any]) -> dict[str, Any]:
+        topo = self.topology
+        if topo.is_legacy or not topo.is_fan_out:
+            return payload
+        meta = payload.get("metadata") or {}
+        tag = applied_head_slice(meta)
+        if tag is not None:
+            if tag.get("target_rank") != topo.local_rank:
+                logger.warning("payload %s was sliced for rank %s, received on rank %s",
+                               payload.get("request_id"), tag.get("target_rank"), topo.local_rank)
+            return payload
+        offset, slices = fan_out_slice(topo.source_tp, topo.target_tp, topo.local_rank)
+        blocks = payload["layer_blocks"]
+        meta = dict(meta)
+        meta["tp_head_slice"] = tp_head_slice_record(
+            "receiver", topo.local_rank // slices, topo.local_rank, topo.source_tp, topo.target_tp,
+            offset, slices)
+        return {**payload, "metadata": meta, "layer_blocks": {
+            name: slice_layers(blocks.get(name), offset, slices) for name in ("key_cache", "value_cache")}}
+
+

@@ -1,0 +1,226 @@
+"""The send path: paged cache -> one payload per target key -> connector (SPEC 4, 7).
+
+For each finished request: plan the extraction (shapes only), build the send keys, and for
+each key write the payload by the connector's fastest path:
+
+- a :class:`~kvferry.core.ports.Reservable` connector gets the payload gathered straight into
+  its pool (the only copy of the tensor bytes on the sender);
+- any other connector gets zero-copy frames (header + tensor memoryviews) of tensors gathered
+  once into fresh memory.
+
+When fanning out (sender TP < receiver TP) each key carries only its receiver's heads: the
+gather reads just those heads of every block, and the payload is tagged ``tp_head_slice``
+(side "sender") so the receiver never slices it again.
+
+Every request gets a :class:`~kvferry.core.outcomes.SendOutcome`; puts are retried (3
+attempts, 0.1 s doubling backoff by default) and a full pool is reported as ``pool_full``.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any, Callable, Mapping, Sequence
+
+import attrs
+
+from kvferry.adapters.paged_cache import ExtractionPlan, ExtractionSkipped, plan_extraction
+from kvferry.adapters.torch_frames import dest_views, encode_frames, finish_payload_in
+from kvferry.core.errors import KVFerryError, PoolFullError, RoutingError
+from kvferry.core.head_slices import fan_out_slice, slice_bounds, tp_head_slice_record
+from kvferry.core.header import kv_tensor_specs, plan_layout
+from kvferry.core.ids import send_keys
+from kvferry.core.outcomes import SendOutcome, SendReason
+from kvferry.core.policy import RetryPolicy
+from kvferry.core.ports import Clock, Connector, Reservable
+from kvferry.core.topology import TPTopology, target_ranks
+
+__all__ = ["SendPath", "KeyJob", "slice_plan_heads"]
+
+logger = logging.getLogger(__name__)
+
+
+def slice_plan_heads(plan: ExtractionPlan, offset_in_shard: int, num_slices: int) -> ExtractionPlan:
+    """The same extraction restricted to one head slice (dim 2 of each block view).
+
+    Bounds come from :func:`kvferry.core.head_slices.slice_bounds`, the function the receiver
+    uses too. No data moves: the gathers read strided views of the cache.
+    """
+    if num_slices == 1:
+        return plan
+
+    def narrow(g: Any) -> Any:
+        if g is None:
+            return None
+        if g.blocks.dim() < 3:
+            raise RoutingError(f"{g.name}: cannot slice heads of a tensor without a head dimension")
+        start, stop = slice_bounds(g.blocks.shape[2], offset_in_shard, num_slices)
+        return attrs.evolve(g, blocks=g.blocks.narrow(2, start, stop - start))
+
+    return attrs.evolve(plan, keys=tuple(map(narrow, plan.keys)), values=tuple(map(narrow, plan.values)),
+                        metadata=plan.metadata)
+
+
+@attrs.frozen
+class KeyJob:
+    """One payload to put: its key, the receiver rank it feeds (None when a hook chose keys)
+    and the head slice it carries."""
+
+    key: str
+    target_rank: int | None
+    offset_in_shard: int = 0
+    num_slices: int = 1
+
+
+@attrs.define(eq=False)
+class SendPath:
+    """Sends finished requests of one sender rank. Thread-compatible, not thread-safe."""
+
+    from_stage: Any
+    to_stage: Any
+    topology: TPTopology
+    get_connector: Callable[[], "Connector | None"]
+    clock: Clock
+    sleep: Callable[[float], None]
+    retry: RetryPolicy = attrs.field(factory=RetryPolicy)
+    key_builder: Callable[..., Any] | None = None
+    align: int = 64
+    checksums: str | None = None
+
+    # ------------------------------------------------------------------------------ planning
+    def jobs(self, request_id: str) -> tuple[KeyJob, ...]:
+        """The payloads this rank puts for ``request_id`` (one per target key)."""
+        topo = self.topology
+        keys = send_keys(request_id, self.from_stage, self.to_stage, topo, self.key_builder)
+        if topo.is_legacy:
+            return tuple(KeyJob(k, None) for k in keys)
+        targets = target_ranks(topo)
+        if len(keys) != len(targets):  # a hook chose other keys: send whole shards
+            return tuple(KeyJob(k, None) for k in keys)
+        out = []
+        for key, target in zip(keys, targets):
+            offset, slices = fan_out_slice(topo.source_tp, topo.target_tp, target)
+            out.append(KeyJob(key, target, offset, slices))
+        return tuple(out)
+
+    # ------------------------------------------------------------------------------- sending
+    def send(
+        self,
+        request_id: str,
+        kv_caches: Sequence[Any],
+        block_ids: Any,
+        seq_len: int,
+        block_size: int,
+        cache_dtype: Any,
+        custom_metadata: Mapping[str, Any] | None = None,
+    ) -> SendOutcome:
+        """Extract, encode and put one request; never raises for transfer faults."""
+        start = self.clock.monotonic()
+        connector = self.get_connector()
+        if connector is None:
+            return SendOutcome.failed(request_id, SendReason.CONNECTOR_UNAVAILABLE, "no connector")
+        try:
+            plan = plan_extraction(kv_caches, block_ids, seq_len, block_size, cache_dtype=cache_dtype,
+                                   custom_metadata=custom_metadata, request_id=request_id)
+        except KVFerryError as exc:
+            return SendOutcome.failed(request_id, SendReason.ERROR, f"extraction: {exc}")
+        if isinstance(plan, ExtractionSkipped):
+            reason = SendReason.NO_BLOCKS if plan.reason == "no_block_ids" else SendReason.NO_PAYLOAD
+            return SendOutcome.failed(request_id, reason, plan.detail)
+        try:
+            jobs = self.jobs(request_id)
+        except KVFerryError as exc:
+            return SendOutcome.failed(request_id, SendReason.ERROR, f"keys: {exc}")
+        sent: list[str] = []
+        failed: list[str] = []
+        nbytes = attempts = 0
+        last_reason, last_detail = SendReason.PUT_FAILED, ""
+        materialized: dict[tuple[int, int], Any] = {}
+        for job in jobs:
+            ok, size, tries, reason, detail = self._put_one(connector, plan, job, materialized)
+            attempts += tries
+            if ok:
+                sent.append(job.key)
+                nbytes += size
+            else:
+                failed.append(job.key)
+                last_reason, last_detail = reason, detail
+        seconds = max(0.0, self.clock.monotonic() - start)
+        if failed:
+            logger.warning("request %s: %d of %d keys not sent (%s: %s)", request_id, len(failed),
+                           len(jobs), last_reason.value, last_detail)
+            return SendOutcome.failed(request_id, last_reason, last_detail, nbytes=nbytes, keys=sent,
+                                      failed_keys=failed, attempts=attempts, seconds=seconds)
+        logger.debug("request %s: sent %d bytes in %d keys (%.3f s, %.1f MB/s)", request_id, nbytes,
+                     len(sent), seconds, nbytes / 1e6 / seconds if seconds else float("inf"))
+        return SendOutcome.sent(request_id, keys=sent, nbytes=nbytes, attempts=attempts, seconds=seconds)
+
+    def _metadata(self, plan: ExtractionPlan, job: KeyJob) -> dict[str, Any]:
+        meta = plan.metadata
+        if job.num_slices > 1 and job.target_rank is not None:
+            topo = self.topology
+            meta["tp_head_slice"] = tp_head_slice_record(
+                "sender", topo.local_rank, job.target_rank, topo.source_tp, topo.target_tp,
+                job.offset_in_shard, job.num_slices)
+        return meta
+
+    def _put_one(self, connector: Connector, plan: ExtractionPlan, job: KeyJob,
+                 materialized: dict) -> tuple[bool, int, int, SendReason, str]:
+        """Put one key with retries: ``(ok, size, attempts, reason, detail)``."""
+        try:
+            sliced = slice_plan_heads(plan, job.offset_in_shard, job.num_slices)
+        except KVFerryError as exc:
+            return False, 0, 0, SendReason.ERROR, f"head slice: {exc}"
+        meta = self._metadata(plan, job)
+        delays = self.retry.delays()
+        reason, detail = SendReason.PUT_FAILED, ""
+        for attempt in range(self.retry.attempts):
+            try:
+                if isinstance(connector, Reservable):
+                    ok, size, info = self._put_reserved(connector, sliced, job.key, meta)
+                else:
+                    ok, size, info = self._put_frames(connector, sliced, job, meta, materialized)
+            except PoolFullError as exc:
+                ok, size, info = False, 0, {"reason": "pool_full", "detail": str(exc)}
+            except KVFerryError as exc:  # a local fault (layout, shapes): retrying cannot help
+                return False, 0, attempt + 1, SendReason.ERROR, str(exc)
+            if ok:
+                return True, size, attempt + 1, reason, ""
+            info = info or {}
+            reason = SendReason.POOL_FULL if info.get("reason") == "pool_full" else SendReason.PUT_FAILED
+            detail = str(info.get("detail") or info.get("reason") or "put returned ok=False")
+            if info.get("reason") in ("too_large", "closed"):
+                return False, 0, attempt + 1, reason, detail
+            if attempt < len(delays):
+                self.sleep(delays[attempt])
+        return False, 0, self.retry.attempts, reason, detail
+
+    def _layout(self, plan: ExtractionPlan, meta: dict[str, Any]) -> Any:
+        keys, values = plan.dtype_shapes()
+        num_layers, specs = kv_tensor_specs(keys, values)
+        return plan_layout(plan.request_id, plan.block_ids, meta, num_layers, specs, align=self.align,
+                           checksums=self.checksums)
+
+    def _put_reserved(self, connector: Any, plan: ExtractionPlan, key: str,
+                      meta: dict[str, Any]) -> tuple[bool, int, Any]:
+        layout = self._layout(plan, meta)
+        reservation = connector.reserve(str(self.from_stage), str(self.to_stage), key, layout.total_nbytes)
+        try:
+            views = dest_views(reservation.buffer, layout)
+            n = plan.num_layers
+            plan.gather_all((views[:n], views[n:]))
+            finish_payload_in(reservation.buffer, layout)
+        except BaseException:
+            reservation.abort()
+            raise
+        return reservation.commit()
+
+    def _put_frames(self, connector: Connector, plan: ExtractionPlan, job: KeyJob,
+                    meta: dict[str, Any], materialized: dict) -> tuple[bool, int, Any]:
+        slot = (job.offset_in_shard, job.num_slices)
+        if slot not in materialized:  # gather once per head slice, even across retries
+            materialized[slot] = plan.materialize()
+        keys, values = materialized[slot]
+        encoded = encode_frames(plan.request_id, keys, values, plan.block_ids, meta, align=self.align,
+                                checksums=self.checksums)
+        return connector.put(from_stage=str(self.from_stage), to_stage=str(self.to_stage),
+                             put_key=job.key, data=list(encoded.frames))
