@@ -44,7 +44,7 @@ _MAX_ENDPOINTS = 256
 COUNTERS = (
     "requests", "hits", "bytes_received", "misses_not_found", "misses_expired",
     "misses_timeout", "misses_closing", "errors", "timeouts", "late_replies", "stash_hits",
-    "stash_evicted", "bad_replies", "connect_failures",
+    "stash_evicted", "bad_replies", "connect_failures", "loop_failures",
 )
 
 
@@ -170,7 +170,8 @@ class ZmqClient:
 
     def _ensure_thread_locked(self) -> None:
         if self._thread is None:
-            self._waker = Waker.create()
+            if self._waker is None:
+                self._waker = Waker.create()
             self._thread = threading.Thread(target=self._run, name="kvferry-zmq-recv", daemon=True)
             self._thread.start()
 
@@ -266,13 +267,22 @@ class ZmqClient:
                     if events.get(sock, 0) & zmq.POLLIN:
                         self._read_replies(endpoint, sock)
                 self._flush(sockets, outbox, poller)
-        except zmq.ZMQError:
-            logger.exception("zmq receive loop failed")
+        except Exception:  # a bug or a zmq fault: fail the waiting callers, not silently
+            logger.exception("zmq receive loop failed; it restarts on the next request")
+            with self._lock:
+                self._counters["loop_failures"] += 1
         finally:
             for sock in sockets.values():
                 sock.close(linger=0)
             with self._lock:
                 self._endpoints = 0
+                if not self._closed:  # failed: answer every waiter, let a new thread start
+                    for slot in self._pending.values():
+                        if slot.outcome is None:
+                            slot.outcome = Outcome("error", reason="loop_failed")
+                            slot.event.set()
+                    self._submits.clear()
+                    self._thread = None
 
     def _timeout_ms(self, outbox: dict[str, collections.deque]) -> int | None:
         deadlines = [q[0].deadline for q in outbox.values() if q]

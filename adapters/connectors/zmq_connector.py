@@ -263,12 +263,19 @@ class ZmqConnector:
         """Wait up to ``timeout_s`` seconds for ``get_key``; the sender answers on arrival."""
         if isinstance(timeout_s, bool) or not isinstance(timeout_s, (int, float)) or timeout_s < 0:
             raise ConfigError(f"timeout_s must be a number of seconds >= 0, got {timeout_s!r}")
+        if timeout_s == 0:
+            return None  # nothing can arrive in no time; asking would only strand a reply
         return self._fetch(get_key, metadata, "wait", float(timeout_s), float(timeout_s))
 
     def _fetch(
         self, key: str, metadata: Mapping[str, Any] | None, mode: str, wait: float, timeout: float
     ) -> tuple[tuple[memoryview, ...], int] | None:
         if self._closed:
+            return None
+        curve = self.config.curve
+        if curve is not None and not (curve.client_public and curve.client_secret):
+            self._unresolved += 1
+            logger.warning("zmq get needs curve.client_public/client_secret to reach a sender")
             return None
         endpoint = self._endpoint_for(metadata)
         if endpoint is None:

@@ -250,8 +250,9 @@ class ZmqServer:
                     self._read_requests(sock)
                 self._serve_published(sock)
                 self._fire_timers(sock)
-        except zmq.ZMQError:
-            logger.exception("zmq serving loop for %s failed", self.endpoint)
+        except Exception:  # a bug or a zmq fault: visible in health (ok False) and the log
+            logger.exception("zmq serving loop for %s failed; the sender stops serving",
+                             self.endpoint)
             self._counters["loop_failures"] += 1
         finally:
             self._answer_all_parked(sock, "closing")

@@ -33,7 +33,7 @@ from kvferry.adapters.connectors.zmq_protocol import (
     resolve_endpoint,
     tcp_endpoint,
 )
-from kvferry.core.errors import BindError, ConfigError
+from kvferry.core.errors import BindError, ConfigError, PoolFullError
 from kvferry.core.ports import BlockingGet, Connector, SenderAware
 
 PROPS = settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -386,6 +386,54 @@ def test_expired_payloads_are_dropped(ipc_dir, transport):
         assert health["sender"]["misses_expired"] == 1
 
 
+def test_reservation_is_published_without_a_copy(make):
+    sender, receiver = make(pool_bytes=1000), make("receiver")
+    res = sender.reserve("0", "1", "direct", 600)
+    assert res.buffer.dtype == torch.uint8 and res.buffer.shape == (600,)
+    with pytest.raises(PoolFullError, match="pool_full"):
+        sender.reserve("0", "1", "other", 600)
+    with pytest.raises(PoolFullError, match="too_large"):
+        sender.reserve("0", "1", "other", 1001)
+    assert sender.put("0", "1", "small", b"x" * 400)[0]  # reserved bytes count
+    assert sender.put("0", "1", "more", b"x")[2]["reason"] == "pool_full"
+    res.buffer.copy_(torch.arange(600) % 251)
+    ok, size, meta = res.commit()
+    assert (ok, size) == (True, 600) and res.commit() == (ok, size, meta)
+    res.abort()  # no effect after commit
+    got = receiver.get("0", "1", "direct", meta)
+    assert bytes(got[0][0]) == bytes(i % 251 for i in range(600))
+    aborted = sender.reserve("0", "1", "gone", 500)
+    aborted.abort()
+    aborted.abort()
+    assert not aborted.commit()[0]
+    assert sender.health()["sender"]["reserved_bytes"] == 0
+    with pytest.raises(ConfigError, match="sender"):
+        receiver.reserve("0", "1", "k", 10)
+
+
+def test_lease_clock_may_be_a_clock_object(ipc_dir):
+    class Clock:
+        now = 5.0
+
+        def monotonic(self):
+            return self.now
+
+    clock = Clock()
+    with ZmqConnector({"role": "sender", "port": 0, "lease_s": 2.0, "clock": clock}) as sender:
+        sender.put("0", "1", "k", b"x")
+        clock.now += 2.0
+        assert sender.get("0", "1", "k") is None
+        assert sender.health()["expired"] == 1
+
+
+def test_zero_timeout_asks_nothing(make):
+    sender = make()
+    sender.put("0", "1", "k", b"x")
+    assert sender.get_blocking("0", "1", "k", None, timeout_s=0) is None
+    assert sender.health()["sender"]["requests"] == 0
+    assert joined(sender.get_blocking("0", "1", "k", None, timeout_s=WAIT)[0]) == b"x"
+
+
 def test_pool_bounds_fail_put_with_a_reason(make):
     sender, receiver = make(pool_bytes=100, max_payloads=2), make("receiver")
     assert sender.put("0", "1", "a", b"x" * 60)[0]
@@ -637,3 +685,9 @@ def test_curve_without_allow_list_admits_any_curve_client():
             assert joined(rx.get("0", "1", "k", sender.sender_metadata())[0]) == b"x"
     with pytest.raises(ConfigError, match="server_secret"):
         ZmqConnector({"role": "sender", "port": 0, "curve": {"server_public": keys["server_public"]}})
+    with ZmqConnector({"role": "sender", "port": 0, "curve": server_only}) as sender:
+        sender.put("0", "1", "k", b"x")
+        assert sender.get("0", "1", "k") is None  # no client keys: refused at once, not hung
+        assert sender.health()["unresolved"] == 1
+    with pytest.raises(ConfigError, match="client"):
+        ZmqConnector({"role": "receiver", "curve": server_only})

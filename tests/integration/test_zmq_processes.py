@@ -1,0 +1,250 @@
+"""The zmq connector between real processes, over tcp and ipc.
+
+The test process drives workers (this file run as a script) through JSON lines on their
+stdin/stdout, so every step is synchronised by a message, never by a sleep.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import selectors
+import shutil
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from typing import Any
+
+import pytest
+
+N_PAYLOADS = 8
+WAIT = 30.0
+
+
+# ----------------------------------------------------------------------------- payloads
+
+
+def expected_frames(index: int) -> list[Any]:
+    """Payload ``index``: a header and two tensors (float32 and bfloat16), deterministic."""
+    import torch
+
+    gen = torch.Generator().manual_seed(1000 + index)
+    keys = torch.randn(96 + index, 4, 64, generator=gen)
+    values = torch.randn(96 + index, 4, 64, generator=gen).to(torch.bfloat16)
+    header = json.dumps({"i": index, "shape": list(keys.shape)}).encode()
+    return [header, keys, values]
+
+
+def frame_bytes(frames: list[Any]) -> list[bytes]:
+    import torch
+
+    out = []
+    for frame in frames:
+        if isinstance(frame, torch.Tensor):
+            frame = frame.contiguous().view(torch.uint8).numpy()
+        out.append(bytes(memoryview(frame).cast("B")))
+    return out
+
+
+# ----------------------------------------------------------------------------- workers
+
+
+def _say(obj: dict) -> None:
+    sys.stdout.write(json.dumps(obj) + "\n")
+    sys.stdout.flush()
+
+
+def _wait_for(predicate, timeout_s: float) -> bool:
+    deadline = time.monotonic() + timeout_s
+    pause = threading.Event()
+    while not predicate():
+        if time.monotonic() >= deadline:
+            return False
+        pause.wait(0.002)
+    return True
+
+
+def sender_main(config: dict) -> None:
+    """Bind, report metadata, then on each command: ``put`` (after ``parked`` receivers wait)
+    or ``exit``."""
+    from kvferry.adapters.connectors.zmq_connector import ZmqConnector
+
+    with ZmqConnector(config) as conn:
+        _say({"ready": conn.sender_metadata()})
+        for line in sys.stdin:
+            command = json.loads(line)
+            if command["op"] == "exit":
+                break
+            parked = _wait_for(lambda: conn.health()["sender"]["parked"] >= command["parked"], WAIT)
+            results = [
+                conn.put("0", "1", f"req{i}_0_0_0_0", expected_frames(i))[0]
+                for i in range(command["count"])
+            ]
+            _say({"put": sum(results), "parked_first": parked})
+
+
+def receiver_main(config: dict, metadata: dict, count: int) -> None:
+    """Get ``count`` payloads with blocking gets; report bit-exactness and zero-copy views."""
+    import numpy as np
+    import torch
+
+    from kvferry.adapters.connectors.zmq_connector import ZmqConnector
+
+    mismatches, zero_copy = [], True
+    with ZmqConnector(config) as conn:
+        _say({"waiting": True})
+        for i in range(count):
+            got = conn.get_blocking("0", "1", f"req{i}_0_0_0_0", metadata, timeout_s=WAIT)
+            if got is None:
+                mismatches.append(f"{i}: nothing")
+                continue
+            frames, size = got
+            if [bytes(f) for f in frames] != frame_bytes(expected_frames(i)):
+                mismatches.append(f"{i}: bytes differ")
+            view = torch.frombuffer(frames[1], dtype=torch.float32)
+            start = np.frombuffer(frames[1], dtype=np.uint8).ctypes.data
+            zero_copy &= start <= view.data_ptr() < start + frames[1].nbytes
+        _say({"mismatches": mismatches, "zero_copy": bool(zero_copy),
+              "hits": conn.health()["hits"]})
+
+
+# ----------------------------------------------------------------------------- harness
+
+
+class Worker:
+    """A worker process spoken to in JSON lines; every read has a deadline."""
+
+    def __init__(self, *args: str) -> None:
+        self.proc = subprocess.Popen(
+            [sys.executable, __file__, *args], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+            text=True, cwd=os.path.dirname(__file__),
+        )
+        self._selector = selectors.DefaultSelector()
+        self._selector.register(self.proc.stdout, selectors.EVENT_READ)
+
+    def read(self, timeout_s: float = WAIT) -> dict:
+        if not self._selector.select(timeout_s):
+            raise AssertionError(f"worker said nothing within {timeout_s}s")
+        line = self.proc.stdout.readline()
+        assert line, f"worker exited with {self.proc.wait(timeout=WAIT)}"
+        return json.loads(line)
+
+    def send(self, obj: dict) -> None:
+        self.proc.stdin.write(json.dumps(obj) + "\n")
+        self.proc.stdin.flush()
+
+    def finish(self) -> int:
+        if self.proc.poll() is None and not self.proc.stdin.closed:
+            try:
+                self.send({"op": "exit"})
+            except BrokenPipeError:
+                pass
+        try:
+            return self.proc.wait(timeout=WAIT)
+        finally:
+            self._selector.close()
+            self.proc.stdout.close()
+            if not self.proc.stdin.closed:
+                try:
+                    self.proc.stdin.close()
+                except BrokenPipeError:
+                    pass
+
+    def kill(self) -> None:
+        self.proc.kill()
+        self.finish()
+
+
+@pytest.fixture
+def ipc_dir():
+    path = tempfile.mkdtemp(prefix="zqp", dir="/tmp")
+    yield path
+    shutil.rmtree(path, ignore_errors=True)
+
+
+def free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+def sender_config(transport: str, ipc_dir: str, port: int) -> dict:
+    return {"role": "sender", "transport": transport, "ipc_dir": ipc_dir, "port": port}
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("transport", ["tcp", "ipc"])
+def test_payloads_cross_processes_bit_exact(transport, ipc_dir):
+    port = 0 if transport == "tcp" else free_port()
+    sender = Worker("sender", json.dumps(sender_config(transport, ipc_dir, port)))
+    receiver = None
+    try:
+        metadata = sender.read()["ready"]
+        assert metadata["transport"] == transport
+        if transport == "tcp":
+            assert metadata["source_host"] == "127.0.0.1" and metadata["source_port"] > 0
+        else:
+            assert os.path.exists(metadata["ipc_path"])
+        rx_config = {"role": "receiver", "transport": transport, "ipc_dir": ipc_dir}
+        receiver = Worker("receiver", json.dumps(rx_config), json.dumps(metadata), str(N_PAYLOADS))
+        assert receiver.read() == {"waiting": True}
+        sender.send({"op": "put", "count": N_PAYLOADS, "parked": 1})
+        assert sender.read() == {"put": N_PAYLOADS, "parked_first": True}
+        result = receiver.read()
+        assert result == {"mismatches": [], "zero_copy": True, "hits": N_PAYLOADS}
+        assert receiver.finish() == 0
+        assert sender.finish() == 0
+        if transport == "ipc":
+            assert not os.path.exists(metadata["ipc_path"])  # removed on close
+    finally:
+        for worker in (receiver, sender):
+            if worker is not None and worker.proc.poll() is None:
+                worker.kill()
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("transport", ["tcp", "ipc"])
+def test_sender_crash_then_restart_on_the_same_endpoint(transport, ipc_dir):
+    from kvferry.adapters.connectors.zmq_connector import ZmqConnector
+
+    port = free_port()
+    config = sender_config(transport, ipc_dir, port)
+    first = Worker("sender", json.dumps(config))
+    second = None
+    rx_config = {"role": "receiver", "transport": transport, "ipc_dir": ipc_dir}
+    try:
+        metadata = first.read()["ready"]
+        with ZmqConnector(rx_config) as receiver:
+            first.send({"op": "put", "count": 1, "parked": 0})
+            assert first.read()["put"] == 1
+            got = receiver.get_blocking("0", "1", "req0_0_0_0_0", metadata, timeout_s=WAIT)
+            assert got is not None and [bytes(f) for f in got[0]] == frame_bytes(expected_frames(0))
+            first.kill()  # no close: an ipc socket file stays behind
+            started = time.monotonic()
+            assert receiver.get_blocking("0", "1", "req1_0_0_0_0", metadata, timeout_s=1.0) is None
+            assert time.monotonic() - started < 5.0
+            second = Worker("sender", json.dumps(config))
+            assert second.read()["ready"] == metadata  # same endpoint, stale file replaced
+            second.send({"op": "put", "count": 2, "parked": 0})
+            assert second.read()["put"] == 2
+            got = receiver.get_blocking("0", "1", "req1_0_0_0_0", metadata, timeout_s=WAIT)
+            assert got is not None and [bytes(f) for f in got[0]] == frame_bytes(expected_frames(1))
+            assert receiver.health()["timeouts"] == 1
+        assert second.finish() == 0
+    finally:
+        for worker in (second, first):
+            if worker is not None and worker.proc.poll() is None:
+                worker.kill()
+
+
+if __name__ == "__main__":
+    role, raw_config = sys.argv[1], json.loads(sys.argv[2])
+    if role == "sender":
+        sender_main(raw_config)
+    else:
+        receiver_main(raw_config, json.loads(sys.argv[3]), int(sys.argv[4]))
