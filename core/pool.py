@@ -541,12 +541,11 @@ class PoolLedger:
             self._reserved.discard(region.offset)
             self.allocator.free(region)
 
-    def _free(self, entries: Iterable[LeaseEntry]) -> int:
-        count = 0
-        for entry in entries:
+    def _free(self, entries: Iterable[LeaseEntry]) -> tuple[LeaseEntry, ...]:
+        done = tuple(entries)
+        for entry in done:
             self.allocator.free(entry.handle)
-            count += 1
-        return count
+        return done
 
     def publish(
         self,
@@ -573,20 +572,24 @@ class PoolLedger:
     def take(self, key: str, now_s: float) -> Ticket | None:
         return self.leases.take(key, now_s)
 
-    def release(self, ticket_id: int) -> bool:
-        """Release a ticket (idempotent); True when this freed the region."""
-        return self._free([e] if (e := self.leases.release(ticket_id)) else []) > 0
+    def release(self, ticket_id: int) -> LeaseEntry | None:
+        """Release a ticket (idempotent); the entry's snapshot when this freed its region."""
+        entry = self.leases.release(ticket_id)
+        if entry is not None:
+            self._free([entry])
+        return entry
 
     def expire(self, now_s: float) -> tuple[Expiry, ...]:
         report = self.leases.expire(now_s)
         self._free(x.entry for x in report if x.freed)
         return report
 
-    def drop_key(self, key: str) -> int:
+    def drop_key(self, key: str) -> tuple[LeaseEntry, ...]:
+        """Make ``key`` unreadable; returns the entries whose regions were freed now."""
         return self._free(self.leases.drop_key(key))
 
-    def drop_request(self, request_id: str) -> int:
-        """Drop every readable key of ``request_id``; returns how many regions were freed now."""
+    def drop_request(self, request_id: str) -> tuple[LeaseEntry, ...]:
+        """Drop every readable key of ``request_id``; returns the entries freed now."""
         return self._free(self.leases.drop_request(request_id))
 
     def stats(self) -> dict[str, int]:
