@@ -45,7 +45,7 @@ logger = logging.getLogger(__name__)
 BUILTIN_CONNECTORS: dict[str, str] = {
     "memory": "kvferry.adapters.connectors.memory:MemoryConnector",
     "shm": "kvferry.adapters.connectors.shm:ShmConnector",
-    "zmq": "kvferry.adapters.connectors.zmq:ZmqConnector",
+    "zmq": "kvferry.adapters.connectors.zmq_connector:ZmqConnector",
     "mooncake": "kvferry.adapters.connectors.mooncake:MooncakeConnector",
 }
 
