@@ -157,6 +157,8 @@ class ZmqClient:
             self._stash_bytes = 0
             thread, waker = self._thread, self._waker
         if thread is None:
+            if waker is not None:
+                waker.close()
             return True
         waker.poke()
         thread.join(timeout_s)

@@ -37,7 +37,7 @@ from kvferry.adapters.connectors.zmq_server import ZmqServer
 from kvferry.adapters.connectors.zmq_store import Held, ZmqReservation, as_frames
 from kvferry.core.errors import ConfigError, PoolFullError, TransferError
 
-__all__ = ["ZmqConnector", "as_frames"]
+__all__ = ["ZmqConnector"]
 
 logger = logging.getLogger(__name__)
 
@@ -55,7 +55,8 @@ def _as_clock(clock: Any) -> Callable[[], float]:
 
 @attrs.define(eq=False, init=False)
 class ZmqConnector:
-    """Connector, BlockingGet and SenderAware over ZeroMQ (tcp across hosts, ipc on one host).
+    """Connector, BlockingGet, SenderAware and Reservable over ZeroMQ (tcp across hosts, ipc
+    on one host).
 
     Thread-safe: ``put``/``get``/``get_blocking`` may be called from several threads. Owns a
     private zmq context, one serving thread (sender role) and one receive thread (started on
@@ -105,8 +106,9 @@ class ZmqConnector:
             try:
                 server.start()
             except BaseException:
-                self._context.term()
                 self._closed = True
+                if not server.thread_running:  # never term under a live socket: it would hang
+                    self._context.term()
                 raise
             self._server = server
             logger.info("zmq sender serving on %s", server.endpoint)

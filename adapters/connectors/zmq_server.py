@@ -184,6 +184,10 @@ class ZmqServer:
         return out
 
     @property
+    def thread_running(self) -> bool:
+        return self._thread is not None and self._thread.is_alive()
+
+    @property
     def alive(self) -> bool:
         return self._thread is not None and self._thread.is_alive() and not self._stopping
 
