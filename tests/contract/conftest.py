@@ -90,11 +90,44 @@ def mooncake_factory(config: dict[str, Any]) -> ConnectorPair:
     return ConnectorPair(sender, receiver, cleanup)
 
 
+def zmq_factory(transport: str) -> Callable[[dict[str, Any]], ConnectorPair]:
+    """A zmq sender and receiver in this process: ``tcp`` on loopback with an OS-chosen port,
+    or ``ipc`` in a private socket directory."""
+
+    def factory(config: dict[str, Any]) -> ConnectorPair:
+        ipc_dir = tempfile.mkdtemp(prefix="kvfz-", dir="/tmp")
+        common = {"type": "zmq", "transport": transport, "ipc_dir": ipc_dir}
+        port = 0 if transport == "tcp" else 50151
+        try:
+            sender = create_connector({**common, **config, "role": "sender", "port": port})
+        except BaseException:
+            shutil.rmtree(ipc_dir, ignore_errors=True)
+            raise
+        try:
+            receiver = create_connector({**common, "role": "receiver"})
+        except BaseException:
+            sender.close()
+            shutil.rmtree(ipc_dir, ignore_errors=True)
+            raise
+        receiver.update_sender_info("127.0.0.1", sender.port)
+
+        def cleanup() -> None:
+            receiver.close()
+            sender.close()
+            shutil.rmtree(ipc_dir, ignore_errors=True)
+
+        return ConnectorPair(sender, receiver, cleanup)
+
+    return factory
+
+
 #: name -> factory. The zmq (tcp/ipc) and mooncake connectors join by adding their entries.
 CONNECTOR_FACTORIES: dict[str, Callable[[dict[str, Any]], ConnectorPair]] = {
     "memory": memory_factory,
     "memory-objects": memory_objects_factory,
     "mooncake": mooncake_factory,
+    "zmq-tcp": zmq_factory("tcp"),
+    "zmq-ipc": zmq_factory("ipc"),
 }
 
 
