@@ -349,7 +349,7 @@ class TorchDistGroup:
             pg = self.process_group if self.process_group is not None else dist.group.WORLD
             self.ranks = tuple(dist.get_process_group_ranks(pg))
         torch = _torch()
-        nccl = "nccl" in str(dist.get_backend(self.process_group)).lower()
+        nccl = "nccl" in str(dist.get_backend(self.process_group)).lower() and torch.cuda.is_available()
         self._device = torch.device("cuda", torch.cuda.current_device()) if nccl else torch.device("cpu")
 
     @classmethod

@@ -31,6 +31,11 @@ TIMEOUT_SLACK_S = 2.0
 class Ctx:
     def __init__(self, rank: int, size: int, world: Any, new_group: Callable[[tuple[int, ...]], Any]) -> None:
         self.rank, self.size, self.world, self.new_group = rank, size, world, new_group
+        self.started: float | None = None
+
+    def mark(self) -> None:
+        """Start the clock here (after group creation): ``elapsed`` times only what follows."""
+        self.started = time.monotonic()
 
 
 class NotData:
@@ -140,6 +145,7 @@ def sub_groups(ctx: Ctx) -> Any:
 def recv_from_absent_peer(ctx: Ctx) -> Any:
     """Rank 1 waits for an object rank 0 never sends: TransferTimeout at the deadline."""
     group = ctx.new_group((0, 1))
+    ctx.mark()
     if ctx.rank == 1:
         return group.recv_object(0, timeout_s=SHORT_TIMEOUT_S)
     return "absent"
@@ -148,6 +154,7 @@ def recv_from_absent_peer(ctx: Ctx) -> Any:
 def broadcast_from_absent_source(ctx: Ctx) -> Any:
     """Every rank but 0 waits for a broadcast rank 0 never starts."""
     group = ctx.new_group(tuple(range(ctx.size)))
+    ctx.mark()
     if ctx.rank == 0:
         return "absent"
     return group.broadcast_object(None, 0, timeout_s=SHORT_TIMEOUT_S)
@@ -156,6 +163,7 @@ def broadcast_from_absent_source(ctx: Ctx) -> Any:
 def broadcast_to_absent_peer(ctx: Ctx) -> Any:
     """Rank 0 broadcasts to a group whose rank 1 never arrives: the source times out too."""
     group = ctx.new_group((0, 1))
+    ctx.mark()
     if ctx.rank == 0:
         return group.broadcast_object({"big": b"x" * 4096}, 0, timeout_s=SHORT_TIMEOUT_S)
     return "absent"
@@ -164,12 +172,14 @@ def broadcast_to_absent_peer(ctx: Ctx) -> Any:
 def source_cannot_encode(ctx: Ctx) -> Any:
     """The source holds a non-data object: it raises at once and the others are told (no hang)."""
     group = ctx.new_group(tuple(range(ctx.size)))
+    ctx.mark()
     return _describe(group.broadcast_object({"x": NotData()} if ctx.rank == 0 else None, 0,
                                             timeout_s=OP_TIMEOUT_S))
 
 
 def sender_cannot_encode(ctx: Ctx) -> Any:
     group = ctx.new_group((0, 1))
+    ctx.mark()
     if ctx.rank == 0:
         group.send_object(NotData(), 1, timeout_s=OP_TIMEOUT_S)
     elif ctx.rank == 1:
@@ -213,10 +223,11 @@ def no_pickle() -> Iterator[None]:
 
 def run_scenario(name: str, ctx: Ctx) -> dict[str, Any]:
     """``{"ok": value, "elapsed": s}`` or ``{"raised": class name, "kvferry": bool, ...}``."""
+    ctx.started = None
     start = time.monotonic()
     try:
         value = SCENARIOS[name](ctx)
     except Exception as exc:  # the contract compares what was raised on each rank
         return {"raised": type(exc).__name__, "kvferry": isinstance(exc, KVFerryError),
-                "msg": str(exc)[:300], "elapsed": time.monotonic() - start}
-    return {"ok": value, "elapsed": time.monotonic() - start}
+                "msg": str(exc)[:300], "elapsed": time.monotonic() - (ctx.started or start)}
+    return {"ok": value, "elapsed": time.monotonic() - (ctx.started or start)}
