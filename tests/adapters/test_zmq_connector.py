@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import gc
+import os
 import shutil
 import socket
 import tempfile
@@ -496,6 +497,18 @@ def test_concurrent_gets_from_many_threads(make):
 # ----------------------------------------------------------------------------- binding
 
 
+def listening_addresses(port: int) -> set[str]:
+    """Local addresses (hex, as in /proc/net/tcp) of sockets listening on ``port``."""
+    found = set()
+    with open("/proc/net/tcp") as table:
+        for line in list(table)[1:]:
+            local, state = line.split()[1], line.split()[3]
+            address, hex_port = local.split(":")
+            if state == "0A" and int(hex_port, 16) == port:  # 0A: LISTEN
+                found.add(address)
+    return found
+
+
 def test_binds_loopback_on_the_given_port():
     port = free_port()
     with ZmqConnector({"role": "sender", "port": port}) as sender:
@@ -503,6 +516,8 @@ def test_binds_loopback_on_the_given_port():
         assert sender.sender_metadata()["source_host"] == "127.0.0.1"
         with socket.create_connection(("127.0.0.1", port), timeout=WAIT):
             pass
+        if os.path.exists("/proc/net/tcp"):
+            assert listening_addresses(port) == {"0100007F"}  # 127.0.0.1, not 0.0.0.0
 
 
 def test_port_zero_reports_the_os_choice():
@@ -532,8 +547,6 @@ def test_ipc_file_lifecycle(ipc_dir):
     with pytest.raises(BindError, match=str(port)):
         ZmqConnector(cfg)  # a live owner is never taken over
     sender.close()
-    import os
-
     assert not os.path.exists(path)
 
 
