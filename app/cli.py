@@ -17,7 +17,11 @@ __all__ = ["main", "COMMANDS"]
 
 #: name -> (help line, "module:function" that configures the sub-parser and returns the runner)
 COMMANDS: dict[str, tuple[str, str]] = {
+    "demo": ("run a real sender -> receiver pipeline on this machine and verify it bit for bit",
+             "kvferry.app.demo:configure"),
     "plan": ("print every rank's keys, ports and head slices", "kvferry.app.cli_plan:configure"),
+    "bench": ("measure kvferry against the machine's limits and a naive baseline", "kvferry.app.cli_bench:configure"),
+    "inspect": ("decode a payload file and print its header and tensor table", "kvferry.app.cli_inspect:configure"),
 }
 
 
