@@ -57,6 +57,7 @@ CROSS_DEVICE_MAX_RUNS = 16
 #: run, more use one index kernel. On CPU ``"auto"`` is always ``"index"`` (measured fastest).
 DEVICE_MAX_RUNS = 4
 _WIDE = ((8, torch.int64), (4, torch.int32), (2, torch.int16))
+_WIDTH_DTYPE = {8: torch.int64, 4: torch.int32, 2: torch.int16, 1: torch.uint8}
 
 
 @attrs.frozen
@@ -170,13 +171,13 @@ def _byte_rows(t: torch.Tensor) -> torch.Tensor | None:
     return t.as_strided((t.shape[0], row), (t.stride(0), 1)).view(torch.uint8)
 
 
-def _widen(a: torch.Tensor, b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Reinterpret two uint8 row views as the widest integer type both allow (same bytes)."""
-    for width, dtype in _WIDE:
-        if all(t.shape[1] % width == 0 and t.stride(0) % width == 0 and t.data_ptr() % width == 0
-               and t.storage_offset() % width == 0 for t in (a, b)):
-            return a.view(dtype), b.view(dtype)
-    return a, b
+def _row_width(rows: torch.Tensor) -> int:
+    """The widest integer (8, 4, 2 or 1 bytes) a uint8 row view can be reinterpreted as."""
+    for width, _ in _WIDE:
+        if rows.shape[1] % width == 0 and rows.stride(0) % width == 0 \
+                and rows.data_ptr() % width == 0 and rows.storage_offset() % width == 0:
+            return width
+    return 1
 
 
 @attrs.frozen(eq=False)
@@ -198,15 +199,27 @@ class TensorGather:
     tail_tokens: int
     index: torch.Tensor = attrs.field(repr=False)
     runs: tuple[tuple[int, int, int], ...] = attrs.field(repr=False)
+    #: Output shape ``(tokens, *token_shape)`` and bytes.
+    shape: tuple[int, ...] = attrs.field(init=False)
+    nbytes: int = attrs.field(init=False)
+    _rows: torch.Tensor | None = attrs.field(init=False, repr=False)  # uint8 view of ``blocks``
+
+    @shape.default
+    def _shape_default(self) -> tuple[int, ...]:
+        return (self.tokens, *self.blocks.shape[2:])
+
+    @nbytes.default
+    def _nbytes_default(self) -> int:
+        return math.prod(self.shape) * self.blocks.element_size()
+
+    @_rows.default
+    def _rows_default(self) -> torch.Tensor | None:
+        return _byte_rows(self.blocks)
 
     @property
     def name(self) -> str:
         """Wire name: ``key_cache_{layer}`` or ``value_cache_{layer}``."""
         return f"{self.which}_cache_{self.layer}"
-
-    @property
-    def shape(self) -> tuple[int, ...]:
-        return (self.tokens, *self.blocks.shape[2:])
 
     @property
     def dtype(self) -> torch.dtype:
@@ -221,16 +234,11 @@ class TensorGather:
         """The wire dtype name (torch's, without ``torch.``)."""
         return str(self.blocks.dtype).removeprefix("torch.")
 
-    @property
-    def nbytes(self) -> int:
-        """Bytes of the output tensor."""
-        return math.prod(self.shape) * self.blocks.element_size()
-
     def choose_method(self, out_device: torch.device, method: GatherMethod = "auto") -> str:
         """The concrete method for a destination on ``out_device``."""
         if method not in _METHODS:
             raise ConfigError(f"gather method must be one of {_METHODS}, got {method!r}")
-        cross = torch.device(out_device) != self.device
+        cross = out_device != self.device
         if method == "index" and cross:
             raise ConfigError(f"'index' needs the destination on {self.device}, not {out_device}")
         if method != "auto":
@@ -257,7 +265,9 @@ class TensorGather:
         ``tail_tokens`` tokens in one more ``copy_``.
         """
         self.check_out(out)
-        chosen = self.choose_method(out.device, method)
+        return self._write(out, self.choose_method(out.device, method))
+
+    def _write(self, out: torch.Tensor, chosen: str) -> torch.Tensor:
         if self.nbytes == 0:
             return out
         block_shape = tuple(self.blocks.shape[1:])
@@ -270,10 +280,11 @@ class TensorGather:
             elif chosen == "staged":
                 dst.copy_(torch.index_select(self.blocks, 0, self.index))
             else:
-                src_rows, dst_rows = _byte_rows(self.blocks), _byte_rows(dst)
-                if src_rows is not None and dst_rows is not None:
-                    src_rows, dst_rows = _widen(src_rows, dst_rows)
-                    torch.index_select(src_rows, 0, self.index, out=dst_rows)
+                dst_rows = _byte_rows(dst)
+                if self._rows is not None and dst_rows is not None:
+                    width = min(_row_width(self._rows), _row_width(dst_rows))
+                    wide = _WIDTH_DTYPE[width]
+                    torch.index_select(self._rows.view(wide), 0, self.index, out=dst_rows.view(wide))
                 else:  # strided blocks (packed layout): element-wise gather, still no temporary
                     torch.index_select(self.blocks, 0, self.index, out=dst)
         if self.tail_tokens:
@@ -357,9 +368,10 @@ class ExtractionPlan:
                                       "the layer is absent")
                 if gather is not None:
                     gather.check_out(view)
-                    pairs.append((gather, view))
-        for gather, view in pairs:
-            gather.gather_into(view, method=method)
+                    pairs.append((gather, view, gather.choose_method(view.device, method)))
+        with torch.no_grad():
+            for gather, view, chosen in pairs:
+                gather._write(view, chosen)
 
     def materialize(self, *, method: GatherMethod = "auto"
                     ) -> tuple[list[torch.Tensor | None], list[torch.Tensor | None]]:
@@ -430,27 +442,27 @@ def plan_extraction(
     if not layers:
         logger.warning("request %s skipped: the KV cache has no layers", request_id)
         return ExtractionSkipped(request_id, "no_layers", "the KV cache has no layers")
-    indexes: dict[tuple[torch.device, tuple[int, ...]], torch.Tensor] = {}
-    runs: dict[tuple[int, ...], tuple[tuple[int, int, int], ...]] = {}
+    valid_by_bound: dict[int, tuple[int, ...]] = {}
+    indexes: dict[tuple[torch.device, int, int], torch.Tensor] = {}  # (device, bound, full)
+    runs: dict[tuple[int, int], tuple[tuple[int, int, int], ...]] = {}  # (bound, full)
 
-    def plan_tensor(layer: int, which: str, blocks: torch.Tensor, valid: tuple[int, ...]
+    def plan_tensor(layer: int, which: str, blocks: torch.Tensor, bound: int
                     ) -> TensorGather | None:
+        valid = valid_by_bound[bound]
         tokens, full, tail = token_split(len(valid), blocks.shape[1], seq_len)
         if tokens == 0:
             return None
-        whole = valid[:full]
-        if (blocks.device, whole) not in indexes:
-            indexes[blocks.device, whole] = torch.tensor(whole, dtype=torch.int64,
-                                                         device=blocks.device)
-        if whole not in runs:
-            runs[whole] = block_runs(whole)
+        if (blocks.device, bound, full) not in indexes:
+            indexes[blocks.device, bound, full] = torch.tensor(
+                valid[:full], dtype=torch.int64, device=blocks.device)
+        if (bound, full) not in runs:
+            runs[bound, full] = block_runs(valid[:full])
         return TensorGather(layer, which, blocks, valid[: full + (1 if tail else 0)], tokens,
-                            full, tail, indexes[blocks.device, whole], runs[whole])
+                            full, tail, indexes[blocks.device, bound, full], runs[bound, full])
 
     keys: list[TensorGather | None] = [None] * len(layers)
     values: list[TensorGather | None] = [None] * len(layers)
     skipped: list[LayerSkip] = []
-    warned_bounds: set[int] = set()
     for layer, layer_kv in enumerate(layers):
         split = _split_layer(layer_kv, block_size)
         if isinstance(split, str):
@@ -462,16 +474,17 @@ def plan_extraction(
         if key_blocks.shape[0] != value_blocks.shape[0]:
             logger.warning("request %s layer %s: key has %s blocks, value %s; using the first %s",
                            request_id, layer, key_blocks.shape[0], value_blocks.shape[0], bound)
-        valid = valid_block_ids(ids, bound)
-        if len(valid) != len(ids) and bound not in warned_bounds:
-            warned_bounds.add(bound)
-            logger.warning("request %s: dropped %s of %s block ids outside [0, %s)",
-                           request_id, len(ids) - len(valid), len(ids), bound)
-        if not valid:
+        if bound not in valid_by_bound:
+            valid_by_bound[bound] = valid_block_ids(ids, bound)
+            valid = valid_by_bound[bound]
+            if len(valid) != len(ids):
+                logger.warning("request %s: dropped %s of %s block ids outside [0, %s)",
+                               request_id, len(ids) - len(valid), len(ids), bound)
+        if not valid_by_bound[bound]:
             skipped.append(LayerSkip(layer, "no_valid_blocks", f"no block id in [0, {bound})"))
             continue
-        k = plan_tensor(layer, "key", key_blocks, valid)
-        v = plan_tensor(layer, "value", value_blocks, valid)
+        k = plan_tensor(layer, "key", key_blocks, bound)
+        v = plan_tensor(layer, "value", value_blocks, bound)
         if k is None or v is None:
             skipped.append(LayerSkip(layer, "no_tokens", "the layer would hold zero tokens"))
             continue
