@@ -355,6 +355,11 @@ class LocalPool:
         self._count("gets_hit" if ticket is not None else "gets_miss")
         return ticket
 
+    def status(self, key: str) -> str:
+        """``"published"``, why the key is gone (drained/expired/dropped) or ``"unknown"``."""
+        with self._cond:
+            return self.ledger.leases.status(key)
+
     def take_blocking(self, key: str, timeout_s: float) -> Ticket | None:
         """Wait (condition variable, no polling) until ``key`` can be taken or ``timeout_s``
         seconds of real time pass."""
@@ -374,10 +379,12 @@ class LocalPool:
             return self._objects[region.offset]
         return self.storage[region.offset:region.offset + ticket.size]
 
-    def release(self, ticket_id: int) -> None:
-        """Release a ticket (idempotent); the region may be reused afterwards."""
+    def release(self, ticket_id: int) -> bool:
+        """Release a ticket (idempotent); True when this freed the region for reuse."""
         with self._cond:
-            self._forget([e] if (e := self.ledger.release(ticket_id)) else [])
+            entry = self.ledger.release(ticket_id)
+            self._forget([entry] if entry is not None else [])
+            return entry is not None
 
     def read(self, ticket: Ticket) -> tuple[Any, int]:
         """``(data, size)`` for a ticket: a PooledBuffer in pool mode, bytes in objects mode."""

@@ -125,6 +125,7 @@ def zmq_factory(transport: str) -> Callable[[dict[str, Any]], ConnectorPair]:
 CONNECTOR_FACTORIES: dict[str, Callable[[dict[str, Any]], ConnectorPair]] = {
     "memory": memory_factory,
     "memory-objects": memory_objects_factory,
+    "shm": shm_factory,
     "mooncake": mooncake_factory,
     "zmq-tcp": zmq_factory("tcp"),
     "zmq-ipc": zmq_factory("ipc"),
