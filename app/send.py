@@ -38,6 +38,9 @@ __all__ = ["SendPath", "KeyJob", "slice_plan_heads"]
 
 logger = logging.getLogger(__name__)
 
+#: Put failure reasons that retrying cannot help (the payload never fits; the connector is gone).
+_UNRETRIED = ("too_large", "closed")
+
 
 def slice_plan_heads(plan: ExtractionPlan, offset_in_shard: int, num_slices: int) -> ExtractionPlan:
     """The same extraction restricted to one head slice (dim 2 of each block view).
@@ -179,8 +182,10 @@ class SendPath:
                     ok, size, info = self._put_reserved(connector, sliced, job.key, meta)
                 else:
                     ok, size, info = self._put_frames(connector, sliced, job, meta, materialized)
-            except PoolFullError as exc:
-                ok, size, info = False, 0, {"reason": "pool_full", "detail": str(exc)}
+            except PoolFullError as exc:  # reserve() says "<reason>: <detail>", like a put failure
+                word, sep, _ = str(exc).partition(":")
+                word = word.strip() if sep and word.strip() in _UNRETRIED + ("pool_full",) else "pool_full"
+                ok, size, info = False, 0, {"reason": word, "detail": str(exc)}
             except KVFerryError as exc:  # a local fault (layout, shapes): retrying cannot help
                 return False, 0, attempt + 1, SendReason.ERROR, str(exc)
             if ok:
@@ -188,7 +193,7 @@ class SendPath:
             info = info or {}
             reason = SendReason.POOL_FULL if info.get("reason") == "pool_full" else SendReason.PUT_FAILED
             detail = str(info.get("detail") or info.get("reason") or "put returned ok=False")
-            if info.get("reason") in ("too_large", "closed"):
+            if info.get("reason") in _UNRETRIED:
                 return False, 0, attempt + 1, reason, detail
             if attempt < len(delays):
                 self.sleep(delays[attempt])
