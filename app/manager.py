@@ -22,7 +22,7 @@ from kvferry.app.registry import create_connector
 from kvferry.app.send import SendPath
 from kvferry.core.addressing import kv_port
 from kvferry.core.config import TransferConfig
-from kvferry.core.errors import ConnectorUnavailable, KVFerryError
+from kvferry.core.errors import ConnectorUnavailable
 from kvferry.core.outcomes import Counters, ReceiveOutcome, SendOutcome
 from kvferry.core.ports import CollectiveGroup, Connector, SenderAware
 from kvferry.core.sender_info import SenderEndpoint, resolve_sender
@@ -157,8 +157,11 @@ class KVTransferManager:
             return None
         try:
             conn = self.connector_factory(cfg)
-        except (ConnectorUnavailable, KVFerryError, OSError) as exc:
-            error = exc if isinstance(exc, ConnectorUnavailable) else ConnectorUnavailable(str(exc))
+        except Exception as exc:  # any failure of an injected factory: remembered, never retried
+            error = exc if isinstance(exc, ConnectorUnavailable) else ConnectorUnavailable(
+                f"{type(exc).__name__}: {exc}")
+            if error is not exc:
+                error.__cause__ = exc
             self._failures[role] = error
             logger.error("cannot create the %s connector %r: %s", role, cfg.get("type"), exc)
             return None
