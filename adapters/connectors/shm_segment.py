@@ -214,7 +214,7 @@ def claim_control(namespace: str, tag: str, segment: str, base: str | None = Non
             fd = os.open(pidfile, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
         except FileExistsError:
             owner = _owner_pid(pidfile)
-            if owner is not None and owner != os.getpid() and pid_alive(owner):
+            if owner is not None and pid_alive(owner):
                 raise BindError(
                     f"shm port {tag} in namespace {namespace!r} is held by live process {owner}"
                 ) from None

@@ -325,3 +325,59 @@ def test_large_payload_256_mib(make_pair) -> None:
     tensor = received.tensor if isinstance(received, PoolBuffer) else torch.frombuffer(bytearray(as_bytes(received)), dtype=torch.uint8)
     assert torch.equal(tensor, data)
     release(received)
+
+
+# ------------------------------------------------------------------------------ registry
+
+
+def test_registry_unknown_name_lists_the_available_ones() -> None:
+    from kvferry.app.registry import ConnectorRegistry
+    from kvferry.core.errors import ConfigError
+
+    registry = ConnectorRegistry()
+    with pytest.raises(ConfigError, match="available: memory, mooncake, shm, zmq"):
+        registry.create({"type": "carrier-pigeon"})
+    with pytest.raises(ConfigError, match="type"):
+        registry.create({"pool_bytes": 1})
+
+
+def test_registry_remembers_constructor_failures() -> None:
+    from kvferry.app.registry import ConnectorRegistry
+    from kvferry.core.errors import ConnectorUnavailable
+
+    calls = []
+
+    def broken(config: dict) -> Any:
+        calls.append(config)
+        raise OSError("device missing")
+
+    registry = ConnectorRegistry({"broken": broken, "absent": "kvferry_no_such_module:Thing"})
+    for _ in range(3):
+        with pytest.raises(ConnectorUnavailable, match="device missing") as info:
+            registry.create({"type": "broken", "x": 1})
+        assert isinstance(info.value.__cause__, OSError)
+    assert len(calls) == 1  # tried once; later calls get the remembered failure at once
+    with pytest.raises(ConnectorUnavailable, match="ModuleNotFoundError"):
+        registry.create({"type": "absent"})
+    assert len(registry.failures()) == 2
+    registry.forget_failures("broken")
+    with pytest.raises(ConnectorUnavailable):
+        registry.create({"type": "broken", "x": 1})
+    assert len(calls) == 2
+
+
+def test_registry_registers_targets_lazily() -> None:
+    from kvferry.app.registry import ConnectorRegistry
+    from kvferry.core.errors import ConfigError, ConnectorUnavailable
+
+    registry = ConnectorRegistry({})
+    registry.register("mem", "kvferry.adapters.connectors.memory:MemoryConnector")
+    with pytest.raises(ConfigError):
+        registry.register("mem", "x:y", replace=False)
+    with pytest.raises(ConfigError):
+        registry.register("bad", "no-colon")
+    with registry.create({"type": "mem", "pool_bytes": 4096}) as connector:
+        assert isinstance(connector, Connector) and connector.health()["pool_bytes"] == 4096
+    registry.register("not-a-connector", lambda config: object())
+    with pytest.raises(ConnectorUnavailable, match="Connector contract"):
+        registry.create({"type": "not-a-connector"})

@@ -1,0 +1,185 @@
+"""shm between real processes: bit-exact exchange, and crashes that leave nothing behind.
+
+Child processes run small scripts (``python -c``) and talk to the test through stdout lines;
+no sleeps: every wait is a blocking read or a blocking get with a deadline.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import itertools
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+
+import pytest
+
+from kvferry.adapters.connectors.shm_segment import SHM_DIR, reap_namespace, runtime_dir
+from kvferry.app.registry import create_connector
+
+pytestmark = [pytest.mark.timeout(120), pytest.mark.slow]
+
+PORT = 50200
+_COUNTER = itertools.count()
+
+PAYLOAD = """
+import numpy as np
+def payload(i):
+    return np.random.default_rng(i).integers(0, 256, 1000 + 4099 * i, dtype=np.uint8).tobytes()
+"""
+
+SENDER = PAYLOAD + """
+import json, sys
+from kvferry.app.registry import create_connector
+ns, base, port, count = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4])
+conn = create_connector({"type": "shm", "role": "sender", "namespace": ns, "runtime_dir": base,
+                         "port": port, "pool_bytes": 64 << 20})
+print(json.dumps({"ready": conn.health()["segment"]}), flush=True)
+for i in range(count):
+    data = payload(i)
+    ok, size, meta = conn.put("0", "1", f"req{i}_0_0_0_0", [data[:100], data[100:]])
+    assert ok and size == len(data), meta
+print(json.dumps({"sent": count}), flush=True)
+sys.stdin.readline()  # stay alive (serving) until the test says so, or until killed
+conn.close()
+print(json.dumps({"closed": True}), flush=True)
+"""
+
+RECEIVER = """
+import hashlib, json, sys
+from kvferry.app.registry import create_connector
+ns, base, port, count, hold = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4]), sys.argv[5] == "hold"
+conn = create_connector({"type": "shm", "role": "receiver", "namespace": ns, "runtime_dir": base,
+                         "sender_port": port})
+digests, held = {}, []
+for i in range(count):
+    got = conn.get_blocking("0", "1", f"req{i}_0_0_0_0", timeout_s=60.0)
+    assert got is not None, i
+    buffer, size = got
+    digests[i] = [hashlib.sha256(buffer.tensor.numpy().tobytes()).hexdigest(), size]
+    held.append(buffer) if hold else buffer.release()
+print(json.dumps({"digests": digests}), flush=True)
+sys.stdin.readline()
+conn.close()
+"""
+
+
+def spawn(script: str, *args: object) -> subprocess.Popen:
+    return subprocess.Popen(
+        [sys.executable, "-c", script, *map(str, args)],
+        stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+    )
+
+
+def line(proc: subprocess.Popen) -> dict:
+    text = proc.stdout.readline()
+    assert text, f"child exited early with {proc.wait(timeout=30)}"
+    return json.loads(text)
+
+
+def expected_digest(i: int) -> list:
+    namespace: dict = {}
+    exec(PAYLOAD, namespace)  # the same generator the children use
+    data = namespace["payload"](i)
+    return [hashlib.sha256(data).hexdigest(), len(data)]
+
+
+@pytest.fixture
+def space():
+    base = tempfile.mkdtemp(prefix="kvfi-", dir="/tmp")
+    namespace = f"i{os.getpid()}n{next(_COUNTER)}"
+    procs: list[subprocess.Popen] = []
+    yield namespace, base, procs
+    for proc in procs:
+        if proc.poll() is None:
+            proc.kill()
+        proc.wait(timeout=30)
+    reap_namespace(namespace, base)
+    leftovers = [n for n in os.listdir(SHM_DIR) if n.startswith(f"kvferry-{namespace}-")]
+    files = os.listdir(base)
+    shutil.rmtree(base, ignore_errors=True)
+    assert leftovers == [] and files == []
+
+
+def segments(namespace: str) -> list[str]:
+    return [n for n in os.listdir(SHM_DIR) if n.startswith(f"kvferry-{namespace}-")]
+
+
+def test_sender_and_receiver_processes_exchange_bit_exact(space) -> None:
+    namespace, base, procs = space
+    count = 12
+    # the receiver starts first and blocks until each key is published
+    receiver = spawn(RECEIVER, namespace, base, PORT, count, "release")
+    sender = spawn(SENDER, namespace, base, PORT, count)
+    procs += [receiver, sender]
+    assert "ready" in line(sender)
+    assert line(sender) == {"sent": count}
+    digests = line(receiver)["digests"]
+    assert digests == {str(i): expected_digest(i) for i in range(count)}
+    receiver.stdin.write("\n")
+    receiver.stdin.flush()
+    assert receiver.wait(timeout=30) == 0
+    sender.stdin.write("\n")
+    sender.stdin.flush()
+    assert line(sender) == {"closed": True}
+    assert sender.wait(timeout=30) == 0
+    assert segments(namespace) == [] and os.listdir(base) == []
+
+
+def test_killed_writer_leaves_nothing_after_the_reaper(space) -> None:
+    namespace, base, procs = space
+    sender = spawn(SENDER, namespace, base, PORT, 3)
+    procs.append(sender)
+    segment = line(sender)["ready"]
+    assert line(sender) == {"sent": 3}
+    os.kill(sender.pid, signal.SIGKILL)
+    sender.wait(timeout=30)
+    assert segments(namespace) == [segment]  # a crash cannot clean up after itself...
+    # ...the next start in the namespace does: here a receiver (reaper at start)
+    with create_connector({"type": "shm", "role": "receiver", "namespace": namespace,
+                           "runtime_dir": base, "sender_port": PORT}) as receiver:
+        assert segments(namespace) == []
+        assert not os.path.exists(runtime_dir(namespace, base))
+        assert receiver.get("0", "1", "req0_0_0_0_0") is None
+
+
+def test_killed_reader_does_not_pin_the_pool(space) -> None:
+    namespace, base, procs = space
+
+    class Clock:
+        now = 0.0
+
+        def monotonic(self) -> float:
+            return self.now
+
+    clock = Clock()
+    sender = create_connector({"type": "shm", "role": "sender", "namespace": namespace,
+                               "runtime_dir": base, "port": PORT, "pool_bytes": 1 << 20,
+                               "clock": clock, "lease_s": 30.0, "hold_s": 10.0})
+    with sender:
+        payload = {}
+        exec(PAYLOAD, payload)
+        for i in range(3):
+            assert sender.put("0", "1", f"req{i}_0_0_0_0", payload["payload"](i))[0]
+        reader = spawn(RECEIVER, namespace, base, PORT, 3, "hold")
+        procs.append(reader)
+        assert line(reader)["digests"] == {str(i): expected_digest(i) for i in range(3)}
+        assert sender.health()["used_bytes"] > 0  # the reader holds its three views
+        os.kill(reader.pid, signal.SIGKILL)
+        reader.wait(timeout=30)
+        clock.now += 10.0  # its hold runs out: the sender takes the regions back
+        health = sender.health()
+        assert health["used_bytes"] == 0 and health["expired_unreleased"] == 3
+        # and serves new readers as before
+        assert sender.put("0", "1", "req0_0_0_0_0", payload["payload"](0))[0]
+        second = spawn(RECEIVER, namespace, base, PORT, 1, "release")
+        procs.append(second)
+        assert line(second)["digests"] == {"0": expected_digest(0)}
+        second.stdin.write("\n")
+        second.stdin.flush()
+        assert second.wait(timeout=30) == 0
+    assert segments(namespace) == []
