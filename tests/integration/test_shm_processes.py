@@ -183,3 +183,27 @@ def test_killed_reader_does_not_pin_the_pool(space) -> None:
         second.stdin.flush()
         assert second.wait(timeout=30) == 0
     assert segments(namespace) == []
+
+
+EXIT_WITHOUT_CLOSE = PAYLOAD + """
+import json, sys
+from kvferry.app.registry import create_connector
+ns, base, port = sys.argv[1], sys.argv[2], int(sys.argv[3])
+common = {"type": "shm", "namespace": ns, "runtime_dir": base}
+sender = create_connector({**common, "role": "sender", "port": port, "pool_bytes": 1 << 20})
+receiver = create_connector({**common, "role": "receiver", "sender_port": port})
+assert sender.put("0", "1", "k", payload(1))[0]
+held = receiver.get_blocking("0", "1", "k", timeout_s=30.0)  # still held at exit
+assert held is not None
+print(json.dumps({"segment": sender.health()["segment"]}), flush=True)
+# no close(): the finalizers run at interpreter exit
+"""
+
+
+def test_exit_without_close_leaves_nothing(space) -> None:
+    namespace, base, procs = space
+    child = spawn(EXIT_WITHOUT_CLOSE, namespace, base, PORT)
+    procs.append(child)
+    assert line(child)["segment"].startswith(f"kvferry-{namespace}-{child.pid}-")
+    assert child.wait(timeout=60) == 0
+    assert segments(namespace) == [] and os.listdir(base) == []
