@@ -70,9 +70,17 @@ def _is_pooled(item: Any) -> bool:
     return callable(getattr(item, "release", None))
 
 
-def finalize_tensors(payload: dict[str, Any], device: Any, must_copy: bool) -> dict[str, Any]:
+def _views_any(tensor: torch.Tensor, buffers: list[torch.Tensor]) -> bool:
+    """True when ``tensor`` starts inside one of ``buffers`` (it is a view of received memory)."""
+    ptr = tensor.data_ptr()
+    return any(b.data_ptr() <= ptr < b.data_ptr() + b.numel() for b in buffers)
+
+
+def finalize_tensors(payload: dict[str, Any], device: Any,
+                     must_copy: bool | Callable[[torch.Tensor], bool]) -> dict[str, Any]:
     """Move every tensor of ``payload`` to ``device`` (None: stay), copying when ``must_copy``
-    (the bytes live in a pool buffer about to be released, or in a read-only receive buffer)."""
+    (the bytes live in a pool buffer about to be released, or in a read-only receive buffer);
+    a callable ``must_copy`` decides per tensor."""
     blocks = payload["layer_blocks"]
 
     def fix(t: Any) -> Any:
@@ -80,7 +88,7 @@ def finalize_tensors(payload: dict[str, Any], device: Any, must_copy: bool) -> d
             return t
         if device is not None and torch.device(device) != t.device:
             return t.to(device, non_blocking=False)
-        return t.clone() if must_copy else t
+        return t.clone() if (must_copy(t) if callable(must_copy) else must_copy) else t
 
     payload["layer_blocks"] = {name: [fix(t) for t in blocks.get(name, [])]
                                for name in ("key_cache", "value_cache")}
@@ -218,10 +226,13 @@ class ReceivePath:
                 seconds=self._since(start)))
         try:
             payload = self._combine([d.to_reference_dict() for d in decoded])
-            pooled = any(_is_pooled(data) for data, _ in got)
-            must_copy = pooled or self.copy_unpooled
-            if len(decoded) > 1 and self.merger is None:
-                must_copy = False  # torch.cat already made fresh tensors
+            pooled = [data for data, _ in got if _is_pooled(data)]
+            must_copy: Any = bool(pooled) or self.copy_unpooled
+            views = [getattr(p, "tensor", None) for p in pooled]
+            if (len(decoded) > 1 and self.merger is None and not self.copy_unpooled
+                    and all(isinstance(v, torch.Tensor) for v in views)):
+                # torch.cat made fresh tensors, but a layer only one shard carried is still a view
+                must_copy = lambda t: _views_any(t, views)  # noqa: E731
             payload = finalize_tensors(payload, device, must_copy)
         except (KVFerryError, ValueError, RuntimeError) as exc:
             return ReceiveResult(ReceiveOutcome.failed(
