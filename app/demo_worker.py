@@ -9,6 +9,7 @@ and checks every tensor bit for bit. Results go to the parent over a queue as pl
 
 from __future__ import annotations
 
+import logging
 import os
 import time
 from typing import Any
@@ -17,6 +18,7 @@ import attrs
 import torch
 
 from kvferry.app.demo_model import DemoSpec, request_plan
+from kvferry.core.policy import RetryPolicy
 
 __all__ = ["synthetic_cache", "expected_kv", "run_worker"]
 
@@ -39,10 +41,14 @@ def synthetic_cache(spec: DemoSpec, sender_rank: int) -> list[torch.Tensor]:
 
 def expected_kv(cache: list[torch.Tensor], block_ids: list[int], seq_len: int, head_range: tuple[int, int],
                 which: int, layer: int) -> torch.Tensor:
-    """What the receiver must get for one layer: tokens of the blocks, heads of its slice."""
-    blocks = cache[layer][which][block_ids]
-    flat = blocks.reshape(-1, *blocks.shape[2:])[:seq_len]
-    return flat[:, head_range[0]:head_range[1]]
+    """What the receiver must get for one layer: tokens of the blocks, heads of its slice.
+
+    Computed independently of kvferry's extraction (plain advanced indexing); one copy of
+    just the heads needed.
+    """
+    heads = cache[layer][which][:, :, head_range[0]:head_range[1]]
+    blocks = heads[torch.tensor(block_ids, dtype=torch.int64)]
+    return blocks.reshape(-1, *blocks.shape[2:])[:seq_len]
 
 
 def _stage_groups(role: str, rank: int, size: int, store_port: int, timeout_s: float) -> Any:
@@ -62,19 +68,25 @@ def _stage_groups(role: str, rank: int, size: int, store_port: int, timeout_s: f
     return StageGroups(world=world, tp=world) if role == "receiver" else StageGroups(world=world)
 
 
+_BITS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
 def _bits_equal(a: torch.Tensor | None, b: torch.Tensor) -> bool:
+    """Bit-for-bit equality (NaN payloads included), compared as integers."""
     if a is None or a.shape != b.shape or a.dtype != b.dtype:
         return False
-    return torch.equal(a.contiguous().view(torch.uint8) if a.dtype.itemsize == 1 else
-                       a.contiguous().view(torch.int16 if a.dtype.itemsize == 2 else torch.int32),
-                       b.contiguous().view(torch.uint8) if b.dtype.itemsize == 1 else
-                       b.contiguous().view(torch.int16 if b.dtype.itemsize == 2 else torch.int32))
+    bits = _BITS[a.dtype.itemsize]
+    return torch.equal(a.contiguous().view(bits), b.contiguous().view(bits))
 
 
 def run_worker(role: str, rank: int, spec_dict: dict[str, Any], queue: Any, groups: Any = None,
                connector: Any = None) -> None:
     """Entry point of one rank; reports ``{"kind": ...}`` dicts on ``queue``."""
     torch.set_num_threads(1)
+    from kvferry.adapters.platform import tune_host_allocator
+
+    tune_host_allocator()
+    logging.basicConfig(level=logging.ERROR, format=f"[{role} {rank}] %(levelname)s %(name)s: %(message)s")
     spec = DemoSpec(**spec_dict)
     try:
         if role == "sender":
@@ -96,7 +108,10 @@ def _manager(spec: DemoSpec, role: str, rank: int, groups: Any, connector: Any) 
     if groups is None:
         groups = _stage_groups(role, rank, size, spec.store_ports[0 if role == "sender" else 1],
                                spec.timeout_s + 30)
-    return build_manager(omni, tp_rank=rank, tp_size=size, groups=groups, connector=connector, env=os.environ)
+    # the demo's producer waits out a full pool (back-pressure) rather than dropping requests
+    retry = RetryPolicy(attempts=600, first_backoff_s=0.02, factor=1.0)
+    return build_manager(omni, tp_rank=rank, tp_size=size, groups=groups, connector=connector, env=os.environ,
+                         retry=retry)
 
 
 def _sender(spec: DemoSpec, rank: int, queue: Any, groups: Any, connector: Any) -> None:
@@ -106,11 +121,7 @@ def _sender(spec: DemoSpec, rank: int, queue: Any, groups: Any, connector: Any) 
     try:
         for req in request_plan(spec):
             finished = {req.request_id: {"block_ids": list(req.block_ids), "seq_len": req.seq_len}}
-            for attempt in range(200):  # back-pressure: a full pool frees as receivers read
-                outcome = manager.send_requests(finished, cache, spec.block_size, spec.dtype)[0]
-                if outcome.ok or outcome.reason is None or outcome.reason.value != "pool_full":
-                    break
-                time.sleep(0.02 * min(attempt + 1, 10))
+            outcome = manager.send_requests(finished, cache, spec.block_size, spec.dtype)[0]
             queue.put({"kind": "sent", "rank": rank, "request_id": req.request_id, "ok": outcome.ok,
                        "reason": None if outcome.ok else f"{outcome.reason.value}: {outcome.detail}",
                        "bytes": outcome.nbytes, "t": time.monotonic()})

@@ -23,7 +23,8 @@ from kvferry.app.send import SendPath
 from kvferry.core.addressing import kv_port
 from kvferry.core.config import TransferConfig
 from kvferry.core.errors import ConnectorUnavailable
-from kvferry.core.outcomes import Counters, ReceiveOutcome, SendOutcome
+from kvferry.core.outcomes import Counters, ReceiveKind, ReceiveOutcome, SendOutcome, SendReason
+from kvferry.core.policy import RetryPolicy
 from kvferry.core.ports import CollectiveGroup, Connector, SenderAware
 from kvferry.core.sender_info import SenderEndpoint, resolve_sender
 from kvferry.core.topology import TPTopology
@@ -93,6 +94,9 @@ class KVTransferManager:
     free_memory_ratio: Callable[[], float | None] = lambda: None
     bind_host: str = "127.0.0.1"
     checksums: str | None = None
+    #: Put retries (SPEC 7 default: 3 attempts, 0.1 s doubling). A producer that prefers to wait
+    #: out a full pool (back-pressure) passes more attempts.
+    retry: RetryPolicy = attrs.field(factory=RetryPolicy)
     kv_send_key_builder: Callable[..., Any] | None = None
     kv_recv_key_builder: Callable[..., Any] | None = None
     kv_payload_merger: Callable[..., Any] | None = None
@@ -228,7 +232,7 @@ class KVTransferManager:
         from_tp, to_tp = self.tp_sizes
         return SendPath(
             self.config.from_stage, self.config.to_stage, TPTopology(from_tp, to_tp, self.tp_rank),
-            self.send_connector, self.clock, self.sleep, key_builder=self.kv_send_key_builder,
+            self.send_connector, self.clock, self.sleep, retry=self.retry, key_builder=self.kv_send_key_builder,
             checksums=self.checksums)
 
     def send_requests(
@@ -261,7 +265,6 @@ class KVTransferManager:
                     cache_dtype, spec.get("custom_metadata"))
             except Exception as exc:  # one bad request must not stop the others
                 logger.exception("request %s: send failed", rid)
-                from kvferry.core.outcomes import SendReason
                 outcome = SendOutcome.failed(rid, SendReason.ERROR, f"{type(exc).__name__}: {exc}")
             self.counters.record(outcome)
             outcomes.append(outcome)
@@ -291,7 +294,6 @@ class KVTransferManager:
                 target_device=target_device, timeout_s=timeout_s, receiving=self.receiving)
         except Exception as exc:
             logger.exception("request %s: receive failed", request_id)
-            from kvferry.core.outcomes import ReceiveKind
             result = ReceiveResult(ReceiveOutcome.failed(str(request_id), ReceiveKind.ERROR,
                                                          f"{type(exc).__name__}: {exc}"))
         self.counters.record(result.outcome)
