@@ -1,3 +1,16 @@
-"""Connector implementations (memory, shm, zmq, mooncake). Created by name via the registry."""
+"""Connector implementations: ``memory``, ``shm``, ``zmq`` and the optional ``mooncake``.
 
-__all__: list[str] = []
+Each is created by name through :func:`kvferry.app.registry.create_connector`; modules are
+imported only when their connector is asked for, so an optional package missing here costs
+nothing until it is used (then creation fails loudly with what to install).
+"""
+
+__all__ = ["CONNECTOR_MODULES"]
+
+#: connector name -> implementing module (imported lazily by the registry)
+CONNECTOR_MODULES = {
+    "memory": "kvferry.adapters.connectors.memory",
+    "shm": "kvferry.adapters.connectors.shm",
+    "zmq": "kvferry.adapters.connectors.zmq_connector",
+    "mooncake": "kvferry.adapters.connectors.mooncake",
+}
