@@ -108,6 +108,7 @@ class PoolSettings:
 
 def _bytes_part(item: Any) -> Any:
     if isinstance(item, torch.Tensor):
+        item = item.detach()
         if item.dtype != torch.uint8 or item.dim() != 1:
             item = item.contiguous().reshape(-1).view(torch.uint8)
         return item.contiguous()
@@ -117,8 +118,8 @@ def _bytes_part(item: Any) -> Any:
         view = memoryview(item)
     except TypeError:
         raise ConfigError(f"payload data of type {type(item).__name__} is not bytes-like") from None
-    if not view.contiguous:
-        raise ConfigError("payload buffers must be contiguous")
+    if not view.c_contiguous:
+        raise ConfigError("payload buffers must be C-contiguous")
     return np.frombuffer(view.cast("B") if view.format != "B" or view.ndim != 1 else view, np.uint8)
 
 

@@ -158,6 +158,7 @@ class ShmConnector:
     _context: zmq.Context | None = attrs.field(init=False, default=None)
     _clients: dict[str, ControlClient] = attrs.field(init=False, factory=dict)
     _segments: dict[str, Segment] = attrs.field(init=False, factory=dict)
+    _current: dict[str, str] = attrs.field(init=False, factory=dict)  # endpoint -> segment
     _lock: threading.Lock = attrs.field(init=False, factory=threading.Lock)
     _closed: bool = attrs.field(init=False, default=False)
     counters: dict[str, int] = attrs.field(init=False, factory=dict)
@@ -257,7 +258,10 @@ class ShmConnector:
 
         return release_stale
 
-    def _segment(self, name: str) -> Segment | None:
+    def _segment(self, endpoint: str, name: str) -> Segment | None:
+        """The mapping of segment ``name`` (mapped once). A sender serves one segment: when
+        its endpoint names a new one (the sender restarted), the old mapping is dropped (its
+        memory goes when the last view of it does)."""
         with self._lock:
             segment = self._segments.get(name)
             if segment is None and not self._closed:
@@ -267,6 +271,11 @@ class ShmConnector:
                     logger.warning("shm segment %s cannot be mapped: %s", name, exc)
                     return None
                 self._segments[name] = segment
+                previous = self._current.get(endpoint)
+                self._current[endpoint] = name
+                old = self._segments.pop(previous, None) if previous != name else None
+                if old is not None:
+                    old.unmap()
             return segment
 
     def _fetch(self, metadata: Mapping[str, Any] | None, key: str, wait_s: float) -> tuple[Any, int] | None:
@@ -294,12 +303,12 @@ class ShmConnector:
         if not reply.get("ok"):
             self._count(f"miss_{reply.get('reason', 'unknown')}")
             return None
-        return self._view(client, reply)
+        return self._view(endpoint, client, reply)
 
-    def _view(self, client: ControlClient, grant: dict[str, Any]) -> tuple[Any, int] | None:
+    def _view(self, endpoint: str, client: ControlClient, grant: dict[str, Any]) -> tuple[Any, int] | None:
         ticket = grant.get("ticket")
         problem = check_grant(grant)
-        segment = self._segment(grant["seg"]) if problem is None else None
+        segment = self._segment(endpoint, grant["seg"]) if problem is None else None
         if segment is not None and grant["off"] + grant["size"] > segment.nbytes:
             problem = "grant outside the mapped segment"
         if problem is not None or segment is None:

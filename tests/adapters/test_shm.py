@@ -208,6 +208,8 @@ def test_receiver_follows_a_restarted_sender(space) -> None:
                 buffer, _ = receiver.get_blocking("0", "1", "k", timeout_s=5.0)
                 assert bytes(buffer.tensor.numpy()) == bytes([round_]) * 10
                 buffer.release()
+                # one mapping per sender: the restarted sender's segment replaced the old one
+                assert receiver.health()["mapped_segments"] == 1
 
 
 def test_unreleased_reader_is_revoked_after_hold(space) -> None:

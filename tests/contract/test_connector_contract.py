@@ -98,6 +98,22 @@ def test_round_trip_of_every_payload_kind(pair, kind) -> None:
     assert fetch(pair.receiver, "req_0_0_0_0", meta, timeout_s=0.05) is None  # consumed
 
 
+def test_bad_data_is_refused_and_not_stored(pair) -> None:
+    """Data that is not a payload is local misuse: a ConfigError, or a failed put with reason
+    "error" (both are what the manager handles); never another exception, never stored."""
+    from kvferry.core.errors import ConfigError
+
+    strided = memoryview(np.arange(100, dtype=np.uint8)[::2])
+    for bad in ("text", 42, strided, [b"ok", object()]):
+        try:
+            ok, size, info = pair.sender.put("0", "1", "bad", bad)
+        except ConfigError:
+            continue
+        assert (ok, size, info["reason"]) == (False, 0, "error") and info["detail"]
+    assert pair.receiver.get("0", "1", "bad") is None
+    assert pair.sender.put("0", "1", "good", b"fine")[0]  # and the connector still works
+
+
 def test_get_without_metadata_uses_the_default_sender(pair) -> None:
     assert pair.sender.put("0", "1", "k1", b"abc")[0]
     got = pair.receiver.get(from_stage="0", to_stage="1", get_key="k1", metadata=None)
