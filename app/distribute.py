@@ -242,9 +242,18 @@ class Distributor:
         plan = self.plan()
         rid = str(getattr(req, "request_id", ""))
         if plan.role is ReceiveRole.LOCAL:
-            ok = bool(receive(req))
             tp = self.groups.tp
-            if tp is not None and needs_consensus(plan.role, tp.size, False, True):
+            agree = tp is not None and needs_consensus(plan.role, tp.size, False, True)
+            try:
+                ok = bool(receive(req))
+            except Exception:
+                if not agree:
+                    raise
+                # the consensus below must still happen on every TP rank: this rank has no KV
+                logger.exception("request %s: the local receive failed", rid)
+                clear_kv_fields(req)
+                ok = False
+            if agree:
                 fields = kv_fields_of(req) if ok else None
                 names = sorted(fields) if fields else []
                 if not tp_consensus(tp, ok, names, timeout_s=self.timeout_s):
