@@ -1,0 +1,204 @@
+"""The benchmark's run state and its per-connector paths (primitives, manager, TP, readiness).
+
+:class:`RunState` collects figures, failures and data checks while peers run scenarios; a
+scenario that fails is recorded (its figures stay missing) and the run goes on.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from typing import Any, Callable
+
+from kvferry.app.bench_model import BenchSettings, Geometry, Stat
+from kvferry.app.bench_proc import Peer
+from kvferry.app.bench_scenarios import (
+    Scenario, ScenarioResult, key_items, manager_items, run_scenario, tp_items,
+)
+from kvferry.core.errors import KVFerryError
+
+__all__ = ["RunState", "connector_configs", "connector_paths", "mooncake_raw", "SAME_HOST"]
+
+#: The same-host connector: its 1-request figure is compared with memcpy, and TP runs on it.
+SAME_HOST = "shm"
+
+
+def connector_configs(name: str, settings: BenchSettings, pool: int) -> tuple[dict, dict]:
+    """Sender and receiver configs of a connector for the benchmark (loopback, OS ports)."""
+    if name == "zmq":
+        return ({"type": "zmq", "role": "sender", "port": 0, "pool_bytes": pool,
+                 "max_payloads": 65536},
+                {"type": "zmq", "role": "receiver", "request_timeout_s": settings.timeout_s})
+    if name == "shm":  # a private namespace: nothing else can collide with the sender's tag
+        namespace = f"bench{os.getpid()}"
+        return ({"type": "shm", "role": "sender", "port": 1, "namespace": namespace, "pool_bytes": pool},
+                {"type": "shm", "role": "receiver", "namespace": namespace})
+    if name == "shm":  # a private namespace: nothing else can collide with the sender's tag
+        namespace = f"bench{os.getpid()}"
+        return ({"type": "shm", "role": "sender", "port": 1, "namespace": namespace, "pool_bytes": pool},
+                {"type": "shm", "role": "receiver", "namespace": namespace})
+    if name == "mooncake":
+        return ({"type": "mooncake", "role": "sender", "port": 0, "pool_bytes": pool},
+                {"type": "mooncake", "role": "receiver", "pool_bytes": pool})
+
+    return ({"type": name, "role": "sender", "pool_bytes": pool},
+            {"type": name, "role": "receiver", "pool_bytes": pool})
+
+
+class RunState:
+    """One run's state: peers, collected stats, failures and checks."""
+
+    def __init__(self, settings: BenchSettings, threads: int, progress: Callable[[str], None]) -> None:
+        self.settings = settings
+        self.threads = threads
+        self.progress = progress
+        self.stats: dict[str, Stat] = {}
+        self.nbytes: dict[str, int] = {}
+        self.failures: dict[str, str] = {}
+        self.checks: dict[str, bool] = {}
+        self.scenarios: dict[str, ScenarioResult] = {}
+        self.extra: dict[str, Any] = {}
+        self.peers: list[Peer] = []
+
+    def peer(self, name: str) -> Peer:
+        peer = Peer.start(name, env={"OMP_NUM_THREADS": str(self.threads),
+                                     "KVFERRY_BENCH_THREADS": str(self.threads)})
+        self.peers.append(peer)
+        return peer
+
+    def close_peer(self, peer: Peer) -> None:
+        if peer in self.peers:
+            self.peers.remove(peer)
+        peer.close()
+
+    def record(self, name: str, stat: Stat, nbytes: int) -> None:
+        self.stats[name] = stat
+        self.nbytes[name] = nbytes
+
+    def scenario(self, sender: Peer, receiver: Peer, scenario: Scenario, figure: str, *,
+                 baseline_kb: int | None = None) -> ScenarioResult | None:
+        self.progress(f"{scenario.label} ...")
+        start = time.monotonic()
+        try:
+            result = run_scenario(sender, receiver, scenario, self.settings,
+                                  receiver_baseline_kb=baseline_kb)
+        except KVFerryError as exc:
+            self.failures[scenario.label] = " ".join(str(exc).split())[:800]
+            self.progress(f"{scenario.label}: FAILED ({self.failures[scenario.label][:200]})")
+            return None
+        self.scenarios[scenario.label] = result
+        self.record(figure, result.time, scenario.nbytes)
+        if result.checked is not None:
+            self.checks[scenario.label] = result.checked
+        self.progress(f"{scenario.label}: median {result.time.median * 1e3:.2f} ms "
+                      f"({time.monotonic() - start:.1f} s)")
+        return result
+
+
+def mooncake_raw(run: RunState) -> None:
+    """The engine's raw batched write throughput, when the mooncake module offers it."""
+    g, s = run.settings.geometry, run.settings
+    run.progress("raw mooncake batched write ...")
+    try:
+        from kvferry.adapters.connectors.mooncake_engine import bench_raw_transfer
+
+        raw = bench_raw_transfer(g.nbytes, reps=s.reps)
+    except (ImportError, KVFerryError) as exc:
+        run.failures["raw mooncake"] = " ".join(str(exc).split())[:800]
+        return
+    run.record("mooncake_raw", Stat.of(raw["seconds"]), g.nbytes)
+
+
+def connector_paths(run: RunState, sender: Peer, name: str, pool: int, small: Geometry) -> None:
+    """Over connector ``name``, with a fresh receiver process (its RSS before the first receive
+    is the baseline of the RSS figures): one request through the library's primitives
+    (extraction into the connector, views on the receiver: the floor the manager can reach);
+    then through the transfer manager 1 and N requests, the small request's readiness and, on
+    the same-host connector, TP 2->2 against 2->4."""
+    s, g, t = run.settings, run.settings.geometry, run.settings.timeout_s
+    send_cfg, recv_cfg = connector_configs(name, s, pool)
+    try:
+        info = sender.call("kv_open", t, name=name, config=send_cfg)
+    except KVFerryError as exc:
+        run.failures[f"{name} connector"] = " ".join(str(exc).split())[:800]
+        run.progress(f"{name}: connector unavailable ({run.failures[f'{name} connector'][:200]})")
+        return
+    receiver = run.peer(f"receiver-{name}")
+    try:
+        where = {"host": info["host"], "port": info["port"]} if "port" in info else None
+        receiver.call("kv_open", t, name=name, config=recv_cfg, sender=where)
+        base_kb = receiver.call("rss_reset", t)["rss_kb"]
+
+        def direct(i: int) -> tuple[list[dict], list[dict]]:
+            return key_items(f"{name}d", i, 1)
+
+        run.scenario(sender, receiver, Scenario(
+            f"kvferry {name} primitives e2e, 1 request (no manager)", "kv_send", "kv_recv",
+            lambda i: {"name": name, "cache": "main", "items": direct(i)[0]},
+            lambda i: {"name": name, "items": direct(i)[1]},
+            g.nbytes, expected=(("main", 0, None),)), f"{name}_direct_1", baseline_kb=base_kb)
+
+        def managed(label: str, tag: str, count: int, cache: str, nbytes: int, **kw: Any) -> Scenario:
+            return Scenario(
+                label, "mgr_send", "mgr_recv",
+                lambda i: {"name": name, "cache": cache, "items": manager_items(tag, i, count)[0]},
+                lambda i: {"name": name, "items": manager_items(tag, i, count)[1], "sender": where},
+                nbytes, **kw)
+
+        sender.call("mgr_open", t, name=name, role="sender", ranks=[0], from_tp=1, to_tp=1)
+        receiver.call("mgr_open", t, name=name, role="receiver", ranks=[0], from_tp=1, to_tp=1,
+                      timeout_s=t)
+        n = s.requests
+        run.scenario(sender, receiver, managed(
+            f"kvferry {name} e2e, 1 request", f"{name}1", 1, "main", g.nbytes,
+            expected=(("main", 0, None),)), f"{name}_e2e_1", baseline_kb=base_kb)
+        run.scenario(sender, receiver, managed(
+            f"kvferry {name} e2e, {n} requests", f"{name}n", n, "main", n * g.nbytes,
+            expected=tuple(("main", r, None) for r in range(n))), f"{name}_e2e_n", baseline_kb=base_kb)
+        ready = run.scenario(sender, receiver, managed(
+            f"kvferry {name} readiness (small request)", f"{name}r", 1, "small", small.nbytes,
+            reps=s.readiness_reps), f"{name}_readiness_e2e")
+        if ready is not None:
+            run.record(f"readiness_{name}", ready.latency, small.nbytes)
+        if name == SAME_HOST:
+            tp_paths(run, sender, receiver, name, send_cfg, where, base_kb)
+    except KVFerryError as exc:
+        run.failures[f"{name} paths"] = " ".join(str(exc).split())[:800]
+        run.progress(f"{name}: FAILED ({run.failures[f'{name} paths'][:200]})")
+    finally:
+        run.close_peer(receiver)
+        try:
+            sender.call("kv_close", t, name=name)
+        except KVFerryError as exc:
+            run.failures[f"{name} close"] = str(exc)[:800]
+
+
+def tp_paths(run: RunState, sender: Peer, receiver: Peer, name: str, send_cfg: dict,
+              where: dict | None, base_kb: int) -> None:
+    """TP 2->2 against 2->4 for the same bytes: sender rank ``r`` serves from its own connector
+    bound at ``port + r*16`` (as a deployment's ranks do); the receiver ranks pull by routing."""
+    s, g, t = run.settings, run.settings.geometry, run.settings.timeout_s
+    if where is None:
+        run.failures[f"{name} TP paths"] = "the sender connector reports no port to route ranks by"
+        return
+    rank1 = f"{name}_rank1"
+    pool = 2 * (g.nbytes + (1 << 20)) + (64 << 20)
+    sender.call("kv_open", t, name=rank1, config={**send_cfg, "port": where["port"] + 16, "pool_bytes": pool})
+    try:
+        for label, figure, to_tp in (("homogeneous TP 2->2", "homo_2_2", 2),
+                                     ("heterogeneous TP 2->4", "hetero_2_4", 4)):
+            group = f"{name}_tp{to_tp}"
+            sender.call("mgr_open", t, name=group, role="sender", ranks=[0, 1], from_tp=2, to_tp=to_tp,
+                        connectors=[name, rank1])
+            receiver.call("mgr_open", t, name=group, role="receiver", ranks=list(range(to_tp)),
+                          from_tp=2, to_tp=to_tp, timeout_s=t, connectors=[name] * to_tp)
+
+            def items(i: int, to_tp: int = to_tp) -> tuple[list[dict], list[dict], Any]:
+                return tp_items(f"{name}tp{to_tp}", i, 2, to_tp, g.heads)
+            run.scenario(sender, receiver, Scenario(
+                f"kvferry {name} {label}", "mgr_send", "mgr_recv",
+                lambda i, items=items, group=group: {"name": group, "cache": "main", "items": items(i)[0]},
+                lambda i, items=items, group=group: {"name": group, "items": items(i)[1], "sender": where},
+                2 * g.nbytes, expected=items(0)[2]), figure, baseline_kb=base_kb)
+    finally:
+        sender.call("kv_close", t, name=rank1)
