@@ -256,7 +256,11 @@ class OmniKVTransferManager:
     def consume_and_distribute_kv_cache(self, req: Any, target_device: Any = None) -> bool:
         """Use a prefetched payload when there is one, else receive; then distribute."""
         def receive(r: Any) -> bool:
-            data, _ = self.consume_prefetched_kv(r)
+            try:
+                data, _ = self.consume_prefetched_kv(r)
+            except KVPrefetchConsumeError as exc:  # the payload is gone: no synchronous retry
+                logger.error("%s; the request runs without KV", exc)
+                return False
             if data is not None:
                 self.apply_kv_cache_to_request(r, data)
                 return True
