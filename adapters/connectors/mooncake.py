@@ -344,6 +344,7 @@ class MooncakeConnector:
             "room": self._receive.space.room(), **counters,
         }
         if self._sender is not None:
+            out["parked_lookups"] = self._server.parked
             with self._sender.lock:
                 out.update(self._sender.ledger.stats())
                 out.update(self._sender.counters)

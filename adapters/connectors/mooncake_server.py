@@ -170,6 +170,7 @@ class ControlServer:
     _wake_lock: threading.Lock = attrs.field(init=False, factory=threading.Lock)
     _thread: threading.Thread | None = attrs.field(init=False, default=None)
     _parked: dict[str, list[_Parked]] = attrs.field(init=False, factory=dict)
+    _parked_count: int = attrs.field(init=False, default=0)
 
     def start(self) -> None:
         self._wake_endpoint = f"inproc://kvferry-mooncake-wake-{id(self)}"
@@ -183,6 +184,11 @@ class ControlServer:
             target=self._run, args=(wake_rx,), name="kvferry-mooncake-control", daemon=True
         )
         self._thread.start()
+
+    @property
+    def parked(self) -> int:
+        """Lookups waiting for their key right now (a snapshot written by the thread)."""
+        return self._parked_count
 
     @property
     def running(self) -> bool:
@@ -223,6 +229,7 @@ class ControlServer:
                     self._drain_router()
                 self.state.sweep()
                 self._expire_parked()
+                self._parked_count = sum(len(group) for group in self._parked.values())
         finally:
             self._answer_all_parked("closed")
             wake_rx.close()
