@@ -183,8 +183,8 @@ class MooncakeConnector:
         try:
             if cfg.role == "sender":
                 router, port = bind_router(ctx, cfg.host, cfg.port)
-                ledger = PoolLedger.create(pool.pool_bytes, alignment=cfg.alignment, hold_s=cfg.pin_s)
-                sender = SenderState(ledger, pool.base, pool.rpc_port, cfg.pin_s, now)
+                ledger = PoolLedger.create(pool.pool_bytes, alignment=cfg.alignment, hold_s=cfg.hold_s)
+                sender = SenderState(ledger, pool.base, pool.rpc_port, cfg.hold_s, now)
                 server = ControlServer(ctx, router, sender)
                 server.start()
         except BaseException:

@@ -14,7 +14,7 @@ port           0            control-channel TCP port (sender); 0 = OS-chosen (te
 pool_bytes     1 GiB        registered pool size in bytes (each side, allocated once)
 readers        1            gets that may read one payload before it is freed
 lease_s        120.0        seconds an unread payload is kept before it expires
-pin_s          30.0         seconds a reader's claim pins a region (then it is revoked)
+hold_s         30.0         seconds a reader's claim pins a sender region (then it is revoked)
 protocol       "tcp"        engine transport: ``"tcp"`` or ``"rdma"``
 device_name    ""           RDMA device(s) for the engine (e.g. ``"mlx5_0"``); "" for tcp
 pool_device    "cpu"        where the pool lives: ``"cpu"`` or a torch device (``"cuda:0"``)
@@ -80,7 +80,7 @@ class MooncakeConfig:
     pool_bytes: int = 1 << 30
     readers: int = 1
     lease_s: float = 120.0
-    pin_s: float = 30.0
+    hold_s: float = 30.0
     protocol: str = "tcp"
     device_name: str = ""
     pool_device: str = "cpu"
@@ -108,7 +108,7 @@ class MooncakeConfig:
             pool_bytes=_int("pool_bytes", get("pool_bytes", d.pool_bytes), alignment),
             readers=_int("readers", get("readers", d.readers), 1),
             lease_s=_seconds("lease_s", get("lease_s", d.lease_s)),
-            pin_s=_seconds("pin_s", get("pin_s", d.pin_s)),
+            hold_s=_seconds("hold_s", get("hold_s", d.hold_s)),
             protocol=_text("protocol", get("protocol", d.protocol), ("tcp", "rdma")),
             device_name=_text("device_name", get("device_name", d.device_name)),
             pool_device=_text("pool_device", get("pool_device", d.pool_device)),

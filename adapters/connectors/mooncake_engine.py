@@ -35,6 +35,8 @@ __all__ = [
     "shared_engine",
     "EnginePool",
     "bench_raw_transfer",
+    "payload_pattern",
+    "throughput_summary",
 ]
 
 logger = logging.getLogger(__name__)
@@ -230,7 +232,7 @@ def bench_raw_transfer(
 
     src, dst = pool(), pool()
     try:
-        src.tensor.copy_(_pattern(nbytes))
+        src.tensor.copy_(payload_pattern(nbytes))
         peer = f"{host}:{dst.rpc_port}"
         if not src.write(peer, 0, dst.base, nbytes):
             raise ConnectorUnavailable(f"raw mooncake write to {peer} failed")
@@ -243,20 +245,22 @@ def bench_raw_transfer(
                 raise ConnectorUnavailable(f"raw mooncake write to {peer} failed")
         if not bool((src.tensor == dst.tensor).all()):
             raise ConnectorUnavailable("raw mooncake write delivered different bytes")
-        return _summary(nbytes, seconds)
+        return throughput_summary(nbytes, seconds)
     finally:
         src.close()
         dst.close()
 
 
-def _pattern(nbytes: int) -> Any:
+def payload_pattern(nbytes: int) -> Any:
+    """``nbytes`` pseudo-random bytes (a 1-D uint8 CPU tensor), the same for the same size."""
     import torch
 
     gen = torch.Generator().manual_seed(nbytes)
     return torch.randint(0, 256, (nbytes,), dtype=torch.uint8, generator=gen)
 
 
-def _summary(nbytes: int, seconds: Sequence[float]) -> dict[str, Any]:
+def throughput_summary(nbytes: int, seconds: Sequence[float]) -> dict[str, Any]:
+    """``{"nbytes", "reps", "seconds", "best_gbps", "median_gbps"}`` of timed reps (GB = 1e9 B)."""
     ordered = sorted(seconds)
     median = ordered[len(ordered) // 2]
     return {

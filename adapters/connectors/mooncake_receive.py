@@ -40,7 +40,9 @@ def resolve_endpoint(
     metadata: Mapping[str, Any] | None, default: tuple[str, int] | None
 ) -> Endpoint | None:
     """The endpoint named by ``metadata`` (``source_host``/``source_port``, optional ``size``),
-    else ``default``; None when neither names one. Wrongly typed metadata is a ConfigError."""
+    else ``default`` (also when the metadata names only the default's host); None when neither
+    names one (unresolved: the get misses with ``no_sender``). Wrongly typed metadata is a
+    ConfigError."""
     if metadata is not None and not isinstance(metadata, Mapping):
         raise ConfigError(f"get metadata must be a mapping or None, got {type(metadata).__name__}")
     meta = metadata or {}
@@ -48,8 +50,8 @@ def resolve_endpoint(
     if size is not None and (isinstance(size, bool) or not isinstance(size, int) or size < 0):
         raise ConfigError(f"get metadata 'size' must be a non-negative int, got {size!r}")
     host, port = meta.get("source_host"), meta.get("source_port")
-    if host is None and port is None:
-        if default is None:
+    if port is None:  # no endpoint (or a host alone): the default sender, if any
+        if default is None or (host is not None and host != default[0]):
             return None
         host, port = default
     if not isinstance(host, str) or not host:

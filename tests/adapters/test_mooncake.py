@@ -142,10 +142,17 @@ def test_without_an_endpoint_in_metadata_the_default_is_used(default, size) -> N
         assert got == Endpoint(default[0], default[1], size)
 
 
+def test_a_host_without_a_port_resolves_only_to_the_default_on_that_host() -> None:
+    assert resolve_endpoint({"source_host": "h"}, ("h", 9)) == Endpoint("h", 9)
+    assert resolve_endpoint({"source_host": "other"}, ("h", 9)) is None
+    assert resolve_endpoint({"source_host": "h"}, None) is None
+
+
 @pytest.mark.parametrize(
     "meta, word",
     [
         ({"source_host": "h", "source_port": 0}, "source_port"),
+        ({"source_port": 5}, "source_host"),
         ({"source_host": "h", "source_port": True}, "source_port"),
         ({"source_host": "", "source_port": 5}, "source_host"),
         ({"source_host": "h", "source_port": 5, "size": -1}, "size"),
@@ -168,7 +175,7 @@ def test_config_defaults_and_unknown_keys() -> None:
 @pytest.mark.parametrize(
     "key, value",
     [("role", "both"), ("port", 70000), ("port", -1), ("pool_bytes", 0), ("readers", 0),
-     ("lease_s", 0), ("pin_s", float("inf")), ("protocol", "udp"), ("host", ""),
+     ("lease_s", 0), ("hold_s", float("inf")), ("protocol", "udp"), ("host", ""),
      ("alignment", 48), ("chunk_bytes", 10), ("shared_engine", "yes"), ("readers", True)],
 )
 def test_bad_config_values_name_the_key(key, value) -> None:
@@ -320,9 +327,9 @@ def _raw_lookup(port: int, key: str) -> wire.LookupReply:
         sock.close()
 
 
-def test_a_claim_never_finished_is_revoked_after_pin_s(make) -> None:
+def test_a_claim_never_finished_is_revoked_after_hold_s(make) -> None:
     clock = FakeClock()
-    sender = make(role="sender", pin_s=3.0, lease_s=100.0, clock=clock)
+    sender = make(role="sender", hold_s=3.0, lease_s=100.0, clock=clock)
     assert sender.put("0", "1", "stuck", b"q" * 5000)[0]
     reply = _raw_lookup(sender.port, "stuck")  # a reader that claims and vanishes
     assert reply.found and reply.size == 5000 and reply.pin_s == 3.0
