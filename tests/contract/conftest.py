@@ -74,7 +74,7 @@ def mooncake_factory(config: dict[str, Any]) -> ConnectorPair:
     except (ImportError, OSError) as exc:
         pytest.skip(f"mooncake transfer engine unavailable ({exc}); pip install 'kvferry[mooncake]' "
                     "and apt-get install libibverbs1")
-    common = {"type": "mooncake", "host": "127.0.0.1", "pin_s": 30.0}
+    common = {"type": "mooncake", "host": "127.0.0.1"}
     sender = create_connector({**common, **config, "role": "sender", "port": 0})
     try:
         receiver = create_connector({**common, **config, "role": "receiver"})
