@@ -34,7 +34,7 @@ from typing import Any, Callable
 import torch
 
 from kvferry.app.bench_model import (
-    RATIO_NAMES, TARGETS, BenchSettings, Geometry, Stat, compute_ratios,
+    RATIO_NAMES, TARGETS, BenchSettings, Geometry, Stat, compute_ratios, ratio_of,
 )
 from kvferry.app.bench_paths import RunState, connector_paths, mooncake_raw
 from kvferry.app.bench_scenarios import Scenario
@@ -191,6 +191,29 @@ def _worst(run: RunState) -> None:
     run.extra["rss_ratio_receiver_path"] = worst_label
 
 
+def _extra_ratios(run: RunState) -> dict[str, float]:
+    """Ratios beyond the required set: what the manager adds over the primitives, the other
+    readiness figures, and optional connectors against their own raw limits."""
+    m = {name: stat.median for name, stat in run.stats.items()}
+    get = lambda name: m.get(name, math.nan)  # noqa: E731
+    n = run.settings.requests
+    out = {
+        "shm_primitives_vs_memcpy": ratio_of(get("memcpy"), get("shm_direct_1")),
+        "shm_manager_vs_primitives": ratio_of(get("shm_direct_1"), get("shm_e2e_1")),
+        "zmq_primitives_vs_raw": ratio_of(get("raw_zmq"), get("zmq_direct_1")),
+        "zmq_manager_vs_primitives": ratio_of(get("zmq_direct_1"), get("zmq_e2e_1")),
+        "readiness_zmq_p50_ms": get("readiness_zmq") * 1e3,
+        "readiness_baseline_p50_ms": get("readiness_baseline") * 1e3,
+        "checksum_encode_extra_ms": (get("checksum_encode") - get("kvferry_encode")) * 1e3,
+        "checksum_verify_ms": get("checksum_decode") * 1e3,
+    }
+    for name in run.settings.extra_connectors:
+        out[f"{name}_1req_vs_raw"] = ratio_of(get(f"{name}_raw"), get(f"{name}_e2e_1"))
+        out[f"{name}_{n}req_vs_raw"] = ratio_of(n * get(f"{name}_raw"), get(f"{name}_e2e_n"))
+        out[f"readiness_{name}_p50_ms"] = get(f"readiness_{name}") * 1e3
+    return out
+
+
 def _finite(value: float) -> float | None:
     return value if isinstance(value, (int, float)) and math.isfinite(value) else None
 
@@ -198,6 +221,7 @@ def _finite(value: float) -> float | None:
 def _report(run: RunState, machine: dict[str, Any], seconds: float) -> dict[str, Any]:
     _worst(run)
     ratios = compute_ratios(run.stats, run.settings.requests)
+    extra = _extra_ratios(run)
     figures = {name: {**stat.to_json(), "nbytes": run.nbytes.get(name),
                       "gbps": _gbps(stat, run.nbytes.get(name, 0))}
                for name, stat in run.stats.items()}
@@ -218,6 +242,7 @@ def _report(run: RunState, machine: dict[str, Any], seconds: float) -> dict[str,
     return {
         "kvferry_bench": 1,
         "ratios": {name: _finite(ratios[name]) for name in RATIO_NAMES},
+        "extra_ratios": {name: _finite(value) for name, value in extra.items()},
         "targets": {name: str(TARGETS[name]) for name in RATIO_NAMES},
         "meets_target": {name: TARGETS[name].met(ratios[name]) for name in RATIO_NAMES},
         "ratio_inputs": {name: list(v) for name, v in RATIO_INPUTS.items()},

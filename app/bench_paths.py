@@ -109,34 +109,53 @@ def mooncake_raw(run: RunState) -> None:
     run.record("mooncake_raw", Stat.of(raw["seconds"]), g.nbytes)
 
 
+def _fresh(run: RunState, sender: Peer, scenario: Scenario, figure: str, name: str, recv_cfg: dict,
+           where: dict | None, *, group: str | None = None, ranks: int = 1, from_tp: int = 1,
+           to_tp: int = 1) -> ScenarioResult | None:
+    """Run ``scenario`` against a fresh receiver process: connector ``name`` (and managers
+    ``group`` for ``ranks`` receiver ranks) opened, RSS baseline taken, then the scenario.
+    The receiver's peak RSS then covers this path alone."""
+    t = run.settings.timeout_s
+    receiver = run.peer(f"receiver-{name}")
+    try:
+        receiver.call("kv_open", t, name=name, config=recv_cfg, sender=where)
+        if group is not None:
+            receiver.call("mgr_open", t, name=group, role="receiver", ranks=list(range(ranks)),
+                          from_tp=from_tp, to_tp=to_tp, timeout_s=t, connectors=[name] * ranks)
+        base_kb = receiver.call("rss_reset", t)["rss_kb"]
+        return run.scenario(sender, receiver, scenario, figure, baseline_kb=base_kb)
+    except KVFerryError as exc:
+        run.failures[scenario.label] = " ".join(str(exc).split())[:800]
+        run.progress(f"{scenario.label}: FAILED ({run.failures[scenario.label][:200]})")
+        return None
+    finally:
+        run.close_peer(receiver)
+
+
 def connector_paths(run: RunState, sender: Peer, name: str, pool: int, small: Geometry) -> None:
-    """Over connector ``name``, with a fresh receiver process (its RSS before the first receive
-    is the baseline of the RSS figures): one request through the library's primitives
-    (extraction into the connector, views on the receiver: the floor the manager can reach);
-    then through the transfer manager 1 and N requests, the small request's readiness and, on
-    the same-host connector, TP 2->2 against 2->4."""
+    """Over connector ``name``, each path with a fresh receiver process: one request through
+    the library's primitives (extraction into the connector, views on the receiver: the floor
+    the manager can reach); then through the transfer manager 1 and N requests, the small
+    request's readiness and, on the same-host connector, TP 2->2 against 2->4."""
     s, g, t = run.settings, run.settings.geometry, run.settings.timeout_s
     send_cfg, recv_cfg = connector_configs(name, s, pool)
     try:
         info = sender.call("kv_open", t, name=name, config=send_cfg)
+        sender.call("mgr_open", t, name=name, role="sender", ranks=[0], from_tp=1, to_tp=1)
     except KVFerryError as exc:
         run.failures[f"{name} connector"] = " ".join(str(exc).split())[:800]
         run.progress(f"{name}: connector unavailable ({run.failures[f'{name} connector'][:200]})")
         return
-    receiver = run.peer(f"receiver-{name}")
+    where = {"host": info["host"], "port": info["port"]} if "port" in info else None
     try:
-        where = {"host": info["host"], "port": info["port"]} if "port" in info else None
-        receiver.call("kv_open", t, name=name, config=recv_cfg, sender=where)
-        base_kb = receiver.call("rss_reset", t)["rss_kb"]
-
         def direct(i: int) -> tuple[list[dict], list[dict]]:
             return key_items(f"{name}d", i, 1)
 
-        run.scenario(sender, receiver, Scenario(
+        _fresh(run, sender, Scenario(
             f"kvferry {name} primitives e2e, 1 request (no manager)", "kv_send", "kv_recv",
             lambda i: {"name": name, "cache": "main", "items": direct(i)[0]},
             lambda i: {"name": name, "items": direct(i)[1]},
-            g.nbytes, expected=(("main", 0, None),)), f"{name}_direct_1", baseline_kb=base_kb)
+            g.nbytes, expected=(("main", 0, None),)), f"{name}_direct_1", name, recv_cfg, where)
 
         def managed(label: str, tag: str, count: int, cache: str, nbytes: int, **kw: Any) -> Scenario:
             return Scenario(
@@ -145,60 +164,57 @@ def connector_paths(run: RunState, sender: Peer, name: str, pool: int, small: Ge
                 lambda i: {"name": name, "items": manager_items(tag, i, count)[1], "sender": where},
                 nbytes, **kw)
 
-        sender.call("mgr_open", t, name=name, role="sender", ranks=[0], from_tp=1, to_tp=1)
-        receiver.call("mgr_open", t, name=name, role="receiver", ranks=[0], from_tp=1, to_tp=1,
-                      timeout_s=t)
         n = s.requests
-        run.scenario(sender, receiver, managed(
-            f"kvferry {name} e2e, 1 request", f"{name}1", 1, "main", g.nbytes,
-            expected=(("main", 0, None),)), f"{name}_e2e_1", baseline_kb=base_kb)
-        run.scenario(sender, receiver, managed(
-            f"kvferry {name} e2e, {n} requests", f"{name}n", n, "main", n * g.nbytes,
-            expected=tuple(("main", r, None) for r in range(n))), f"{name}_e2e_n", baseline_kb=base_kb)
-        ready = run.scenario(sender, receiver, managed(
+        for label, tag, count, figure in ((f"kvferry {name} e2e, 1 request", f"{name}1", 1, f"{name}_e2e_1"),
+                                          (f"kvferry {name} e2e, {n} requests", f"{name}n", n, f"{name}_e2e_n")):
+            _fresh(run, sender, managed(label, tag, count, "main", count * g.nbytes,
+                                        expected=tuple(("main", r, None) for r in range(count))),
+                   figure, name, recv_cfg, where, group=name)
+        ready = _fresh(run, sender, managed(
             f"kvferry {name} readiness (small request)", f"{name}r", 1, "small", small.nbytes,
-            reps=s.readiness_reps), f"{name}_readiness_e2e")
+            reps=s.readiness_reps), f"{name}_readiness_e2e", name, recv_cfg, where, group=name)
         if ready is not None:
             run.record(f"readiness_{name}", ready.latency, small.nbytes)
         if name == SAME_HOST:
-            tp_paths(run, sender, receiver, name, send_cfg, where, base_kb)
-    except KVFerryError as exc:
-        run.failures[f"{name} paths"] = " ".join(str(exc).split())[:800]
-        run.progress(f"{name}: FAILED ({run.failures[f'{name} paths'][:200]})")
+            tp_paths(run, sender, name, send_cfg, recv_cfg, where)
     finally:
-        run.close_peer(receiver)
         try:
             sender.call("kv_close", t, name=name)
         except KVFerryError as exc:
             run.failures[f"{name} close"] = str(exc)[:800]
 
 
-def tp_paths(run: RunState, sender: Peer, receiver: Peer, name: str, send_cfg: dict,
-              where: dict | None, base_kb: int) -> None:
+def tp_paths(run: RunState, sender: Peer, name: str, send_cfg: dict, recv_cfg: dict,
+             where: dict | None) -> None:
     """TP 2->2 against 2->4 for the same bytes: sender rank ``r`` serves from its own connector
     bound at ``port + r*16`` (as a deployment's ranks do); the receiver ranks pull by routing."""
-    s, g, t = run.settings, run.settings.geometry, run.settings.timeout_s
+    g, t = run.settings.geometry, run.settings.timeout_s
     if where is None:
         run.failures[f"{name} TP paths"] = "the sender connector reports no port to route ranks by"
         return
     rank1 = f"{name}_rank1"
     pool = 2 * (g.nbytes + (1 << 20)) + (64 << 20)
-    sender.call("kv_open", t, name=rank1, config={**send_cfg, "port": where["port"] + 16, "pool_bytes": pool})
+    try:
+        sender.call("kv_open", t, name=rank1, config={**send_cfg, "port": where["port"] + 16, "pool_bytes": pool})
+    except KVFerryError as exc:
+        run.failures[f"{name} TP paths"] = " ".join(str(exc).split())[:800]
+        return
     try:
         for label, figure, to_tp in (("homogeneous TP 2->2", "homo_2_2", 2),
                                      ("heterogeneous TP 2->4", "hetero_2_4", 4)):
             group = f"{name}_tp{to_tp}"
             sender.call("mgr_open", t, name=group, role="sender", ranks=[0, 1], from_tp=2, to_tp=to_tp,
                         connectors=[name, rank1])
-            receiver.call("mgr_open", t, name=group, role="receiver", ranks=list(range(to_tp)),
-                          from_tp=2, to_tp=to_tp, timeout_s=t, connectors=[name] * to_tp)
 
             def items(i: int, to_tp: int = to_tp) -> tuple[list[dict], list[dict], Any]:
                 return tp_items(f"{name}tp{to_tp}", i, 2, to_tp, g.heads)
-            run.scenario(sender, receiver, Scenario(
+            _fresh(run, sender, Scenario(
                 f"kvferry {name} {label}", "mgr_send", "mgr_recv",
                 lambda i, items=items, group=group: {"name": group, "cache": "main", "items": items(i)[0]},
                 lambda i, items=items, group=group: {"name": group, "items": items(i)[1], "sender": where},
-                2 * g.nbytes, expected=items(0)[2]), figure, baseline_kb=base_kb)
+                2 * g.nbytes, expected=items(0)[2]), figure, name, recv_cfg, where,
+                group=group, ranks=to_tp, from_tp=2, to_tp=to_tp)
+    except KVFerryError as exc:
+        run.failures[f"{name} TP paths"] = " ".join(str(exc).split())[:800]
     finally:
         sender.call("kv_close", t, name=rank1)

@@ -23,12 +23,15 @@ _FIGURE_LABELS: tuple[tuple[str, str], ...] = (
     ("checksum_encode", "kvferry encode with crc32"),
     ("checksum_decode", "kvferry decode verifying crc32"),
     ("checksum_gather_finish", "kvferry gather + header with crc32"),
+    ("shm_direct_1", "kvferry shm primitives e2e, 1 request"),
     ("shm_e2e_1", "kvferry shm e2e, 1 request"),
     ("shm_e2e_n", "kvferry shm e2e, N requests"),
     ("homo_2_2", "kvferry shm TP 2->2 (2 payloads)"),
     ("hetero_2_4", "kvferry shm TP 2->4 (4 half payloads)"),
+    ("zmq_direct_1", "kvferry zmq tcp primitives e2e, 1 request"),
     ("zmq_e2e_1", "kvferry zmq tcp e2e, 1 request"),
     ("zmq_e2e_n", "kvferry zmq tcp e2e, N requests"),
+    ("mooncake_direct_1", "kvferry mooncake primitives e2e, 1 request"),
     ("mooncake_e2e_1", "kvferry mooncake e2e, 1 request"),
     ("mooncake_e2e_n", "kvferry mooncake e2e, N requests"),
     ("readiness_shm", "readiness, small request, shm"),
@@ -114,6 +117,10 @@ def render_table(report: dict[str, Any]) -> str:
                      "n/a" if value is None else ("yes" if met else "NO"),
                      ", ".join(report["ratio_inputs"].get(name, ()))])
     lines += _rows(["ratio", "value", "target", "met", "from"], rows)
+    extra = report.get("extra_ratios") or {}
+    if extra:
+        lines.append("")
+        lines += _rows(["more ratios", "value"], [[k, _value(v)] for k, v in extra.items()])
     notes = report.get("notes", {})
     worst = [f"{k.removesuffix('_path')}: {v}" for k, v in notes.items() if k.endswith("_path")]
     if worst:
@@ -125,6 +132,8 @@ def render_table(report: dict[str, Any]) -> str:
                      f"({ck['crc32_gbps']:.2f} GB/s)")
     checks = report.get("data_checks", {})
     bad = [k for k, ok in checks.items() if not ok]
+    lines.append("(e2e: sender's send call -> receiver holds every payload decoded; 'primitives' "
+                 "= extraction into the connector + views, without the manager)")
     lines.append(f"data checks (crc32 of what arrived vs what was sent): "
                  f"{'all ' + str(len(checks)) + ' ok' if not bad else 'MISMATCH in ' + ', '.join(bad)}")
     for what, why in report.get("failures", {}).items():
