@@ -277,7 +277,8 @@ def test_cfg_companions_are_collected_onto_sampling_params(kit, compat, memory_c
     def collector(rid: str, cfg_ids: list, manager: Any, device: Any) -> dict:
         calls.append((rid, list(cfg_ids), manager, device))
         data, _ = manager.receive_kv_cache_for_request(cfg_ids[0], device)
-        return {"cfg_text_past_key_values": KVCache(data["layer_blocks"]["key_cache"], data["layer_blocks"]["value_cache"]),
+        blocks = data["layer_blocks"]
+        return {"cfg_text_past_key_values": KVCache(blocks["key_cache"], blocks["value_cache"]),
                 "cfg_text_kv_metadata": data["metadata"]}
 
     req = kit.make_request("r1", cfg_kv_request_ids=["r1__cfg_text"])

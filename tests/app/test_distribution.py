@@ -244,6 +244,31 @@ def test_spec6_dummy_requests_skip_every_collective(kit, memory_connector, fake_
     assert done == [False] and spy.gets == [] and fake_time.elapsed == 0.0
 
 
+@pytest.mark.parametrize("layout", [GroupLayout(tp_size=2, cfg_size=2), GroupLayout(tp_size=4)], ids=["cfg", "tp"])
+def test_spec6_non_receiving_config_skips_every_collective(kit, memory_connector, fake_time, layout) -> None:
+    """Not receiving: False at once on a lone rank whose peers never call (no collective entered)."""
+    groups = kit.stage_groups(InProcessWorld(4), 1, layout)
+    spy = kit.SpyConnector(memory_connector)
+    m = _manager(kit, spy, groups, fake_time, 2, 2, need_recv_cache=False)
+    done: list[bool] = []
+    thread = threading.Thread(target=lambda: done.append(
+        m.receive_multi_kv_cache_distributed(kit.make_request("r1"))), daemon=True)
+    thread.start()
+    thread.join(5.0)
+    assert done == [False] and spy.gets == []
+
+
+def test_spec6_tp_group_of_one_is_local_without_consensus(kit, memory_connector, fake_time) -> None:
+    model = kit.PagedModel()
+    kit.send_all(model, memory_connector, 1, 1, {"r1": SPEC})
+    groups = kit.stage_groups(InProcessWorld(1), 0, GroupLayout())
+    m = _manager(kit, kit.BlockingSpyConnector(memory_connector), groups, fake_time, 1, 1)
+    req = kit.make_request("r1")
+    assert _role(groups, 1, 1) is ReceiveRole.LOCAL
+    assert m.receive_multi_kv_cache_distributed(req) is True
+    _check_kv(kit, req.past_key_values, model, SPEC, 0, 1)
+
+
 def test_spec6_distribute_after_the_leader_applied(kit, memory_connector, fake_time) -> None:
     """``distribute_kv_cache(received=...)``: the leader received on its own, then all distribute."""
     model = kit.PagedModel()

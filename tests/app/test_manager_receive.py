@@ -81,6 +81,17 @@ def test_spec2_4_fan_in_layer_carried_by_one_shard_survives_pool_reuse(kit, memo
     assert torch.equal(layers[0], torch.cat([t(1.0), t(2.0)], dim=1))
 
 
+def test_spec7_tensors_are_moved_to_the_target_device(kit, memory_connector, make_receiver) -> None:
+    model = kit.PagedModel()
+    kit.send_all(model, memory_connector, 2, 1, {"a": {"block_ids": [1, 2], "seq_len": 8}})
+    result = make_receiver(memory_connector, 2, 1).receive("a", target_device="meta")
+    assert result.ok
+    tensors = result.payload["layer_blocks"]["key_cache"] + result.payload["layer_blocks"]["value_cache"]
+    assert {t.device.type for t in tensors} == {"meta"}
+    assert tensors[0].shape == (8, model.heads, model.head_dim)
+    assert kit.pool_is_empty(memory_connector)
+
+
 # -------------------------------------------------------------------------------- timeouts
 def test_spec7_timeout_at_deadline_polls_10ms_doubling_to_500ms(kit, memory_connector, make_receiver,
                                                                  fake_time) -> None:
