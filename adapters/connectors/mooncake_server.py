@@ -309,7 +309,7 @@ class ControlServer:
             keep = []
             for parked in self._parked[key]:
                 if now >= parked.deadline_s:
-                    self._send(parked.ident, wire.LookupReply(parked.lookup.id, False, reason="not_found"))
+                    self._send(parked.ident, wire.LookupReply(parked.lookup.id, False, reason="timeout"))
                 else:
                     keep.append(parked)
             if keep:

@@ -52,8 +52,9 @@ MAX_KEY_CHARS = 4096
 _MAX_U64 = 2**64 - 1
 _MAX_ID = 2**63 - 1
 #: Why a lookup found nothing: never published / already consumed, lease passed, payload larger
-#: than the receiver's ``room``, sender closing, malformed request.
-MISS_REASONS = ("not_found", "expired", "no_room", "closed", "bad_request")
+#: than the receiver's ``room``, long-poll ended without the key, sender closing, malformed
+#: request.
+MISS_REASONS = ("not_found", "expired", "no_room", "timeout", "closed", "bad_request")
 
 
 def _u64(name: str, limit: int = _MAX_U64):

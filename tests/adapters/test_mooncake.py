@@ -66,7 +66,7 @@ def test_random_bytes_raise_only_payload_error(raw) -> None:
 def test_mutated_fields_raise_only_payload_error(message, data) -> None:
     body = msgpack.unpackb(wire.encode(message), raw=False)
     name = data.draw(st.sampled_from(sorted(body)))
-    body[name] = data.draw(st.one_of(st.none(), st.booleans(), st.integers(-(2**64), 2**65),
+    body[name] = data.draw(st.one_of(st.none(), st.booleans(), st.integers(-(2**63), 2**64 - 1),
                                      st.floats(), st.text(max_size=5), st.lists(st.integers(), max_size=2)))
     try:
         decoded = wire.decode(msgpack.packb(body))
@@ -394,6 +394,16 @@ def test_two_readers_each_get_their_copy_then_it_is_freed(make) -> None:
     a[0].release()
     b[0].release()
     assert first.health()["room"] == 1 << 20
+
+
+def test_a_long_poll_that_ends_without_the_key_is_a_timeout(make) -> None:
+    sender = make(role="sender")
+    receiver = make(role="receiver")
+    receiver.update_sender_info("127.0.0.1", sender.port)
+    assert receiver.get_blocking("0", "1", "absent", timeout_s=0.2) is None
+    assert receiver.last_failure("absent") == "timeout"
+    assert receiver.get("0", "1", "absent") is None
+    assert receiver.last_failure("absent") == "not_found"
 
 
 def test_closed_sender_is_reported_promptly(make) -> None:
