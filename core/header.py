@@ -95,6 +95,8 @@ def _element_problem(name: str, layer: int, dtype: str, shape: tuple[int, ...]) 
         return f"unsupported dtype {dtype!r}"
     if any(isinstance(d, bool) or not isinstance(d, int) or d < 0 or d > _MAX_INT for d in shape):
         return f"shape {list(shape)} has a dimension that is not a non-negative integer"
+    if math.prod(max(d, 1) for d in shape) * DTYPE_ITEMSIZE[dtype] > _MAX_INT:
+        return f"shape {list(shape)} spans more than 2**63 bytes (strides would overflow)"
     return None
 
 
