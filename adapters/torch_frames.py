@@ -321,7 +321,7 @@ def decode_payload(data: Any, *, verify: bool = True, limits: DecodeLimits = Dec
     """Decode bytes-like data, a 1-D uint8 tensor (any device), a pool buffer (``.tensor``; not
     released here) or a sequence of frames. Checksums, when the header has them, are verified
     unless ``verify=False``. Every malformed input raises PayloadError."""
-    if isinstance(data, PoolBuffer) and not isinstance(data, (bytes, bytearray, memoryview, torch.Tensor)):
+    if not isinstance(data, (bytes, bytearray, memoryview, torch.Tensor, list, tuple)) and isinstance(data, PoolBuffer):
         data = data.tensor
     if isinstance(data, torch.Tensor) and data.device.type != "cpu":
         if data.dtype != torch.uint8 or data.dim() != 1:
