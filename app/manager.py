@@ -23,6 +23,7 @@ from kvferry.app.send import SendPath
 from kvferry.core.addressing import kv_port
 from kvferry.core.config import TransferConfig
 from kvferry.core.errors import ConnectorUnavailable
+from kvferry.core.header import DecodeLimits
 from kvferry.core.outcomes import Counters, ReceiveKind, ReceiveOutcome, SendOutcome, SendReason
 from kvferry.core.policy import RetryPolicy
 from kvferry.core.ports import CollectiveGroup, Connector, SenderAware
@@ -94,6 +95,8 @@ class KVTransferManager:
     free_memory_ratio: Callable[[], float | None] = lambda: None
     bind_host: str = "127.0.0.1"
     checksums: str | None = None
+    #: What a received payload's header may claim (SPEC 3.1: validate before allocating).
+    decode_limits: DecodeLimits = attrs.field(factory=DecodeLimits)
     #: Put retries (SPEC 7 default: 3 attempts, 0.1 s doubling). A producer that prefers to wait
     #: out a full pool (back-pressure) passes more attempts.
     retry: RetryPolicy = attrs.field(factory=RetryPolicy)
@@ -277,7 +280,7 @@ class KVTransferManager:
             self.config.recv_from_stage, self.config.stage_id, TPTopology(from_tp, to_tp, self.tp_rank),
             self.recv_connector, self.clock, self.sleep, self.config.recv_timeout,
             key_builder=self.kv_recv_key_builder, merger=self.kv_payload_merger,
-            slicer=self.kv_payload_slicer)
+            slicer=self.kv_payload_slicer, limits=self.decode_limits)
 
     def receive(self, request_id: str, *, sender_info: Any = None, target_device: Any = None,
                 timeout_s: float | None = None) -> ReceiveResult:

@@ -26,6 +26,7 @@ import torch
 from kvferry.adapters.torch_frames import DecodedKV, decode_payload, merge_layers, slice_layers
 from kvferry.core.addressing import pull_port
 from kvferry.core.errors import KVFerryError, PayloadError
+from kvferry.core.header import DecodeLimits
 from kvferry.core.head_slices import applied_head_slice, fan_out_slice, tp_head_slice_record
 from kvferry.core.ids import is_dummy_request, recv_keys
 from kvferry.core.outcomes import ReceiveKind, ReceiveOutcome, SkipReason
@@ -114,6 +115,8 @@ class ReceivePath:
     #: Copy tensors out of receive buffers that are not pool buffers too (bytes, zmq frames), so
     #: callers get writable memory of their own. Pool buffers are always copied.
     copy_unpooled: bool = False
+    #: Bounds on what a received header may claim (header bytes, tensors, layers, dimensions).
+    limits: DecodeLimits = attrs.field(factory=DecodeLimits)
 
     def keys(self, request_id: str) -> tuple[tuple[str, int | None], ...]:
         return recv_keys(request_id, self.from_stage, self.to_stage, self.topology, self.key_builder)
@@ -218,7 +221,7 @@ class ReceivePath:
         decoded: list[DecodedKV] = []
         try:
             for data, _ in got:
-                decoded.append(decode_payload(data))
+                decoded.append(decode_payload(data, limits=self.limits))
         except PayloadError as exc:
             logger.warning("request %s: undecodable payload: %s", request_id, exc)
             return ReceiveResult(ReceiveOutcome.failed(

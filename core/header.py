@@ -65,9 +65,16 @@ def _fail(reason: str, tensor: str | None = None) -> PayloadError:
 
 @attrs.frozen
 class DecodeLimits:
-    """Upper bounds a decoder enforces before it reads or allocates anything."""
+    """Upper bounds a decoder enforces before it reads or allocates anything.
 
-    max_header_bytes: int = 16 * 1024 * 1024
+    ``max_header_bytes`` bounds the JSON header (bytes). Parsed JSON costs more memory than its
+    text (an empty list is 2 bytes of text and ~60 bytes of objects), so this limit is what
+    bounds a hostile header's memory: the 4 MiB default caps one parse near 100 MB, while the
+    largest real headers (a 1M-token request's block ids, hundreds of layers) stay under 1 MiB.
+    ``max_tensors`` bounds descriptors, ``max_layers`` the ``nl`` claim, ``max_ndim`` a shape.
+    """
+
+    max_header_bytes: int = 4 * 1024 * 1024
     max_tensors: int = 65536
     max_layers: int = 65536
     max_ndim: int = 64
