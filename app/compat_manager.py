@@ -209,7 +209,11 @@ class OmniKVTransferManager:
         m = self._manager
         from_tp, to_tp = m.tp_sizes
         return Distributor(m.groups, from_tp, to_tp, timeout_s=m.config.recv_timeout + COLLECTIVE_MARGIN_S,
-                           kv_factory=KVCache)
+                           kv_factory=KVCache, on_drop=self._dropped)
+
+    def _dropped(self, request_id: str) -> None:
+        """This rank received, but a TP peer did not: every rank dropped the KV (SPEC 9.1)."""
+        self.last_receive_outcome = self._manager.record_consensus_drop(request_id)
 
     def _active(self, req: Any) -> bool:
         rid = getattr(req, "request_id", None)

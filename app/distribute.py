@@ -104,6 +104,30 @@ def clear_kv_fields(req: Any) -> None:
 
 
 # ----------------------------------------------------------------------------- two-phase moves
+_KV_MARK = "__kvferry_kv__"
+
+
+def _plain(value: Any) -> Any:
+    """Fields as the data-only object codec carries them: KV objects become marked dicts."""
+    if hasattr(value, "key_cache") and hasattr(value, "value_cache") and not isinstance(value, dict):
+        return {_KV_MARK: True, "key_cache": list(value.key_cache), "value_cache": list(value.value_cache)}
+    if isinstance(value, dict):
+        return {k: _plain(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_plain(v) for v in value]
+    return value
+
+
+def _unplain(value: Any, kv_factory: Callable[..., Any]) -> Any:
+    if isinstance(value, dict):
+        if value.get(_KV_MARK) is True:
+            return kv_factory(list(value.get("key_cache") or []), list(value.get("value_cache") or []))
+        return {k: _unplain(v, kv_factory) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_unplain(v, kv_factory) for v in value]
+    return value
+
+
 def _pack(fields: dict[str, Any] | None, request_id: str) -> tuple[int, Any]:
     """``(size, tensor-or-object)`` for the size phase and the data phase."""
     if fields is None:
@@ -112,14 +136,14 @@ def _pack(fields: dict[str, Any] | None, request_id: str) -> tuple[int, Any]:
         frames = pack_request_kv(fields, request_id=request_id)
     except ConfigError as exc:
         logger.warning("request %s: KV fields not packable (%s); sending them as an object", request_id, exc)
-        return _AS_OBJECT, fields
+        return _AS_OBJECT, _plain(fields)
     joined = bytearray().join(frames)
     return len(joined), torch.frombuffer(joined, dtype=torch.uint8) if joined else torch.zeros(1, dtype=torch.uint8)
 
 
 def _unpack(size: Any, data: Any, kv_factory: Callable[..., Any]) -> dict[str, Any] | None:
     if size == _AS_OBJECT:
-        return data if isinstance(data, dict) else None
+        return _unplain(data, kv_factory) if isinstance(data, dict) else None
     if not isinstance(size, int) or size <= 0:
         return None
     try:
@@ -217,8 +241,10 @@ class Distributor:
     """
 
     def __init__(self, groups: Any, from_tp: int, to_tp: int, *, timeout_s: float,
-                 kv_factory: Callable[..., Any]) -> None:
+                 kv_factory: Callable[..., Any], on_drop: Callable[[str], None] | None = None) -> None:
         self.groups = groups
+        #: called with the request id when this rank had KV but the TP group dropped it
+        self.on_drop = on_drop
         self.from_tp, self.to_tp = from_tp, to_tp
         self.timeout_s = timeout_s
         self.kv_factory = kv_factory
@@ -259,6 +285,8 @@ class Distributor:
                 if not tp_consensus(tp, ok, names, timeout_s=self.timeout_s):
                     if ok:
                         logger.warning("request %s: a TP peer did not receive; every rank drops KV", rid)
+                        if self.on_drop is not None:
+                            self.on_drop(rid)
                     clear_kv_fields(req)
                     return False
             return ok

@@ -302,6 +302,13 @@ class KVTransferManager:
         self.counters.record(result.outcome)
         return result
 
+    def record_consensus_drop(self, request_id: str) -> ReceiveOutcome:
+        """Count that KV this rank received was dropped because a TP peer missed (SPEC 9.1)."""
+        outcome = ReceiveOutcome.failed(str(request_id), ReceiveKind.DROPPED_BY_CONSENSUS,
+                                        "a TP peer did not receive; every rank dropped its KV")
+        self.counters.record(outcome)
+        return outcome
+
     # ------------------------------------------------------------------------------- request
     @staticmethod
     def apply_to_request(req: Any, payload: Mapping[str, Any] | None) -> bool:
