@@ -19,6 +19,7 @@ as lists; dict keys must be strings. Tensors come back as views of the received 
 
 from __future__ import annotations
 
+import itertools
 import struct
 from typing import Any, Callable, Mapping
 
@@ -165,7 +166,7 @@ def unpack_request_kv(
         raise PayloadError("invalid side payload: malformed blob table or fields")
     if sum(sizes) != blob_len:
         raise PayloadError(f"invalid side payload: blobs total {sum(sizes)} bytes, {blob_len} present")
-    starts = [sum(sizes[:i]) for i in range(len(sizes))]
+    starts = list(itertools.accumulate(sizes, initial=0))  # linear: the table may be long
     decoded: dict[int, Any] = {}
 
     def blob(raw: bytes) -> Any:
