@@ -209,9 +209,10 @@ class ReceivePath:
             remaining = deadline.remaining(self.clock.monotonic())
             if remaining <= 0.0:
                 break
-            if not blocking:
-                self.sleep(self.poll.next_sleep(polls, remaining))
-                polls += 1
+            # polling; or a blocking get that answered None before the deadline (the sender
+            # said the key cannot come now: busy, closing, unreachable): back off, never spin
+            self.sleep(self.poll.next_sleep(polls, remaining))
+            polls += 1
         got.extend(results[i] for i in sorted(results))
         return tuple(keys[i][0] for i in pending)
 
