@@ -25,7 +25,7 @@ import torch
 
 from kvferry.adapters.torch_frames import DecodedKV, decode_payload, merge_layers, slice_layers
 from kvferry.core.addressing import pull_port
-from kvferry.core.errors import KVFerryError, PayloadError
+from kvferry.core.errors import KVFerryError, LeaseExpired, PayloadError
 from kvferry.core.header import DecodeLimits
 from kvferry.core.head_slices import applied_head_slice, fan_out_slice, tp_head_slice_record
 from kvferry.core.ids import is_dummy_request, recv_keys
@@ -167,9 +167,14 @@ class ReceivePath:
             return ReceiveResult(ReceiveOutcome.failed(request_id, ReceiveKind.ERROR, f"keys: {exc}"))
         deadline = Deadline(start, self.timeout_s if timeout_s is None else timeout_s)
         got: list[Any] = []
+        expired: list[str] = []
         try:
-            missing = self._wait_all(connector, keys, metas, deadline, got)
+            missing = self._wait_all(connector, keys, metas, deadline, got, expired)
             names = tuple(k for k, _ in keys)
+            if expired:
+                return ReceiveResult(ReceiveOutcome.failed(
+                    request_id, ReceiveKind.EXPIRED, expired[0], keys=names, missing_keys=missing,
+                    seconds=self._since(start)))
             if missing:
                 return ReceiveResult(ReceiveOutcome.failed(
                     request_id, ReceiveKind.TIMED_OUT, f"{len(missing)} of {len(keys)} keys missing",
@@ -189,8 +194,11 @@ class ReceivePath:
                              get_key=key, metadata=meta)
 
     def _wait_all(self, connector: Connector, keys: tuple, metas: list, deadline: Deadline,
-                  got: list) -> tuple[str, ...]:
-        """Fill ``got`` with ``(data, size)`` per key in order; return the keys still missing."""
+                  got: list, expired: list) -> tuple[str, ...]:
+        """Fill ``got`` with ``(data, size)`` per key in order; return the keys still missing.
+
+        A key whose lease expired at the sender ends the wait at once (its reason goes to
+        ``expired``): the request cannot complete."""
         blocking = isinstance(connector, BlockingGet)
         pending = list(range(len(keys)))
         results: dict[int, Any] = {}
@@ -198,13 +206,17 @@ class ReceivePath:
         while pending:
             for i in list(pending):
                 remaining = deadline.remaining(self.clock.monotonic())
-                result = self._get_once(connector, keys[i][0], metas[i], remaining)
+                try:
+                    result = self._get_once(connector, keys[i][0], metas[i], remaining)
+                except LeaseExpired as exc:
+                    expired.append(f"{keys[i][0]}: {exc}")
+                    break
                 if result is not None:
                     results[i] = result
                     pending.remove(i)
                 elif blocking:
                     break  # the deadline passed while blocked on this key
-            if not pending:
+            if not pending or expired:
                 break
             remaining = deadline.remaining(self.clock.monotonic())
             if remaining <= 0.0:

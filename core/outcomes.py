@@ -119,6 +119,7 @@ class ReceiveKind(enum.Enum):
 
     RECEIVED = "received"  # KV arrived, decoded and (where needed) merged/sliced
     TIMED_OUT = "timed_out"  # the deadline passed with keys missing
+    EXPIRED = "expired"  # the sender dropped a key unread when its lease passed: it cannot come
     SENDER_UNRESOLVED = "sender_unresolved"  # sender info missing or ambiguous
     CONNECTOR_UNAVAILABLE = "connector_unavailable"  # no connector could be created
     DECODE_FAILED = "decode_failed"  # bytes arrived but are not a valid payload
@@ -136,7 +137,7 @@ class SkipReason(enum.Enum):
 
 #: Receive kinds counted as errors (timeouts are counted on their own).
 _RECEIVE_ERRORS = frozenset({
-    ReceiveKind.SENDER_UNRESOLVED, ReceiveKind.CONNECTOR_UNAVAILABLE, ReceiveKind.DECODE_FAILED,
+    ReceiveKind.EXPIRED, ReceiveKind.SENDER_UNRESOLVED, ReceiveKind.CONNECTOR_UNAVAILABLE, ReceiveKind.DECODE_FAILED,
     ReceiveKind.CONSUMED_BUT_FAILED, ReceiveKind.ERROR,
 })
 

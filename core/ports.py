@@ -100,7 +100,12 @@ class BlockingGet(Protocol):
         *,
         timeout_s: float,
     ) -> Any:
-        """Like ``get`` but waits up to ``timeout_s`` seconds; None when the deadline passes."""
+        """Like ``get`` but waits up to ``timeout_s`` seconds; None when the deadline passes.
+
+        Raises :class:`~kvferry.core.errors.LeaseExpired` (at once, not at the deadline) when
+        the sender reports that the key was dropped unread because its lease passed: waiting
+        longer cannot help. ``get`` keeps answering None ("not found") for such a key.
+        """
         ...
 
 

@@ -26,7 +26,7 @@ import attrs
 import numpy as np
 import torch
 
-from kvferry.core.errors import ConfigError, PoolFullError
+from kvferry.core.errors import ConfigError, LeaseExpired, PoolFullError
 from kvferry.core.pool import DEFAULT_ALIGNMENT, AllocationFailure, PoolLedger, Region, Ticket
 from kvferry.core.ports import Clock, PutResult
 
@@ -363,7 +363,7 @@ class LocalPool:
 
     def take_blocking(self, key: str, timeout_s: float) -> Ticket | None:
         """Wait (condition variable, no polling) until ``key`` can be taken or ``timeout_s``
-        seconds of real time pass."""
+        seconds of real time pass; None at once when ``key`` expired unread."""
         deadline = time.monotonic() + max(0.0, float(timeout_s))
         with self._cond:
             while True:
@@ -371,6 +371,8 @@ class LocalPool:
                 remaining = deadline - time.monotonic()
                 if ticket is not None or self._closed or remaining <= 0:
                     return ticket
+                if self.ledger.leases.status(key) == "expired":
+                    return None  # dropped unread: it cannot come (see status())
                 self._cond.wait(remaining)
 
     def view(self, ticket: Ticket) -> Any:
@@ -498,6 +500,8 @@ class MemoryConnector:
         if self._closed:
             return None
         ticket = self.pool.take_blocking(get_key, timeout_s)
+        if ticket is None and self.pool.status(get_key) == "expired":
+            raise LeaseExpired(f"{get_key!r} was dropped unread when its lease passed")
         return None if ticket is None else self.pool.read(ticket)
 
     def reserve(self, from_stage: Any, to_stage: Any, put_key: str, nbytes: int) -> PoolReservation:

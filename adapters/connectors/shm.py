@@ -39,7 +39,7 @@ from kvferry.adapters.connectors.shm_segment import (
     default_namespace, open_segment, reap_namespace, remove_quietly, runtime_dir,
 )
 from kvferry.adapters.connectors.shm_server import ControlServer
-from kvferry.core.errors import ConfigError
+from kvferry.core.errors import ConfigError, LeaseExpired
 from kvferry.core.ports import PutResult
 
 __all__ = ["SHM_DEFAULT_POOL_BYTES", "ShmConfig", "ShmConnector"]
@@ -284,6 +284,8 @@ class ShmConnector:
         if self._sender is not None and metadata is None and self._default_endpoint is None:
             pool = self._sender.pool  # a sender reading its own pool: no round trip
             ticket = pool.take_blocking(key, wait_s) if wait_s > 0 else pool.take(key)
+            if ticket is None and wait_s > 0 and pool.status(key) == "expired":
+                raise LeaseExpired(f"{key!r} was dropped unread when its lease passed")
             return None if ticket is None else pool.read(ticket)
         endpoint = self._resolve(metadata)
         if endpoint is None:
@@ -302,6 +304,8 @@ class ShmConnector:
             return None
         if not reply.get("ok"):
             self._count(f"miss_{reply.get('reason', 'unknown')}")
+            if wait_s > 0 and reply.get("reason") == "expired":
+                raise LeaseExpired(f"the sender at {endpoint} dropped {key!r} unread when its lease passed")
             return None
         return self._view(endpoint, client, reply)
 
@@ -336,7 +340,8 @@ class ShmConnector:
 
     def get_blocking(self, from_stage: Any, to_stage: Any, get_key: str,
                      metadata: Mapping[str, Any] | None = None, *, timeout_s: float) -> tuple[Any, int] | None:
-        """Wait up to ``timeout_s`` seconds; the sender answers when the key is published."""
+        """Wait up to ``timeout_s`` seconds; the sender answers when the key is published.
+        Raises LeaseExpired at once when the sender says the key expired unread."""
         return self._fetch(metadata, get_key, max(0.0, float(timeout_s)))
 
     def mapped_range(self, segment_name: str) -> tuple[int, int] | None:

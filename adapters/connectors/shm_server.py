@@ -157,7 +157,7 @@ class ControlServer:
         ticket = self.pool.take(key)
         if ticket is not None:
             self._grant(identity, request_id, ticket)
-        elif wait_s > 0 and not self._stopping:
+        elif wait_s > 0 and not self._stopping and self.pool.status(key) != "expired":
             waiter = _Waiter(identity, request_id, key, time.monotonic() + wait_s)
             self._waiters.setdefault(key, collections.deque()).append(waiter)
             heapq.heappush(self._deadlines, (waiter.deadline, next(self._seq), waiter))

@@ -35,7 +35,7 @@ from kvferry.adapters.connectors.zmq_config import ZmqConfig
 from kvferry.adapters.connectors.zmq_protocol import resolve_endpoint
 from kvferry.adapters.connectors.zmq_server import ZmqServer
 from kvferry.adapters.connectors.zmq_store import Held, ZmqReservation, as_frames
-from kvferry.core.errors import ConfigError, PoolFullError, TransferError
+from kvferry.core.errors import ConfigError, LeaseExpired, PoolFullError, TransferError
 
 __all__ = ["ZmqConnector"]
 
@@ -262,7 +262,8 @@ class ZmqConnector:
         *,
         timeout_s: float,
     ) -> tuple[tuple[memoryview, ...], int] | None:
-        """Wait up to ``timeout_s`` seconds for ``get_key``; the sender answers on arrival."""
+        """Wait up to ``timeout_s`` seconds for ``get_key``; the sender answers on arrival.
+        Raises LeaseExpired at once when the sender says the key expired unread."""
         if isinstance(timeout_s, bool) or not isinstance(timeout_s, (int, float)) or timeout_s < 0:
             raise ConfigError(f"timeout_s must be a number of seconds >= 0, got {timeout_s!r}")
         if timeout_s == 0:
@@ -283,6 +284,8 @@ class ZmqConnector:
         if endpoint is None:
             return None
         outcome: Outcome = self._client.request(endpoint, key, mode, wait, timeout)
+        if outcome.kind == "miss" and outcome.reason == "expired" and mode == "wait":
+            raise LeaseExpired(f"the sender at {endpoint} dropped {key!r} unread when its lease passed")
         if outcome.kind != "data":
             return None
         return outcome.frames, outcome.size
