@@ -235,6 +235,11 @@ class ReceivePath:
         try:
             for data, _ in got:
                 decoded.append(decode_payload(data, limits=self.limits))
+            if self.key_builder is None:  # kvferry's keys carry the id the sender wrote inside
+                for d, (key, _) in zip(decoded, keys):
+                    if d.request_id != request_id:
+                        raise PayloadError(f"payload under {key!r} belongs to request "
+                                           f"{d.request_id!r}, not {request_id!r}")
         except PayloadError as exc:
             logger.warning("request %s: undecodable payload: %s", request_id, exc)
             return ReceiveResult(ReceiveOutcome.failed(
