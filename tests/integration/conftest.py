@@ -1,0 +1,199 @@
+"""Harness for the multi-process integration tests: worker processes spoken to in JSON lines,
+free loopback ports, and a per-test check that nothing is left in /dev/shm.
+
+Every read from a worker has a deadline; a worker that says nothing in time fails the test
+(and is killed), so a hang shows up as a failure naming the worker, never as a stuck suite.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import types
+import pathlib
+import queue
+import signal
+import socket
+import subprocess
+import sys
+import threading
+from typing import Any, Iterator
+
+import pytest
+
+HERE = pathlib.Path(__file__).resolve().parent
+if str(HERE) not in sys.path:
+    sys.path.insert(0, str(HERE))
+
+WORKER = HERE / "stage_worker.py"
+#: Deadline of one read from a worker (seconds): generous, the machine may be shared.
+READ_S = 90.0
+SHM_DIR = "/dev/shm"
+
+
+# ----------------------------------------------------------------------------- ports
+def free_port() -> int:
+    """A TCP port the OS just handed out on loopback (free now; bound by the caller later)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+def free_base_port(from_tp: int) -> int:
+    """A base port whose sender ports ``base + 100 + rank*16`` (SPEC 2.3) are all free now."""
+    for _ in range(100):
+        base = free_port() // 16 * 16
+        if not 20000 <= base <= 60000:
+            continue
+        socks = []
+        try:
+            for rank in range(from_tp):
+                s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+                socks.append(s)
+                s.bind(("127.0.0.1", base + 100 + rank * 16))
+            return base
+        except OSError:
+            continue
+        finally:
+            for s in socks:
+                s.close()
+    raise RuntimeError("no free range of sender ports on loopback")
+
+
+# --------------------------------------------------------------------------- workers
+class LineWorker:
+    """A ``stage_worker.py`` process: JSON lines out on stdout, commands in on stdin.
+
+    A reader thread moves stdout lines into a queue, so lines that arrive together are never
+    stuck in a buffer that a poll does not see. stderr goes to ``log_path`` so that a failure
+    can show what the worker said.
+    """
+
+    def __init__(self, args: list[str], log_path: pathlib.Path) -> None:
+        self.log_path = log_path
+        self._log = open(log_path, "wb")
+        self.proc = subprocess.Popen([sys.executable, str(WORKER), *args], stdin=subprocess.PIPE,
+                                     stdout=subprocess.PIPE, stderr=self._log, text=True, cwd=str(HERE))
+        self.lines: queue.Queue[str | None] = queue.Queue()
+        self._reader = threading.Thread(target=self._pump, name=f"worker-{self.proc.pid}-stdout", daemon=True)
+        self._reader.start()
+
+    def _pump(self) -> None:
+        try:
+            for line in self.proc.stdout:
+                self.lines.put(line)
+        except (OSError, ValueError):  # the pipe was closed under us at teardown
+            pass
+        finally:
+            self.lines.put(None)
+
+    @property
+    def pid(self) -> int:
+        return self.proc.pid
+
+    def log_tail(self, chars: int = 3000) -> str:
+        try:
+            return self.log_path.read_text(errors="replace")[-chars:]
+        except OSError:
+            return ""
+
+    def read(self, timeout_s: float = READ_S) -> dict[str, Any]:
+        """The next JSON line; AssertionError (with the worker's stderr) on silence or exit."""
+        try:
+            line = self.lines.get(timeout=timeout_s)
+        except queue.Empty:
+            raise AssertionError(f"worker {self.pid} said nothing within {timeout_s} s\n{self.log_tail()}") from None
+        if line is None:
+            self.lines.put(None)  # later reads see the end too
+            rc = self.proc.wait(timeout=READ_S)
+            raise AssertionError(f"worker {self.pid} exited with {rc}\n{self.log_tail()}")
+        return json.loads(line)
+
+    def send(self, obj: dict[str, Any]) -> None:
+        self.proc.stdin.write(json.dumps(obj) + "\n")
+        self.proc.stdin.flush()
+
+    def ask(self, obj: dict[str, Any], timeout_s: float = READ_S) -> dict[str, Any]:
+        self.send(obj)
+        return self.read(timeout_s)
+
+    def sigkill(self) -> int:
+        """SIGKILL and reap (so the pid is gone, not a zombie); returns the exit status."""
+        os.kill(self.proc.pid, signal.SIGKILL)
+        return self.proc.wait(timeout=READ_S)
+
+    def finish(self, timeout_s: float = READ_S) -> int:
+        """Ask a live sender to exit (and close its stdin), wait; kill it past the deadline."""
+        try:
+            if self.proc.poll() is None and not self.proc.stdin.closed:
+                try:
+                    self.send({"op": "exit"})
+                    self.proc.stdin.close()
+                except (BrokenPipeError, OSError):
+                    pass
+            try:
+                return self.proc.wait(timeout=timeout_s)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(timeout=timeout_s)
+                raise AssertionError(f"worker {self.pid} did not exit within {timeout_s} s\n{self.log_tail()}")
+        finally:
+            self.close_pipes()
+
+    def close_pipes(self) -> None:
+        if self.proc.stdin is not None and not self.proc.stdin.closed:
+            try:
+                self.proc.stdin.close()
+            except (BrokenPipeError, OSError):
+                pass
+        self._reader.join(READ_S)
+        self.proc.stdout.close()
+        self._log.close()
+
+    def kill_quietly(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait(timeout=READ_S)
+        self.close_pipes()
+
+
+@pytest.fixture
+def workers(tmp_path: pathlib.Path) -> Iterator[Any]:
+    """``workers(*args) -> LineWorker``; every worker still alive after the test is killed."""
+    made: list[LineWorker] = []
+
+    def start(*args: str) -> LineWorker:
+        worker = LineWorker([str(a) for a in args], tmp_path / f"worker{len(made)}.log")
+        made.append(worker)
+        return worker
+
+    yield start
+    for worker in made:
+        worker.kill_quietly()
+
+
+# ------------------------------------------------------------------------------- shm
+def shm_entries(namespace: str) -> list[str]:
+    """Files in /dev/shm that belong to the shm connector's ``namespace``."""
+    try:
+        return sorted(n for n in os.listdir(SHM_DIR) if n.startswith(f"kvferry-{namespace}-"))
+    except FileNotFoundError:  # pragma: no cover - no /dev/shm on this platform
+        return []
+
+
+@pytest.fixture
+def shm_namespace(request: pytest.FixtureRequest) -> Iterator[str]:
+    """A namespace of this test alone; the test fails if it leaves segments in /dev/shm."""
+    namespace = f"it{os.getpid()}x{abs(hash(request.node.nodeid)) % 10**8}"
+    assert shm_entries(namespace) == []
+    yield namespace
+    leaked = shm_entries(namespace)
+    assert leaked == [], f"left in {SHM_DIR}: {leaked}"
+
+
+@pytest.fixture(scope="session")
+def itkit() -> types.SimpleNamespace:
+    """The helpers above for test modules: ``itkit.free_port()``, ``itkit.free_base_port(tp)``,
+    ``itkit.shm_entries(namespace)``, ``itkit.LineWorker(args, log_path)``."""
+    return types.SimpleNamespace(free_port=free_port, free_base_port=free_base_port, shm_entries=shm_entries,
+                                 LineWorker=LineWorker)

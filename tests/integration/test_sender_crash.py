@@ -1,0 +1,124 @@
+"""A sender rank killed mid-request (SPEC 9.1, 9.8, 9.10).
+
+A sending stage of 2 processes (``stage_worker.py sender``) feeds one receiver (this process,
+TP 2 -> 1: every request needs a key from each sender rank). Sender rank 1 is SIGKILLed at two
+points of a request: after it put its key (the payload dies with it), and while the receiver is
+parked on it waiting for a key it never put. Each time the receiver returns a TIMED_OUT outcome
+naming rank 1's key by its deadline, a sender restarted on the same port serves the next request
+bit-exact, and nothing is left in /dev/shm once everything is closed.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+from typing import Any
+
+import pytest
+from stage_worker import expected_digest, kv_digest, make_spec, sender_caches, spec_to_json
+
+from kvferry.app.wiring import build_manager
+from kvferry.core.outcomes import ReceiveKind
+
+MISS_S = 2.0  # receive deadline of a request whose sender rank dies
+#: Slack over a deadline for a loaded machine; far below the 30 s a hang would take.
+SLACK_S = 10.0
+CONNECTORS = ["zmq-tcp", "shm"]  # zmq-ipc: same connector as tcp; its stale socket file is
+# covered by test_zmq_processes.py
+
+
+class Stage:
+    """Two sender processes and a receiving manager in this process."""
+
+    def __init__(self, workers: Any, spec: Any) -> None:
+        self.workers, self.spec = workers, spec
+        self.caches = sender_caches(spec)
+        self.senders = [self.start(0), self.start(1)]
+        self.receiver = build_manager(spec.omni_kv_config("receiver"), tp_rank=0, tp_size=1)
+        self.info = {"host": "127.0.0.1", "zmq_port": spec.advertised_port}
+
+    def start(self, rank: int) -> Any:
+        worker = self.workers("sender", rank, json.dumps(spec_to_json(self.spec)))
+        ready = worker.read()
+        assert ready["ready"] == rank and ready["port"] == self.spec.advertised_port + 16 * rank, ready
+        return worker
+
+    def send(self, rid: str, ranks: tuple[int, ...] = (0, 1)) -> None:
+        for rank in ranks:
+            reply = self.senders[rank].ask({"op": "send", "rid": rid})
+            assert reply["sent"] == rid and reply["ok"], reply
+
+    def receive(self, rid: str, timeout_s: float | None = None) -> tuple[Any, float]:
+        start = time.monotonic()
+        result = self.receiver.receive(rid, sender_info=self.info, timeout_s=timeout_s)
+        return result, time.monotonic() - start
+
+    def assert_received(self, rid: str) -> None:
+        result, _ = self.receive(rid)
+        assert result.outcome.kind is ReceiveKind.RECEIVED, result.outcome
+        blocks = result.payload["layer_blocks"]
+        got = kv_digest(blocks["key_cache"], blocks["value_cache"])
+        assert got == expected_digest(self.spec, self.caches, rid, (0, self.spec.kv_heads)), f"{rid} differs"
+
+    def assert_timed_out(self, result: Any, seconds: float, rid: str) -> None:
+        outcome = result.outcome
+        assert outcome.kind is ReceiveKind.TIMED_OUT, outcome
+        assert outcome.missing_keys == (f"{rid}_0_0_1_0",), outcome  # rank 1's key, not rank 0's
+        assert result.payload is None
+        assert MISS_S * 0.9 <= seconds < MISS_S + SLACK_S, f"returned after {seconds:.2f} s"
+
+    def kill(self, rank: int) -> int:
+        pid = self.senders[rank].pid
+        self.senders[rank].sigkill()
+        return pid
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize("connector", CONNECTORS)
+def test_sender_killed_mid_request_then_restarted(connector: str, workers: Any, itkit: Any,
+                                                  shm_namespace: str) -> None:
+    spec = make_spec(connector=connector, from_tp=2, to_tp=1, base_port=itkit.free_base_port(2),
+                     namespace=shm_namespace, timeout_s=60.0)
+    stage = Stage(workers, spec)
+    try:
+        stage.send("crash-a")
+        stage.assert_received("crash-a")
+
+        # 1. rank 1 put its key, then dies before the receiver pulls it
+        stage.send("crash-b")
+        dead = stage.kill(1)
+        result, seconds = stage.receive("crash-b", MISS_S)
+        stage.assert_timed_out(result, seconds, "crash-b")
+        if connector == "shm":  # the dead owner's segment outlives it until the next start
+            assert [n for n in itkit.shm_entries(shm_namespace) if f"-{dead}-" in n]
+        stage.senders[1] = stage.start(1)  # same rank, same port
+        assert [n for n in itkit.shm_entries(shm_namespace) if f"-{dead}-" in n] == []  # reaped at start
+        stage.send("crash-c")
+        stage.assert_received("crash-c")
+
+        # 2. the receiver is parked on rank 1 (rank 0's key already taken) when rank 1 dies
+        stage.send("crash-d", ranks=(0,))
+        box: dict[str, Any] = {}
+        waiter = threading.Thread(target=lambda: box.update(r=stage.receive("crash-d", MISS_S)), daemon=True)
+        waiter.start()
+        parked = stage.senders[1].ask({"op": "wait_parked", "n": 1})
+        assert parked["reached"], parked
+        dead = stage.kill(1)
+        waiter.join(MISS_S + SLACK_S + 30)
+        assert not waiter.is_alive(), "the receiver hung after its sender died"
+        stage.assert_timed_out(*box["r"], "crash-d")
+        stage.senders[1] = stage.start(1)
+        assert [n for n in itkit.shm_entries(shm_namespace) if f"-{dead}-" in n] == []
+        stage.send("crash-e")
+        stage.assert_received("crash-e")
+
+        counts = stage.receiver.counters.snapshot()
+        assert counts.get("recv.received") == 3 and counts.get("timeouts") == 2, counts
+        assert counts.get("errors", 0) == 0, counts  # timeouts are not counted as errors
+        for worker in stage.senders:
+            assert worker.finish() == 0, worker.log_tail()
+    finally:
+        stage.receiver.close()
+    assert itkit.shm_entries(shm_namespace) == []
