@@ -70,8 +70,6 @@ class StageRun:
     """Senders in this process, receivers in 4 workers; results per (scenario, rid, rank)."""
 
     def __init__(self, itkit: Any, workdir: pathlib.Path) -> None:
-        from kvferry.app.wiring import build_manager
-
         self.itkit, self.workdir = itkit, workdir
         self.specs: dict[str, Any] = {}
         self.caches: dict[str, list[Any]] = {}
@@ -79,15 +77,22 @@ class StageRun:
         self.sender_outcomes: list[Any] = []
         self.results: dict[tuple[str, str, int], dict[str, Any]] = {}
         self.errors: list[str] = []
-        self.seconds = 0.0
+        self.dead_port = 0
+
+    def send_everything(self) -> None:
+        """Start every scenario's sender ranks here and put every request and companion."""
+        from kvferry.app.wiring import build_manager
+
+        itkit = self.itkit
         for name, (_, from_tp, to_tp, _) in SCENARIOS.items():
             spec = make_spec(from_tp=from_tp, to_tp=to_tp, base_port=itkit.free_base_port(from_tp),
                              seed=len(self.specs))
             self.specs[name] = spec
             self.caches[name] = sender_caches(spec)
-            managers = [build_manager(spec.omni_kv_config("sender"), tp_rank=r, tp_size=from_tp)
-                        for r in range(from_tp)]
-            self.senders += managers
+            managers = []
+            for rank in range(from_tp):
+                managers.append(build_manager(spec.omni_kv_config("sender"), tp_rank=rank, tp_size=from_tp))
+                self.senders.append(managers[-1])  # closed by close(), whatever fails next
             for rid in self.hits(name):
                 for request in [rid, *_cfg_ids(name, rid).values()]:
                     for rank, manager in enumerate(managers):
@@ -127,8 +132,7 @@ class StageRun:
         store = self.workdir / "store"
         ranks = [self.itkit.LineWorker(["receiver", str(r), str(WORLD), str(store), str(plan_file)],
                                        self.workdir / f"rank{r}.log") for r in range(WORLD)]
-        start = time.monotonic()
-        deadline = start + RUN_DEADLINE_S
+        deadline = time.monotonic() + RUN_DEADLINE_S
         try:
             for rank, worker in enumerate(ranks):
                 while True:
@@ -143,7 +147,6 @@ class StageRun:
             for worker in ranks:
                 worker.proc.wait(timeout=max(1.0, deadline - time.monotonic()))
         finally:
-            self.seconds = time.monotonic() - start
             for worker in ranks:
                 worker.kill_quietly()
 
@@ -172,6 +175,7 @@ class StageRun:
 def stage(itkit: Any, tmp_path_factory: pytest.TempPathFactory) -> Any:
     run = StageRun(itkit, tmp_path_factory.mktemp("stage"))
     try:
+        run.send_everything()
         assert all(o.ok for o in run.sender_outcomes), [o for o in run.sender_outcomes if not o.ok]
         run.run()
         yield run
