@@ -282,7 +282,12 @@ class Distributor:
             if agree:
                 fields = kv_fields_of(req) if ok else None
                 names = sorted(fields) if fields else []
-                if not tp_consensus(tp, ok, names, timeout_s=self.timeout_s):
+                try:
+                    agreed = tp_consensus(tp, ok, names, timeout_s=self.timeout_s)
+                except KVFerryError:  # the group is broken: never keep KV it did not agree on
+                    clear_kv_fields(req)
+                    raise
+                if not agreed:
                     if ok:
                         logger.warning("request %s: a TP peer did not receive; every rank drops KV", rid)
                         if self.on_drop is not None:
@@ -297,7 +302,11 @@ class Distributor:
             except Exception:  # the collectives below must still happen
                 logger.exception("request %s: the leader's receive failed", rid)
                 fields = None
-        fields = self._spread(plan, fields, rid)
+        try:
+            fields = self._spread(plan, fields, rid)
+        except KVFerryError:  # a collective failed: the group is broken and the peers have no
+            clear_kv_fields(req)  # KV from this rank, so neither may it keep what it received
+            raise
         if fields is None:
             clear_kv_fields(req)
             return False
