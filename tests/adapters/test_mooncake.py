@@ -67,7 +67,7 @@ def test_mutated_fields_raise_only_payload_error(message, data) -> None:
     body = msgpack.unpackb(wire.encode(message), raw=False)
     name = data.draw(st.sampled_from(sorted(body)))
     body[name] = data.draw(st.one_of(st.none(), st.booleans(), st.integers(-(2**63), 2**64 - 1),
-                                     st.floats(), st.text(max_size=5), st.lists(st.integers(), max_size=2)))
+                                     st.floats(), st.text(max_size=5), st.lists(st.integers(-5, 5), max_size=2)))
     try:
         decoded = wire.decode(msgpack.packb(body))
     except PayloadError:
