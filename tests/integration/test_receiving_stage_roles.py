@@ -8,7 +8,8 @@ processes then run every scenario in order on one gloo world, each with the sub-
 a CFG collector. Workers report digests of the KV fields each rank ends with; the test compares
 them with digests of the sender caches' bytes.
 
-Layouts (world rank = (cfg*sp + sp_rank)*tp + tp_rank):
+Layouts as tp x sp x cfg (world rank = (cfg_rank*sp + sp_rank)*tp + tp_rank); TP is the
+configured sender -> receiver mapping:
 
 ============  ======  =====  ====================================================
 scenario      layout  TP     what it exercises
