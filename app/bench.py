@@ -203,6 +203,8 @@ def _extra_ratios(run: RunState) -> dict[str, float]:
         "zmq_primitives_vs_raw": ratio_of(get("raw_zmq"), get("zmq_direct_1")),
         "zmq_manager_vs_primitives": ratio_of(get("zmq_direct_1"), get("zmq_e2e_1")),
         "readiness_zmq_p50_ms": get("readiness_zmq") * 1e3,
+        "readiness_shm_primitives_p50_ms": get("readiness_shm_direct") * 1e3,
+        "readiness_zmq_primitives_p50_ms": get("readiness_zmq_direct") * 1e3,
         "readiness_baseline_p50_ms": get("readiness_baseline") * 1e3,
         "checksum_encode_extra_ms": (get("checksum_encode") - get("kvferry_encode")) * 1e3,
         "checksum_verify_ms": get("checksum_decode") * 1e3,
@@ -232,6 +234,8 @@ def _report(run: RunState, machine: dict[str, Any], seconds: float) -> dict[str,
         "sender_peak_rss_delta_mb": r.sender_rss_delta_kb * 1024 / 1e6,
         "receiver_peak_rss_delta_mb": r.receiver_rss_delta_kb * 1024 / 1e6,
         "held_mb": r.held_nbytes / 1e6, "data_checked": r.checked,
+        "sender_busy_s": None if r.sender_busy is None else r.sender_busy.to_json(),
+        "receiver_after_sender_s": None if r.receiver_tail is None else r.receiver_tail.to_json(),
     } for label, r in run.scenarios.items()}
     ck = run.stats.get("checksum_encode"), run.stats.get("kvferry_encode")
     checksum = {}

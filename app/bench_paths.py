@@ -109,27 +109,30 @@ def mooncake_raw(run: RunState) -> None:
     run.record("mooncake_raw", Stat.of(raw["seconds"]), g.nbytes)
 
 
-def _fresh(run: RunState, sender: Peer, scenario: Scenario, figure: str, name: str, recv_cfg: dict,
+def _fresh(run: RunState, sender: Peer, scenarios: list[tuple[Scenario, str]], name: str, recv_cfg: dict,
            where: dict | None, *, group: str | None = None, ranks: int = 1, from_tp: int = 1,
-           to_tp: int = 1) -> ScenarioResult | None:
-    """Run ``scenario`` against a fresh receiver process: connector ``name`` (and managers
-    ``group`` for ``ranks`` receiver ranks) opened, RSS baseline taken, then the scenario.
-    The receiver's peak RSS then covers this path alone."""
+           to_tp: int = 1) -> list[ScenarioResult | None]:
+    """Run ``(scenario, figure)`` pairs against a fresh receiver process: connector ``name``
+    (and managers ``group`` for ``ranks`` receiver ranks) opened, RSS baseline taken, then the
+    scenarios in order. The receiver's peak RSS then covers these paths alone."""
     t = run.settings.timeout_s
     receiver = run.peer(f"receiver-{name}")
+    results: list[ScenarioResult | None] = [None] * len(scenarios)
     try:
         receiver.call("kv_open", t, name=name, config=recv_cfg, sender=where)
         if group is not None:
             receiver.call("mgr_open", t, name=group, role="receiver", ranks=list(range(ranks)),
                           from_tp=from_tp, to_tp=to_tp, timeout_s=t, connectors=[name] * ranks)
         base_kb = receiver.call("rss_reset", t)["rss_kb"]
-        return run.scenario(sender, receiver, scenario, figure, baseline_kb=base_kb)
+        for i, (scenario, figure) in enumerate(scenarios):
+            results[i] = run.scenario(sender, receiver, scenario, figure, baseline_kb=base_kb)
     except KVFerryError as exc:
-        run.failures[scenario.label] = " ".join(str(exc).split())[:800]
-        run.progress(f"{scenario.label}: FAILED ({run.failures[scenario.label][:200]})")
-        return None
+        label = scenarios[0][0].label
+        run.failures[label] = " ".join(str(exc).split())[:800]
+        run.progress(f"{label}: FAILED ({run.failures[label][:200]})")
     finally:
         run.close_peer(receiver)
+    return results
 
 
 def connector_paths(run: RunState, sender: Peer, name: str, pool: int, small: Geometry) -> None:
@@ -148,14 +151,20 @@ def connector_paths(run: RunState, sender: Peer, name: str, pool: int, small: Ge
         return
     where = {"host": info["host"], "port": info["port"]} if "port" in info else None
     try:
-        def direct(i: int) -> tuple[list[dict], list[dict]]:
-            return key_items(f"{name}d", i, 1)
+        def direct(label: str, tag: str, cache: str, nbytes: int, **kw: Any) -> Scenario:
+            return Scenario(
+                label, "kv_send", "kv_recv",
+                lambda i: {"name": name, "cache": cache, "items": key_items(tag, i, 1)[0]},
+                lambda i: {"name": name, "items": key_items(tag, i, 1)[1]}, nbytes, **kw)
 
-        _fresh(run, sender, Scenario(
-            f"kvferry {name} primitives e2e, 1 request (no manager)", "kv_send", "kv_recv",
-            lambda i: {"name": name, "cache": "main", "items": direct(i)[0]},
-            lambda i: {"name": name, "items": direct(i)[1]},
-            g.nbytes, expected=(("main", 0, None),)), f"{name}_direct_1", name, recv_cfg, where)
+        _, ready = _fresh(run, sender, [
+            (direct(f"kvferry {name} primitives e2e, 1 request (no manager)", f"{name}d", "main",
+                    g.nbytes, expected=(("main", 0, None),)), f"{name}_direct_1"),
+            (direct(f"kvferry {name} primitives readiness (small request)", f"{name}dr", "small",
+                    small.nbytes, reps=s.readiness_reps), f"{name}_direct_readiness_e2e"),
+        ], name, recv_cfg, where)
+        if ready is not None:
+            run.record(f"readiness_{name}_direct", ready.latency, small.nbytes)
 
         def managed(label: str, tag: str, count: int, cache: str, nbytes: int, **kw: Any) -> Scenario:
             return Scenario(
@@ -167,12 +176,12 @@ def connector_paths(run: RunState, sender: Peer, name: str, pool: int, small: Ge
         n = s.requests
         for label, tag, count, figure in ((f"kvferry {name} e2e, 1 request", f"{name}1", 1, f"{name}_e2e_1"),
                                           (f"kvferry {name} e2e, {n} requests", f"{name}n", n, f"{name}_e2e_n")):
-            _fresh(run, sender, managed(label, tag, count, "main", count * g.nbytes,
-                                        expected=tuple(("main", r, None) for r in range(count))),
-                   figure, name, recv_cfg, where, group=name)
-        ready = _fresh(run, sender, managed(
+            _fresh(run, sender, [(managed(label, tag, count, "main", count * g.nbytes,
+                                          expected=tuple(("main", r, None) for r in range(count))),
+                                  figure)], name, recv_cfg, where, group=name)
+        (ready,) = _fresh(run, sender, [(managed(
             f"kvferry {name} readiness (small request)", f"{name}r", 1, "small", small.nbytes,
-            reps=s.readiness_reps), f"{name}_readiness_e2e", name, recv_cfg, where, group=name)
+            reps=s.readiness_reps), f"{name}_readiness_e2e")], name, recv_cfg, where, group=name)
         if ready is not None:
             run.record(f"readiness_{name}", ready.latency, small.nbytes)
         if name == SAME_HOST:
@@ -208,11 +217,11 @@ def tp_paths(run: RunState, sender: Peer, name: str, send_cfg: dict, recv_cfg: d
 
             def items(i: int, to_tp: int = to_tp) -> tuple[list[dict], list[dict], Any]:
                 return tp_items(f"{name}tp{to_tp}", i, 2, to_tp, g.heads)
-            _fresh(run, sender, Scenario(
+            _fresh(run, sender, [(Scenario(
                 f"kvferry {name} {label}", "mgr_send", "mgr_recv",
                 lambda i, items=items, group=group: {"name": group, "cache": "main", "items": items(i)[0]},
                 lambda i, items=items, group=group: {"name": group, "items": items(i)[1], "sender": where},
-                2 * g.nbytes, expected=items(0)[2]), figure, name, recv_cfg, where,
+                2 * g.nbytes, expected=items(0)[2]), figure)], name, recv_cfg, where,
                 group=group, ranks=to_tp, from_tp=2, to_tp=to_tp)
     except KVFerryError as exc:
         run.failures[f"{name} TP paths"] = " ".join(str(exc).split())[:800]

@@ -8,7 +8,7 @@ from typing import Any
 
 from kvferry.app.bench_model import RATIO_NAMES
 
-__all__ = ["render_table", "write_json", "json_safe"]
+__all__ = ["render_table", "render_bars", "write_json", "json_safe"]
 
 #: Figures in table order with their labels.
 _FIGURE_LABELS: tuple[tuple[str, str], ...] = (
@@ -35,7 +35,9 @@ _FIGURE_LABELS: tuple[tuple[str, str], ...] = (
     ("mooncake_e2e_1", "kvferry mooncake e2e, 1 request"),
     ("mooncake_e2e_n", "kvferry mooncake e2e, N requests"),
     ("readiness_shm", "readiness, small request, shm"),
+    ("readiness_shm_direct", "readiness, small request, shm primitives"),
     ("readiness_zmq", "readiness, small request, zmq"),
+    ("readiness_zmq_direct", "readiness, small request, zmq primitives"),
     ("readiness_mooncake", "readiness, small request, mooncake"),
     ("readiness_baseline", "readiness, small request, baseline"),
     ("baseline_extract", "baseline extraction (index + cat)"),
@@ -82,6 +84,21 @@ def _value(v: Any) -> str:
     return f"{v:.3g}" if abs(v) < 1000 else f"{v:.0f}"
 
 
+def render_bars(report: dict[str, Any], width: int = 50) -> str:
+    """The PNG's chart as text: median GB/s by path, ``#`` kvferry, ``=`` limit, ``-`` baseline."""
+    from kvferry.app.bench_plot import bars_from_report
+
+    bars = bars_from_report(report)
+    if not bars:
+        return ""
+    peak = max(b.value for b in bars) or 1.0
+    pad = max(len(b.label) for b in bars)
+    mark = {"kvferry": "#", "limit": "=", "baseline": "-"}
+    lines = [f"{b.label.ljust(pad)}  {mark.get(b.kind, '?') * max(1, round(width * b.value / peak))} {b.value:.2f}"
+             for b in bars]
+    return "\n".join(["GB/s by path (median; # kvferry, = limit, - baseline)", *lines]) + "\n"
+
+
 def render_table(report: dict[str, Any]) -> str:
     """Every figure (median, min, max, GB/s) and every ratio with its target."""
     settings, machine = report["settings"], report["machine"]
@@ -117,6 +134,20 @@ def render_table(report: dict[str, Any]) -> str:
                      "n/a" if value is None else ("yes" if met else "NO"),
                      ", ".join(report["ratio_inputs"].get(name, ()))])
     lines += _rows(["ratio", "value", "target", "met", "from"], rows)
+    paths = report.get("paths") or {}
+    if paths:
+        rows = []
+        for label, p in paths.items():
+            busy, after = p.get("sender_busy_s"), p.get("receiver_after_sender_s")
+            rows.append([label.removeprefix("kvferry "), _time(p["time_s"]["median"]),
+                         _time(busy["median"]) if busy else "", _time(after["median"]) if after else "",
+                         f"{p['sender_faults_per_mb']['median']:.1f}", f"{p['receiver_faults_per_mb']['median']:.1f}",
+                         f"{p['receiver_peak_rss_delta_mb']:.0f}", f"{p['held_mb']:.0f}"])
+        lines.append("")
+        lines += _rows(["path (medians)", "total", "send call", "recv after", "faults/MB s", "r",
+                        "recv RSS+ MB", "held MB"], rows)
+        lines.append("(send call: the sender's command; recv after: receiver done - send call done, "
+                     "negative when the data was in before the call returned)")
     extra = report.get("extra_ratios") or {}
     if extra:
         lines.append("")

@@ -48,7 +48,9 @@ class Scenario:
 @attrs.frozen
 class ScenarioResult:
     """Stats of one scenario: ``time`` (s), ``latency`` (s, per payload), ``faults_per_mb`` of
-    each side, ``rss_delta_kb`` of each side, and whether the data checked out."""
+    each side, ``rss_delta_kb`` of each side, whether the data checked out, and where the time
+    went: ``sender_busy`` (the sender's command, s) and ``receiver_tail`` (receiver done minus
+    sender done, s)."""
 
     label: str
     time: Stat
@@ -59,6 +61,8 @@ class ScenarioResult:
     receiver_rss_delta_kb: int
     held_nbytes: int
     checked: bool | None
+    sender_busy: Stat | None = None
+    receiver_tail: Stat | None = None
 
 
 def key_items(tag: str, rep: int, requests: int, cache: str = "main") -> tuple[list[dict], list[dict]]:
@@ -112,7 +116,7 @@ def run_scenario(sender: Peer, receiver: Peer, scenario: Scenario, settings: Ben
     """
     timeout = settings.timeout_s
     reps = scenario.reps or settings.reps
-    times, latencies, s_faults, r_faults = [], [], [], []
+    times, latencies, s_faults, r_faults, busy, tail = [], [], [], [], [], []
     crcs: list[int] = []
     s_reset: dict[str, Any] = {"rss_kb": 0}
     r_reset: dict[str, Any] = {"rss_kb": 0}
@@ -135,6 +139,9 @@ def run_scenario(sender: Peer, receiver: Peer, scenario: Scenario, settings: Ben
         if not timed:
             continue
         times.append(got["t_done"] - sent["t_go"])
+        if "t_end" in sent:
+            busy.append(sent["t_end"] - sent["t_go"])
+            tail.append(got["t_done"] - sent["t_end"])
         latencies += [h - p for h, p in zip(got.get("t_have", []), sent.get("t_put", []))]
         s_faults.append(_per_mb(sent.get("faults", 0), scenario.nbytes))
         r_faults.append(_per_mb(got.get("faults", 0), scenario.nbytes))
@@ -153,4 +160,5 @@ def run_scenario(sender: Peer, receiver: Peer, scenario: Scenario, settings: Ben
         scenario.label, Stat.of(times), Stat.of(latencies or times), Stat.of(s_faults, "faults/MB"),
         Stat.of(r_faults, "faults/MB"), s_peak["hwm_kb"] - s_reset["rss_kb"],
         r_peak["hwm_kb"] - r_base, scenario.nbytes, checked,
+        Stat.of(busy) if busy else None, Stat.of(tail) if tail else None,
     )

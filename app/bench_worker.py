@@ -96,7 +96,7 @@ class Worker(KvCommands):
     def cmd_raw_send(self) -> dict[str, Any]:
         t_go = time.monotonic()
         self.socket.send(memoryview(self.raw_buffer.numpy()), copy=False)
-        return {"t_go": t_go}
+        return {"t_go": t_go, "t_end": time.monotonic()}
 
     def cmd_raw_recv(self, timeout_s: float) -> dict[str, Any]:
         from kvferry.core.errors import TransferTimeout
@@ -120,7 +120,8 @@ class Worker(KvCommands):
                                {"seq_len": c.geometry.tokens})
         t_put = time.monotonic()
         self.socket.send(blob)
-        return {"t_go": t_go, "t_put": [t_put], "faults": faults() - f0, "nbytes": len(blob)}
+        return {"t_go": t_go, "t_put": [t_put], "t_end": time.monotonic(), "faults": faults() - f0,
+                "nbytes": len(blob)}
 
     def cmd_base_recv(self, timeout_s: float) -> dict[str, Any]:
         """The baseline receiver: sleep-polling (10 ms doubling to 500 ms), frombuffer views."""

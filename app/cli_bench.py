@@ -84,7 +84,7 @@ def run(args: argparse.Namespace, *, out: TextIO | None = None, err: TextIO | No
     """Run the benchmark for ``args``; see the module docstring for the exit status."""
     from kvferry.app.bench import run_bench
     from kvferry.app.bench_plot import write_plot
-    from kvferry.app.bench_report import render_table, write_json
+    from kvferry.app.bench_report import render_bars, render_table, write_json
 
     out = sys.stdout if out is None else out
     err = sys.stderr if err is None else err
@@ -100,6 +100,7 @@ def run(args: argparse.Namespace, *, out: TextIO | None = None, err: TextIO | No
 
     report = run_bench(settings, threads=args.threads, progress=progress)
     out.write(render_table(report))
+    out.write("\n" + render_bars(report))
     try:
         write_json(report, args.json)
         drawer = write_plot(report, args.plot)
