@@ -143,6 +143,7 @@ class KVTransferManager:
             return None
         kind = str(cfg.get("type"))
         if kind in SERVING_CONNECTORS:
+            cfg.pop("zmq_port", None)  # the base port: already turned into this rank's port
             cfg["role"] = role
             if role == "sender":
                 cfg.setdefault("host", self.bind_host)

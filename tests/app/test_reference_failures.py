@@ -172,7 +172,8 @@ def test_spec9_6_serving_connector_binds_the_rank_port_and_a_bind_failure_names_
     expected = kv_port(50051, 0, 1, 0, 0, tp_size=2)
     with pytest.raises(ConnectorUnavailable, match=f"127.0.0.1:{expected}"):
         sender.start()
-    assert calls == [{"type": "zmq", "zmq_port": 50051, "role": "sender", "host": "127.0.0.1", "port": expected}]
+    # the base port is consumed by the manager; the connector gets this rank's port only
+    assert calls == [{"type": "zmq", "role": "sender", "host": "127.0.0.1", "port": expected}]
     assert expected == 50051 + 100 + 16
 
 
