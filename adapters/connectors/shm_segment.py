@@ -4,9 +4,11 @@ Naming (one function each, used by both sides):
 
 - namespace: config ``namespace``, default ``u{uid}``; letters, digits, ``_`` and ``.`` only.
 - segment: ``/dev/shm/kvferry-{namespace}-{owner_pid}-{tag}-{token}`` where ``tag`` is the
-  sender's port (or ``x`` without one) and ``token`` 8 random hex digits. Mode 0600.
+  sender's port (or ``x`` without one) and ``token`` 8 random hex digits. Mode 0600; a
+  receiver maps only segments owned by its own uid.
 - runtime directory: ``{base}/kvferry-{namespace}`` (mode 0700), ``base`` = config
-  ``runtime_dir``, else ``$XDG_RUNTIME_DIR``, else ``/tmp``. It holds, per sender, the control
+  ``runtime_dir``, else ``$XDG_RUNTIME_DIR``, else ``/tmp``; an existing one must belong to
+  this user (a group/world-writable one is made 0700). It holds, per sender, the control
   socket ``ctl-{tag}.sock`` and its owner file ``ctl-{tag}.pid`` (the owner's pid, then the
   segment name).
 - control endpoint: ``ipc://{runtime directory}/ctl-{port}.sock``: a receiver derives it from
@@ -25,6 +27,7 @@ import mmap
 import os
 import re
 import secrets
+import stat
 from typing import Any
 
 import attrs
@@ -193,11 +196,32 @@ def open_segment(name: str, shm_dir: str = SHM_DIR) -> Segment:
     path = os.path.join(shm_dir, name)
     fd = os.open(path, os.O_RDWR | os.O_NOFOLLOW)
     try:
-        nbytes = os.fstat(fd).st_size
+        info = os.fstat(fd)
+        if info.st_uid != os.getuid():  # planted by another user: never read it as KV
+            raise ValueError(f"segment {name!r} belongs to uid {info.st_uid}, not {os.getuid()}")
+        nbytes = info.st_size
         mapping, tensor = _map(fd, nbytes, populate=False)
     finally:
         os.close(fd)
     return Segment(name, path, nbytes, mapping, tensor)
+
+
+def _private_directory(directory: str) -> None:
+    """Create ``directory`` (0700) or make sure the existing one is this user's and private.
+
+    The control sockets live there: a directory another user owns or may write to (a shared
+    ``/tmp``) would let them replace a socket and impersonate the sender. Raises BindError.
+    """
+    os.makedirs(directory, mode=0o700, exist_ok=True)
+    info = os.lstat(directory)
+    if not stat.S_ISDIR(info.st_mode):
+        raise BindError(f"shm runtime directory {directory} is not a directory (a symlink?)")
+    if info.st_uid != os.getuid():
+        raise BindError(
+            f"shm runtime directory {directory} belongs to uid {info.st_uid}, not {os.getuid()}; "
+            "set runtime_dir (or XDG_RUNTIME_DIR) to a private directory")
+    if stat.S_IMODE(info.st_mode) & 0o077:
+        os.chmod(directory, 0o700)
 
 
 def claim_control(namespace: str, tag: str, segment: str, base: str | None = None) -> tuple[str, str]:
@@ -209,7 +233,7 @@ def claim_control(namespace: str, tag: str, segment: str, base: str | None = Non
     directory = runtime_dir(namespace, base)
     sock, pidfile = control_paths(namespace, tag, base)
     for _ in range(3):
-        os.makedirs(directory, mode=0o700, exist_ok=True)
+        _private_directory(directory)
         try:
             fd = os.open(pidfile, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
         except FileExistsError:
