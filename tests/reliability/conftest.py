@@ -1,0 +1,21 @@
+"""Fixtures of the reliability suite: private shm namespaces (nothing may be left in /dev/shm)."""
+
+from __future__ import annotations
+
+import os
+import shutil
+from typing import Iterator
+
+import pytest
+from rel_util import SHM_DIR, ShmSpace
+
+
+@pytest.fixture
+def shm_space() -> Iterator[ShmSpace]:
+    space = ShmSpace()
+    yield space
+    segments, files = space.leftovers()
+    for name in segments:
+        os.unlink(os.path.join(SHM_DIR, name))
+    shutil.rmtree(space.base, ignore_errors=True)
+    assert segments == [] and files == [], f"left behind: {segments} {files}"

@@ -1,0 +1,160 @@
+"""Helpers of the reliability suite (imported by name: ``conftest`` is ambiguous across test
+directories): loopback ports, bounded waits, private shm namespaces, line-speaking processes.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import os
+import queue
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+from typing import Any, Callable
+
+HERE = Path(__file__).resolve().parent
+SHM_DIR = "/dev/shm"
+#: Generous bound for things that should happen at once (the machine is shared and loaded).
+WAIT_S = 20.0
+_COUNTER = itertools.count()
+
+
+def free_port() -> int:
+    """A TCP port the OS just handed out on loopback."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+def eventually(predicate: Callable[[], Any], timeout_s: float = WAIT_S, what: str = "condition") -> Any:
+    """Wait (bounded) until ``predicate()`` is truthy and return it; fail the test otherwise."""
+    deadline = time.monotonic() + timeout_s
+    pause = threading.Event()
+    while True:
+        value = predicate()
+        if value:
+            return value
+        assert time.monotonic() < deadline, f"{what} not reached within {timeout_s} s"
+        pause.wait(0.005)
+
+
+def shm_entries(namespace: str) -> list[str]:
+    """Files of ``namespace`` in /dev/shm."""
+    return sorted(n for n in os.listdir(SHM_DIR) if n.startswith(f"kvferry-{namespace}-"))
+
+
+class ShmSpace:
+    """A private shm namespace and runtime directory."""
+
+    def __init__(self) -> None:
+        self.base = tempfile.mkdtemp(prefix="kvfr-", dir="/tmp")
+        self.namespace = f"r{os.getpid()}n{next(_COUNTER)}"
+
+    def config(self, role: str, **extra: Any) -> dict[str, Any]:
+        cfg = {"type": "shm", "role": role, "namespace": self.namespace, "runtime_dir": self.base,
+               "pool_bytes": 1 << 20, **extra}
+        return cfg
+
+    def leftovers(self) -> tuple[list[str], list[str]]:
+        files = []
+        for root, _, names in os.walk(self.base):
+            files.extend(os.path.join(root, n) for n in names)
+        return shm_entries(self.namespace), files
+
+
+
+
+class LineProc:
+    """A child process speaking JSON lines on stdout (and taking them on stdin).
+
+    A reader thread moves stdout lines into a queue, so every read has a deadline and a silent
+    or dead child fails the test instead of hanging it. stderr goes to a log file that failures
+    quote.
+    """
+
+    def __init__(self, args: list[str], log_dir: str | Path, name: str, env: dict[str, str] | None = None) -> None:
+        self.name = name
+        self.log_path = Path(log_dir) / f"{name}.log"
+        self._log = open(self.log_path, "wb")
+        self.proc = subprocess.Popen([sys.executable, *args], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                     stderr=self._log, text=True, cwd=str(HERE),
+                                     env={**os.environ, **(env or {})})
+        self.lines: queue.Queue[str | None] = queue.Queue()
+        self._reader = threading.Thread(target=self._pump, name=f"{name}-stdout", daemon=True)
+        self._reader.start()
+
+    def _pump(self) -> None:
+        for line in self.proc.stdout:
+            self.lines.put(line)
+        self.lines.put(None)
+
+    def log(self) -> str:
+        self._log.flush()
+        return self.log_path.read_text(errors="replace")[-3000:]
+
+    def read(self, timeout_s: float = 60.0) -> dict[str, Any]:
+        """The next JSON line; fails (with the child's log) on EOF or after ``timeout_s``."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            try:
+                line = self.lines.get(timeout=max(0.0, deadline - time.monotonic()))
+            except queue.Empty:
+                raise AssertionError(f"{self.name} said nothing for {timeout_s} s; log:\n{self.log()}") from None
+            if line is None:
+                raise AssertionError(f"{self.name} exited ({self.proc.wait()}); log:\n{self.log()}")
+            if line.startswith("{"):
+                return json.loads(line)
+
+    def send(self, message: dict[str, Any]) -> None:
+        self.proc.stdin.write(json.dumps(message) + "\n")
+        self.proc.stdin.flush()
+
+    def ask(self, message: dict[str, Any], timeout_s: float = 60.0) -> dict[str, Any]:
+        self.send(message)
+        return self.read(timeout_s)
+
+    def kill(self) -> None:
+        """SIGKILL (no cleanup of any kind runs in the child) and reap."""
+        if self.proc.poll() is None:
+            self.proc.kill()
+        self.proc.wait(timeout=WAIT_S)
+
+    def close(self, timeout_s: float = WAIT_S) -> None:
+        """Ask politely (stdin EOF), then kill; always reaps."""
+        try:
+            if self.proc.stdin and not self.proc.stdin.closed:
+                self.proc.stdin.close()
+        except OSError:
+            pass
+        try:
+            self.proc.wait(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait(timeout=WAIT_S)
+        self._log.close()
+
+
+def free_base_port(from_tp: int = 1) -> int:
+    """A base port whose sender ports ``base + 100 + rank*16`` (SPEC 2.3) are free on loopback."""
+    for _ in range(200):
+        base = free_port() // 16 * 16
+        if not 20000 <= base <= 60000:
+            continue
+        socks = []
+        try:
+            for rank in range(from_tp):
+                s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+                socks.append(s)
+                s.bind(("127.0.0.1", base + 100 + rank * 16))
+            return base
+        except OSError:
+            continue
+        finally:
+            for s in socks:
+                s.close()
+    raise RuntimeError("no free range of sender ports on loopback")
