@@ -10,6 +10,8 @@ import os
 import time
 from typing import Any, Callable
 
+import attrs
+
 from kvferry.app.bench_model import BenchSettings, Geometry, Stat
 from kvferry.app.bench_proc import Peer
 from kvferry.app.bench_scenarios import (
@@ -21,6 +23,8 @@ __all__ = ["RunState", "connector_configs", "connector_paths", "mooncake_raw", "
 
 #: The same-host connector: its 1-request figure is compared with memcpy, and TP runs on it.
 SAME_HOST = "shm"
+#: The shm namespace benchmark runs use.
+SHM_NAMESPACE = "kvfbench"
 
 
 def connector_configs(name: str, settings: BenchSettings, pool: int) -> tuple[dict, dict]:
@@ -29,38 +33,38 @@ def connector_configs(name: str, settings: BenchSettings, pool: int) -> tuple[di
         return ({"type": "zmq", "role": "sender", "port": 0, "pool_bytes": pool,
                  "max_payloads": 65536},
                 {"type": "zmq", "role": "receiver", "request_timeout_s": settings.timeout_s})
-    if name == "shm":  # a private namespace: nothing else can collide with the sender's tag
-        namespace = f"bench{os.getpid()}"
-        return ({"type": "shm", "role": "sender", "port": 1, "namespace": namespace, "pool_bytes": pool},
-                {"type": "shm", "role": "receiver", "namespace": namespace})
-    if name == "shm":  # a private namespace: nothing else can collide with the sender's tag
-        namespace = f"bench{os.getpid()}"
-        return ({"type": "shm", "role": "sender", "port": 1, "namespace": namespace, "pool_bytes": pool},
-                {"type": "shm", "role": "receiver", "namespace": namespace})
+    if name == "shm":
+        # One namespace for every run (a run's sender reaps segments a killed run left there);
+        # the sender's tag comes from the orchestrator's pid (rank 1 adds 16), so concurrent
+        # runs use different tags.
+        tag = 1 + (os.getpid() % 2000) * 32
+        return ({"type": "shm", "role": "sender", "port": tag, "namespace": SHM_NAMESPACE, "pool_bytes": pool},
+                {"type": "shm", "role": "receiver", "namespace": SHM_NAMESPACE})
     if name == "mooncake":
         return ({"type": "mooncake", "role": "sender", "port": 0, "pool_bytes": pool},
                 {"type": "mooncake", "role": "receiver", "pool_bytes": pool})
-
     return ({"type": name, "role": "sender", "pool_bytes": pool},
             {"type": name, "role": "receiver", "pool_bytes": pool})
 
 
+@attrs.define(eq=False)
 class RunState:
-    """One run's state: peers, collected stats, failures and checks."""
+    """One run's state: live peers, figures (``stats`` in their units, ``nbytes`` each moved),
+    failures and data checks by path label, per-path results and notes."""
 
-    def __init__(self, settings: BenchSettings, threads: int, progress: Callable[[str], None]) -> None:
-        self.settings = settings
-        self.threads = threads
-        self.progress = progress
-        self.stats: dict[str, Stat] = {}
-        self.nbytes: dict[str, int] = {}
-        self.failures: dict[str, str] = {}
-        self.checks: dict[str, bool] = {}
-        self.scenarios: dict[str, ScenarioResult] = {}
-        self.extra: dict[str, Any] = {}
-        self.peers: list[Peer] = []
+    settings: BenchSettings
+    threads: int
+    progress: Callable[[str], None]
+    stats: dict[str, Stat] = attrs.Factory(dict)
+    nbytes: dict[str, int] = attrs.Factory(dict)
+    failures: dict[str, str] = attrs.Factory(dict)
+    checks: dict[str, bool] = attrs.Factory(dict)
+    scenarios: dict[str, ScenarioResult] = attrs.Factory(dict)
+    extra: dict[str, Any] = attrs.Factory(dict)
+    peers: list[Peer] = attrs.Factory(list)
 
     def peer(self, name: str) -> Peer:
+        """Start a peer process (torch limited to ``threads``); closed by :meth:`close_peer`."""
         peer = Peer.start(name, env={"OMP_NUM_THREADS": str(self.threads),
                                      "KVFERRY_BENCH_THREADS": str(self.threads)})
         self.peers.append(peer)
