@@ -48,15 +48,17 @@ from kvferry.adapters.paged_cache import (
     token_split,
     valid_block_ids,
 )
+from kvferry.adapters.object_codec import (
+    MAX_OBJECT_BYTES,
+    decode_object,
+    encode_object,
+)
 from kvferry.adapters.collectives import (
     InProcessGroup,
     InProcessWorld,
-    MAX_OBJECT_BYTES,
     ParallelGroups,
     TorchDistGroup,
     build_parallel_groups,
-    decode_object,
-    encode_object,
 )
 from kvferry.adapters.platform import (
     MemoryInfo,
