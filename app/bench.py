@@ -31,10 +31,11 @@ import sys
 import time
 from typing import Any, Callable
 
+import attrs
 import torch
 
 from kvferry.app.bench_model import (
-    RATIO_NAMES, TARGETS, BenchSettings, Geometry, Stat, compute_ratios, ratio_of,
+    RATIO_NAMES, TARGETS, BenchSettings, Stat, compute_ratios, ratio_of,
 )
 from kvferry.app.bench_paths import RunState, connector_paths, mooncake_raw
 from kvferry.app.bench_scenarios import Scenario
@@ -127,7 +128,7 @@ def _measure(run: RunState) -> None:
     run.progress(f"payload: {g.describe()}; {s.reps} reps after {s.warmup} warm-up")
     sender = run.peer("sender")
     receiver = run.peer("receiver")
-    small = Geometry(**{**_geometry_args(g), **SMALL})
+    small = attrs.evolve(g, **SMALL)
     # a sender cache for `requests` requests (>= 2: the TP cases read one request per rank)
     sender.call("setup", t + 120, name="main", geometry=g.to_json(), requests=max(s.requests, 2), seed=s.seed)
     sender.call("setup", t, name="small", geometry=small.to_json(), requests=1, seed=s.seed + 1)
@@ -162,10 +163,6 @@ def _measure(run: RunState) -> None:
         if name == "mooncake":
             mooncake_raw(run)
         connector_paths(run, sender, name, pool, small)
-
-
-def _geometry_args(g: Geometry) -> dict[str, Any]:
-    return {k: getattr(g, k) for k in ("layers", "tokens", "heads", "head_dim", "dtype", "block_size")}
 
 
 def _gbps(stat: Stat, nbytes: int) -> dict[str, float]:
