@@ -187,6 +187,7 @@ def tiny_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[int, str, dict, 
     return code, buffer.getvalue(), json.loads((out_dir / "b.json").read_text()), out_dir / "b.png"
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(240)
 def test_tiny_run_reports_every_ratio_as_a_finite_number(tiny_run: tuple[int, str, dict, pathlib.Path]) -> None:
     code, table, report, _ = tiny_run
@@ -205,6 +206,7 @@ def test_tiny_run_reports_every_ratio_as_a_finite_number(tiny_run: tuple[int, st
     assert all(name in table for name in RATIO_NAMES)
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(240)
 def test_tiny_run_writes_a_png(tiny_run: tuple[int, str, dict, pathlib.Path]) -> None:
     chunks = _png_chunks(tiny_run[3].read_bytes())
