@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 
 import pytest
 
@@ -16,10 +17,32 @@ def _kvferry_shm_entries() -> set[str]:
         return set()
 
 
+_OWNER_PID = re.compile(r"^kvferry-[A-Za-z0-9_.]+-(\d+)-")
+
+
+def _live_foreign_owner(name: str) -> bool:
+    """True when ``name``'s owner pid is a live process outside this test session's tree
+    (another run on a shared machine); such files are not this session's leak."""
+    match = _OWNER_PID.match(name)
+    if not match:
+        return False
+    pid = int(match.group(1))
+    me = os.getpid()
+    while pid > 1:
+        if pid == me:
+            return False
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                pid = int(f.read().rsplit(")", 1)[1].split()[1])  # parent pid
+        except (OSError, ValueError, IndexError):
+            return False  # gone: a leak (ours, or a crashed run's)
+    return True
+
+
 @pytest.fixture(scope="session", autouse=True)
 def no_shm_leaks():
     """Fail the session if the suite left kvferry segments or lock files in /dev/shm."""
     before = _kvferry_shm_entries()
     yield
-    leaked = _kvferry_shm_entries() - before
+    leaked = {n for n in _kvferry_shm_entries() - before if not _live_foreign_owner(n)}
     assert not leaked, f"kvferry left files in {SHM_DIR}: {sorted(leaked)}"
