@@ -69,10 +69,10 @@ class LineWorker:
     can show what the worker said.
     """
 
-    def __init__(self, args: list[str], log_path: pathlib.Path) -> None:
+    def __init__(self, args: list[str], log_path: pathlib.Path, script: pathlib.Path = WORKER) -> None:
         self.log_path = log_path
         self._log = open(log_path, "wb")
-        self.proc = subprocess.Popen([sys.executable, str(WORKER), *args], stdin=subprocess.PIPE,
+        self.proc = subprocess.Popen([sys.executable, str(script), *args], stdin=subprocess.PIPE,
                                      stdout=subprocess.PIPE, stderr=self._log, text=True, cwd=str(HERE))
         self.lines: queue.Queue[str | None] = queue.Queue()
         self._reader = threading.Thread(target=self._pump, name=f"worker-{self.proc.pid}-stdout", daemon=True)
