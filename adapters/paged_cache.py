@@ -7,7 +7,8 @@ Phase 1, :func:`plan_extraction`, reads shapes only: every layer is normalised t
 :meth:`ExtractionPlan.gather_into`, copies one tensor's tokens straight into a destination the
 caller owns (e.g. a typed view into a shared-memory region laid out by the wire codec);
 :meth:`ExtractionPlan.materialize` allocates fresh tensors instead. One copy per byte, no
-temporaries (except the ``"staged"`` method, see :data:`GatherMethod`).
+temporaries (except the ``"staged"`` method, see :data:`GatherMethod`). The copies themselves
+are :class:`~kvferry.adapters.paged_gather.TensorGather`'s (re-exported here).
 
 Invariants (property-tested against ``torch.cat`` of per-block slices):
 
@@ -25,39 +26,31 @@ before another process reads the destination).
 from __future__ import annotations
 
 import logging
-import math
 import operator
 from types import MappingProxyType
-from typing import Any, Iterable, Literal, Mapping, Sequence
+from typing import Any, Iterable, Mapping, Sequence
 
 import attrs
 import torch
 
+from kvferry.adapters.paged_gather import (
+    CROSS_DEVICE_MAX_RUNS,
+    DEVICE_MAX_RUNS,
+    STRIDED_MAX_RUNS,
+    GatherMethod,
+    TensorGather,
+)
 from kvferry.core.errors import ConfigError
 
 __all__ = [
-    "GatherMethod", "CROSS_DEVICE_MAX_RUNS", "DEVICE_MAX_RUNS", "LayerSkip", "ExtractionSkipped",
-    "TensorGather", "ExtractionPlan", "ExtractedKV", "normalize_layer_kv", "valid_block_ids",
-    "block_runs", "token_split", "plan_extraction", "extract_request",
+    "GatherMethod", "CROSS_DEVICE_MAX_RUNS", "DEVICE_MAX_RUNS", "STRIDED_MAX_RUNS", "LayerSkip",
+    "ExtractionSkipped", "TensorGather", "ExtractionPlan", "ExtractedKV", "normalize_layer_kv",
+    "valid_block_ids", "block_runs", "token_split", "plan_extraction", "extract_request",
 ]
 
 logger = logging.getLogger(__name__)
 
-#: ``"index"``: one ``index_select(out=...)`` over byte rows of whole blocks; ``"runs"``: one
-#: ``copy_`` per run of consecutive block ids; ``"staged"``: gather on the cache's device, then
-#: one copy (the only method with a temporary; for cross-device destinations with scattered
-#: blocks); ``"auto"``: chosen per tensor by :meth:`TensorGather.choose_method`.
-GatherMethod = Literal["auto", "index", "runs", "staged"]
-_METHODS = ("auto", "index", "runs", "staged")
 _WHICH = ("key", "value")
-#: Cross-device ``"auto"``: up to this many runs are copied run by run into the destination;
-#: more are staged, so the link sees one large transfer instead of many small ones.
-CROSS_DEVICE_MAX_RUNS = 16
-#: Same-device ``"auto"`` on an accelerator: up to this many runs use one device memcpy per
-#: run, more use one index kernel. On CPU ``"auto"`` is always ``"index"`` (measured fastest).
-DEVICE_MAX_RUNS = 4
-_WIDE = ((8, torch.int64), (4, torch.int32), (2, torch.int16))
-_WIDTH_DTYPE = {8: torch.int64, 4: torch.int32, 2: torch.int16, 1: torch.uint8}
 
 
 @attrs.frozen
@@ -161,139 +154,6 @@ def normalize_layer_kv(
     return split
 
 
-def _byte_rows(t: torch.Tensor) -> torch.Tensor | None:
-    """``t`` as a 2-D uint8 view ``[t.shape[0], bytes per row]``; None if ``t[i]`` is strided."""
-    row = 1
-    for size, stride in zip(reversed(t.shape[1:]), reversed(t.stride()[1:])):
-        if size != 1 and stride != row:
-            return None
-        row *= size
-    return t.as_strided((t.shape[0], row), (t.stride(0), 1)).view(torch.uint8)
-
-
-def _row_width(rows: torch.Tensor) -> int:
-    """The widest integer (8, 4, 2 or 1 bytes) a uint8 row view can be reinterpreted as."""
-    for width, _ in _WIDE:
-        if rows.shape[1] % width == 0 and rows.stride(0) % width == 0 \
-                and rows.data_ptr() % width == 0 and rows.storage_offset() % width == 0:
-            return width
-    return 1
-
-
-@attrs.frozen(eq=False)
-class TensorGather:
-    """How to gather one layer's key or value tensor.
-
-    ``blocks``: the normalised ``[num_blocks, block_tokens, *token_shape]`` view into the cache;
-    ``block_ids``: the blocks read (``full_blocks`` whole ones, then one partial block of
-    ``tail_tokens`` tokens when that is > 0); ``index``: the whole blocks' ids, int64 on the
-    cache's device; ``runs``: their :func:`block_runs`.
-    """
-
-    layer: int
-    which: str
-    blocks: torch.Tensor = attrs.field(repr=False)
-    block_ids: tuple[int, ...] = attrs.field(repr=False)
-    tokens: int
-    full_blocks: int
-    tail_tokens: int
-    index: torch.Tensor = attrs.field(repr=False)
-    runs: tuple[tuple[int, int, int], ...] = attrs.field(repr=False)
-    #: Output shape ``(tokens, *token_shape)`` and bytes.
-    shape: tuple[int, ...] = attrs.field(init=False)
-    nbytes: int = attrs.field(init=False)
-    _rows: torch.Tensor | None = attrs.field(init=False, repr=False)  # uint8 view of ``blocks``
-
-    @shape.default
-    def _shape_default(self) -> tuple[int, ...]:
-        return (self.tokens, *self.blocks.shape[2:])
-
-    @nbytes.default
-    def _nbytes_default(self) -> int:
-        return math.prod(self.shape) * self.blocks.element_size()
-
-    @_rows.default
-    def _rows_default(self) -> torch.Tensor | None:
-        return _byte_rows(self.blocks)
-
-    @property
-    def name(self) -> str:
-        """Wire name: ``key_cache_{layer}`` or ``value_cache_{layer}``."""
-        return f"{self.which}_cache_{self.layer}"
-
-    @property
-    def dtype(self) -> torch.dtype:
-        return self.blocks.dtype
-
-    @property
-    def device(self) -> torch.device:
-        return self.blocks.device
-
-    @property
-    def dtype_name(self) -> str:
-        """The wire dtype name (torch's, without ``torch.``)."""
-        return str(self.blocks.dtype).removeprefix("torch.")
-
-    def choose_method(self, out_device: torch.device, method: GatherMethod = "auto") -> str:
-        """The concrete method for a destination on ``out_device``."""
-        if method not in _METHODS:
-            raise ConfigError(f"gather method must be one of {_METHODS}, got {method!r}")
-        cross = out_device != self.device
-        if method == "index" and cross:
-            raise ConfigError(f"'index' needs the destination on {self.device}, not {out_device}")
-        if method != "auto":
-            return method
-        if cross:
-            return "runs" if len(self.runs) <= CROSS_DEVICE_MAX_RUNS else "staged"
-        return "runs" if self.device.type != "cpu" and len(self.runs) <= DEVICE_MAX_RUNS else "index"
-
-    def check_out(self, out: Any) -> None:
-        """ConfigError unless ``out`` is a contiguous tensor of this shape and dtype."""
-        if not isinstance(out, torch.Tensor):
-            raise ConfigError(f"{self.name}: destination must be a tensor, not {type(out).__name__}")
-        if tuple(out.shape) != self.shape or out.dtype != self.dtype or not out.is_contiguous():
-            raise ConfigError(
-                f"{self.name}: destination is {out.dtype}{list(out.shape)} "
-                f"(contiguous={out.is_contiguous()}), need contiguous {self.dtype}{list(self.shape)}")
-
-    @torch.no_grad()
-    def gather_into(self, out: torch.Tensor, *, method: GatherMethod = "auto") -> torch.Tensor:
-        """Write this tensor's tokens into ``out`` in place; return ``out``.
-
-        Whole blocks: one ``index_select(out=...)`` over byte rows (``"index"``), one ``copy_``
-        per run (``"runs"``) or one temporary (``"staged"``); then the partial last block's first
-        ``tail_tokens`` tokens in one more ``copy_``.
-        """
-        self.check_out(out)
-        return self._write(out, self.choose_method(out.device, method))
-
-    def _write(self, out: torch.Tensor, chosen: str) -> torch.Tensor:
-        if self.nbytes == 0:
-            return out
-        block_shape = tuple(self.blocks.shape[1:])
-        if self.full_blocks:
-            dst = out.narrow(0, 0, self.full_blocks * block_shape[0]).view(
-                self.full_blocks, *block_shape)
-            if chosen == "runs":
-                for at, src, count in self.runs:
-                    dst.narrow(0, at, count).copy_(self.blocks.narrow(0, src, count))
-            elif chosen == "staged":
-                dst.copy_(torch.index_select(self.blocks, 0, self.index))
-            else:
-                dst_rows = _byte_rows(dst)
-                if self._rows is not None and dst_rows is not None:
-                    width = min(_row_width(self._rows), _row_width(dst_rows))
-                    wide = _WIDTH_DTYPE[width]
-                    torch.index_select(self._rows.view(wide), 0, self.index, out=dst_rows.view(wide))
-                else:  # strided blocks (packed layout): element-wise gather, still no temporary
-                    torch.index_select(self.blocks, 0, self.index, out=dst)
-        if self.tail_tokens:
-            last = self.blocks.select(0, self.block_ids[self.full_blocks])
-            out.narrow(0, self.full_blocks * block_shape[0], self.tail_tokens).copy_(
-                last.narrow(0, 0, self.tail_tokens))
-        return out
-
-
 @attrs.frozen(eq=False)
 class ExtractionPlan:
     """One request's payload before any byte moves. Truthy (:class:`ExtractionSkipped` is not).
@@ -371,7 +231,7 @@ class ExtractionPlan:
                     pairs.append((gather, view, gather.choose_method(view.device, method)))
         with torch.no_grad():
             for gather, view, chosen in pairs:
-                gather._write(view, chosen)
+                gather.write_unchecked(view, chosen)
 
     def materialize(self, *, method: GatherMethod = "auto"
                     ) -> tuple[list[torch.Tensor | None], list[torch.Tensor | None]]:

@@ -4,11 +4,14 @@ from __future__ import annotations
 
 import logging
 
+import attrs
 import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+import kvferry.adapters as adapters_layer
+from kvferry.adapters import paged_cache, paged_gather
 from kvferry.adapters.paged_cache import (
     ExtractedKV,
     ExtractionPlan,
@@ -332,6 +335,24 @@ def test_auto_method_policy_by_device_and_fragmentation():
         gather.choose_method(torch.device("cpu"), "index")
 
 
+@pytest.mark.parametrize("layout, ids, expected", [
+    ("dim0", list(range(0, 16)), "index"),            # whole contiguous blocks: always index
+    ("packed", list(range(0, 16)), "runs"),           # strided blocks, 1 run
+    ("packed", [0, 1, 5, 6, 10, 11, 20, 21], "runs"),  # 4 runs
+    ("packed", list(range(0, 40, 2)), "index"),       # 20 runs
+    ("sliced", list(range(0, 16)), "runs"),           # head slice, 1 run
+    ("sliced", list(range(0, 40, 2)), "index"),
+])
+def test_auto_on_cpu_copies_few_runs_of_strided_blocks_run_by_run(layout, ids, expected):
+    layers, _, _ = cache(layout="packed" if layout == "packed" else "dim0", layers=1,
+                         num_blocks=40, heads=4)
+    gather = plan_extraction(layers, ids, 1000, 4, cache_dtype="x").keys[0]
+    if layout == "sliced":
+        gather = attrs.evolve(gather, blocks=gather.blocks.narrow(2, 2, 2))
+    assert gather.strided == (layout != "dim0")
+    assert gather.choose_method(torch.device("cpu")) == expected
+
+
 def test_a_cache_that_requires_grad_is_gathered_without_autograd():
     key = random_blocks(4, 4, 2, 8).requires_grad_()
     result = extract_request([(key, key)], [2, 0], 7, 4, cache_dtype="float32")
@@ -376,6 +397,47 @@ def test_extraction_equals_naive_concatenation(geometry, method, offset_units):
         plan.gather_into(0, which, dest, method=method)
         assert same_bits(dest, expected)
         assert not pool[:start].any() and not pool[start + expected.numel() * itemsize:].any()
+
+
+@st.composite
+def head_slices(draw):
+    layout, num_blocks, block_size, _, head_dim, dtype, ids, seq_len = draw(geometries())
+    heads = draw(st.integers(1, 6))
+    start = draw(st.integers(0, heads - 1))
+    stop = draw(st.integers(start + 1, heads))
+    return layout, num_blocks, block_size, heads, head_dim, dtype, ids, seq_len, start, stop
+
+
+@PROPERTY
+@given(head_slices(), st.sampled_from(METHODS))
+def test_head_sliced_gathers_equal_naive_concatenation_of_the_slice(geometry, method):
+    """What the fan-out sender does (``app.send.slice_plan_heads``): narrow dim 2 (heads) of
+    every block view; the gather reads strided blocks and must still be bit-exact."""
+    layout, num_blocks, block_size, heads, head_dim, dtype, ids, seq_len, start, stop = geometry
+    key = random_blocks(num_blocks, block_size, heads, head_dim, dtype, seed=3)
+    value = random_blocks(num_blocks, block_size, heads, head_dim, dtype, seed=4)
+    plan = plan_extraction([make_layer(layout, key, value)], ids, seq_len, block_size,
+                           cache_dtype=str(dtype))
+    if isinstance(plan, ExtractionSkipped):
+        return
+    for which, blocks in (("key", key), ("value", value)):
+        gather = plan.tensor(0, which)
+        sliced = attrs.evolve(gather, blocks=gather.blocks.narrow(2, start, stop - start))
+        assert sliced.shape == (gather.tokens, stop - start, head_dim)
+        assert sliced.nbytes == gather.nbytes * (stop - start) // heads
+        out = torch.zeros(sliced.shape, dtype=dtype)
+        sliced.gather_into(out, method=method)
+        assert same_bits(out, naive(blocks[:, :, start:stop], ids, seq_len))
+
+
+def test_every_public_name_is_importable_from_paged_cache_and_the_layer():
+    for name in paged_gather.__all__:
+        if name != "STRIDED_MAX_RUNS" or hasattr(adapters_layer, name):
+            assert getattr(paged_cache, name) is getattr(paged_gather, name)
+    for name in paged_cache.__all__:
+        assert hasattr(paged_cache, name)
+        if name != "STRIDED_MAX_RUNS":
+            assert getattr(adapters_layer, name) is getattr(paged_cache, name), name
 
 
 # ---------------------------------------------------------------- GPU
