@@ -12,6 +12,7 @@ from kvferry.core.pool import (
     TOO_LARGE,
     AllocationFailure,
     EntryState,
+    ExpiryKind,
     LeaseTable,
     PoolLedger,
     Region,
@@ -281,5 +282,92 @@ def test_ledger_reserve_abort_publish() -> None:
     assert ticket.handle == second and ledger.release(ticket.ticket_id)
     assert ledger.stats() | {} == {
         "pool_bytes": 256, "used_bytes": 0, "free_bytes": 256, "largest_free": 256,
-        "live_regions": 0, "reserved": 0, "entries": 0, "readable": 0,
+        "live_regions": 0, "reserved": 0, "entries": 0, "readable": 0, "overdue": 0,
     }
+
+
+# ------------------------------------------------------------------------ holders and holds
+
+
+def test_a_live_holder_is_never_revoked_only_reported_once() -> None:
+    table = LeaseTable(hold_s=1.0)
+    table.publish("k", "R", 8, now_s=0.0, lease_s=10.0)
+    ticket = table.take("k", 0.0, holder="pid-7")
+    assert ticket.holder == "pid-7"
+    alive = {"pid-7"}
+    report = table.expire(5.0, alive.__contains__)
+    assert [(x.kind, x.freed, x.holders) for x in report] == [(ExpiryKind.OVERDUE, False, ("pid-7",))]
+    assert table.expire(50.0, alive.__contains__) == ()  # reported once, still held
+    assert table.overdue_count() == 1 and len(table) == 1
+    assert table.next_deadline() is None  # nothing to wait for: the holder is asked each time
+    alive.clear()  # the reader died
+    report = table.expire(51.0, alive.__contains__)
+    assert [(x.kind, x.freed, x.holders) for x in report] == [(ExpiryKind.UNRELEASED, True, ("pid-7",))]
+    assert len(table) == 0 and table.overdue_count() == 0
+
+
+def test_without_a_liveness_test_or_holder_an_overdue_ticket_is_revoked() -> None:
+    table = LeaseTable(hold_s=1.0)
+    table.publish("a", "A", 1, readers=2, now_s=0.0, lease_s=10.0)
+    table.take("a", 0.0, holder="someone")
+    table.take("a", 0.0)  # no holder
+    report = table.expire(2.0, lambda holder: True)
+    assert [(x.kind, x.freed, x.holders) for x in report] == [
+        (ExpiryKind.UNRELEASED, False, (None,)), (ExpiryKind.OVERDUE, False, ("someone",))]
+    assert [(x.kind, x.freed) for x in table.expire(3.0)] == [(ExpiryKind.UNRELEASED, True)]
+
+
+holder_ops = st.lists(
+    st.one_of(
+        st.tuples(st.just("put"), st.integers(0, 3), st.integers(0, 700)),
+        st.tuples(st.just("take"), st.integers(0, 3), st.sampled_from([None, "p1", "p2"])),
+        st.tuples(st.just("release"), st.integers(0, 50)),
+        st.tuples(st.just("tick"), st.floats(0.0, 3.0)),
+        st.tuples(st.just("kill"), st.sampled_from(["p1", "p2"])),
+    ),
+    max_size=80,
+)
+
+
+@given(ops=holder_ops)
+@POOL
+def test_bytes_a_live_holder_reads_are_never_reused(ops) -> None:
+    """While a holder lives and keeps its ticket, its region is never handed out again, however
+    long it holds; once it is gone, an expire past hold_s gives the region back."""
+    ledger = PoolLedger.create(4096, alignment=64, hold_s=1.0)
+    alive = {"p1", "p2"}
+    now = 0.0
+    held: dict[int, tuple[str, Region]] = {}  # ticket id -> (holder, region) while unreleased
+    tickets = []
+    for op in ops:
+        if op[0] == "put":
+            region = ledger.reserve(op[2])
+            if isinstance(region, AllocationFailure):
+                continue
+            for holder, live in held.values():
+                if holder in alive:  # never hand out bytes a live reader still maps
+                    assert region.offset >= live.end or region.end <= live.offset
+            ledger.publish(f"r{op[1]}_0_0_0_0", region, now_s=now, lease_s=2.0)
+        elif op[0] == "take":
+            ticket = ledger.take(f"r{op[1]}_0_0_0_0", now, holder=op[2])
+            if ticket is not None:
+                tickets.append(ticket)
+                held[ticket.ticket_id] = (op[2], ticket.handle)
+        elif op[0] == "release" and tickets:
+            ticket = tickets[op[1] % len(tickets)]
+            ledger.release(ticket.ticket_id)
+            held.pop(ticket.ticket_id, None)
+        elif op[0] == "tick":
+            now += op[1]
+            for x in ledger.expire(now, alive.__contains__):
+                assert not any(h in alive for h in x.holders) or x.kind == ExpiryKind.OVERDUE
+        elif op[0] == "kill":
+            alive.discard(op[1])
+        live_offsets = {r.offset for r in ledger.allocator.live_regions()}
+        for holder, region in held.values():
+            if holder in alive:
+                assert region.offset in live_offsets
+        check_allocator(ledger.allocator)
+    alive.clear()
+    ledger.expire(now + 100.0, alive.__contains__)
+    assert ledger.allocator.used_bytes == 0 and len(ledger.leases) == 0
