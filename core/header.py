@@ -1,361 +1,119 @@
 """The KV payload wire codec (SPEC 3.1), over plain bytes and integers: no torch.
 
 Layout: ``[u32 big-endian header_len][header: UTF-8 JSON object][tensor data]``. One table of
-fields (:data:`HEADER_FIELDS`, :data:`DESCRIPTOR_FIELDS`) drives both encoding and decoding;
-the JSON key order is the table order, which is the reference's order, so
-``plan_layout(..., align=1, version=False)`` reproduces a reference header byte for byte.
+fields (:data:`HEADER_FIELDS`, :data:`DESCRIPTOR_FIELDS`) defines the JSON keys and their order,
+which is the reference's order, so ``plan_layout(..., align=1, version=False)`` reproduces a
+reference header byte for byte. This module holds the encoder and the layout planner and is the
+public face of the codec: the values live in :mod:`kvferry.core.header_values`, the decoder and
+its limits in :mod:`kvferry.core.header_decode`, and every public name is importable from here.
 
 Invariants (property-tested):
 
 - ``decode_header(layout.header_bytes + data)`` gives back the planned header and spans;
 - every span lies inside the payload; with ``align > 1`` every absolute tensor offset is a
   multiple of ``align`` (the header is padded with JSON whitespace so the data starts aligned);
+- the header text is exactly ``json.dumps(<the table's object>, separators=(",", ":"))``
+  (rendered piecewise here, with the tensor descriptors' part kept in a :class:`LayoutTemplate`);
 - every malformed input raises :class:`PayloadError` and nothing else, and nothing is allocated
-  from an unchecked length: the header length is checked against the input and a limit before
-  it is read, spans are checked against the data before anyone makes a tensor.
+  from an unchecked length (see :func:`decode_header`).
 
-All sizes and offsets are in bytes.
+Everything of a layout that depends only on the tensors' dtypes and shapes is a
+:class:`LayoutTemplate`; :func:`kv_layout_template` and :func:`plan_layout` reuse a template for
+a repeated signature (a bounded memo of immutable values), so a stage that sends the same
+shapes again pays only for the request id, block ids and metadata. All sizes are in bytes.
 """
 
 from __future__ import annotations
 
+import functools
 import json
-import math
-import re
 import struct
-import zlib
-from types import MappingProxyType
-from typing import Any, Callable, Mapping, Sequence, Union
+from typing import Any, Mapping, Sequence
 
 import attrs
 
-from kvferry.core.errors import ConfigError, PayloadError
+from kvferry.core.errors import ConfigError
+from kvferry.core.header_decode import (
+    DESCRIPTOR_FIELDS, HEADER_FIELDS, DecodedHeader, DecodeLimits, _enc_descriptor, decode_header,
+)
+from kvferry.core.header_values import (
+    CHECKSUM_ALGORITHMS, DTYPE_ITEMSIZE, FORMAT_VERSION, PREFIX_NBYTES, AbsentTensor, Entry,
+    _MAX_INT, _MEMO_NDIM, PayloadHeader, _size_memo, TensorDescriptor, TensorSpec, _checked, _checked_as, _element_info, _exact,
+    _fail, _trusted_descriptor, tensor_name,
+)
 
 __all__ = [
     "DTYPE_ITEMSIZE", "FORMAT_VERSION", "CHECKSUM_ALGORITHMS", "PREFIX_NBYTES",
     "HEADER_FIELDS", "DESCRIPTOR_FIELDS", "DecodeLimits", "TensorSpec", "TensorDescriptor",
-    "AbsentTensor", "PayloadHeader", "PayloadLayout", "DecodedHeader", "tensor_name",
-    "kv_tensor_specs", "plan_layout", "encode_header", "decode_header", "compute_checksum",
-    "verify_checksum",
+    "AbsentTensor", "PayloadHeader", "PayloadLayout", "LayoutTemplate", "DecodedHeader",
+    "tensor_name", "kv_tensor_specs", "plan_template", "kv_layout_template", "plan_layout",
+    "encode_header", "decode_header", "compute_checksum", "verify_checksum",
 ]
 
-#: Bytes per element of every dtype a payload may carry (names are torch's without ``torch.``).
-DTYPE_ITEMSIZE: Mapping[str, int] = MappingProxyType({
-    "bool": 1, "uint8": 1, "int8": 1, "int16": 2, "int32": 4, "int64": 8,
-    "float16": 2, "float32": 4, "float64": 8, "bfloat16": 2, "complex64": 8, "complex128": 16,
-    "float8_e4m3fn": 1, "float8_e5m2": 1, "float8_e4m3fnuz": 1, "float8_e5m2fnuz": 1,
-    "float8_e8m0fnu": 1,
-})
-#: The kvferry format version written under ``"v"``; bumped only for incompatible changes.
-FORMAT_VERSION = 1
-#: Checksum algorithms by header name: ``fn(buffer, running) -> int`` (unsigned 32 bit).
-CHECKSUM_ALGORITHMS: Mapping[str, Callable[[Any, int], int]] = MappingProxyType({"crc32": zlib.crc32})
-PREFIX_NBYTES = 4
 _PREFIX = struct.Struct(">I")
-_MAX_INT = 2**63 - 1  # no offset, size or dimension may exceed a signed 64-bit integer
-_KINDS = {"key": "key_cache_", "value": "value_cache_"}
-_NAME_RE = re.compile(r"(key|value)_cache_([0-9]{1,9})")
-_HEX8_RE = re.compile(r"[0-9a-f]{8}")
+_NAMED_LAYERS = 10**9  # cache names carry at most 9 digits
+_ENCODE = json.JSONEncoder(separators=(",", ":")).encode  # what json.dumps(..., separators) runs
+_STR = json.encoder.encode_basestring_ascii  # a JSON string literal, ASCII escapes (quotes included)
+_INT = int.__repr__  # how json renders an int (and an int subclass)
 
 
-def _fail(reason: str, tensor: str | None = None) -> PayloadError:
-    where = f" (tensor {tensor!r})" if tensor is not None else ""
-    return PayloadError(f"invalid KV payload{where}: {reason}")
-
-
-@attrs.frozen
-class DecodeLimits:
-    """Upper bounds a decoder enforces before it reads or allocates anything.
-
-    ``max_header_bytes`` bounds the JSON header (bytes). Parsed JSON costs more memory than its
-    text (an empty list is 2 bytes of text and ~60 bytes of objects), so this limit is what
-    bounds a hostile header's memory: the 4 MiB default caps one parse near 100 MB, while the
-    largest real headers (a 1M-token request's block ids, hundreds of layers) stay under 1 MiB.
-    ``max_tensors`` bounds descriptors, ``max_layers`` the ``nl`` claim, ``max_ndim`` a shape.
-    """
-
-    max_header_bytes: int = 4 * 1024 * 1024
-    max_tensors: int = 65536
-    max_layers: int = 65536
-    max_ndim: int = 64
-
-
-def tensor_name(kind: str, layer: int) -> str:
-    """``key_cache_{layer}`` or ``value_cache_{layer}``; ``kind`` is ``"key"`` or ``"value"``."""
-    if kind not in _KINDS:
-        raise ConfigError(f"tensor kind must be 'key' or 'value', got {kind!r}")
-    return f"{_KINDS[kind]}{layer}"
-
-
-def _parse_name(name: str) -> tuple[str, int] | None:
-    match = _NAME_RE.fullmatch(name)
-    return (match.group(1), int(match.group(2))) if match else None
-
-
-def _element_problem(name: str, layer: int, dtype: str, shape: tuple[int, ...]) -> str | None:
-    parsed = _parse_name(name)
-    if parsed is None:
-        return "name is not key_cache_<layer> or value_cache_<layer>"
-    if parsed[1] != layer:
-        return f"layer index {layer} disagrees with the name"
-    if dtype not in DTYPE_ITEMSIZE:
-        return f"unsupported dtype {dtype!r}"
-    if any(isinstance(d, bool) or not isinstance(d, int) or d < 0 or d > _MAX_INT for d in shape):
-        return f"shape {list(shape)} has a dimension that is not a non-negative integer"
-    if math.prod(max(d, 1) for d in shape) * DTYPE_ITEMSIZE[dtype] > _MAX_INT:
-        return f"shape {list(shape)} spans more than 2**63 bytes (strides would overflow)"
-    return None
-
-
-def _check_element(self: Any) -> None:
-    problem = _element_problem(self.name, self.layer, self.dtype, self.shape)
-    if problem:
-        raise ConfigError(f"tensor {self.name!r}: {problem}")
-
-
-@attrs.frozen
-class TensorSpec:
-    """A tensor to be laid out: name, layer index, dtype name and shape (elements)."""
-
-    name: str
-    layer: int
-    dtype: str
-    shape: tuple[int, ...] = attrs.field(converter=tuple)
-
-    def __attrs_post_init__(self) -> None:
-        _check_element(self)
-
-    @property
-    def nbytes(self) -> int:
-        return math.prod(self.shape) * DTYPE_ITEMSIZE[self.dtype]
-
-
-@attrs.frozen
-class TensorDescriptor:
-    """A present tensor: ``offset`` is relative to the start of the tensor data (bytes).
-
-    Invariant: ``nbytes == prod(shape) * itemsize(dtype)``; ``checksum`` is set exactly when
-    the header names a checksum algorithm.
-    """
-
-    name: str
-    layer: int
-    dtype: str
-    shape: tuple[int, ...] = attrs.field(converter=tuple)
-    offset: int
-    nbytes: int
-    checksum: int | None = None
-
-    def __attrs_post_init__(self) -> None:
-        _check_element(self)
-        if not (0 <= self.offset <= _MAX_INT and 0 <= self.nbytes <= _MAX_INT):
-            raise ConfigError(f"tensor {self.name!r}: offset/nbytes out of range")
-        expected = math.prod(self.shape) * DTYPE_ITEMSIZE[self.dtype]
-        if expected != self.nbytes:
-            raise ConfigError(
-                f"tensor {self.name!r}: shape {list(self.shape)} of {self.dtype} is {expected} "
-                f"bytes but the descriptor says {self.nbytes}"
-            )
-
-    @property
-    def kind(self) -> str:
-        """``"key"`` or ``"value"``."""
-        return "key" if self.name.startswith("key") else "value"
-
-
-@attrs.frozen
-class AbsentTensor:
-    """A layer that carries no tensor (``{"n": name, "x": true}``)."""
-
-    name: str
-
-
-Entry = Union[TensorDescriptor, AbsentTensor]
-
-
-@attrs.frozen
-class PayloadHeader:
-    """The decoded (or planned) header. ``metadata`` is a JSON-able dict (do not mutate).
-
-    Invariants: every present tensor's layer is in ``[0, num_layers)``; no (kind, layer) pair
-    is present twice; ``checksum_algorithm`` is set exactly when descriptors carry checksums.
-    """
-
-    request_id: str
-    block_ids: tuple[int, ...] = attrs.field(converter=tuple)
-    metadata: dict = attrs.field(converter=dict, hash=False)
-    num_layers: int
-    tensors: tuple[Entry, ...] = attrs.field(converter=tuple)
-    format_version: int | None = None
-    checksum_algorithm: str | None = None
-
-    def __attrs_post_init__(self) -> None:
-        if not isinstance(self.request_id, str):
-            raise ConfigError(f"request_id must be a string, got {self.request_id!r}")
-        if any(isinstance(b, bool) or not isinstance(b, int) for b in self.block_ids):
-            raise ConfigError("block_ids must be integers")
-        if isinstance(self.num_layers, bool) or not isinstance(self.num_layers, int) or self.num_layers < 0:
-            raise ConfigError(f"num_layers must be a non-negative integer, got {self.num_layers!r}")
-        if self.checksum_algorithm is not None and self.checksum_algorithm not in CHECKSUM_ALGORITHMS:
-            raise ConfigError(f"unknown checksum algorithm {self.checksum_algorithm!r}")
-        seen: set[tuple[str, int]] = set()
-        for entry in self.tensors:
-            if isinstance(entry, AbsentTensor):
-                continue
-            if not isinstance(entry, TensorDescriptor):
-                raise ConfigError(f"tensors must be descriptors, got {entry!r}")
-            if entry.layer >= self.num_layers:
-                raise ConfigError(f"tensor {entry.name!r}: layer outside [0, {self.num_layers})")
-            if (entry.kind, entry.layer) in seen:
-                raise ConfigError(f"tensor {entry.name!r} appears twice")
-            seen.add((entry.kind, entry.layer))
-            if (entry.checksum is None) != (self.checksum_algorithm is None):
-                raise ConfigError(f"tensor {entry.name!r}: checksum present iff an algorithm is named")
-
-    @property
-    def present(self) -> tuple[TensorDescriptor, ...]:
-        return tuple(t for t in self.tensors if isinstance(t, TensorDescriptor))
-
-
-# ---------------------------------------------------------------------------- the field table
-def _want_int(value: Any, what: str, tensor: str | None = None) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= _MAX_INT:
-        raise _fail(f"{what} must be an integer in [0, 2**63), got {_short(value)}", tensor)
-    return value
-
-
-def _want_str(value: Any, what: str, tensor: str | None = None) -> str:
-    if not isinstance(value, str):
-        raise _fail(f"{what} must be a string, got {_short(value)}", tensor)
-    return value
-
-
-def _short(value: Any) -> str:
-    text = repr(value)
-    return text if len(text) <= 60 else text[:57] + "..."
-
-
-def _dec_bids(value: Any, ctx: Any) -> tuple[int, ...]:
-    if not isinstance(value, list) or any(isinstance(b, bool) or not isinstance(b, int) for b in value):
-        raise _fail("bids must be a list of integers")
-    return tuple(value)
-
-
-def _dec_meta(value: Any, ctx: Any) -> dict:
-    if not isinstance(value, dict):
-        raise _fail(f"meta must be an object, got {_short(value)}")
-    return value
-
-
-def _dec_td(value: Any, limits: DecodeLimits) -> tuple[Entry, ...]:
-    if not isinstance(value, list):
-        raise _fail("td must be a list of tensor descriptors")
-    if len(value) > limits.max_tensors:
-        raise _fail(f"{len(value)} tensor descriptors exceed the limit {limits.max_tensors}")
-    return tuple(_dec_descriptor(item, limits) for item in value)
-
-
-def _dec_version(value: Any, ctx: Any) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value != FORMAT_VERSION:
-        raise _fail(f"unsupported format version {_short(value)} (this decoder reads {FORMAT_VERSION})")
-    return value
-
-
-def _dec_algorithm(value: Any, ctx: Any) -> str:
-    if not isinstance(value, str) or value not in CHECKSUM_ALGORITHMS:
-        raise _fail(f"unknown checksum algorithm {_short(value)}")
-    return value
-
-
-@attrs.frozen
-class _Field:
-    key: str  # JSON key
-    attr: str  # attribute of the value class
-    decode: Callable[[Any, Any], Any]  # JSON value, context -> attribute value (raises PayloadError)
-    encode: Callable[[Any], Any] = lambda v: v
-    required: bool = True  # optional fields are omitted when None
-
-
-#: Top-level header keys in wire order (the reference writes rid, bids, meta, td, nl).
-HEADER_FIELDS: tuple[_Field, ...] = (
-    _Field("rid", "request_id", lambda v, c: _want_str(v, "rid")),
-    _Field("bids", "block_ids", _dec_bids, list),
-    _Field("meta", "metadata", _dec_meta),
-    _Field("td", "tensors", _dec_td, lambda ts: [_enc_descriptor(t) for t in ts]),
-    _Field("nl", "num_layers", lambda v, c: _want_int(v, "nl")),
-    _Field("v", "format_version", _dec_version, required=False),
-    _Field("ck", "checksum_algorithm", _dec_algorithm, required=False),
-)
-
-
-def _dec_shape(value: Any, limits: DecodeLimits, name: str) -> tuple[int, ...]:
-    if not isinstance(value, list) or len(value) > limits.max_ndim:
-        raise _fail(f"shape must be a list of at most {limits.max_ndim} integers", name)
-    return tuple(_want_int(d, "shape dimension", name) for d in value)
-
-
-def _dec_checksum(value: Any, name: str) -> int:
-    if not isinstance(value, str) or not _HEX8_RE.fullmatch(value):
-        raise _fail("checksum must be 8 lowercase hex digits", name)
-    return int(value, 16)
-
-
-#: Present-descriptor keys in wire order; ``i`` and ``c`` are optional on decode.
-DESCRIPTOR_FIELDS: tuple[_Field, ...] = (
-    _Field("n", "name", lambda v, c: v),
-    _Field("i", "layer", lambda v, c: _want_int(v, "layer index i", c[1]), required=False),
-    _Field("d", "dtype", lambda v, c: _want_str(v, "dtype d", c[1])),
-    _Field("s", "shape", lambda v, c: _dec_shape(v, c[0], c[1]), list),
-    _Field("o", "offset", lambda v, c: _want_int(v, "offset o", c[1])),
-    _Field("b", "nbytes", lambda v, c: _want_int(v, "byte count b", c[1])),
-    _Field("c", "checksum", lambda v, c: _dec_checksum(v, c[1]), lambda v: f"{v:08x}", required=False),
-)
-
-
-def _enc_descriptor(entry: Entry) -> dict[str, Any]:
-    if isinstance(entry, AbsentTensor):
-        return {"n": entry.name, "x": True}
-    out = {}
-    for f in DESCRIPTOR_FIELDS:
-        value = getattr(entry, f.attr)
-        if value is not None:
-            out[f.key] = f.encode(value)
-    return out
-
-
-def _dec_descriptor(item: Any, limits: DecodeLimits) -> Entry:
-    if not isinstance(item, dict):
-        raise _fail(f"tensor descriptor must be an object, got {_short(item)}")
-    name = _want_str(item.get("n"), "descriptor name n")
-    absent = item.get("x", False)
-    if not isinstance(absent, bool):
-        raise _fail("absent flag x must be a boolean", name)
-    if absent:
-        return AbsentTensor(name)
-    values: dict[str, Any] = {}
-    for f in DESCRIPTOR_FIELDS:
-        if f.key in item:
-            values[f.attr] = f.decode(item[f.key], (limits, name))
-        elif f.required:
-            raise _fail(f"descriptor lacks {f.key!r}", name)
-    if "layer" not in values:  # older senders: the layer is the name's suffix
-        parsed = _parse_name(name)
-        if parsed is None:
-            raise _fail("no layer index and the name has no layer suffix", name)
-        values["layer"] = parsed[1]
-    try:
-        return TensorDescriptor(**values)
-    except ConfigError as exc:
-        raise _fail(str(exc).partition(": ")[2] or str(exc), name) from None
-
-
+# ----------------------------------------------------------------------------------- encoding
 def _header_object(header: PayloadHeader) -> dict[str, Any]:
+    """The header as the table defines it (the rendering below is property-tested against it)."""
     out: dict[str, Any] = {}
     for f in HEADER_FIELDS:
         value = getattr(header, f.attr)
         if f.required or value is not None:
             out[f.key] = f.encode(value)
     return out
+
+
+def _descriptor_text(entry: Entry) -> str:
+    """``json.dumps(_enc_descriptor(entry), separators=(",", ":"))``, built directly."""
+    if type(entry) is TensorDescriptor and type(entry.layer) is int and type(entry.offset) is int \
+            and type(entry.nbytes) is int and _exact(entry.shape):
+        text = (
+            '{"n":' + _STR(entry.name) + ',"i":' + _INT(entry.layer) + ',"d":' + _STR(entry.dtype)
+            + ',"s":[' + ",".join(map(_INT, entry.shape)) + '],"o":' + _INT(entry.offset)
+            + ',"b":' + _INT(entry.nbytes)
+        )
+        return text + ("}" if entry.checksum is None else ',"c":' + _STR(f"{entry.checksum:08x}") + "}")
+    if type(entry) is AbsentTensor and type(entry.name) is str:
+        return '{"n":' + _STR(entry.name) + ',"x":true}'
+    return _ENCODE(_enc_descriptor(entry))  # unusual value types: let json render them
+
+
+def _td_text(entries: Sequence[Entry]) -> str:
+    try:
+        return "[" + ",".join(map(_descriptor_text, entries)) + "]"
+    except (TypeError, ValueError, RecursionError) as exc:
+        raise ConfigError(f"payload tensor descriptors are not JSON-serialisable: {exc}") from None
+
+
+def _header_text(header: PayloadHeader, td_text: str) -> str:
+    """``json.dumps(_header_object(header), separators=(",", ":"))`` with ``td`` given as text."""
+    try:
+        meta = _ENCODE(header.metadata)
+    except (TypeError, ValueError, RecursionError) as exc:
+        raise ConfigError(f"payload metadata is not JSON-serialisable: {exc}") from None
+    nl, version, algorithm = header.num_layers, header.format_version, header.checksum_algorithm
+    text = (  # block ids and nl are ints, not bools (PayloadHeader checked): json writes int.__repr__
+        '{"rid":' + _STR(header.request_id) + ',"bids":[' + ",".join(map(_INT, header.block_ids)) + '],"meta":'
+        + meta + ',"td":' + td_text + ',"nl":' + _INT(nl)
+    )
+    if version is not None:
+        text += ',"v":' + (_INT(version) if type(version) is int else _ENCODE(version))
+    if algorithm is not None:
+        text += ',"ck":' + _STR(algorithm)
+    return text + "}"
+
+
+def _frame(text: str, pad_to: int) -> bytes:
+    body = text.encode("utf-8")
+    body += b" " * ((-(PREFIX_NBYTES + len(body))) % pad_to)
+    if len(body) > 0xFFFFFFFF:
+        raise ConfigError(f"payload header of {len(body)} bytes does not fit a u32 length")
+    return _PREFIX.pack(len(body)) + body
 
 
 def encode_header(header: PayloadHeader, *, pad_to: int = 1) -> bytes:
@@ -365,15 +123,7 @@ def encode_header(header: PayloadHeader, *, pad_to: int = 1) -> bytes:
     defaults (ASCII escapes, NaN allowed), exactly what the reference writes. Raises ConfigError
     when the metadata is not JSON-serialisable.
     """
-    try:
-        text = json.dumps(_header_object(header), separators=(",", ":"))
-    except (TypeError, ValueError, RecursionError) as exc:
-        raise ConfigError(f"payload metadata is not JSON-serialisable: {exc}") from None
-    body = text.encode("utf-8")
-    body += b" " * ((-(PREFIX_NBYTES + len(body))) % pad_to)
-    if len(body) > 0xFFFFFFFF:
-        raise ConfigError(f"payload header of {len(body)} bytes does not fit a u32 length")
-    return _PREFIX.pack(len(body)) + body
+    return _frame(_header_text(header, _td_text(header.tensors)), pad_to)
 
 
 def kv_tensor_specs(
@@ -394,10 +144,7 @@ def kv_tensor_specs(
     return len(keys), tuple(specs)
 
 
-def _round_up(value: int, align: int) -> int:
-    return -(-value // align) * align
-
-
+# ------------------------------------------------------------------------------------ layouts
 @attrs.frozen
 class PayloadLayout:
     """Where every byte of one payload goes, computed before any tensor byte is written.
@@ -429,10 +176,10 @@ class PayloadLayout:
         if self.header.checksum_algorithm is None or len(values) != len(present):
             raise ConfigError(f"expected {len(present)} checksums for a checksummed layout")
         it = iter(values)
-        tensors = tuple(
+        tensors = _checked([
             t if isinstance(t, AbsentTensor) else attrs.evolve(t, checksum=int(next(it)) & 0xFFFFFFFF)
             for t in self.header.tensors
-        )
+        ])
         header = attrs.evolve(self.header, tensors=tensors)
         rendered = encode_header(header, pad_to=self.align)
         if len(rendered) != self.data_start:  # fixed-width checksums keep the length
@@ -447,6 +194,162 @@ class PayloadLayout:
                 out.append((pos, start))
             pos = max(pos, start + nbytes)
         return tuple(out)
+
+
+@attrs.frozen
+class LayoutTemplate:
+    """The part of a payload's layout fixed by its tensors' dtypes and shapes (and options).
+
+    ``entries`` are the validated descriptors (offsets relative to the tensor data, checksums 0
+    while pending); ``rel_spans[k]`` is ``(offset, nbytes)`` relative to the tensor data (None =
+    absent); ``data_nbytes`` is the tensor data's size including padding; ``td_text`` is the
+    descriptors' JSON. :meth:`layout` adds a request id, block ids and metadata.
+    """
+
+    num_layers: int
+    entries: tuple[Entry, ...]
+    rel_spans: tuple[tuple[int, int] | None, ...]
+    data_nbytes: int
+    align: int
+    version: bool
+    checksums: str | None
+    td_text: str = attrs.field(repr=False)
+
+    def layout(self, request_id: str, block_ids: Sequence[int], metadata: Mapping[str, Any]) -> PayloadLayout:
+        """The full layout of one payload; ConfigError for a bad request id, ids or metadata."""
+        if not isinstance(metadata, Mapping):
+            raise ConfigError(f"metadata must be a mapping, got {type(metadata).__name__}")
+        header = PayloadHeader(
+            request_id, block_ids, metadata, self.num_layers, self.entries,
+            FORMAT_VERSION if self.version else None, self.checksums,
+        )
+        rendered = _frame(_header_text(header, self.td_text), self.align)
+        start = len(rendered)
+        spans = tuple(None if s is None else (start + s[0], s[1]) for s in self.rel_spans)
+        return PayloadLayout(header, start, spans, start + self.data_nbytes, self.align,
+                             self.checksums is not None, rendered)
+
+
+def _check_options(align: Any, checksums: Any) -> None:
+    if isinstance(align, bool) or not isinstance(align, int) or align < 1 or align & (align - 1):
+        raise ConfigError(f"align must be a power of two >= 1, got {align!r}")
+    if checksums is not None and checksums not in CHECKSUM_ALGORITHMS:
+        raise ConfigError(f"unknown checksum algorithm {checksums!r}; known: {sorted(CHECKSUM_ALGORITHMS)}")
+
+
+def _build_template(
+    num_layers: int, tensor_specs: Sequence[TensorSpec | AbsentTensor], align: int, version: bool,
+    checksums: str | None,
+) -> LayoutTemplate:
+    entries: list[Entry] = []
+    pos = 0
+    checksum = 0 if checksums is not None else None
+    for spec in tensor_specs:
+        if isinstance(spec, AbsentTensor):
+            entries.append(spec)
+            continue
+        if not isinstance(spec, TensorSpec):
+            raise ConfigError(f"tensor_specs must hold TensorSpec or AbsentTensor, got {spec!r}")
+        nbytes = spec.nbytes
+        if nbytes:  # empty tensors have no bytes to align
+            pos = -(-pos // align) * align
+        name, layer, dtype, shape = spec.name, spec.layer, spec.dtype, spec.shape
+        if type(name) is str and type(layer) is int and type(dtype) is str and _exact(shape) and pos <= _MAX_INT:
+            entries.append(_trusted_descriptor(name, layer, dtype, shape, pos, nbytes, checksum))  # spec: checked
+        else:
+            entries.append(TensorDescriptor(name, layer, dtype, shape, pos, nbytes, checksum))
+        pos += nbytes
+    checked = _checked(entries)
+    # a probe header runs every header-level check (layer range, duplicates) once, here
+    PayloadHeader("", (), {}, num_layers, checked, FORMAT_VERSION if version else None, checksums)
+    spans = tuple(None if isinstance(e, AbsentTensor) else (e.offset, e.nbytes) for e in checked)
+    return LayoutTemplate(num_layers, checked, spans, pos, align, bool(version), checksums, _td_text(checked))
+
+
+_build_memo = functools.lru_cache(maxsize=64)(_build_template)
+
+
+def _memo_safe(num_layers: Any, tensor_specs: Any) -> bool:
+    """Whether equal keys render equal JSON: exact ints and strings only (``True == 1``)."""
+    if type(num_layers) is not int or type(tensor_specs) is not tuple:
+        return False
+    for spec in tensor_specs:
+        if type(spec) is not TensorSpec and not (type(spec) is AbsentTensor and type(spec.name) is str):
+            return False
+    return True
+
+
+def plan_template(
+    num_layers: int, tensor_specs: Sequence[TensorSpec | AbsentTensor], *, align: int = 64,
+    version: bool = True, checksums: str | None = None,
+) -> LayoutTemplate:
+    """Offsets and descriptors for these tensors (pure; see :func:`plan_layout` for the rules).
+
+    Memoised (64 signatures) when ``tensor_specs`` is a tuple of specs with exact types.
+    """
+    _check_options(align, checksums)
+    if _memo_safe(num_layers, tensor_specs):
+        return _build_memo(num_layers, tensor_specs, align, bool(version), checksums)
+    return _build_template(num_layers, tensor_specs, align, bool(version), checksums)
+
+
+def kv_layout_template(
+    keys: Sequence[tuple[str, Sequence[int]] | None], values: Sequence[tuple[str, Sequence[int]] | None],
+    *, align: int = 64, version: bool = True, checksums: str | None = None,
+) -> LayoutTemplate:
+    """``plan_template(*kv_tensor_specs(keys, values), ...)``, the same value, built directly.
+
+    Per-layer ``(dtype, shape)`` pairs (None = absent layer), keys first. Not memoised: callers
+    that repeat a signature keep the template (e.g. keyed by their own exact dtype/shape types).
+    """
+    _check_options(align, checksums)
+    if len(values) > len(keys):
+        raise ConfigError(f"{len(values)} value layers but only {len(keys)} key layers")
+    entries: list[Entry] = []
+    spans: list[tuple[int, int] | None] = []
+    texts: list[str] = []
+    middles: dict[tuple, str] = {}  # (dtype, shape) -> the descriptor's JSON between "i" and "o"
+    tail = ',"c":"00000000"}' if checksums is not None else "}"
+    checksum = 0 if checksums is not None else None
+    pos = min_layers = 0
+    for prefix, items in (("key_cache_", keys), ("value_cache_", values)):
+        for layer, item in enumerate(items):
+            name = f"{prefix}{layer}"
+            if item is None:
+                entries.append(AbsentTensor(name))
+                spans.append(None)
+                texts.append('{"n":"' + name + '","x":true}')
+                continue
+            dtype, shape = item[0], tuple(item[1])
+            exact = type(dtype) is str and layer < _NAMED_LAYERS and len(shape) <= _MEMO_NDIM and _exact(shape)
+            # the name is made here and matches the layer: only the dtype and shape need checking
+            problem, nbytes = _size_memo(dtype, shape) if exact and dtype in DTYPE_ITEMSIZE else \
+                _element_info(name, layer, dtype, shape)
+            if problem:
+                raise ConfigError(f"tensor {name!r}: {problem}")
+            if nbytes:  # empty tensors have no bytes to align
+                pos = -(-pos // align) * align
+            if not exact or pos > _MAX_INT:
+                entries.append(TensorDescriptor(name, layer, dtype, shape, pos, nbytes, checksum))
+                texts.append(_descriptor_text(entries[-1]))
+            else:
+                entries.append(_trusted_descriptor(name, layer, dtype, shape, pos, nbytes, checksum))
+                middle = middles.get((dtype, shape))
+                if middle is None:
+                    middle = middles[(dtype, shape)] = (
+                        ',"d":' + _STR(dtype) + ',"s":[' + ",".join(map(_INT, shape)) + '],"o":'
+                    )
+                texts.append('{"n":"' + name + '","i":' + _INT(layer) + middle + _INT(pos) + ',"b":' + _INT(nbytes) + tail)
+            spans.append((pos, nbytes))
+            min_layers = max(min_layers, layer + 1)
+            pos += nbytes
+    present = [s for s in spans if s is not None]
+    checked = _checked_as(
+        entries, min_layers, None if not present else checksums is not None, tuple(spans),
+        max((o + n for o, n in present), default=0),
+    )
+    return LayoutTemplate(len(keys), checked, checked.rel_spans, pos, align, bool(version), checksums,
+                          "[" + ",".join(texts) + "]")
 
 
 def plan_layout(
@@ -468,109 +371,11 @@ def plan_layout(
     checksums=None`` is the reference layout, byte for byte. ``checksums`` names an algorithm
     of :data:`CHECKSUM_ALGORITHMS`. Local misuse raises ConfigError.
     """
-    if isinstance(align, bool) or not isinstance(align, int) or align < 1 or align & (align - 1):
-        raise ConfigError(f"align must be a power of two >= 1, got {align!r}")
-    if not isinstance(metadata, Mapping):
-        raise ConfigError(f"metadata must be a mapping, got {type(metadata).__name__}")
-    if checksums is not None and checksums not in CHECKSUM_ALGORITHMS:
-        raise ConfigError(f"unknown checksum algorithm {checksums!r}; known: {sorted(CHECKSUM_ALGORITHMS)}")
-    entries: list[Entry] = []
-    pos = 0
-    for spec in tensor_specs:
-        if isinstance(spec, AbsentTensor):
-            entries.append(spec)
-            continue
-        if not isinstance(spec, TensorSpec):
-            raise ConfigError(f"tensor_specs must hold TensorSpec or AbsentTensor, got {spec!r}")
-        nbytes = spec.nbytes
-        if nbytes:  # empty tensors have no bytes to align
-            pos = _round_up(pos, align)
-        checksum = 0 if checksums is not None else None
-        entries.append(TensorDescriptor(spec.name, spec.layer, spec.dtype, spec.shape, pos, nbytes, checksum))
-        pos += nbytes
-    header = PayloadHeader(
-        request_id, block_ids, metadata, num_layers, entries,
-        FORMAT_VERSION if version else None, checksums,
-    )
-    rendered = encode_header(header, pad_to=align)
-    start = len(rendered)
-    spans = tuple(None if isinstance(t, AbsentTensor) else (start + t.offset, t.nbytes) for t in entries)
-    return PayloadLayout(header, start, spans, start + pos, align, checksums is not None, rendered)
+    template = plan_template(num_layers, tensor_specs, align=align, version=version, checksums=checksums)
+    return template.layout(request_id, block_ids, metadata)
 
 
-# ----------------------------------------------------------------------------------- decoding
-@attrs.frozen
-class DecodedHeader:
-    """A validated header: every span lies inside ``[data_start, total_len)``.
-
-    ``spans`` is aligned with ``header.tensors`` (absolute ``(offset, nbytes)``, None = absent).
-    """
-
-    header: PayloadHeader
-    data_start: int
-    total_len: int
-    spans: tuple[tuple[int, int] | None, ...]
-
-
-def _byte_view(buf: Any) -> memoryview:
-    try:
-        view = buf if isinstance(buf, memoryview) else memoryview(buf)
-        return view if view.format == "B" and view.ndim == 1 else view.cast("B")
-    except (TypeError, ValueError) as exc:
-        raise _fail(f"not a contiguous bytes-like object ({exc})") from None
-
-
-def decode_header(buf: Any, total_len: int | None = None, *, limits: DecodeLimits = DecodeLimits()) -> DecodedHeader:
-    """Validate the header at the start of ``buf`` (bytes-like) before anything is allocated.
-
-    ``total_len`` is the whole payload's length when ``buf`` holds only its beginning (e.g. the
-    first frame); by default ``len(buf)``. Raises PayloadError, and nothing else, on any fault.
-    """
-    view = _byte_view(buf)
-    total = len(view) if total_len is None else total_len
-    if isinstance(total, bool) or not isinstance(total, int) or total < len(view):
-        raise _fail(f"total_len {total_len!r} is smaller than the buffer")
-    if len(view) < PREFIX_NBYTES:
-        raise _fail("missing 4-byte header length")
-    (header_len,) = _PREFIX.unpack(view[:PREFIX_NBYTES])
-    if header_len > limits.max_header_bytes:
-        raise _fail(f"header_len={header_len} exceeds the limit {limits.max_header_bytes}")
-    data_start = PREFIX_NBYTES + header_len
-    if data_start > len(view):
-        raise _fail(f"header_len={header_len} exceeds buffer size={len(view)}")
-    try:
-        obj = json.loads(bytes(view[PREFIX_NBYTES:data_start]).decode("utf-8"))
-    except (UnicodeDecodeError, ValueError, RecursionError) as exc:
-        raise _fail(f"header is not UTF-8 JSON ({_short(str(exc))})") from None
-    if not isinstance(obj, dict):
-        raise _fail("header is not a JSON object")
-    values: dict[str, Any] = {}
-    for f in HEADER_FIELDS:
-        if f.key in obj:
-            values[f.attr] = f.decode(obj[f.key], limits)
-        elif f.required:
-            raise _fail(f"header lacks {f.key!r}")
-    if values["num_layers"] > limits.max_layers:
-        raise _fail(f"nl={values['num_layers']} exceeds the limit {limits.max_layers}")
-    try:
-        header = PayloadHeader(**values)
-    except ConfigError as exc:
-        raise _fail(str(exc)) from None
-    data_len = total - data_start
-    spans: list[tuple[int, int] | None] = []
-    for entry in header.tensors:
-        if isinstance(entry, AbsentTensor):
-            spans.append(None)
-            continue
-        if entry.offset + entry.nbytes > data_len:
-            raise _fail(
-                f"span offset={entry.offset}, bytes={entry.nbytes} lies outside the "
-                f"{data_len} bytes of tensor data", entry.name,
-            )
-        spans.append((data_start + entry.offset, entry.nbytes))
-    return DecodedHeader(header, data_start, total, tuple(spans))
-
-
+# ---------------------------------------------------------------------------------- checksums
 def compute_checksum(algorithm: str, data: Any) -> int:
     """Checksum of a bytes-like object or of a sequence of them (concatenated meaning)."""
     fn = CHECKSUM_ALGORITHMS.get(algorithm)
