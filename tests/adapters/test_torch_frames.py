@@ -76,7 +76,7 @@ def test_allow_list_matches_torch_itemsizes() -> None:
         dtype_name(torch.uint16)
 
 
-INPUT_KINDS = ["bytes", "bytearray", "memoryview", "cpu_tensor", "pool", "frames", "rechunked"]
+INPUT_KINDS = ["bytes", "bytearray", "memoryview", "cpu_tensor", "offset_tensor", "pool", "frames", "rechunked"]
 
 
 def as_input(kind: str, encoded, rng: random.Random):
@@ -89,6 +89,8 @@ def as_input(kind: str, encoded, rng: random.Random):
         return memoryview(bytearray(joined))
     if kind == "cpu_tensor":
         return torch.frombuffer(bytearray(joined), dtype=torch.uint8)
+    if kind == "offset_tensor":  # a slot at an odd offset of a larger buffer: every run misaligned
+        return torch.frombuffer(bytearray(b"x" + joined), dtype=torch.uint8)[1:]
     if kind == "pool":
         return Pool(torch.frombuffer(bytearray(joined), dtype=torch.uint8))
     if kind == "frames":
@@ -127,7 +129,7 @@ def test_arbitrary_layer_sets_round_trip_through_any_chunking(keys, values, alig
     encoded = encode_frames("r", k, v, [], {}, align=align)
     joined = b"".join(encoded.frames)
     assert len(joined) == encoded.nbytes == encoded.layout.total_nbytes
-    for kind in ("bytes", "frames", "rechunked") if len(joined) > 1 else ("bytes",):
+    for kind in ("bytes", "cpu_tensor", "offset_tensor", "frames", "rechunked") if len(joined) > 1 else ("bytes",):
         decoded = decode_payload(as_input(kind, encoded, rng))
         assert all(same_bits(a, b) for a, b in zip(k, decoded.key_cache))
         expect_v = v + [None] * (len(k) - len(v))
@@ -205,6 +207,53 @@ def test_frames_concatenate_to_encode_bytes_for_every_alignment() -> None:
         assert b"".join(encoded.frames) == encode_bytes("r", keys, values, [], meta, align=align)
         for span in encoded.layout.spans:
             assert span is None or span[0] % align == 0
+
+
+def test_tensors_numpy_refuses_are_encoded_from_their_values() -> None:
+    base = random_tensor(torch.float32, (3, 4), 7)
+    cases = {
+        "neg bit": (torch._neg_view(base), -base),
+        "conj bit": (torch.complex(base, base).conj(), torch.complex(base, -base)),
+        "requires grad": (base.clone().requires_grad_(), base),
+        "not contiguous": (base.t(), base.t().contiguous()),
+        "bf16 not contiguous": (base.bfloat16().t(), base.bfloat16().t().contiguous()),
+        "0-d": (base[0, 0], base[0, 0].clone()),
+        "empty": (base[:0], base[:0].clone()),
+    }
+    for name, (tensor, value) in cases.items():
+        got = decode_payload(encode_bytes("r", [tensor], [None], [], {})).key_cache[0]
+        assert same_bits(got, value.detach().resolve_conj()), name
+
+
+def test_a_repeated_signature_reuses_its_layout_and_checks_stay() -> None:
+    keys, values, meta = _model_like_kv()
+    first = encode_frames("a", keys, values, [1], meta)
+    again = encode_frames("bb", keys, values, [2, 3], {})
+    assert again.layout.header.tensors is first.layout.header.tensors  # planned once
+    assert decode_payload(list(again.frames)).request_id == "bb"
+    decoded = [decode_payload(b"".join(e.frames)) for e in (first, again)]
+    assert all(same_bits(a, b) for a, b in zip(decoded[0].key_cache, decoded[1].key_cache))
+    encode_frames("r", keys, values, [], meta, align=1)
+    for bad in (True, 3, 1.0):  # not mistaken for a cached align=1
+        with pytest.raises(ConfigError, match="align"):
+            encode_frames("r", keys, values, [], meta, align=bad)
+    with pytest.raises(ConfigError, match="tensors or None"):
+        encode_frames("r", [keys[0], "x"], [], [], {})
+    with pytest.raises(ConfigError, match="allow-list"):
+        encode_frames("r", [torch.zeros(2, dtype=torch.uint16)], [], [], {})
+
+
+def test_a_model_layout_decodes_as_views_of_one_storage() -> None:
+    keys = [random_tensor(torch.bfloat16, (6, 2, 8), i) for i in range(4)]
+    values = [random_tensor(torch.bfloat16, (6, 2, 8), 10 + i) for i in range(4)]
+    raw = torch.frombuffer(bytearray(encode_bytes("r", keys, values, [], {})), dtype=torch.uint8)
+    for _ in range(2):  # the second decode reuses the grouping
+        decoded = decode_payload(raw)
+        for got, want in zip([*decoded.key_cache, *decoded.value_cache], keys + values):
+            assert same_bits(got, want) and got.is_contiguous()
+            assert got.untyped_storage().data_ptr() == raw.untyped_storage().data_ptr()
+    decoded.value_cache[3][0, 0, 0] = 0  # a view: writes reach the buffer
+    assert decode_payload(raw).value_cache[3][0, 0, 0].item() == 0
 
 
 # ------------------------------------------------------------------------------- zero copy
