@@ -237,6 +237,12 @@ def _check_options(align: Any, checksums: Any) -> None:
         raise ConfigError(f"unknown checksum algorithm {checksums!r}; known: {sorted(CHECKSUM_ALGORITHMS)}")
 
 
+def _place(pos: int, nbytes: int, align: int) -> int:
+    """Where a tensor of ``nbytes`` goes after ``pos`` (bytes from the data start): the next
+    multiple of ``align``; empty tensors have no bytes to align and stay at ``pos``."""
+    return -(-pos // align) * align if nbytes else pos
+
+
 def _build_template(
     num_layers: int, tensor_specs: Sequence[TensorSpec | AbsentTensor], align: int, version: bool,
     checksums: str | None,
@@ -251,8 +257,7 @@ def _build_template(
         if not isinstance(spec, TensorSpec):
             raise ConfigError(f"tensor_specs must hold TensorSpec or AbsentTensor, got {spec!r}")
         nbytes = spec.nbytes
-        if nbytes:  # empty tensors have no bytes to align
-            pos = -(-pos // align) * align
+        pos = _place(pos, nbytes, align)
         name, layer, dtype, shape = spec.name, spec.layer, spec.dtype, spec.shape
         if type(name) is str and type(layer) is int and type(dtype) is str and _exact(shape) and pos <= _MAX_INT:
             entries.append(_trusted_descriptor(name, layer, dtype, shape, pos, nbytes, checksum))  # spec: checked
@@ -327,8 +332,7 @@ def kv_layout_template(
                 _element_info(name, layer, dtype, shape)
             if problem:
                 raise ConfigError(f"tensor {name!r}: {problem}")
-            if nbytes:  # empty tensors have no bytes to align
-                pos = -(-pos // align) * align
+            pos = _place(pos, nbytes, align)
             if not exact or pos > _MAX_INT:
                 entries.append(TensorDescriptor(name, layer, dtype, shape, pos, nbytes, checksum))
                 texts.append(_descriptor_text(entries[-1]))
