@@ -4,14 +4,18 @@ A :class:`TensorGather` knows one layer's key or value block view, the blocks to
 output shape; :meth:`TensorGather.gather_into` moves the bytes, once, with no temporary (except
 the ``"staged"`` method). Planning lives in :mod:`kvferry.adapters.paged_cache`.
 
-Whole blocks move by one of three methods (:data:`GatherMethod`); the partial last block is one
-more ``copy_``. Every copy is a torch op, so the same code runs on CPU and accelerators (on CUDA
-the copies are queued on the current stream).
+Whole blocks move by one of four methods (:data:`GatherMethod`); the partial last block is one
+more copy. The torch methods run on CPU and accelerators alike (on CUDA the copies are queued on
+the current stream). ``"native"`` (CPU only) is the optional C extension
+``kvferry.adapters._gather``: the same bytes, written with streaming (non-temporal) stores when a
+tensor is at least :data:`STREAM_MIN_BYTES`; :data:`NATIVE_GATHER` says whether it is in use.
 """
 
 from __future__ import annotations
 
+import functools
 import math
+import os
 from typing import Any, Literal
 
 import attrs
@@ -19,17 +23,39 @@ import torch
 
 from kvferry.core.errors import ConfigError
 
+_native: Any = None
+if os.environ.get("KVFERRY_NATIVE_GATHER", "1") != "0":
+    try:  # the optional C extension (pyproject.toml ext-modules, optional = true)
+        from kvferry.adapters import _gather as _native
+    except ImportError:  # not built (no compiler) or not loadable here: torch's copies only
+        _native = None
+
 __all__ = [
     "GatherMethod", "CROSS_DEVICE_MAX_RUNS", "DEVICE_MAX_RUNS", "STRIDED_MAX_RUNS", "TensorGather",
+    "NATIVE_GATHER", "NATIVE_MAX_THREADS", "NATIVE_MIN_PIECE", "STREAM_MIN_BYTES", "native_isa",
 ]
 
 #: ``"index"``: one ``index_select(out=...)`` over byte rows of whole blocks (element-wise when a
 #: block is strided, e.g. narrowed on the heads); ``"runs"``: one ``copy_`` per run of
 #: consecutive block ids; ``"staged"``: gather on the cache's device, then one copy (the only
-#: method with a temporary; for cross-device destinations with scattered blocks); ``"auto"``:
-#: chosen per tensor by :meth:`TensorGather.choose_method`.
-GatherMethod = Literal["auto", "index", "runs", "staged"]
-METHODS = ("auto", "index", "runs", "staged")
+#: method with a temporary; for cross-device destinations with scattered blocks);
+#: ``"native"``: the C extension (CPU to CPU; :data:`NATIVE_GATHER`); ``"auto"``: chosen per
+#: tensor by :meth:`TensorGather.choose_method`.
+GatherMethod = Literal["auto", "index", "runs", "staged", "native"]
+METHODS = ("auto", "index", "runs", "staged", "native")
+#: True when the native gather is built and loaded. ``KVFERRY_NATIVE_GATHER=0`` in the environment
+#: (read at import) leaves it unloaded, as if it were not built.
+NATIVE_GATHER: bool = _native is not None
+#: ``"auto"`` picks ``"native"`` (single-threaded) only while ``torch.get_num_threads()`` is at
+#: most this; with more intra-op threads torch's parallel copies are used.
+NATIVE_MAX_THREADS = 1
+#: ``"auto"`` picks ``"native"`` only when a block reads contiguous pieces of at least this many
+#: bytes (a head slice of one token, a whole block, ...); smaller pieces stay with torch.
+NATIVE_MIN_PIECE = 64
+#: The native gather uses streaming stores for tensors of at least this many bytes (a request's
+#: payload is then dozens of them, far beyond a core's caches); smaller ones use cached stores, so
+#: they are still in cache when the payload is sent.
+STREAM_MIN_BYTES = 1 << 20
 #: Cross-device ``"auto"``: up to this many runs are copied run by run into the destination;
 #: more are staged, so the link sees one large transfer instead of many small ones.
 CROSS_DEVICE_MAX_RUNS = 16
@@ -54,6 +80,64 @@ def _byte_rows(t: torch.Tensor) -> torch.Tensor | None:
             return None
         row *= size
     return t.as_strided((t.shape[0], row), (t.stride(0), 1)).view(torch.uint8)
+
+
+def native_isa() -> str | None:
+    """The native gather's streaming stores (``avx512f``, ``avx2``, ``sse2``, or ``memcpy`` on
+    other CPUs), or None when the extension is not built."""
+    return None if _native is None else str(_native.isa())
+
+
+def _pieces(sizes: tuple[int, ...], strides: tuple[int, ...], itemsize: int
+            ) -> tuple[int, ...] | None:
+    """A block of ``sizes``/``strides`` (elements) as the native gather reads it:
+    ``(d0, s0, d1, s1, d2, s2, piece)``, i.e. up to three strided dimensions (outermost first,
+    bytes) of contiguous pieces of ``piece`` bytes, in row-major order; None if it needs more."""
+    dims = [(size, stride * itemsize) for size, stride in zip(sizes, strides) if size != 1]
+    piece = itemsize
+    while dims and dims[-1][1] == piece:
+        piece *= dims.pop()[0]
+    outer: list[tuple[int, int]] = []  # innermost first, merged where they tile
+    for size, stride in reversed(dims):
+        if outer and stride == outer[-1][0] * outer[-1][1]:
+            outer[-1] = (outer[-1][0] * size, outer[-1][1])
+        else:
+            outer.append((size, stride))
+    if len(outer) > 3:
+        return None
+    outer += [(1, 0)] * (3 - len(outer))
+    return (*(v for dim in reversed(outer) for v in dim), piece)
+
+
+@attrs.frozen
+class _NativeLayout:
+    """What the native gather needs: block stride (bytes) and :func:`_pieces` of a whole block
+    and of the partial last block."""
+
+    block_stride: int
+    full: tuple[int, ...]
+    tail: tuple[int, ...]
+
+
+@functools.lru_cache(maxsize=256)  # every layer of a cache shares one geometry
+def _layout_of(shape: tuple[int, ...], stride: tuple[int, ...], itemsize: int,
+               tail_tokens: int) -> _NativeLayout | None:
+    full = _pieces(shape[1:], stride[1:], itemsize)
+    tail = _pieces((tail_tokens or 1, *shape[2:]), stride[1:], itemsize)
+    if full is None or tail is None:
+        return None
+    return _NativeLayout(stride[0] * itemsize, full, tail)
+
+
+def _native_layout(blocks: torch.Tensor, index: torch.Tensor, full_blocks: int,
+                   tail_tokens: int) -> _NativeLayout | None:
+    """The layout for the native gather; None unless both are on the CPU, ``index`` is a
+    contiguous int64 tensor of ``full_blocks`` ids and a block needs at most three strided
+    dimensions. About 3 us (cached per geometry): planning computes it for every tensor."""
+    if not (blocks.is_cpu and index.is_cpu) or index.dtype != torch.int64 \
+            or index.numel() != full_blocks or not index.is_contiguous() or blocks.dim() < 2:
+        return None
+    return _layout_of(tuple(blocks.shape), blocks.stride(), blocks.element_size(), tail_tokens)
 
 
 def _row_width(rows: torch.Tensor) -> int:
@@ -89,6 +173,7 @@ class TensorGather:
     shape: tuple[int, ...] = attrs.field(init=False)
     nbytes: int = attrs.field(init=False)
     _rows: torch.Tensor | None = attrs.field(init=False, repr=False)  # uint8 view of ``blocks``
+    _layout: _NativeLayout | None = attrs.field(init=False, repr=False)  # None: torch only
 
     @shape.default
     def _shape_default(self) -> tuple[int, ...]:
@@ -101,6 +186,10 @@ class TensorGather:
     @_rows.default
     def _rows_default(self) -> torch.Tensor | None:
         return _byte_rows(self.blocks)
+
+    @_layout.default
+    def _layout_default(self) -> _NativeLayout | None:
+        return _native_layout(self.blocks, self.index, self.full_blocks, self.tail_tokens)
 
     @property
     def name(self) -> str:
@@ -130,20 +219,36 @@ class TensorGather:
 
         ``"auto"``: cross-device, ``"runs"`` up to :data:`CROSS_DEVICE_MAX_RUNS` runs, else
         ``"staged"``; on an accelerator, ``"runs"`` up to :data:`DEVICE_MAX_RUNS` runs, else
-        ``"index"``; on CPU, ``"runs"`` for strided blocks with up to :data:`STRIDED_MAX_RUNS`
-        runs, else ``"index"``.
+        ``"index"``; on CPU, ``"native"`` when :data:`NATIVE_GATHER`, torch runs at most
+        :data:`NATIVE_MAX_THREADS` threads and a block reads pieces of at least
+        :data:`NATIVE_MIN_PIECE` bytes, else ``"runs"`` for strided blocks with up to
+        :data:`STRIDED_MAX_RUNS` runs, else ``"index"``. ConfigError for ``"native"`` when the
+        extension is unavailable, either side is not on the CPU, or the blocks are strided in
+        more than three dimensions.
         """
         if method not in METHODS:
             raise ConfigError(f"gather method must be one of {METHODS}, got {method!r}")
         cross = out_device != self.device
         if method == "index" and cross:
             raise ConfigError(f"'index' needs the destination on {self.device}, not {out_device}")
+        if method == "native":
+            if _native is None:
+                raise ConfigError("the native gather (kvferry.adapters._gather) is not built "
+                                  "or is switched off (KVFERRY_NATIVE_GATHER=0)")
+            if cross or out_device.type != "cpu" or self._layout is None:
+                raise ConfigError(f"{self.name}: 'native' needs a CPU cache with blocks strided in "
+                                  f"at most 3 dimensions and a CPU destination (cache on "
+                                  f"{self.device}, destination on {out_device})")
         if method != "auto":
             return method
         if cross:
             return "runs" if len(self.runs) <= CROSS_DEVICE_MAX_RUNS else "staged"
         if self.device.type != "cpu":
             return "runs" if len(self.runs) <= DEVICE_MAX_RUNS else "index"
+        layout = self._layout
+        if NATIVE_GATHER and layout is not None and layout.full[-1] >= NATIVE_MIN_PIECE \
+                and torch.get_num_threads() <= NATIVE_MAX_THREADS:
+            return "native"
         return "runs" if self.strided and len(self.runs) <= STRIDED_MAX_RUNS else "index"
 
     def check_out(self, out: Any) -> None:
@@ -161,7 +266,7 @@ class TensorGather:
 
         Whole blocks: one ``index_select(out=...)`` over byte rows (``"index"``), one ``copy_``
         per run (``"runs"``) or one temporary (``"staged"``); then the partial last block's first
-        ``tail_tokens`` tokens in one more ``copy_``.
+        ``tail_tokens`` tokens in one more ``copy_``; or ``"native"``: both in C.
         """
         self.check_out(out)
         return self.write_unchecked(out, self.choose_method(out.device, method))
@@ -170,6 +275,9 @@ class TensorGather:
         """Copy into ``out`` already passed by :meth:`check_out`, with a method :meth:`choose_method`
         returned (not ``"auto"``); autograd must be off. :meth:`gather_into` does all three."""
         if self.nbytes == 0:
+            return out
+        if chosen == "native":
+            self._write_native(out)
             return out
         block_shape = tuple(self.blocks.shape[1:])
         if self.full_blocks:
@@ -193,3 +301,22 @@ class TensorGather:
             out.narrow(0, self.full_blocks * block_shape[0], self.tail_tokens).copy_(
                 last.narrow(0, 0, self.tail_tokens))
         return out
+
+    def _write_native(self, out: torch.Tensor) -> None:
+        """The ``"native"`` copy: whole blocks in one call, the partial last block in another.
+        IndexError, before any byte moves, if a block id is outside ``blocks``."""
+        layout, native = self._layout, _native
+        if layout is None or native is None:
+            raise ConfigError(f"{self.name}: the native gather cannot read these blocks")
+        dst, src, count = out.data_ptr(), self.blocks.data_ptr(), self.blocks.shape[0]
+        last = self.block_ids[self.full_blocks] if self.tail_tokens else 0
+        if not 0 <= last < count:
+            raise IndexError(f"{self.name}: block {last} outside [0, {count})")
+        stream = self.nbytes >= STREAM_MIN_BYTES
+        if self.full_blocks:
+            native.gather(dst, src, self.index.data_ptr(), self.full_blocks, count,
+                          layout.block_stride, *layout.full, stream)
+        if self.tail_tokens:
+            done = self.full_blocks * math.prod(self.blocks.shape[1:]) * self.blocks.element_size()
+            native.gather(dst + done, src + last * layout.block_stride, 0, 1, 1,
+                          layout.block_stride, *layout.tail, stream)

@@ -27,7 +27,13 @@ from kvferry.core.errors import ConfigError
 
 PROPERTY = settings(max_examples=60, deadline=None)
 LAYOUTS = ("dim0", "dim1", "packed", "tuple", "list")
-METHODS = ("auto", "index", "runs", "staged")
+TORCH_METHODS = ("auto", "index", "runs", "staged")
+#: Every gather method; "native" (the optional C extension) is skipped where it is not built.
+METHODS = (*TORCH_METHODS, pytest.param("native", marks=pytest.mark.skipif(
+    not paged_gather.NATIVE_GATHER, reason="the native gather (kvferry.adapters._gather) is not built")))
+#: Names of paged_gather that paged_cache and the layer need not re-export.
+GATHER_ONLY = {"STRIDED_MAX_RUNS", "NATIVE_GATHER", "NATIVE_MAX_THREADS", "NATIVE_MIN_PIECE",
+               "STREAM_MIN_BYTES", "native_isa"}
 DTYPES = (torch.bfloat16, torch.float16, torch.float32, torch.float8_e4m3fn)
 LOGGER = "kvferry.adapters.paged_cache"
 
@@ -317,7 +323,13 @@ def test_gather_into_misuse_is_a_config_error():
     plan.gather_into(1, "key", good)
 
 
-def test_auto_method_policy_by_device_and_fragmentation():
+@pytest.fixture
+def torch_policy(monkeypatch):
+    """The torch methods' "auto" policy, as without the native gather."""
+    monkeypatch.setattr(paged_gather, "NATIVE_GATHER", False)
+
+
+def test_auto_method_policy_by_device_and_fragmentation(torch_policy):
     """CPU: index. Another device: few runs copy run by run, many use one index kernel.
     Cross-device: few runs copy straight into the destination, many are staged."""
     meta = torch.empty(2, 40, 4, 2, 8, device="meta")  # stands in for an accelerator cache
@@ -343,7 +355,8 @@ def test_auto_method_policy_by_device_and_fragmentation():
     ("sliced", list(range(0, 16)), "runs"),           # head slice, 1 run
     ("sliced", list(range(0, 40, 2)), "index"),
 ])
-def test_auto_on_cpu_copies_few_runs_of_strided_blocks_run_by_run(layout, ids, expected):
+def test_auto_on_cpu_copies_few_runs_of_strided_blocks_run_by_run(layout, ids, expected,
+                                                                  torch_policy):
     layers, _, _ = cache(layout="packed" if layout == "packed" else "dim0", layers=1,
                          num_blocks=40, heads=4)
     gather = plan_extraction(layers, ids, 1000, 4, cache_dtype="x").keys[0]
@@ -375,9 +388,10 @@ def geometries(draw):
     return layout, num_blocks, block_size, heads, head_dim, dtype, ids, seq_len
 
 
+@pytest.mark.parametrize("method", METHODS)
 @PROPERTY
-@given(geometries(), st.sampled_from(METHODS), st.integers(0, 3))
-def test_extraction_equals_naive_concatenation(geometry, method, offset_units):
+@given(geometries(), st.integers(0, 3))
+def test_extraction_equals_naive_concatenation(method, geometry, offset_units):
     layout, num_blocks, block_size, heads, head_dim, dtype, ids, seq_len = geometry
     key = random_blocks(num_blocks, block_size, heads, head_dim, dtype, seed=1)
     value = random_blocks(num_blocks, block_size, heads, head_dim, dtype, seed=2)
@@ -408,9 +422,10 @@ def head_slices(draw):
     return layout, num_blocks, block_size, heads, head_dim, dtype, ids, seq_len, start, stop
 
 
+@pytest.mark.parametrize("method", METHODS)
 @PROPERTY
-@given(head_slices(), st.sampled_from(METHODS))
-def test_head_sliced_gathers_equal_naive_concatenation_of_the_slice(geometry, method):
+@given(head_slices())
+def test_head_sliced_gathers_equal_naive_concatenation_of_the_slice(method, geometry):
     """What the fan-out sender does (``app.send.slice_plan_heads``): narrow dim 2 (heads) of
     every block view; the gather reads strided blocks and must still be bit-exact."""
     layout, num_blocks, block_size, heads, head_dim, dtype, ids, seq_len, start, stop = geometry
@@ -432,7 +447,8 @@ def test_head_sliced_gathers_equal_naive_concatenation_of_the_slice(geometry, me
 
 def test_every_public_name_is_importable_from_paged_cache_and_the_layer():
     for name in paged_gather.__all__:
-        if name != "STRIDED_MAX_RUNS" or hasattr(adapters_layer, name):
+        assert hasattr(paged_gather, name)
+        if name not in GATHER_ONLY or hasattr(adapters_layer, name):
             assert getattr(paged_cache, name) is getattr(paged_gather, name)
     for name in paged_cache.__all__:
         assert hasattr(paged_cache, name)
@@ -446,7 +462,7 @@ def test_every_public_name_is_importable_from_paged_cache_and_the_layer():
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("layout", LAYOUTS)
-@pytest.mark.parametrize("method", METHODS)
+@pytest.mark.parametrize("method", TORCH_METHODS)
 def test_cuda_cache_to_cuda_and_to_host_destinations(layout, method):
     key = random_blocks(40, 16, 4, 128, torch.bfloat16, seed=1, device="cuda")
     value = random_blocks(40, 16, 4, 128, torch.bfloat16, seed=2, device="cuda")

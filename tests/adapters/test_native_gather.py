@@ -1,0 +1,266 @@
+"""The optional native gather (``kvferry.adapters._gather``, method ``"native"``).
+
+Bit-exact against the naive concatenation for every streaming-store kernel this CPU has, with
+streaming on and off, every dtype size (1, 2, 4, 8 bytes), scattered and duplicated ids, a
+partial last block, head slices and destinations at unaligned offsets; the block-layout helper
+(:func:`paged_gather._pieces`) against the byte offsets torch computes; misuse; and the fallback
+when the extension is missing or switched off.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import attrs
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from kvferry.adapters import paged_gather
+from kvferry.adapters.paged_cache import plan_extraction
+from kvferry.core.errors import ConfigError
+
+needs_native = pytest.mark.skipif(not paged_gather.NATIVE_GATHER,
+                                  reason="the native gather (kvferry.adapters._gather) is not built")
+ISAS = ("avx512f", "avx2", "sse2", "memcpy")
+#: One dtype per element size: 1, 2, 4 and 8 bytes.
+DTYPES = (torch.float8_e4m3fn, torch.bfloat16, torch.float32, torch.float64)
+BLOCK, HEADS = 5, 4
+#: Per-head bytes: 600 (not a multiple of 64, so every piece has an unaligned tail): whole
+#: blocks, head slices (1200 B per token) and packed heads (600 B) all stream when asked.
+HEAD_BYTES = 600
+IDS_CASES = (([6, 0, 3, 3, 9, 1, 7], 33),  # scattered, a duplicate, partial last block (3 of 5)
+             ([2, 3, 4], 15),               # one run of whole blocks
+             ([4], 2))                      # only a partial block
+
+
+def random_blocks(num_blocks, head_dim, dtype, seed):
+    g = torch.Generator().manual_seed(seed)
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    raw = torch.randint(0, 256, (num_blocks, BLOCK, HEADS, head_dim * itemsize),
+                        dtype=torch.uint8, generator=g)
+    return raw.view(dtype)
+
+
+def make_layer(layout, key, value):
+    if layout == "dim0":
+        return torch.stack([key, value])
+    if layout == "dim1":
+        return torch.stack([key, value], dim=1)
+    if layout == "packed":
+        return torch.cat([key, value], dim=-1).transpose(1, 2).contiguous()
+    return (key, value)
+
+
+def same_bits(a, b):
+    return a.shape == b.shape and torch.equal(a.contiguous().view(torch.uint8),
+                                              b.contiguous().view(torch.uint8))
+
+
+@pytest.fixture(params=("avx512f", "avx2", "sse2", "cached"))
+def kernel(request, monkeypatch):
+    """Streaming stores with each kernel this CPU has, or cached stores (plain memcpy)."""
+    native = paged_gather._native
+    if native is None:
+        pytest.skip("the native gather is not built")
+    if request.param == "cached":
+        monkeypatch.setattr(paged_gather, "STREAM_MIN_BYTES", 1 << 62)
+    else:
+        monkeypatch.setattr(paged_gather, "STREAM_MIN_BYTES", 0)
+        if not native.set_isa(request.param):
+            pytest.skip(f"this CPU has no {request.param}")
+    yield request.param
+    native.set_isa(None)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: str(d).removeprefix("torch."))
+def test_native_gather_is_bit_exact(kernel, dtype):
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    head_dim = HEAD_BYTES // itemsize
+    key = random_blocks(10, head_dim, dtype, seed=1)
+    value = random_blocks(10, head_dim, dtype, seed=2)
+    for layout in ("dim0", "dim1", "packed", "tuple"):
+        for ids, seq_len in IDS_CASES:
+            plan = plan_extraction([make_layer(layout, key, value)], ids, seq_len, BLOCK,
+                                   cache_dtype=str(dtype))
+            for which, blocks in (("key", key), ("value", value)):
+                for start, stop in ((0, HEADS), (1, 3), (3, 4)):
+                    gather = plan.tensor(0, which)
+                    gather = attrs.evolve(gather, blocks=gather.blocks.narrow(2, start, stop - start))
+                    expected = torch.cat([blocks[b, :, start:stop] for b in ids])[:seq_len]
+                    for offset in (0, 5):  # elements: 5 is misaligned for 16/32/64-byte stores
+                        pool = torch.full((gather.nbytes + (offset + 3) * itemsize,), 0xA5,
+                                          dtype=torch.uint8)
+                        at = offset * itemsize
+                        out = pool[at:at + gather.nbytes].view(dtype).view(gather.shape)
+                        gather.gather_into(out, method="native")
+                        where = (layout, ids, which, start, stop, offset)
+                        assert same_bits(out, expected), where
+                        assert bool((pool[:at] == 0xA5).all()), where
+                        assert bool((pool[at + gather.nbytes:] == 0xA5).all()), where
+
+
+@needs_native
+def test_large_scattered_gather_streams_the_same_bytes(monkeypatch):
+    """A bench-sized tensor (4 MiB, 16 KiB blocks) with the default threshold: streamed."""
+    assert paged_gather.STREAM_MIN_BYTES <= 4 << 20
+    cache = torch.randint(-2 ** 15, 2 ** 15, (2, 272, 16, 4, 128), dtype=torch.int16).view(
+        torch.bfloat16)
+    ids = torch.randperm(272, generator=torch.Generator().manual_seed(3))[:256].tolist()
+    plan = plan_extraction([cache], ids, 4090, 16, cache_dtype="bfloat16")
+    keys, values = [torch.empty(plan.keys[0].shape, dtype=torch.bfloat16)], [
+        torch.empty(plan.values[0].shape, dtype=torch.bfloat16)]
+    plan.gather_all((keys, values), method="native")
+    assert plan.keys[0].nbytes >= paged_gather.STREAM_MIN_BYTES
+    assert same_bits(keys[0], torch.cat([cache[0, b] for b in ids])[:4090])
+    assert same_bits(values[0], torch.cat([cache[1, b] for b in ids])[:4090])
+
+
+@st.composite
+def block_views(draw):
+    """A ``[blocks, ...]`` view as a cache layout or a slice of one produces: a permuted,
+    narrowed, maybe step-sliced tensor."""
+    rank = draw(st.integers(2, 6))
+    shape = draw(st.lists(st.integers(1, 4), min_size=rank, max_size=rank))
+    base = torch.arange(max(1, int(torch.tensor(shape).prod())), dtype=torch.int32).view(shape)
+    view = base.permute(*draw(st.permutations(range(rank))))
+    for dim in range(1, rank):
+        size = view.shape[dim]
+        start = draw(st.integers(0, size - 1))
+        length = draw(st.integers(1, size - start))
+        step = draw(st.sampled_from((1, 1, 2)))
+        view = view.narrow(dim, start, length)[(slice(None),) * dim + (slice(None, None, step),)]
+    return view
+
+
+@settings(max_examples=300, deadline=None)
+@given(block_views())
+def test_pieces_reproduce_the_byte_offsets_of_a_block(view):
+    """``_pieces`` describes exactly the bytes of ``view[0]`` in row-major order, or is None
+    only when the block has more than three dimensions that cannot be merged."""
+    itemsize = view.element_size()
+    pieces = paged_gather._pieces(tuple(view.shape[1:]), tuple(view.stride()[1:]), itemsize)
+    block = view[0]
+    offsets = torch.zeros(block.shape, dtype=torch.int64)
+    for dim, (size, stride) in enumerate(zip(block.shape, block.stride())):
+        shape = [1] * block.dim()
+        shape[dim] = size
+        offsets = offsets + torch.arange(size).view(shape) * stride * itemsize
+    expected = [o + b for o in offsets.flatten().tolist() for b in range(itemsize)]
+    if pieces is None:
+        assert sum(1 for n in block.shape if n != 1) >= 4
+        return
+    d0, s0, d1, s1, d2, s2, piece = pieces
+    described = [a * s0 + b * s1 + c * s2 + i
+                 for a in range(d0) for b in range(d1) for c in range(d2) for i in range(piece)]
+    assert described == expected
+
+
+@needs_native
+@pytest.mark.parametrize("ids", [[7, 1, 5], [5, 1, 7]], ids=["whole-block", "partial-block"])
+def test_ids_outside_the_blocks_raise_before_any_byte_moves(ids):
+    cache = torch.arange(2 * 8 * 2 * 64, dtype=torch.float32).view(2, 8, 2, 1, 64)
+    gather = plan_extraction([cache], ids, 5, 2, cache_dtype="float32").keys[0]
+    short = attrs.evolve(gather, blocks=gather.blocks.narrow(0, 0, 6))  # block 7 is gone
+    out = torch.full(short.shape, -1.0)
+    with pytest.raises(IndexError):
+        short.gather_into(out, method="native")
+    assert bool((out == -1).all())
+
+
+def test_the_extension_checks_every_id_before_copying():
+    native = paged_gather._native
+    if native is None:
+        pytest.skip("the native gather is not built")
+    index = torch.tensor([1, 5], dtype=torch.int64)
+    with pytest.raises(IndexError):  # dst and src are null: any copy would crash
+        native.gather(0, 0, index.data_ptr(), 2, 3, 0, 1, 0, 1, 0, 1, 0, 8, True)
+    with pytest.raises(IndexError):
+        native.gather(0, 0, 0, 4, 3, 0, 1, 0, 1, 0, 1, 0, 8, True)
+
+
+@needs_native
+def test_native_misuse_is_a_config_error():
+    cpu = torch.zeros(2, 6, 4, 2, 64)
+    gather = plan_extraction([cpu], [1, 2], 8, 4, cache_dtype="float32").keys[0]
+    with pytest.raises(ConfigError):
+        gather.choose_method(torch.device("meta"), "native")  # destination elsewhere
+    meta = plan_extraction([torch.empty(2, 6, 4, 2, 64, device="meta")], [1, 2], 8, 4,
+                           cache_dtype="float32").keys[0]
+    with pytest.raises(ConfigError):
+        meta.choose_method(torch.device("meta"), "native")  # cache elsewhere
+    # every dimension of a block strided on its own: more than three levels of pieces
+    odd = torch.zeros(6, 3, 3, 3, 3, 2)[..., 0].transpose(1, 3)
+    far = attrs.evolve(gather, blocks=odd)
+    assert far._layout is None
+    with pytest.raises(ConfigError):
+        far.gather_into(torch.zeros(far.shape), method="native")
+    assert far.choose_method(torch.device("cpu")) in ("index", "runs")
+
+
+@needs_native
+def test_auto_picks_native_on_one_thread_for_pieces_of_enough_bytes():
+    threads = torch.get_num_threads()
+    cache = torch.zeros(2, 40, 4, 4, 8)  # 32-byte heads, 128-byte tokens, 512-byte blocks
+    plan = plan_extraction([cache], list(range(0, 40, 2)), 80, 4, cache_dtype="float32")
+    gather = plan.keys[0]
+    one_head = attrs.evolve(gather, blocks=gather.blocks.narrow(2, 1, 1))  # 32-byte pieces
+    try:
+        torch.set_num_threads(1)
+        assert gather.choose_method(torch.device("cpu")) == "native"
+        assert attrs.evolve(gather, blocks=gather.blocks.narrow(2, 0, 2)).choose_method(
+            torch.device("cpu")) == "native"
+        assert one_head._layout.full[-1] == 32 < paged_gather.NATIVE_MIN_PIECE
+        assert one_head.choose_method(torch.device("cpu")) == "index"
+        torch.set_num_threads(2)
+        assert gather.choose_method(torch.device("cpu")) == "index"
+    finally:
+        torch.set_num_threads(threads)
+
+
+def test_without_the_extension_torch_copies_and_native_is_a_config_error(monkeypatch):
+    monkeypatch.setattr(paged_gather, "_native", None)
+    monkeypatch.setattr(paged_gather, "NATIVE_GATHER", False)
+    threads = torch.get_num_threads()
+    key = random_blocks(6, 8, torch.bfloat16, seed=5)
+    plan = plan_extraction([(key, key)], [4, 0, 2], 12, BLOCK, cache_dtype="bfloat16")
+    assert paged_gather.native_isa() is None
+    try:
+        torch.set_num_threads(1)
+        assert plan.keys[0].choose_method(torch.device("cpu")) == "index"
+    finally:
+        torch.set_num_threads(threads)
+    with pytest.raises(ConfigError, match="not built"):
+        plan.gather_into(0, "key", torch.empty(plan.keys[0].shape, dtype=torch.bfloat16),
+                         method="native")
+    keys, _ = plan.materialize()
+    assert same_bits(keys[0], torch.cat([key[b] for b in (4, 0, 2)])[:12])
+
+
+def test_the_environment_switch_leaves_the_extension_unloaded():
+    code = ("import sys, torch\n"
+            "from kvferry.adapters import paged_gather as pg\n"
+            "from kvferry.adapters.paged_cache import extract_request\n"
+            "k = torch.arange(6 * 4 * 2 * 64, dtype=torch.float32).view(6, 4, 2, 64)\n"
+            "kv = extract_request([(k, k)], [3, 1], 7, 4, cache_dtype='float32')\n"
+            "ok = torch.equal(kv.key_cache[0], torch.cat([k[3], k[1]])[:7])\n"
+            "print(pg.NATIVE_GATHER, pg.native_isa(), 'kvferry.adapters._gather' in sys.modules, ok)\n")
+    env = {**os.environ, "KVFERRY_NATIVE_GATHER": "0"}
+    done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
+                          timeout=60, check=True)
+    assert done.stdout.split() == ["False", "None", "False", "True"]
+
+
+@needs_native
+def test_isa_names_and_switching():
+    native = paged_gather._native
+    assert paged_gather.native_isa() in ISAS
+    try:
+        assert native.set_isa("memcpy") is True and native.isa() == "memcpy"
+        assert native.set_isa("no-such-isa") is False and native.isa() == "memcpy"
+    finally:
+        native.set_isa(None)
+    assert native.isa() in ISAS
