@@ -89,6 +89,9 @@ from kvferry.core.plan import (
     to_json_records,
 )
 from kvferry.core.header import (
+    plan_template,
+    kv_layout_template,
+    LayoutTemplate,
     AbsentTensor,
     CHECKSUM_ALGORITHMS,
     DESCRIPTOR_FIELDS,
@@ -190,6 +193,9 @@ from kvferry.core.pool import (
 )
 
 __all__ = [
+    "LayoutTemplate",
+    "kv_layout_template",
+    "plan_template",
     "AbsentTensor",
     "AllocationFailure",
     "BindError",
