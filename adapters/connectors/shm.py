@@ -8,10 +8,12 @@ publishes it; nothing is sent until a receiver asks.
 
 Receiver role (``role: "receiver"``): ``get`` asks the sender's control endpoint for a key
 (immediately, or ``get_blocking`` parks the request at the sender until the key is published
-or the deadline passes), receives ``(segment, offset, size, ticket)``, maps the segment once
-and returns a :class:`~.memory.PooledBuffer` whose tensor is a view into it. ``release()``
-tells the sender, which frees the region when every reader released it (or its lease/hold
-expired).
+or the deadline passes), naming its pid, receives ``(segment, offset, size, ticket)``, maps the
+segment once and returns a tied :class:`~.pool_buffer.PooledBuffer` whose tensor is a view
+into it. ``release()`` tells the sender and waits for its acknowledgement; ``release_soon()``
+(and dropping the buffer with every view of it) sends the release without waiting. The sender
+frees the region when every reader released it; a reader holding it past ``hold_s`` loses it
+only once its process is gone (see :mod:`.shm_server`).
 
 Endpoints: ``put`` metadata carries ``endpoint``; partial metadata ``{"source_host",
 "source_port"}``, ``update_sender_info(host, port)`` and config ``sender_port`` map to the
@@ -30,9 +32,10 @@ from typing import Any, Mapping
 import attrs
 import zmq
 
-from kvferry.adapters.connectors.memory import (
-    LocalPool, PooledBuffer, PoolReservation, PoolSettings, put_failure,
+from kvferry.adapters.connectors.memory_pool import (
+    LocalPool, PoolReservation, PoolSettings, put_failure,
 )
+from kvferry.adapters.connectors.pool_buffer import PooledBuffer
 from kvferry.adapters.connectors.shm_control import ControlClient, check_grant
 from kvferry.adapters.connectors.shm_segment import (
     SHM_DIR, Segment, check_namespace, claim_control, control_endpoint, create_segment,
@@ -96,6 +99,14 @@ class ShmConfig:
             rpc_timeout_s=float(rpc),
             pool=PoolSettings.from_config(config, default_pool_bytes=SHM_DEFAULT_POOL_BYTES),
         )
+
+
+def _release_message(grant: dict[str, Any]) -> dict[str, Any]:
+    """The release of a grant's ticket, naming its segment (a restarted sender ignores it)."""
+    message: dict[str, Any] = {"op": "release", "ticket": grant["ticket"]}
+    if isinstance(grant.get("seg"), str):
+        message["seg"] = grant["seg"]
+    return message
 
 
 @attrs.define(eq=False)
@@ -254,7 +265,7 @@ class ShmConnector:
                 self._count("stale_grants_released")
                 client = self._clients.get(endpoint)
                 if client is not None:
-                    client.notify({"op": "release", "ticket": reply["ticket"]})
+                    client.notify(_release_message(reply))
 
         return release_stale
 
@@ -298,7 +309,8 @@ class ShmConnector:
         if client is None:
             return None
         margin = self.config.rpc_timeout_s if wait_s <= 0 else min(self.config.rpc_timeout_s, 0.25)
-        reply = client.request({"op": "get", "key": key, "wait_s": wait_s}, wait_s + margin)
+        reply = client.request({"op": "get", "key": key, "wait_s": wait_s, "pid": os.getpid()},
+                               wait_s + margin)
         if reply is None:
             self._count("miss_no_reply")
             return None
@@ -319,19 +331,35 @@ class ShmConnector:
             self._count("bad_grants")
             logger.warning("shm grant unusable (%s): %s", problem or "segment not mappable", grant)
             if isinstance(ticket, int):
-                client.notify({"op": "release", "ticket": ticket})
+                client.notify(_release_message(grant))
             return None
         view = segment.tensor[grant["off"]: grant["off"] + grant["size"]]
         self._count("gets_hit")
+        client.prepare_releases()
+        message = _release_message(grant)
+        rpc = self.config.rpc_timeout_s
 
         def release() -> None:  # synchronous: once it returns, the sender may reuse the region
-            reply = client.request({"op": "release", "ticket": ticket}, self.config.rpc_timeout_s)
-            if reply is None:
+            if client.request(message, rpc) is None:
                 self._count("release_unacknowledged")
                 logger.warning("shm release of ticket %s not acknowledged; the sender reclaims "
-                               "it when its hold expires", ticket)
+                               "it once this process is gone", ticket)
 
-        return PooledBuffer(view, on_release=release), grant["size"]
+        def release_soon() -> None:  # fire-and-forget: the sender frees it when this arrives
+            if not client.send_release(ticket, grant["seg"], rpc):
+                self._count("release_unsent")
+                logger.warning("shm release of ticket %s could not be sent; the sender reclaims "
+                               "it once this process is gone", ticket)
+
+        return PooledBuffer.tied(view, on_release=release, on_release_soon=release_soon), grant["size"]
+
+    def flush_releases(self, timeout_s: float | None = None) -> bool:
+        """Wait until every sender this receiver talks to processed the releases sent so far
+        without waiting (``release_soon``, dropped buffers). True when all confirmed in time."""
+        timeout = self.config.rpc_timeout_s if timeout_s is None else float(timeout_s)
+        with self._lock:
+            clients = list(self._clients.values())
+        return all([client.flush_releases(timeout) for client in clients])
 
     def get(self, from_stage: Any, to_stage: Any, get_key: str,
             metadata: Mapping[str, Any] | None = None) -> tuple[Any, int] | None:

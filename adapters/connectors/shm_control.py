@@ -2,10 +2,16 @@
 
 Receiver -> sender (a DEALER sends one msgpack frame; the sender's ROUTER adds the identity)::
 
-    {"v": 1, "op": "get", "id": int, "key": str, "wait_s": float >= 0}   -> one reply
+    {"v": 1, "op": "get", "id": int, "key": str, "wait_s": float >= 0, "pid": int}
+                                                                          -> one reply
     {"v": 1, "op": "ping", "id": int}                                     -> one reply
-    {"v": 1, "op": "release", "ticket": int, "id": int}                   -> one reply
-    {"v": 1, "op": "release", "ticket": int}                              (no reply)
+    {"v": 1, "op": "release", "ticket": int, "seg": str, "id": int}       -> one reply
+    {"v": 1, "op": "release", "ticket": int, "seg": str}                  (no reply)
+
+``pid`` (optional) is the reader's process id: the sender revokes a ticket held past
+``hold_s`` only once that process is gone (without it, the ticket is revoked at ``hold_s``).
+``seg`` (optional) names the segment the ticket was granted in: a sender serving another
+segment (a restarted sender at the same endpoint) ignores the release.
 
 Sender -> receiver::
 
@@ -76,6 +82,8 @@ def check_request(message: dict[str, Any]) -> str | None:
     if op == "release":
         if "id" in message and not _is_int(message["id"]):
             return "bad id"
+        if "seg" in message and not isinstance(message["seg"], str):
+            return "release seg must be a segment name"
         return None if _is_int(message.get("ticket")) else "release needs an integer ticket"
     if not _is_int(message.get("id")):
         return "missing id"
@@ -83,6 +91,8 @@ def check_request(message: dict[str, Any]) -> str | None:
         return None
     if op != "get":
         return f"unknown op {op!r}"
+    if "pid" in message and not (_is_int(message["pid"]) and message["pid"] > 0):
+        return "pid must be a positive integer"
     key, wait = message.get("key"), message.get("wait_s", 0.0)
     if not isinstance(key, str) or len(key) > _MAX_KEY:
         return "key must be a string of at most 4096 characters"
@@ -112,6 +122,10 @@ class ControlClient:
     to ``on_stale`` (the caller releases a stale grant so the sender can free its region).
     ``close()`` wakes every waiting call (it returns None) through a pipe, then closes all
     sockets; no socket is ever used by two threads or closed while in use.
+
+    Fire-and-forget releases (:meth:`send_release`) leave on one dedicated socket, in call
+    order, so :meth:`flush_releases` (a ping on that socket) returns once the sender processed
+    every release sent before it.
     """
 
     context: zmq.Context
@@ -123,6 +137,8 @@ class ControlClient:
     _ids: Any = attrs.field(init=False, factory=lambda: itertools.count(1))
     _closed: bool = attrs.field(init=False, default=False)
     _wake: tuple[int, int] = attrs.field(init=False, factory=os.pipe)
+    _release_sock: zmq.Socket | None = attrs.field(init=False, default=None)
+    _release_lock: threading.Lock = attrs.field(init=False, factory=threading.Lock)
 
     def _checkout(self) -> zmq.Socket | None:
         with self._cond:
@@ -212,6 +228,61 @@ class ControlClient:
         finally:
             self._checkin(sock)
 
+    def _release_socket(self) -> zmq.Socket | None:
+        """The release socket (caller holds ``_release_lock``); None once closed."""
+        if self._closed:
+            return None
+        if self._release_sock is None:
+            try:
+                sock = self.context.socket(zmq.DEALER)
+                sock.setsockopt(zmq.LINGER, 1000)  # queued releases get a second to leave at close
+                sock.setsockopt(zmq.IMMEDIATE, 1)  # never queue for a sender that is not there
+                sock.connect(self.endpoint)
+            except zmq.ZMQError:
+                return None
+            self._release_sock = sock
+        return self._release_sock
+
+    def prepare_releases(self) -> None:
+        """Open the release socket now (its connection is then up before the first release)."""
+        with self._release_lock:
+            self._release_socket()
+
+    def send_release(self, ticket: int, segment: str, timeout_s: float) -> bool:
+        """Send a release of ``ticket`` (granted in ``segment``) without waiting for the
+        sender (fire-and-forget). zmq queues it, bounded by the socket's high-water mark: a
+        full queue, or a connection not up yet, waits up to ``timeout_s``. False when it could
+        not be sent (the sender is gone or stuck, or the client closed)."""
+        frame = encode({"op": "release", "ticket": ticket, "seg": segment})
+        with self._release_lock:
+            sock = self._release_socket()
+            if sock is None:
+                return False
+            try:
+                return self._send(sock, frame, time.monotonic() + timeout_s)
+            except zmq.ZMQError:
+                return False
+
+    def flush_releases(self, timeout_s: float) -> bool:
+        """Return True once the sender processed every release :meth:`send_release` sent
+        before this call (one ping round trip on the release socket); False on timeout."""
+        with self._release_lock:
+            sock = self._release_socket()
+            if sock is None:
+                return False
+            request_id = next(self._ids)
+            deadline = time.monotonic() + timeout_s
+            try:
+                if not self._send(sock, encode({"op": "ping", "id": request_id}), deadline):
+                    return False
+                while self._wait(sock, zmq.POLLIN, deadline):
+                    reply = decode(sock.recv())
+                    if reply is not None and reply.get("id") == request_id:
+                        return True
+            except zmq.ZMQError:
+                return False
+            return False
+
     def close(self, timeout_s: float = 5.0) -> bool:
         """Wake waiting calls, wait (bounded) for them to return, close every socket.
         Pending notifications get up to ``LINGER`` to flush. Idempotent. False when a call
@@ -226,6 +297,10 @@ class ControlClient:
             idle = self._busy == 0
         for sock in sockets:
             sock.close()
+        with self._release_lock:  # a release in progress saw the wake-up and returned
+            if self._release_sock is not None:
+                self._release_sock.close()
+                self._release_sock = None
         if idle:  # a call still running past the wait keeps polling the pipe: leave it open
             for fd in self._wake:
                 os.close(fd)

@@ -4,8 +4,14 @@ One thread owns one ROUTER socket bound at the sender's ``ipc://`` endpoint. It 
 ``poll`` on that socket and on a wake pipe; ``put`` (any thread) writes to the pipe after
 publishing, so a parked "get" is answered the moment its key arrives, and the only timer is
 the earliest deadline of a parked get. Grants carry a ticket; the receiver's ``release``
-returns it and the pool frees the region when the last ticket of an entry is back (or its
-lease/hold expires: a dead reader cannot pin the pool).
+returns it and the pool frees the region when the last ticket of an entry is back.
+
+A receiver reads granted bytes in place (it may keep tensors viewing them as long as it
+likes), so a ticket held past ``hold_s`` is revoked only when the reader's process is gone:
+each get names its pid, and :class:`ReaderRegistry` watches that process through a pidfd
+(``os.pidfd_open``; else ``kill(pid, 0)`` plus the zombie check). A live reader keeps its
+tickets; the pool reports them (``overdue``, ``held_overdue``). A get without a pid (an older
+receiver) gets a ticket revoked at ``hold_s``, as before.
 """
 
 from __future__ import annotations
@@ -16,6 +22,7 @@ import heapq
 import itertools
 import logging
 import os
+import select
 import threading
 import time
 from typing import Any
@@ -23,16 +30,96 @@ from typing import Any
 import attrs
 import zmq
 
-from kvferry.adapters.connectors.memory import LocalPool
+from kvferry.adapters.connectors.memory_pool import LocalPool
 from kvferry.adapters.connectors.shm_control import check_request, decode, encode
+from kvferry.adapters.connectors.shm_segment import pid_alive
 from kvferry.core.errors import BindError
 from kvferry.core.pool import Ticket
 
-__all__ = ["ControlServer"]
+__all__ = ["ControlServer", "Reader", "ReaderRegistry"]
 
 logger = logging.getLogger(__name__)
 
 _MISS = {"unknown": "not_found", "published": "not_found"}
+
+
+@attrs.define(eq=False)
+class Reader:
+    """A reader process, the holder of the tickets it was granted. ``alive()`` is thread-safe;
+    once it reports the process gone it stays False (and the pidfd is closed)."""
+
+    pid: int
+    _fd: int | None = attrs.field(default=None, alias="fd")
+    _gone: bool = attrs.field(default=False, alias="gone")
+    _lock: threading.Lock = attrs.field(init=False, factory=threading.Lock)
+
+    @classmethod
+    def watch(cls, pid: int) -> "Reader":
+        """Watch ``pid`` through a pidfd when the system has them (immune to pid reuse)."""
+        try:
+            return cls(pid, fd=os.pidfd_open(pid))
+        except ProcessLookupError:
+            return cls(pid, gone=True)
+        except (AttributeError, OSError):  # no pidfd here: probe the pid instead
+            return cls(pid)
+
+    def alive(self) -> bool:
+        with self._lock:
+            if self._gone:
+                return False
+            if self._fd is not None:
+                poller = select.poll()
+                poller.register(self._fd, select.POLLIN)
+                gone = bool(poller.poll(0))  # a pidfd turns readable when its process exits
+            else:
+                gone = not pid_alive(self.pid)
+            if gone:
+                self._gone = True
+                self.close_locked()
+            return not gone
+
+    def close_locked(self) -> None:
+        if self._fd is not None:
+            os.close(self._fd)
+            self._fd = None
+
+    def close(self) -> None:
+        with self._lock:
+            self.close_locked()
+
+    def __str__(self) -> str:
+        return f"reader pid {self.pid}"
+
+
+@attrs.define(eq=False)
+class ReaderRegistry:
+    """Readers by pid. A pid whose process is gone gets a new :class:`Reader` when it asks
+    again (a reused pid is a new process). Gone readers are swept when more than ``sweep_at``
+    are known; every pidfd is closed by :meth:`close`."""
+
+    sweep_at: int = 32
+    _by_pid: dict[int, Reader] = attrs.field(init=False, factory=dict)
+
+    def __len__(self) -> int:
+        return len(self._by_pid)
+
+    def holder(self, pid: Any) -> Reader | None:
+        """The holder for a get naming ``pid`` (None when it names none: no liveness test)."""
+        if not isinstance(pid, int) or isinstance(pid, bool) or pid <= 0:
+            return None
+        reader = self._by_pid.get(pid)
+        if reader is not None and reader.alive():
+            return reader
+        if len(self._by_pid) >= self.sweep_at:
+            self._by_pid = {p: r for p, r in self._by_pid.items() if r.alive()}
+        reader = Reader.watch(pid)
+        self._by_pid[pid] = reader
+        return reader
+
+    def close(self) -> None:
+        readers, self._by_pid = list(self._by_pid.values()), {}
+        for reader in readers:
+            reader.close()
 
 
 @attrs.define(eq=False)
@@ -41,6 +128,7 @@ class _Waiter:
     request_id: int
     key: str
     deadline: float
+    holder: Reader | None = None
     done: bool = False
 
 
@@ -62,6 +150,7 @@ class ControlServer:
     _seq: Any = attrs.field(init=False, factory=itertools.count)
     _stopping: bool = attrs.field(init=False, default=False)
     _thread: threading.Thread | None = attrs.field(init=False, default=None)
+    readers: ReaderRegistry = attrs.field(init=False, factory=ReaderRegistry)
 
     def start(self) -> None:
         """Bind (in the caller's thread, so a failure is raised here) and start serving."""
@@ -110,6 +199,7 @@ class ControlServer:
         for fd in self._wake:
             os.close(fd)
         self.context.term()
+        self.readers.close()
 
     # ------------------------------------------------------------------ thread side only
     def _reply(self, identity: bytes, message: dict[str, Any], ticket: Ticket | None = None) -> None:
@@ -144,21 +234,27 @@ class ControlServer:
             return
         op = message["op"]
         if op == "release":
-            self.counters["releases"] += 1
-            freed = self.pool.release(message["ticket"])
+            freed = False
+            if message.get("seg", self.segment_name) == self.segment_name:
+                self.counters["releases"] += 1
+                freed = self.pool.release(message["ticket"])
+            else:  # granted by another incarnation of this endpoint: not ours to free
+                self.counters["releases_foreign"] += 1
             if "id" in message:
                 self._reply(identity, {"id": message["id"], "ok": True, "released": freed})
         elif op == "ping":
             self._reply(identity, {"id": message["id"], "ok": True, "health": self.pool.stats()})
         else:
-            self._get(identity, message["id"], message["key"], float(message.get("wait_s", 0.0)))
+            holder = self.readers.holder(message.get("pid"))
+            self._get(identity, message["id"], message["key"], float(message.get("wait_s", 0.0)), holder)
 
-    def _get(self, identity: bytes, request_id: int, key: str, wait_s: float) -> None:
-        ticket = self.pool.take(key)
+    def _get(self, identity: bytes, request_id: int, key: str, wait_s: float,
+             holder: Reader | None = None) -> None:
+        ticket = self.pool.take(key, holder)
         if ticket is not None:
             self._grant(identity, request_id, ticket)
         elif wait_s > 0 and not self._stopping and self.pool.status(key) != "expired":
-            waiter = _Waiter(identity, request_id, key, time.monotonic() + wait_s)
+            waiter = _Waiter(identity, request_id, key, time.monotonic() + wait_s, holder)
             self._waiters.setdefault(key, collections.deque()).append(waiter)
             heapq.heappush(self._deadlines, (waiter.deadline, next(self._seq), waiter))
         else:
@@ -173,7 +269,7 @@ class ControlServer:
             while queue:
                 waiter = queue[0]
                 if waiter.deadline > now:
-                    ticket = self.pool.take(key)
+                    ticket = self.pool.take(key, waiter.holder)
                     if ticket is None:
                         break
                     self._grant(waiter.identity, waiter.request_id, ticket)

@@ -14,12 +14,14 @@ import time
 
 import msgpack
 import pytest
+import torch
 import zmq
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvferry.adapters.connectors.shm import ShmConnector
 from kvferry.adapters.connectors.shm_control import check_grant, check_request, decode, encode
+from kvferry.adapters.connectors.shm_server import Reader, ReaderRegistry
 from kvferry.adapters.connectors.shm_segment import (
     SHM_DIR, check_namespace, control_endpoint, parse_segment_name, pid_alive, reap_namespace,
     runtime_dir, segment_name,
@@ -212,17 +214,161 @@ def test_receiver_follows_a_restarted_sender(space) -> None:
                 assert receiver.health()["mapped_segments"] == 1
 
 
-def test_unreleased_reader_is_revoked_after_hold(space) -> None:
+def eventually(check, what: str, timeout_s: float = 10.0):
+    """Poll ``check()`` (each call does real work: a round trip) until truthy or time is up."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        value = check()
+        if value:
+            return value
+    raise AssertionError(f"not within {timeout_s} s: {what}")
+
+
+def test_a_live_reader_keeps_its_bytes_past_hold(space) -> None:
+    """Zero-copy safety: a reader of a live process holding a buffer past hold_s keeps it; the
+    region is never handed out again while it holds it, whatever the churn."""
     clock = FakeClock()
     with make(space, "sender", clock=clock, lease_s=5.0, hold_s=2.0) as sender, \
             make(space, "receiver", sender_port=PORT) as receiver:
+        data = os.urandom(600 * 1024)
+        assert sender.put("0", "1", "k", data)[0]
+        buffer, _ = receiver.get("0", "1", "k")
+        view = buffer.tensor[100:]  # what a decoded KV tensor is: a view of the pool buffer
+        clock.now += 60.0  # far past hold_s and the lease
+        health = sender.health()
+        assert health["used_bytes"] > 0 and health["overdue"] == 1 and health["held_overdue"] == 1
+        assert health.get("expired_unreleased", 0) == 0
+        for i in range(5):  # no room while it is held: pool_full, never its region
+            ok, _, info = sender.put("0", "1", f"churn{i}", os.urandom(600 * 1024))
+            assert not ok and info["reason"] == "pool_full"
+        assert bytes(view.numpy()) == data[100:]
+        assert sender.health()["held_overdue"] == 1  # reported once
+        buffer.release()
+        assert sender.health()["used_bytes"] == 0 and sender.health()["overdue"] == 0
+        assert sender.put("0", "1", "fresh", os.urandom(600 * 1024))[0]
+
+
+HOLDER = """
+import json, sys
+from kvferry.app.registry import create_connector
+namespace, base, port = sys.argv[1], sys.argv[2], int(sys.argv[3])
+receiver = create_connector({"type": "shm", "role": "receiver", "namespace": namespace,
+                             "runtime_dir": base, "sender_port": port})
+buffer, size = receiver.get_blocking("0", "1", "k", timeout_s=30.0)
+print(json.dumps({"holding": size}), flush=True)
+sys.stdin.readline()  # hold until killed
+"""
+
+
+def test_a_killed_reader_loses_its_hold(space) -> None:
+    namespace, base = space
+    clock = FakeClock()
+    with make(space, "sender", clock=clock, lease_s=5.0, hold_s=2.0) as sender:
         assert sender.put("0", "1", "k", b"z" * 1000)[0]
-        held = receiver.get("0", "1", "k")  # a reader that never releases (as if it crashed)
-        assert held is not None and sender.health()["used_bytes"] > 0
-        clock.now += 2.0
-        assert sender.health()["used_bytes"] == 0 and sender.health()["expired_unreleased"] == 1
-        held[0].release()  # late release of a revoked ticket: harmless
+        reader = subprocess.Popen([sys.executable, "-c", HOLDER, namespace, base, str(PORT)],
+                                  stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+        try:
+            assert '"holding": 1000' in reader.stdout.readline()
+            clock.now += 2.0
+            assert sender.health()["used_bytes"] > 0  # alive: past hold_s, still held
+            reader.kill()  # not reaped yet: a zombie is gone too
+            health = eventually(lambda: (h := sender.health())["used_bytes"] == 0 and h,
+                                "the killed reader's region was reclaimed")
+            assert health["expired_unreleased"] == 1 and health["overdue"] == 0
+        finally:
+            reader.kill()
+            reader.wait(timeout=30)
         assert sender.put("0", "1", "k2", b"fresh")[0]
+
+
+def test_a_get_that_names_no_reader_is_revoked_at_hold(space) -> None:
+    """A receiver that does not say its pid (an older one) is presumed dead at hold_s."""
+    clock = FakeClock()
+    with make(space, "sender", clock=clock, lease_s=5.0, hold_s=2.0) as sender:
+        assert sender.put("0", "1", "k", b"z" * 1000)[0]
+        context = zmq.Context()
+        sock = context.socket(zmq.DEALER)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.connect(sender.endpoint)
+        try:
+            sock.send(encode({"op": "get", "id": 1, "key": "k"}))
+            assert sock.poll(5000)
+            grant = decode(sock.recv())
+            assert grant["ok"] and sender.health()["used_bytes"] > 0
+            clock.now += 2.0
+            assert sender.health()["used_bytes"] == 0 and sender.health()["expired_unreleased"] == 1
+            sock.send(encode({"op": "release", "ticket": grant["ticket"], "id": 2}))  # late: harmless
+            assert sock.poll(5000) and decode(sock.recv())["released"] is False
+        finally:
+            sock.close()
+            context.term()
+
+
+def test_release_soon_and_dropped_buffers_reach_the_sender(space) -> None:
+    with make(space, "sender") as sender, make(space, "receiver", sender_port=PORT) as receiver:
+        for key in ("a", "b"):
+            assert sender.put("0", "1", key, key.encode() * 100)[0]
+        first, _ = receiver.get("0", "1", "a")
+        assert first.tied_to_views
+        first.release_soon()  # does not wait for the sender...
+        first.release_soon()  # ...and is idempotent
+        assert receiver.flush_releases(5.0)  # ...but has reached it once a ping came back
+        assert sender.health()["entries"] == 1
+        second, _ = receiver.get("0", "1", "b")
+        view = second.tensor[10:20].view(torch.int16)
+        del second
+        gc.collect()
+        assert receiver.flush_releases(5.0) and sender.health()["used_bytes"] > 0  # a view lives
+        assert bytes(view.numpy()) == b"b" * 10
+        del view
+        eventually(lambda: receiver.flush_releases(5.0) and sender.health()["used_bytes"] == 0,
+                   "the dropped buffer was released")
+        assert sender.health()["releases"] == 2
+
+
+def test_a_release_for_another_segment_is_ignored(space) -> None:
+    """A restarted sender at the same endpoint never frees a ticket its predecessor granted."""
+    with make(space, "sender") as sender:
+        assert sender.put("0", "1", "k", b"v")[0]
+        context = zmq.Context()
+        sock = context.socket(zmq.DEALER)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.connect(sender.endpoint)
+        try:
+            sock.send(encode({"op": "get", "id": 1, "key": "k", "pid": os.getpid()}))
+            assert sock.poll(5000)
+            grant = decode(sock.recv())
+            sock.send(encode({"op": "release", "ticket": grant["ticket"], "seg": "kvferry-x-1-x-0", "id": 2}))
+            assert sock.poll(5000) and decode(sock.recv())["released"] is False
+            assert sender.health()["releases_foreign"] == 1 and sender.health()["used_bytes"] > 0
+            sock.send(encode({"op": "release", "ticket": grant["ticket"], "seg": grant["seg"], "id": 3}))
+            assert sock.poll(5000) and decode(sock.recv())["released"] is True
+        finally:
+            sock.close()
+            context.term()
+
+
+def test_reader_liveness_follows_the_process() -> None:
+    assert Reader.watch(os.getpid()).alive()
+    assert not Reader.watch(_dead_pid()).alive()
+    child = subprocess.Popen([sys.executable, "-c", "import sys; sys.stdin.readline()"], stdin=subprocess.PIPE)
+    try:
+        reader = Reader.watch(child.pid)
+        assert reader.alive()
+        child.kill()  # a zombie until waited for: gone all the same
+        eventually(lambda: not reader.alive(), "the killed child is seen gone")
+        assert not reader.alive()  # stays gone (its pid may be reused by a new process)
+    finally:
+        child.kill()
+        child.wait(timeout=30)
+    registry = ReaderRegistry(sweep_at=2)
+    assert registry.holder(None) is None and registry.holder(True) is None and registry.holder(-1) is None
+    me = registry.holder(os.getpid())
+    assert registry.holder(os.getpid()) is me and me.alive()
+    registry.holder(_dead_pid())
+    registry.holder(_dead_pid())  # the third reader sweeps the gone ones
+    assert len(registry) <= 2
+    registry.close()
 
 
 # ------------------------------------------------------------------------ control channel
