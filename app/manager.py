@@ -111,6 +111,7 @@ class KVTransferManager:
     _sender: SenderEndpoint | None = attrs.field(init=False, default=None)
     _lock: threading.RLock = attrs.field(init=False, factory=threading.RLock)
     _closed: bool = attrs.field(init=False, default=False)
+    _recv_path: tuple[tuple, ReceivePath] | None = attrs.field(init=False, default=None)
 
     # ------------------------------------------------------------------------------ topology
     @property
@@ -276,18 +277,33 @@ class KVTransferManager:
 
     # ------------------------------------------------------------------------------- receive
     def receive_path(self) -> ReceivePath:
+        """The receive path for the current settings: built once and reused while the hooks,
+        limits, clock and TP sizes stay the same (the hooks may be replaced at any time)."""
         from_tp, to_tp = self.tp_sizes
-        return ReceivePath(
+        signature = (from_tp, to_tp, self.tp_rank, self.config, self.clock, self.sleep,
+                     self.kv_recv_key_builder, self.kv_payload_merger, self.kv_payload_slicer,
+                     self.decode_limits)
+        cached = self._recv_path
+        if cached is not None and len(cached[0]) == len(signature) and all(
+                a is b for a, b in zip(cached[0], signature)):
+            return cached[1]
+        path = ReceivePath(
             self.config.recv_from_stage, self.config.stage_id, TPTopology(from_tp, to_tp, self.tp_rank),
             self.recv_connector, self.clock, self.sleep, self.config.recv_timeout,
             key_builder=self.kv_recv_key_builder, merger=self.kv_payload_merger,
             slicer=self.kv_payload_slicer, limits=self.decode_limits)
+        self._recv_path = (signature, path)
+        return path
 
     def receive(self, request_id: str, *, sender_info: Any = None, target_device: Any = None,
-                timeout_s: float | None = None) -> ReceiveResult:
+                timeout_s: float | None = None, zero_copy: bool = False) -> ReceiveResult:
         """Receive one request's KV for this rank (SPEC 7); the outcome is counted.
 
         ``sender_info`` (request-scoped) overrides, and does not change, the stored sender.
+        ``zero_copy``: the payload's tensors are views of the connector's pool buffers, which
+        the result holds until ``result.release()`` or until the result and every such tensor
+        are garbage (see :mod:`kvferry.app.receive`); the default copies them out and releases
+        the buffers before returning (what the reference does).
         """
         info = sender_info
         if info is None and self._sender is not None:
@@ -295,7 +311,8 @@ class KVTransferManager:
         try:
             result = self.receive_path().receive(
                 str(request_id) if request_id is not None else "", sender_info=info,
-                target_device=target_device, timeout_s=timeout_s, receiving=self.receiving)
+                target_device=target_device, timeout_s=timeout_s, receiving=self.receiving,
+                zero_copy=zero_copy)
         except Exception as exc:
             logger.exception("request %s: receive failed", request_id)
             result = ReceiveResult(ReceiveOutcome.failed(str(request_id), ReceiveKind.ERROR,

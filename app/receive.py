@@ -8,21 +8,36 @@ One receive of one request on one receiver rank:
    notification) when it has one, else polling with 10 ms doubling to 500 ms sleeps;
 3. decode each payload as views of the received memory, merge fan-in shards along the head
    dimension in source-rank order, slice an untagged fan-out payload to this rank's heads;
-4. move tensors to the target device, or clone them when they live in a pool buffer, then
-   release every pool buffer, on every path.
+4. copying receive (the default): move tensors to the target device, or clone them when they
+   live in a pool buffer, then release every pool buffer, on every path;
+   zero-copy receive (``zero_copy=True``): tensors stay views of the pool buffers, which the
+   result then holds (see below); tensors are copied only to move them to another device,
+   by the fan-in merge (``torch.cat`` makes fresh tensors), or, for data that is not a pool
+   buffer (bytes, zmq frames), when ``copy_unpooled`` asks for it.
 
 The result is a :class:`ReceiveResult`: a typed outcome plus the payload in the reference's
 dict shape (``request_id``, ``layer_blocks``, ``block_ids``, ``metadata``).
+
+Zero-copy hold semantics: the pool buffers still viewed by the payload's tensors are in
+``result.buffers``; ``result.release()`` (idempotent, fire-and-forget) gives them back, after
+which the caller must not read those tensors any more. Buffers no output tensor views are
+given back before ``receive`` returns. Without an explicit release, a buffer goes back once
+the result and every tensor viewing its bytes are garbage: its tensors' storage owns the
+release (:mod:`kvferry.adapters.connectors.pool_buffer`); a pool buffer that cannot be tied so
+(not a CPU byte view) goes back with the result object. Until then the sender keeps the region:
+shm revokes a hold only when this process is gone, the in-process memory connector never.
 """
 
 from __future__ import annotations
 
 import logging
-from typing import Any, Callable, Mapping
+import weakref
+from typing import Any, Callable
 
 import attrs
 import torch
 
+from kvferry.adapters.connectors.pool_buffer import PooledBuffer, release_soon
 from kvferry.adapters.torch_frames import DecodedKV, decode_payload, merge_layers, slice_layers
 from kvferry.core.addressing import pull_port
 from kvferry.core.errors import KVFerryError, LeaseExpired, PayloadError
@@ -42,10 +57,15 @@ logger = logging.getLogger(__name__)
 
 @attrs.frozen(eq=False)
 class ReceiveResult:
-    """A receive's outcome and, when it succeeded, the payload dict and its size in bytes."""
+    """A receive's outcome and, when it succeeded, the payload dict and its size in bytes.
+
+    ``buffers``: the pool buffers a zero-copy receive's tensors view (empty for a copying
+    receive); see the module doc for their hold semantics. Also a context manager (releases
+    on exit)."""
 
     outcome: ReceiveOutcome
     payload: dict[str, Any] | None = None
+    buffers: tuple[Any, ...] = ()
 
     @property
     def ok(self) -> bool:
@@ -55,16 +75,38 @@ class ReceiveResult:
     def nbytes(self) -> int:
         return self.outcome.nbytes
 
+    @property
+    def held(self) -> bool:
+        """True while any of :attr:`buffers` was not given back."""
+        return any(not getattr(b, "released", False) for b in self.buffers)
 
-def release_all(items: list[Any]) -> None:
-    """Release every pool buffer among received items (idempotent releases; never raises)."""
+    def release(self, *, wait: bool = False) -> None:
+        """Give every held pool buffer back (idempotent). The payload's tensors that viewed
+        them must not be read afterwards. ``wait``: return only once each pool took its region
+        back (a round trip per buffer on shm); by default the releases are sent and this
+        returns at once (the sender may reuse a region once its release arrived)."""
+        release_all(list(self.buffers), wait=wait)
+
+    def __enter__(self) -> "ReceiveResult":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.release()
+
+
+def release_all(items: list[Any], *, wait: bool = True) -> None:
+    """Release every pool buffer among received items (idempotent releases; never raises).
+    ``wait=False`` uses each buffer's fire-and-forget release where it has one."""
     for item in items:
-        release = getattr(item, "release", None)
-        if callable(release):
-            try:
-                release()
-            except Exception:  # a release failure must not hide the receive's outcome
-                logger.exception("releasing a pool buffer failed")
+        try:
+            if wait:
+                release = getattr(item, "release", None)
+                if callable(release):
+                    release()
+            else:
+                release_soon(item)
+        except Exception:  # a release failure must not hide the receive's outcome
+            logger.exception("releasing a pool buffer failed")
 
 
 def _is_pooled(item: Any) -> bool:
@@ -75,6 +117,22 @@ def _views_any(tensor: torch.Tensor, buffers: list[torch.Tensor]) -> bool:
     """True when ``tensor`` starts inside one of ``buffers`` (it is a view of received memory)."""
     ptr = tensor.data_ptr()
     return any(b.data_ptr() <= ptr < b.data_ptr() + b.numel() for b in buffers)
+
+
+def _hold_of(item: Any) -> Any:
+    """``item`` when its release already follows its views (a tied pool buffer), else a tied
+    wrapper whose tensor's storage owns ``item``'s release (untied when it cannot be tied)."""
+    if getattr(item, "tied_to_views", False):
+        return item
+    return PooledBuffer.tied(item.tensor, on_release=item.release,
+                             on_release_soon=lambda: release_soon(item))
+
+
+def _still_viewed(payload: dict[str, Any], holds: list[Any]) -> tuple[Any, ...]:
+    """The pool buffers some tensor of ``payload`` still views (the result must hold them)."""
+    tensors = [t for name in ("key_cache", "value_cache")
+               for t in payload["layer_blocks"].get(name, []) if isinstance(t, torch.Tensor)]
+    return tuple(h for h in holds if any(_views_any(t, [h.tensor]) for t in tensors))
 
 
 def finalize_tensors(payload: dict[str, Any], device: Any,
@@ -113,10 +171,14 @@ class ReceivePath:
     merger: Callable[[list], Any] | None = None
     slicer: Callable[[Any], Any] | None = None
     #: Copy tensors out of receive buffers that are not pool buffers too (bytes, zmq frames), so
-    #: callers get writable memory of their own. Pool buffers are always copied.
+    #: callers get writable memory of their own. Pool buffers are copied unless zero-copy.
     copy_unpooled: bool = False
     #: Bounds on what a received header may claim (header bytes, tensors, layers, dimensions).
     limits: DecodeLimits = attrs.field(factory=DecodeLimits)
+    #: The default of :meth:`receive`'s ``zero_copy`` (see the module doc).
+    zero_copy: bool = False
+    _checked: Any = attrs.field(init=False, default=None)  # the connector last inspected
+    _blocking: bool = attrs.field(init=False, default=False)
 
     def keys(self, request_id: str) -> tuple[tuple[str, int | None], ...]:
         return recv_keys(request_id, self.from_stage, self.to_stage, self.topology, self.key_builder)
@@ -139,8 +201,10 @@ class ReceivePath:
         target_device: Any = None,
         timeout_s: float | None = None,
         receiving: bool = True,
+        zero_copy: bool | None = None,
     ) -> ReceiveResult:
-        """Receive one request (see the module docstring). Never raises for remote faults."""
+        """Receive one request (see the module docstring). Never raises for remote faults.
+        ``zero_copy`` None: the path's default."""
         if not request_id:
             return ReceiveResult(ReceiveOutcome.skipped("", SkipReason.NO_REQUEST_ID))
         if is_dummy_request(request_id):
@@ -168,6 +232,7 @@ class ReceivePath:
         deadline = Deadline(start, self.timeout_s if timeout_s is None else timeout_s)
         got: list[Any] = []
         expired: list[str] = []
+        handed: list[Any] = []  # pool buffers a zero-copy result took over
         try:
             missing = self._wait_all(connector, keys, metas, deadline, got, expired)
             names = tuple(k for k, _ in keys)
@@ -179,15 +244,25 @@ class ReceivePath:
                 return ReceiveResult(ReceiveOutcome.failed(
                     request_id, ReceiveKind.TIMED_OUT, f"{len(missing)} of {len(keys)} keys missing",
                     keys=names, missing_keys=missing, seconds=self._since(start)))
-            return self._assemble(request_id, keys, got, target_device, start)
+            zc = self.zero_copy if zero_copy is None else zero_copy
+            return self._assemble(request_id, keys, got, target_device, start, handed if zc else None)
         finally:
-            release_all([data for data, _ in got])
+            taken = {id(x) for x in handed}
+            release_all([data for data, _ in got if id(data) not in taken], wait=False)
 
     def _since(self, start: float) -> float:
         return max(0.0, self.clock.monotonic() - start)
 
+    def _is_blocking(self, connector: Connector) -> bool:
+        """Whether ``connector`` offers BlockingGet: checked once per connector object (a
+        runtime Protocol isinstance costs tens of microseconds)."""
+        if connector is not self._checked:
+            self._blocking = isinstance(connector, BlockingGet)
+            self._checked = connector
+        return self._blocking
+
     def _get_once(self, connector: Connector, key: str, meta: Any, remaining: float) -> Any:
-        if isinstance(connector, BlockingGet):
+        if self._is_blocking(connector):
             return connector.get_blocking(str(self.from_stage), str(self.to_stage), key, meta,
                                           timeout_s=remaining)
         return connector.get(from_stage=str(self.from_stage), to_stage=str(self.to_stage),
@@ -199,7 +274,7 @@ class ReceivePath:
 
         A key whose lease expired at the sender ends the wait at once (its reason goes to
         ``expired``): the request cannot complete."""
-        blocking = isinstance(connector, BlockingGet)
+        blocking = self._is_blocking(connector)
         pending = list(range(len(keys)))
         results: dict[int, Any] = {}
         polls = 0
@@ -228,13 +303,37 @@ class ReceivePath:
         got.extend(results[i] for i in sorted(results))
         return tuple(keys[i][0] for i in pending)
 
-    def _assemble(self, request_id: str, keys: tuple, got: list, device: Any, start: float) -> ReceiveResult:
+    def _assemble(self, request_id: str, keys: tuple, got: list, device: Any, start: float,
+                  handed: list | None) -> ReceiveResult:
+        """Decode, merge, finalize. ``handed`` None: copying receive. Else zero-copy: every
+        pool buffer is taken over (appended to ``handed``); those the result does not keep
+        are given back before this returns."""
+        holds: list[Any] = []
+        sources: list[Any] = []
+        for data, _ in got:
+            if handed is not None and _is_pooled(data) and getattr(data, "tensor", None) is not None:
+                hold = _hold_of(data)
+                holds.append(hold)
+                handed.append(data)
+                sources.append(hold.tensor)
+            else:
+                sources.append(data)
+        result: ReceiveResult | None = None
+        try:
+            result = self._assemble_decoded(request_id, keys, got, sources, holds, device, start)
+            return result
+        finally:
+            kept = {id(b) for b in result.buffers} if result is not None else set()
+            release_all([h for h in holds if id(h) not in kept], wait=False)
+
+    def _assemble_decoded(self, request_id: str, keys: tuple, got: list, sources: list,
+                          holds: list, device: Any, start: float) -> ReceiveResult:
         names = tuple(k for k, _ in keys)
         total = sum(int(size) for _, size in got)
         decoded: list[DecodedKV] = []
         try:
-            for data, _ in got:
-                decoded.append(decode_payload(data, limits=self.limits))
+            for source in sources:
+                decoded.append(decode_payload(source, limits=self.limits))
             if self.key_builder is None:  # kvferry's keys carry the id the sender wrote inside
                 for d, (key, _) in zip(decoded, keys):
                     if d.request_id != request_id:
@@ -247,20 +346,33 @@ class ReceivePath:
                 seconds=self._since(start)))
         try:
             payload = self._combine([d.to_reference_dict() for d in decoded])
-            pooled = [data for data, _ in got if _is_pooled(data)]
-            must_copy: Any = bool(pooled) or self.copy_unpooled
-            views = [getattr(p, "tensor", None) for p in pooled]
-            if (len(decoded) > 1 and self.merger is None and not self.copy_unpooled
-                    and all(isinstance(v, torch.Tensor) for v in views)):
-                # torch.cat made fresh tensors, but a layer only one shard carried is still a view
-                must_copy = lambda t: _views_any(t, views)  # noqa: E731
-            payload = finalize_tensors(payload, device, must_copy)
+            del decoded
+            kept: tuple[Any, ...] = ()
+            if holds:
+                views = [h.tensor for h in holds]
+                unpooled = self.copy_unpooled and len(holds) < len(got)
+                payload = finalize_tensors(
+                    payload, device, (lambda t: not _views_any(t, views)) if unpooled else False)
+                kept = _still_viewed(payload, holds)
+            else:
+                pooled = [data for data, _ in got if _is_pooled(data)]
+                must_copy: Any = bool(pooled) or self.copy_unpooled
+                views = [getattr(p, "tensor", None) for p in pooled]
+                if (len(got) > 1 and self.merger is None and not self.copy_unpooled
+                        and all(isinstance(v, torch.Tensor) for v in views)):
+                    # torch.cat made fresh tensors, but a layer only one shard carried is still a view
+                    must_copy = lambda t: _views_any(t, views)  # noqa: E731
+                payload = finalize_tensors(payload, device, must_copy)
         except (KVFerryError, ValueError, RuntimeError) as exc:
             return ReceiveResult(ReceiveOutcome.failed(
                 request_id, ReceiveKind.CONSUMED_BUT_FAILED, f"post-processing: {exc}", keys=names,
                 nbytes=total, seconds=self._since(start)))
-        return ReceiveResult(ReceiveOutcome.received(request_id, keys=names, nbytes=total,
-                                                     seconds=self._since(start)), payload)
+        result = ReceiveResult(ReceiveOutcome.received(request_id, keys=names, nbytes=total,
+                                                       seconds=self._since(start)), payload, kept)
+        for hold in kept:
+            if not getattr(hold, "tied_to_views", False):  # cannot follow its views: follow the result
+                weakref.finalize(result, release_soon, hold).atexit = False
+        return result
 
     def _combine(self, payloads: list[dict[str, Any]]) -> dict[str, Any]:
         """Merge fan-in shards (source-rank order) and slice an untagged fan-out payload."""
