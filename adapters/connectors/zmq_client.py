@@ -11,6 +11,14 @@ the same key from the same endpoint. It never answers any other key.
 
 DEALERs use ``IMMEDIATE``: a request is queued only to a live connection, so a request made
 while the sender is away is never delivered later to a restarted sender; it just times out.
+
+Every request accepts a streamed reply (:mod:`.zmq_stream`): the I/O thread receives each chunk
+into a region of the reused receive pool (:class:`.zmq_buffers.RecvPool`, ``recv_pool_bytes``)
+as it arrives, and hands the caller that region as one memoryview once the last chunk is in;
+the region returns to the pool when the caller's views of it are garbage. Small payloads come
+in one message, as zmq frames. ``RCVHWM`` (``recv_hwm``, default 1) bounds how many messages
+libzmq buffers per sender: its transient chunk buffers then stay one or two chunks of heap that
+glibc reuses, instead of fresh mappings that fault.
 """
 
 from __future__ import annotations
@@ -19,46 +27,28 @@ import collections
 import logging
 import threading
 import time
-from typing import Any, Callable
+from typing import Callable
 
 import attrs
 import zmq
 
+from kvferry.adapters.connectors.zmq_buffers import RecvPool
 from kvferry.adapters.connectors.zmq_config import ZmqConfig
-from kvferry.adapters.connectors.zmq_protocol import (
-    Rejection,
-    Reply,
-    Request,
-    check_data_frames,
-    decode_reply,
-    encode_request,
-)
+from kvferry.adapters.connectors.zmq_inbound import Outcome, ReplyReader
+from kvferry.adapters.connectors.zmq_protocol import Request, encode_request
+from kvferry.adapters.connectors.zmq_stash import LateStash
 from kvferry.adapters.connectors.zmq_wake import Waker
-from kvferry.core.pool import request_id_of_key
 
 __all__ = ["ZmqClient", "Outcome"]
 
 logger = logging.getLogger(__name__)
-_BATCH = 256
 _MAX_ENDPOINTS = 256
 COUNTERS = (
     "requests", "hits", "bytes_received", "misses_not_found", "misses_expired",
     "misses_timeout", "misses_closing", "errors", "timeouts", "late_replies", "stash_hits",
-    "stash_evicted", "bad_replies", "connect_failures", "loop_failures",
+    "stash_evicted", "bad_replies", "connect_failures", "loop_failures", "streams",
+    "stream_aborts",
 )
-
-
-@attrs.frozen
-class Outcome:
-    """What one request came to. ``kind``: ``"data"`` (``frames`` are memoryviews of the
-    received zmq frames, ``size`` their total bytes), ``"miss"`` (``reason`` from the sender),
-    ``"error"`` (the sender or the reply was wrong), ``"timeout"`` (no answer by the
-    deadline) or ``"closed"``."""
-
-    kind: str
-    frames: tuple[Any, ...] = ()
-    size: int = 0
-    reason: str = ""
 
 
 @attrs.define(eq=False)
@@ -93,13 +83,19 @@ class ZmqClient:
     _next_id: int = attrs.field(init=False, default=1)
     _pending: dict[int, _Slot] = attrs.field(init=False, factory=dict)
     _submits: collections.deque = attrs.field(init=False, factory=collections.deque)
-    _stash: "collections.OrderedDict[tuple[str, str], tuple[Outcome, float]]" = attrs.field(
-        init=False, factory=collections.OrderedDict
-    )
-    _stash_bytes: int = attrs.field(init=False, default=0)
+    _stash: LateStash = attrs.field(init=False)
     _counters: dict[str, int] = attrs.field(init=False, factory=lambda: dict.fromkeys(COUNTERS, 0))
     _endpoints: int = attrs.field(init=False, default=0)
     _closed: bool = attrs.field(init=False, default=False)
+    _pool: RecvPool = attrs.field(init=False)
+    _reader: ReplyReader = attrs.field(init=False)
+
+    def __attrs_post_init__(self) -> None:
+        cfg = self.config
+        self._stash = LateStash(cfg.late_stash_bytes, cfg.late_stash_s)
+        self._pool = RecvPool(cfg.recv_pool_bytes)
+        self._reader = ReplyReader(self._deliver, self._count, self._pool.lend,
+                                   cfg.stream_idle_s, self.clock)
 
     # ---------------------------------------------------------------- callers
 
@@ -108,7 +104,7 @@ class ZmqClient:
         with self._lock:
             if self._closed:
                 return Outcome("closed")
-            stashed = self._take_stash_locked(endpoint, key)
+            stashed = self._stash.take(endpoint, key, self.clock())
             self._counters["requests"] += 1
             if stashed is not None:
                 self._counters["stash_hits"] += 1
@@ -116,7 +112,7 @@ class ZmqClient:
                 return stashed
             self._ensure_thread_locked()
             corr_id = self._next_id
-            body = encode_request(Request(corr_id, key, mode, wait_s))  # ConfigError if bad
+            body = encode_request(Request(corr_id, key, mode, wait_s, True))  # ConfigError if bad
             self._next_id += 1
             slot = _Slot(corr_id, endpoint, key)
             self._pending[corr_id] = slot
@@ -132,17 +128,16 @@ class ZmqClient:
     def drop_request(self, request_id: str) -> None:
         """Forget stashed late payloads of ``request_id``."""
         with self._lock:
-            for stash_key in [k for k in self._stash if request_id_of_key(k[1]) == request_id]:
-                outcome, _ = self._stash.pop(stash_key)
-                self._stash_bytes -= outcome.size
+            self._stash.drop_request(request_id)
 
     def stats(self) -> dict[str, int]:
         with self._lock:
             out = dict(self._counters)
-            out["stash_bytes"] = self._stash_bytes
+            out["stash_bytes"] = self._stash.nbytes
             out["stash_payloads"] = len(self._stash)
             out["in_flight"] = len(self._pending)
             out["endpoints"] = self._endpoints
+        out.update(self._pool.stats())
         return out
 
     def close(self, timeout_s: float = 5.0) -> bool:
@@ -154,11 +149,11 @@ class ZmqClient:
                     slot.outcome = Outcome("closed")
                     slot.event.set()
             self._stash.clear()
-            self._stash_bytes = 0
             thread, waker = self._thread, self._waker
         if thread is None:
             if waker is not None:
                 waker.close()
+            self._pool.close()
             return True
         waker.poke()
         thread.join(timeout_s)
@@ -166,6 +161,7 @@ class ZmqClient:
             logger.error("zmq receive thread did not stop in %.1fs", timeout_s)
             return False
         waker.close()
+        self._pool.close()
         return True
 
     # ---------------------------------------------------------------- bookkeeping
@@ -188,23 +184,9 @@ class ZmqClient:
         elif outcome.kind == "timeout":
             self._counters["timeouts"] += 1
 
-    def _take_stash_locked(self, endpoint: str, key: str) -> Outcome | None:
-        self._prune_stash_locked(self.clock())
-        item = self._stash.pop((endpoint, key), None)
-        if item is None:
-            return None
-        self._stash_bytes -= item[0].size
-        return item[0]
-
-    def _prune_stash_locked(self, now: float) -> None:
-        limit = self.config.late_stash_s
-        while self._stash:
-            stash_key, (outcome, stored) = next(iter(self._stash.items()))
-            if now - stored < limit and self._stash_bytes <= self.config.late_stash_bytes:
-                return
-            del self._stash[stash_key]
-            self._stash_bytes -= outcome.size
-            self._counters["stash_evicted"] += 1
+    def _count(self, name: str) -> None:
+        with self._lock:
+            self._counters[name] += 1
 
     def _deliver(self, endpoint: str, corr_id: int | None, outcome: Outcome, key: str) -> None:
         with self._lock:
@@ -216,13 +198,8 @@ class ZmqClient:
             if outcome.kind != "data":
                 return  # e.g. the sender's own "timeout" answer, just after our deadline
             self._counters["late_replies"] += 1
-            if not self._closed and self.config.late_stash_bytes:
-                old = self._stash.pop((endpoint, key), None)
-                if old is not None:
-                    self._stash_bytes -= old[0].size
-                self._stash[(endpoint, key)] = (outcome, self.clock())
-                self._stash_bytes += outcome.size
-                self._prune_stash_locked(self.clock())
+            if not self._closed:
+                self._counters["stash_evicted"] += self._stash.put(endpoint, key, outcome, self.clock())
 
     # ---------------------------------------------------------------- I/O thread
 
@@ -231,7 +208,7 @@ class ZmqClient:
         sock = self.context.socket(zmq.DEALER)
         sock.linger = 0
         sock.setsockopt(zmq.IMMEDIATE, 1)
-        sock.setsockopt(zmq.RCVHWM, 0)
+        sock.setsockopt(zmq.RCVHWM, cfg.recv_hwm)
         sock.setsockopt(zmq.RECONNECT_IVL, 100)
         sock.setsockopt(zmq.RECONNECT_IVL_MAX, 1000)
         sock.setsockopt(zmq.HEARTBEAT_IVL, 1000)
@@ -267,7 +244,8 @@ class ZmqClient:
                 self._route_submits(sockets, outbox, poller)
                 for endpoint, sock in list(sockets.items()):
                     if events.get(sock, 0) & zmq.POLLIN:
-                        self._read_replies(endpoint, sock)
+                        self._reader.read(endpoint, sock)
+                self._reader.expire()
                 self._flush(sockets, outbox, poller)
         except Exception:  # a bug or a zmq fault: fail the waiting callers, not silently
             logger.exception("zmq receive loop failed; it restarts on the next request")
@@ -276,6 +254,7 @@ class ZmqClient:
         finally:
             for sock in sockets.values():
                 sock.close(linger=0)
+            self._reader.close()
             with self._lock:
                 self._endpoints = 0
                 if not self._closed:  # failed: answer every waiter, let a new thread start
@@ -288,6 +267,7 @@ class ZmqClient:
 
     def _timeout_ms(self, outbox: dict[str, collections.deque]) -> int | None:
         deadlines = [q[0].deadline for q in outbox.values() if q]
+        deadlines += self._reader.deadlines()
         if not deadlines:
             return None
         return max(0, int((min(deadlines) - self.clock()) * 1000) + 1)
@@ -303,6 +283,7 @@ class ZmqClient:
                     poller.unregister(old)
                     old.close(linger=0)
                     outbox.pop(old_endpoint, None)
+                    self._reader.drop(old_endpoint, "connection closed (too many senders)")
                 sock = self._connect(item.endpoint)
                 if sock is None:
                     with self._lock:
@@ -314,37 +295,6 @@ class ZmqClient:
                     self._endpoints = len(sockets)
             sockets.move_to_end(item.endpoint)
             outbox.setdefault(item.endpoint, collections.deque()).append(item)
-
-    def _read_replies(self, endpoint: str, sock: zmq.Socket) -> None:
-        for _ in range(_BATCH):
-            try:
-                frames = sock.recv_multipart(flags=zmq.NOBLOCK, copy=False)
-            except zmq.Again:
-                return
-            reply = decode_reply(frames[0].buffer)
-            if isinstance(reply, Rejection):
-                self._bad_reply(endpoint, reply.corr_id, reply.reason + ": " + reply.detail)
-                continue
-            if reply.op == "data":
-                views = tuple(frame.buffer for frame in frames[1:])
-                bad = check_data_frames(reply, views)
-                if bad is not None:
-                    self._bad_reply(endpoint, reply.corr_id, bad.detail)
-                    continue
-                self._deliver(endpoint, reply.corr_id, Outcome("data", views, reply.size), reply.key)
-            elif reply.op == "miss":
-                self._deliver(endpoint, reply.corr_id, Outcome("miss", reason=reply.reason), reply.key)
-            else:
-                logger.warning("zmq sender %s answered an error: %s (%s)",
-                               endpoint, reply.reason, reply.detail)
-                self._deliver(endpoint, reply.corr_id, Outcome("error", reason=reply.reason), "")
-
-    def _bad_reply(self, endpoint: str, corr_id: int | None, detail: str) -> None:
-        logger.warning("zmq receiver dropped a malformed reply from %s: %s", endpoint, detail)
-        with self._lock:
-            self._counters["bad_replies"] += 1
-        if corr_id is not None:
-            self._deliver(endpoint, corr_id, Outcome("error", reason="bad_reply"), "")
 
     def _flush(self, sockets, outbox, poller) -> None:
         now = self.clock()

@@ -13,9 +13,18 @@ import attrs
 
 from kvferry.core.errors import ConfigError
 
-__all__ = ["ROLES", "TRANSPORTS", "CurveConfig", "ZmqConfig", "generate_curve_config"]
+__all__ = [
+    "ROLES", "TRANSPORTS", "DEFAULT_CHUNK_BYTES", "MIN_CHUNK_BYTES", "CurveConfig", "ZmqConfig",
+    "generate_curve_config", "start_authenticator",
+]
 
 ROLES = ("sender", "receiver")
+#: Default largest message of a streamed payload, in bytes: small enough that libzmq's
+#: per-message receive buffer is served from (and returned to) the heap and stays cache-warm
+#: while the receiver copies it out.
+DEFAULT_CHUNK_BYTES = 2 << 20
+#: Smallest ``chunk_bytes`` (below it the per-message overhead dominates).
+MIN_CHUNK_BYTES = 64 << 10
 TRANSPORTS = ("tcp", "ipc")
 _WILDCARD_HOSTS = ("0.0.0.0", "*", "::", "[::]")
 _CURVE_KEYS = ("server_public", "server_secret", "client_public", "client_secret")
@@ -93,6 +102,33 @@ class CurveConfig:
         return self.server_public, self.client_public, self.client_secret
 
 
+def start_authenticator(context: Any, curve: CurveConfig, log: Any) -> Any:
+    """Start a ZAP authenticator on ``context`` that admits ``curve.admitted()`` client keys
+    (any CURVE client when that is empty); the caller stops it (``.stop()``)."""
+    from zmq.auth import CURVE_ALLOW_ANY
+    from zmq.auth.thread import ThreadAuthenticator
+
+    curve.require_server()
+    auth = ThreadAuthenticator(context, log=log)
+    auth.start()
+    admitted = curve.admitted()
+    if admitted:
+        auth.configure_curve_callback(domain="*", credentials_provider=_KeyList(admitted))
+    else:
+        auth.configure_curve(domain="*", location=CURVE_ALLOW_ANY)
+    return auth
+
+
+class _KeyList:
+    """A ZAP credentials provider admitting a fixed set of z85 client keys."""
+
+    def __init__(self, allowed: tuple[str, ...]) -> None:
+        self.allowed = frozenset(k.encode("ascii") for k in allowed)
+
+    def callback(self, domain: str, key: bytes) -> bool:
+        return key in self.allowed
+
+
 def generate_curve_config() -> dict[str, str]:
     """Fresh server and client key pairs as a ``curve`` config dict (z85 text)."""
     import zmq
@@ -125,6 +161,27 @@ def _seconds(raw: Mapping[str, Any], key: str, default: float) -> float:
     return float(value)
 
 
+def _seconds_or_zero(raw: Mapping[str, Any], key: str, default: float) -> float:
+    value = raw.get(key, default)
+    if value == 0 and not isinstance(value, bool):
+        return 0.0
+    return _seconds(raw, key, default)
+
+
+def _flag(raw: Mapping[str, Any], key: str, default: bool) -> bool:
+    value = raw.get(key, default)
+    if not isinstance(value, bool):
+        raise ConfigError(f"{key} must be true or false, got {value!r}")
+    return value
+
+
+def _chunk_bytes(raw: Mapping[str, Any]) -> int:
+    value = _int(raw, "chunk_bytes", DEFAULT_CHUNK_BYTES, 0)
+    if 0 < value < MIN_CHUNK_BYTES:
+        raise ConfigError(f"chunk_bytes must be 0 (no streaming) or >= {MIN_CHUNK_BYTES}, got {value}")
+    return value
+
+
 def _choice(raw: Mapping[str, Any], key: str, default: str, choices: tuple[str, ...]) -> str:
     value = raw.get(key, default)
     if value not in choices:
@@ -145,7 +202,8 @@ _KNOWN = {
     "type", "role", "transport", "host", "port", "advertise_host", "ipc_dir", "pool_bytes",
     "max_payloads", "readers", "lease_s", "request_timeout_s", "max_wait_s", "max_parked",
     "sender_host", "sender_port", "sender_zmq_port", "curve", "late_stash_bytes",
-    "late_stash_s", "max_frame_bytes", "start_timeout_s",
+    "late_stash_s", "max_frame_bytes", "start_timeout_s", "chunk_bytes", "prefault",
+    "drain_wait_s", "recv_pool_bytes", "recv_hwm", "stream_idle_s",
 }
 
 
@@ -167,6 +225,14 @@ class ZmqConfig:
     - ``late_stash_bytes``/``late_stash_s``: payloads whose reply came after its caller's
       deadline are kept this long (bounded) for the next get of the same key.
     - ``max_frame_bytes``: a receiver refuses a frame larger than this (-1: no limit).
+    - ``chunk_bytes``: a sender streams a payload larger than this as messages of at most this
+      many bytes (0: never; one message per payload); ``prefault``: touch the whole send pool
+      at construction (default: pages are touched on first use and kept); ``drain_wait_s``:
+      how long ``put``/``reserve`` wait for sends libzmq still reads before saying pool_full.
+    - ``recv_pool_bytes``: a receiver's reused buffer pool for streamed payloads (0: none;
+      streamed payloads arrive as frames); ``recv_hwm``: most messages libzmq queues per sender
+      before it stops reading (0: no bound); ``stream_idle_s``: a streamed reply that makes no
+      progress for this long is dropped.
     """
 
     role: str = "receiver"
@@ -189,6 +255,12 @@ class ZmqConfig:
     late_stash_s: float = 60.0
     max_frame_bytes: int = -1
     start_timeout_s: float = 10.0
+    chunk_bytes: int = DEFAULT_CHUNK_BYTES
+    prefault: bool = False
+    drain_wait_s: float = 1.0
+    recv_pool_bytes: int = 2 << 30
+    recv_hwm: int = 1
+    stream_idle_s: float = 30.0
     ignored_keys: tuple[str, ...] = ()
 
     @classmethod
@@ -243,5 +315,11 @@ class ZmqConfig:
             late_stash_s=_seconds(raw, "late_stash_s", 60.0),
             max_frame_bytes=max_frame,
             start_timeout_s=_seconds(raw, "start_timeout_s", 10.0),
+            chunk_bytes=_chunk_bytes(raw),
+            prefault=_flag(raw, "prefault", False),
+            drain_wait_s=_seconds_or_zero(raw, "drain_wait_s", 1.0),
+            recv_pool_bytes=_int(raw, "recv_pool_bytes", 2 << 30, 0),
+            recv_hwm=_int(raw, "recv_hwm", 1, 0),
+            stream_idle_s=_seconds(raw, "stream_idle_s", 30.0),
             ignored_keys=tuple(sorted(set(raw) - _KNOWN)),
         )

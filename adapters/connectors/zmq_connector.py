@@ -5,18 +5,22 @@ Roles (config ``role``):
 - ``"sender"`` binds a ROUTER on ``host`` (loopback by default; binds only where told) and
   ``port`` (0: the OS chooses; the bound port is in ``health()`` and put metadata), or on
   ``ipc://{ipc_dir}/kvferry-zmq-{port}.ipc`` with ``transport: "ipc"``. A bind failure raises
-  BindError naming host and port (fatal; never retried on another port). ``put`` keeps the
-  payload's buffers by reference (no copy: do not modify them afterwards) for ``readers`` gets
-  or ``lease_s`` seconds, bounded by ``pool_bytes`` and ``max_payloads``.
+  BindError naming host and port (fatal; never retried on another port). Payloads live in one
+  reused pool of ``pool_bytes`` (``reserve`` hands out a region of it to write into; ``put``
+  copies its data in, so the caller's buffers are free at once) for ``readers`` gets or
+  ``lease_s`` seconds, at most ``max_payloads`` of them.
 - ``"receiver"`` only pulls. The sender it asks comes from ``get``'s metadata (what ``put``
   returned, or partial ``source_host``/``source_port``), else from ``update_sender_info`` or
   config ``sender_host``/``sender_port``. A sender connector's default sender is itself.
 
 Every connector can ``get``. ``get`` asks once ("now") and waits at most ``request_timeout_s``
 for the answer; ``get_blocking`` parks the request at the sender ("wait") until the key is
-published or ``timeout_s`` passes. Both return ``(frames, size)`` where ``frames`` is a tuple
-of memoryviews of the received zmq frames (kept alive by the views; their concatenation is
-the payload, so a decoder can build tensor views without copying), or None.
+published or ``timeout_s`` passes. Both return ``(data, size)`` or None. ``data`` is a tuple
+of memoryviews of the received zmq frames for a payload of at most ``chunk_bytes`` (kept
+alive by the views; their concatenation is the payload), or, for a larger (streamed) payload,
+a pool buffer of the receive pool: ``.tensor`` (1-D ``uint8``) and ``.release()`` (idempotent;
+release once every tensor decoded from it was copied). Either way a decoder builds tensor
+views without copying.
 
 Wire protocol, ports and security: docs/zmq.md.
 """
@@ -34,7 +38,8 @@ from kvferry.adapters.connectors.zmq_client import Outcome, ZmqClient
 from kvferry.adapters.connectors.zmq_config import ZmqConfig
 from kvferry.adapters.connectors.zmq_protocol import resolve_endpoint
 from kvferry.adapters.connectors.zmq_server import ZmqServer
-from kvferry.adapters.connectors.zmq_store import Held, ZmqReservation, as_frames
+from kvferry.adapters.connectors.zmq_buffers import as_frames
+from kvferry.adapters.connectors.zmq_store import PublishFailure, ZmqReservation
 from kvferry.core.errors import ConfigError, LeaseExpired, PoolFullError, TransferError
 
 __all__ = ["ZmqConnector"]
@@ -177,27 +182,44 @@ class ZmqConnector:
         readers: int | None = None,
         lease_s: float | None = None,
     ) -> tuple[bool, int, dict[str, Any] | None]:
-        """Hold ``data`` under ``put_key`` for pulling receivers (latest put of a key wins).
+        """Copy ``data`` into the pool and hold it under ``put_key`` for pulling receivers
+        (latest put of a key wins). The caller may reuse its buffers as soon as this returns.
 
         Returns ``(True, size, metadata)`` or ``(False, 0, {"reason", "detail"})`` with reason
-        ``pool_full``, ``too_large``, ``closed`` or ``not_sender``. Unsupported data types and
-        invalid ``readers``/``lease_s`` raise ConfigError (caller misuse).
+        ``pool_full`` (after waiting up to ``drain_wait_s`` for sends in flight), ``too_large``,
+        ``closed`` or ``not_sender``. Unsupported data types and invalid ``readers``/``lease_s``
+        raise ConfigError (caller misuse).
         """
         readers, lease = self._check_put(put_key, readers, lease_s)
         refusal = self._refusal()
         if refusal is not None:
             return False, 0, refusal
         frames, sizes = as_frames(data)
-        return self._publish(put_key, Held(frames, sizes), readers, lease, 0)
+        store = self._server.store
+        region = store.reserve(sum(sizes), count_failure=True)
+        if isinstance(region, PublishFailure):
+            return self._refused(put_key, region)
+        try:
+            written = store.write(region, frames)
+        except BaseException:
+            store.abort(region)
+            raise
+        if not written:
+            store.abort(region)
+            return self._refused(put_key, PublishFailure("closed", "the zmq connector is closed"))
+        return self._publish(put_key, region, sizes, readers, lease)
+
+    def _refused(self, key: str, failure: PublishFailure) -> tuple[bool, int, dict[str, Any]]:
+        logger.warning("zmq put of %r refused: %s", key, failure.detail)
+        return False, 0, {"reason": failure.reason, "detail": failure.detail}
 
     def _publish(
-        self, key: str, held: Held, readers: int, lease: float, reserved: int
+        self, key: str, region: Any, sizes: tuple[int, ...], readers: int, lease: float
     ) -> tuple[bool, int, dict[str, Any] | None]:
-        failure = self._server.publish(key, held, readers=readers, lease_s=lease, reserved=reserved)
+        failure = self._server.publish(key, region, sizes, readers=readers, lease_s=lease)
         if failure is not None:
-            logger.warning("zmq put of %r refused: %s", key, failure.detail)
-            return False, 0, {"reason": failure.reason, "detail": failure.detail}
-        size = sum(held.sizes)
+            return self._refused(key, failure)
+        size = region.nbytes
         return True, size, {**self.sender_metadata(), "key": key, "size": size}
 
     def reserve(
@@ -210,9 +232,11 @@ class ZmqConnector:
         readers: int | None = None,
         lease_s: float | None = None,
     ) -> ZmqReservation:
-        """Reserve ``nbytes`` of the pool for ``put_key``; write into ``.buffer``, then
-        ``commit()``. Raises PoolFullError (``pool_full`` / ``too_large`` in the message),
-        TransferError when closed, ConfigError for a receiver or bad arguments."""
+        """Reserve ``nbytes`` of the pool for ``put_key``; write into ``.buffer`` (a view of the
+        pool: no page faults once the pool is warm), then ``commit()`` (publishes the region
+        itself, no copy). Raises PoolFullError (``pool_full`` / ``too_large`` in the message;
+        ``pool_full`` after waiting up to ``drain_wait_s`` for sends in flight), TransferError
+        when closed, ConfigError for a receiver or bad arguments."""
         readers, lease = self._check_put(put_key, readers, lease_s)
         if isinstance(nbytes, bool) or not isinstance(nbytes, int) or nbytes < 0:
             raise ConfigError(f"nbytes must be an integer >= 0, got {nbytes!r}")
@@ -221,26 +245,17 @@ class ZmqConnector:
             if refusal["reason"] == "closed":
                 raise TransferError(f"closed: {refusal['detail']}")
             raise ConfigError(f"reserve {refusal['detail']}")
-        failure = self._server.store.reserve(nbytes)
-        if failure is not None:
-            if failure.reason == "closed":
-                raise TransferError(f"closed: {failure.detail}")
-            raise PoolFullError(f"{failure.reason}: {failure.detail}")
-        import torch
+        store = self._server.store
+        region = store.reserve(nbytes)
+        if isinstance(region, PublishFailure):
+            if region.reason == "closed":
+                raise TransferError(f"closed: {region.detail}")
+            raise PoolFullError(f"{region.reason}: {region.detail}")
 
-        try:
-            buffer = torch.empty(nbytes, dtype=torch.uint8)
-        except RuntimeError:
-            self._server.store.unreserve(nbytes)
-            raise
+        def publish() -> tuple[bool, int, Any]:
+            return self._publish(put_key, region, (nbytes,), readers, lease)
 
-        def publish(held: Held, reserved: int) -> tuple[bool, int, Any]:
-            if self._closed:
-                self._server.store.unreserve(reserved)
-                return False, 0, {"reason": "closed", "detail": "the zmq connector is closed"}
-            return self._publish(put_key, held, readers, lease, reserved)
-
-        return ZmqReservation(buffer, publish, self._server.store.unreserve, nbytes)
+        return ZmqReservation(store.buffer(region), publish, lambda: store.abort(region))
 
     def get(
         self,
@@ -248,9 +263,10 @@ class ZmqConnector:
         to_stage: Any,
         get_key: str,
         metadata: Mapping[str, Any] | None = None,
-    ) -> tuple[tuple[memoryview, ...], int] | None:
-        """Ask the sender for ``get_key`` now; ``(frames, size)`` or None (not there, sender
-        unreachable within ``request_timeout_s``, or no sender known)."""
+    ) -> tuple[Any, int] | None:
+        """Ask the sender for ``get_key`` now; ``(data, size)`` (frames or a pool buffer, see
+        the module docstring) or None (not there, sender unreachable within
+        ``request_timeout_s``, or no sender known)."""
         return self._fetch(get_key, metadata, "now", 0.0, self.config.request_timeout_s)
 
     def get_blocking(
@@ -261,7 +277,7 @@ class ZmqConnector:
         metadata: Mapping[str, Any] | None = None,
         *,
         timeout_s: float,
-    ) -> tuple[tuple[memoryview, ...], int] | None:
+    ) -> tuple[Any, int] | None:
         """Wait up to ``timeout_s`` seconds for ``get_key``; the sender answers on arrival.
         Raises LeaseExpired at once when the sender says the key expired unread."""
         if isinstance(timeout_s, bool) or not isinstance(timeout_s, (int, float)) or timeout_s < 0:
@@ -272,7 +288,7 @@ class ZmqConnector:
 
     def _fetch(
         self, key: str, metadata: Mapping[str, Any] | None, mode: str, wait: float, timeout: float
-    ) -> tuple[tuple[memoryview, ...], int] | None:
+    ) -> tuple[Any, int] | None:
         if self._closed:
             return None
         curve = self.config.curve

@@ -6,14 +6,20 @@ and receiver cannot disagree. Control frames are msgpack maps of plain data (nev
 Receiver -> sender (a DEALER sends ONE frame; the sender's ROUTER sees ``[identity, body]``)::
 
     {"v": 1, "op": "get", "id": <int correlation id>, "key": <str>,
-     "mode": "now" | "wait", "wait_s": <float seconds, >= 0>}
+     "mode": "now" | "wait", "wait_s": <float seconds, >= 0>, "stream": true}
+
+``stream`` (optional, default false): the receiver accepts a streamed data reply.
 
 Sender -> receiver (``[header, *payload frames]``)::
 
     {"v": 1, "op": "data",  "id": id, "key": key, "sizes": [bytes per payload frame]}
+    {"v": 1, "op": "data",  "id": id, "key": key, "sizes": [...], "chunk": <bytes>}
     {"v": 1, "op": "miss",  "id": id, "key": key, "reason": "not_found" | "expired" |
                                                            "timeout" | "closing"}
     {"v": 1, "op": "error", "id": id | None, "reason": <word>, "detail": <text>}
+
+A data reply with ``chunk`` (only to a request with ``stream``) is streamed: the header comes
+alone and the payload follows in separate messages (see :mod:`.zmq_stream`).
 
 ``wait_s`` is relative (the hosts' clocks are not compared): the sender parks a "wait" request
 until the key is published or ``wait_s`` has passed on its own monotonic clock.
@@ -25,12 +31,14 @@ naming what was wrong, so a garbage message costs one counter increment and noth
 from __future__ import annotations
 
 import math
+import os
+import socket
 from typing import Any, Mapping, Sequence, Union
 
 import attrs
 import msgpack
 
-from kvferry.core.errors import ConfigError
+from kvferry.core.errors import BindError, ConfigError
 
 __all__ = [
     "PROTOCOL_VERSION",
@@ -46,10 +54,13 @@ __all__ = [
     "decode_request",
     "encode_reply",
     "decode_reply",
+    "unpack_control",
+    "reply_from_map",
     "check_data_frames",
     "ipc_path",
     "tcp_endpoint",
     "resolve_endpoint",
+    "refuse_live_ipc",
     "MAX_IPC_PATH_BYTES",
 ]
 
@@ -70,18 +81,21 @@ _MAX_ID = (1 << 63) - 1
 
 @attrs.frozen
 class Request:
-    """One pull request. ``corr_id`` is unique per receiver connector; ``wait_s`` in seconds."""
+    """One pull request. ``corr_id`` is unique per receiver connector; ``wait_s`` in seconds;
+    ``stream``: the receiver accepts a streamed data reply."""
 
     corr_id: int
     key: str
     mode: str = "now"
     wait_s: float = 0.0
+    stream: bool = False
 
 
 @attrs.frozen
 class Reply:
     """A sender's answer. ``op`` is ``"data"``, ``"miss"`` or ``"error"``; ``sizes`` (data
-    only) are the byte lengths of the payload frames that follow the header frame."""
+    only) are the byte lengths of the payload frames; they follow the header frame, or, when
+    ``chunk`` > 0, come as a stream of messages of at most ``chunk`` bytes each."""
 
     op: str
     corr_id: int | None
@@ -89,6 +103,7 @@ class Reply:
     reason: str = ""
     detail: str = ""
     sizes: tuple[int, ...] = ()
+    chunk: int = 0
 
     @property
     def size(self) -> int:
@@ -109,7 +124,8 @@ def _pack(obj: Mapping[str, Any]) -> bytes:
     return msgpack.packb(dict(obj), use_bin_type=True)
 
 
-def _unpack(body: Any) -> dict[str, Any] | Rejection:
+def unpack_control(body: Any) -> dict[str, Any] | Rejection:
+    """A control frame as a map (msgpack, at most MAX_CONTROL_BYTES), or why not. Never raises."""
     try:
         view = memoryview(body)
     except TypeError:
@@ -158,15 +174,16 @@ def encode_request(request: Request) -> bytes:
     wait = float(request.wait_s)
     if not (math.isfinite(wait) and wait >= 0):
         raise ConfigError(f"wait_s must be a finite number >= 0, got {request.wait_s!r}")
-    return _pack(
-        {"v": PROTOCOL_VERSION, "op": "get", "id": request.corr_id, "key": request.key,
-         "mode": request.mode, "wait_s": wait}
-    )
+    body = {"v": PROTOCOL_VERSION, "op": "get", "id": request.corr_id, "key": request.key,
+            "mode": request.mode, "wait_s": wait}
+    if request.stream:
+        body["stream"] = True
+    return _pack(body)
 
 
 def decode_request(body: Any) -> Request | Rejection:
     """Read a request frame; never raises."""
-    obj = _unpack(body)
+    obj = unpack_control(body)
     if isinstance(obj, Rejection):
         return obj
     corr_id = _corr_id(obj)
@@ -188,7 +205,10 @@ def decode_request(body: Any) -> Request | Rejection:
         return Rejection("bad_request", "wait_s must be a number", corr_id)
     if not (math.isfinite(wait) and wait >= 0):
         return Rejection("bad_request", "wait_s must be finite and >= 0", corr_id)
-    return Request(corr_id, key, mode, float(wait))
+    stream = obj.get("stream", False)
+    if not isinstance(stream, bool):
+        return Rejection("bad_request", "stream must be true or false", corr_id)
+    return Request(corr_id, key, mode, float(wait), stream)
 
 
 def encode_reply(reply: Reply) -> bytes:
@@ -197,6 +217,8 @@ def encode_reply(reply: Reply) -> bytes:
     if reply.op == "data":
         body["key"] = reply.key
         body["sizes"] = list(reply.sizes)
+        if reply.chunk:
+            body["chunk"] = reply.chunk
     elif reply.op == "miss":
         body["key"] = reply.key
         body["reason"] = reply.reason
@@ -220,9 +242,12 @@ def _read_sizes(obj: Mapping[str, Any], corr_id: int | None) -> tuple[int, ...] 
 
 def decode_reply(header: Any) -> Reply | Rejection:
     """Read a reply header frame; never raises. Check the frames with check_data_frames."""
-    obj = _unpack(header)
-    if isinstance(obj, Rejection):
-        return obj
+    obj = unpack_control(header)
+    return obj if isinstance(obj, Rejection) else reply_from_map(obj)
+
+
+def reply_from_map(obj: Mapping[str, Any]) -> Reply | Rejection:
+    """A reply header already unpacked by :func:`unpack_control`; never raises."""
     op = obj.get("op")
     corr_id = _corr_id(obj, optional=op == "error")
     if isinstance(corr_id, Rejection):
@@ -248,7 +273,10 @@ def decode_reply(header: Any) -> Reply | Rejection:
     sizes = _read_sizes(obj, corr_id)
     if isinstance(sizes, Rejection):
         return sizes
-    return Reply("data", corr_id, key, sizes=sizes)
+    chunk = obj.get("chunk", 0)
+    if isinstance(chunk, bool) or not isinstance(chunk, int) or chunk < 0:
+        return Rejection("bad_reply", f"chunk {str(chunk)[:64]!r} is not a byte count", corr_id)
+    return Reply("data", corr_id, key, sizes=sizes, chunk=chunk)
 
 
 def check_data_frames(reply: Reply, frames: Sequence[Any]) -> Rejection | None:
@@ -338,3 +366,23 @@ def resolve_endpoint(
     if not isinstance(host, str) or not host.strip():
         raise ConfigError(f"source_host must be a non-empty host string, got {host!r}")
     return tcp_endpoint(host.strip(), _port_of(port, "source_port"))
+
+
+def refuse_live_ipc(path: str, host: str, port: int) -> None:
+    """Raise BindError when a live process serves ``path``; a stale file is left to libzmq,
+    which replaces it on bind."""
+    if not os.path.exists(path):
+        return
+    probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        probe.settimeout(1.0)
+        probe.connect(path)
+    except (ConnectionRefusedError, FileNotFoundError):
+        return
+    except OSError as exc:
+        raise BindError(f"cannot bind ipc://{path} (host {host!r}, port {port}): {exc}") from None
+    finally:
+        probe.close()
+    raise BindError(
+        f"cannot bind ipc://{path} (host {host!r}, port {port}): another process serves it"
+    )

@@ -6,19 +6,19 @@ and closed by the serving thread alone. Parked "wait" requests are answered when
 published (the publisher pokes the loop) or when their deadline passes (the poll timeout is the
 next deadline): no sleep-polling anywhere.
 
-What a payload costs: the frames handed to ``publish`` are kept by reference (no copy) and sent
-with ``copy=False``; after the last permitted reader was served they are dropped from the table
-(zmq keeps its own references until the bytes are on the wire).
+What a payload costs: it lives in the sender's pool (:mod:`.zmq_store`) and is sent from there
+with ``copy=False``: one message (``[header, *frames]``) when small or when the receiver did not
+ask for a stream, else the header then chunks of ``chunk_bytes`` (:mod:`.zmq_stream`). A served
+payload's region is reused once libzmq's trackers say it is done with the bytes; the loop
+reaps finished sends on every pass without ever waiting for one.
 """
 
 from __future__ import annotations
 
 import collections
-import errno
 import heapq
 import logging
 import os
-import socket
 import threading
 import time
 from typing import Any, Callable
@@ -26,7 +26,7 @@ from typing import Any, Callable
 import attrs
 import zmq
 
-from kvferry.adapters.connectors.zmq_config import ZmqConfig
+from kvferry.adapters.connectors.zmq_config import ZmqConfig, start_authenticator
 from kvferry.adapters.connectors.zmq_protocol import (
     MAX_CONTROL_BYTES,
     Rejection,
@@ -35,9 +35,11 @@ from kvferry.adapters.connectors.zmq_protocol import (
     decode_request,
     encode_reply,
     ipc_path,
+    refuse_live_ipc,
     tcp_endpoint,
 )
 from kvferry.adapters.connectors.zmq_store import Held, HeldPayloads, PublishFailure
+from kvferry.adapters.connectors.zmq_stream import send_message, send_payload
 from kvferry.adapters.connectors.zmq_wake import Waker
 from kvferry.core.errors import BindError
 
@@ -49,8 +51,11 @@ _BATCH = 256  # most requests handled per loop pass before timers and publicatio
 #: it); all of them change only in the serving thread.
 COUNTERS = (
     "requests", "misses_not_found", "misses_expired", "wait_timeouts", "parked_total",
-    "parked_refused", "bad_messages", "undeliverable", "loop_failures",
+    "parked_refused", "bad_messages", "undeliverable", "loop_failures", "streams",
+    "chunks_sent", "streams_cut",
 )
+#: Longest poll wait in seconds (a backstop; every real event wakes the loop sooner).
+_MAX_POLL_S = 3600.0
 
 
 @attrs.define(eq=False)
@@ -59,18 +64,8 @@ class _Parked:
     corr_id: int
     key: str
     deadline: float
+    stream: bool = False
     done: bool = False
-
-
-def _admit_keys(keys: tuple[str, ...]) -> Any:
-    class _KeyList:
-        def __init__(self, allowed: tuple[str, ...]) -> None:
-            self.allowed = frozenset(k.encode("ascii") for k in allowed)
-
-        def callback(self, domain: str, key: bytes) -> bool:
-            return key in self.allowed
-
-    return _KeyList(keys)
 
 
 @attrs.define(eq=False)
@@ -103,7 +98,9 @@ class ZmqServer:
     _auth: Any = attrs.field(init=False, default=None)
 
     def __attrs_post_init__(self) -> None:
-        self.store = HeldPayloads(self.config.pool_bytes, self.config.max_payloads, self.lease_clock)
+        cfg = self.config
+        self.store = HeldPayloads(cfg.pool_bytes, cfg.max_payloads, self.lease_clock,
+                                  prefault=cfg.prefault, drain_wait_s=cfg.drain_wait_s)
 
     # ---------------------------------------------------------------- lifecycle
 
@@ -141,18 +138,8 @@ class ZmqServer:
         return stopped
 
     def _start_authenticator(self) -> None:
-        from zmq.auth import CURVE_ALLOW_ANY
-        from zmq.auth.thread import ThreadAuthenticator
-
-        self.config.curve.require_server()
-        auth = ThreadAuthenticator(self.context, log=logging.getLogger(__name__ + ".auth"))
-        auth.start()
-        admitted = self.config.curve.admitted()
-        if admitted:
-            auth.configure_curve_callback(domain="*", credentials_provider=_admit_keys(admitted))
-        else:
-            auth.configure_curve(domain="*", location=CURVE_ALLOW_ANY)
-        self._auth = auth
+        self._auth = start_authenticator(self.context, self.config.curve,
+                                         logging.getLogger(__name__ + ".auth"))
 
     def _stop_authenticator(self) -> None:
         auth, self._auth = self._auth, None
@@ -168,10 +155,11 @@ class ZmqServer:
     # ---------------------------------------------------------------- any thread
 
     def publish(
-        self, key: str, held: Held, *, readers: int, lease_s: float, reserved: int = 0
+        self, key: str, region: Any, sizes: tuple[int, ...], *, readers: int, lease_s: float
     ) -> PublishFailure | None:
-        """Hold ``held`` under ``key`` (latest put wins) and wake requests parked on it."""
-        failure = self.store.publish(key, held, readers=readers, lease_s=lease_s, reserved=reserved)
+        """Publish the written pool ``region`` under ``key`` (latest put wins) and wake
+        requests parked on it."""
+        failure = self.store.publish(key, region, sizes, readers=readers, lease_s=lease_s)
         if failure is None:
             self._published.append(key)
             self._waker.poke()
@@ -197,7 +185,7 @@ class ZmqServer:
         cfg = self.config
         if cfg.transport == "ipc":
             path = ipc_path(cfg.ipc_dir, cfg.port)
-            _refuse_live_ipc(path, cfg.host, cfg.port)
+            refuse_live_ipc(path, cfg.host, cfg.port)
             sock.bind(f"ipc://{path}")
             info = os.stat(path)
             self._ipc_inode = (info.st_dev, info.st_ino)
@@ -254,6 +242,7 @@ class ZmqServer:
                     self._read_requests(sock)
                 self._serve_published(sock)
                 self._fire_timers(sock)
+                self.store.reap()
         except Exception:  # a bug or a zmq fault: visible in health (ok False) and the log
             logger.exception("zmq serving loop for %s failed; the sender stops serving",
                              self.endpoint)
@@ -270,20 +259,11 @@ class ZmqServer:
             waits.append(lease_wait)
         if not waits:
             return None
-        return max(0, int(min(waits) * 1000) + 1)
-
-    def _send(self, sock: zmq.Socket, identity: bytes, parts: list[Any]) -> bool:
-        try:
-            sock.send_multipart([identity, *parts], copy=False, flags=zmq.NOBLOCK)
-        except zmq.ZMQError as exc:
-            if exc.errno not in (errno.EHOSTUNREACH, zmq.EAGAIN):
-                raise
-            self._counters["undeliverable"] += 1
-            return False
-        return True
+        return max(0, int(min(min(waits), _MAX_POLL_S) * 1000) + 1)
 
     def _reply(self, sock: zmq.Socket, identity: bytes, reply: Reply) -> None:
-        self._send(sock, identity, [encode_reply(reply)])
+        if send_message(sock, [identity, encode_reply(reply)]) is None:
+            self._counters["undeliverable"] += 1
 
     def _read_requests(self, sock: zmq.Socket) -> None:
         for _ in range(_BATCH):
@@ -306,18 +286,31 @@ class ZmqServer:
                 continue
             self._serve_request(sock, identity, request)
 
-    def _try_send(self, sock: zmq.Socket, identity: bytes, corr_id: int, key: str) -> str:
+    def _try_send(self, sock: zmq.Socket, identity: bytes, corr_id: int, key: str,
+                  stream: bool) -> str:
         """``"sent"``, ``"gone"`` (peer unreachable; nothing consumed) or a miss reason."""
+        chunk = self.config.chunk_bytes if stream else 0
 
-        def send(held: Held) -> bool:
-            header = encode_reply(Reply("data", corr_id, key, sizes=held.sizes))
-            return self._send(sock, identity, [header, *held.frames])
+        def send(held: Held) -> list[Any] | None:
+            streamed = chunk if 0 < chunk < held.size else 0
+            queued = send_payload(sock, identity, corr_id, key, held.frames, held.whole, streamed)
+            if queued is None:
+                self._counters["undeliverable"] += 1
+                return None
+            pending, chunks = queued
+            if streamed:
+                self._counters["streams"] += 1
+                self._counters["chunks_sent"] += chunks
+                if chunks * streamed < held.size:
+                    self._counters["streams_cut"] += 1
+                    logger.warning("zmq receiver of %r vanished mid-stream", key)
+            return pending
 
         return self.store.serve(key, send)
 
     def _serve_request(self, sock: zmq.Socket, identity: bytes, request: Request) -> None:
         self._counters["requests"] += 1
-        outcome = self._try_send(sock, identity, request.corr_id, request.key)
+        outcome = self._try_send(sock, identity, request.corr_id, request.key, request.stream)
         if outcome in ("sent", "gone"):
             return
         if request.mode == "now" or request.wait_s <= 0 or outcome == "expired":
@@ -332,7 +325,8 @@ class ZmqServer:
                 detail=f"{parked_count} requests already wait (max_parked)"))
             return
         wait = min(request.wait_s, self.config.max_wait_s)
-        parked = _Parked(identity, request.corr_id, request.key, time.monotonic() + wait)
+        parked = _Parked(identity, request.corr_id, request.key, time.monotonic() + wait,
+                         request.stream)
         self._parked.setdefault(request.key, collections.deque()).append(parked)
         self._seq += 1
         heapq.heappush(self._deadlines, (parked.deadline, self._seq, parked))
@@ -345,7 +339,7 @@ class ZmqServer:
             queue = self._parked.get(key)
             while queue:
                 parked = queue[0]
-                outcome = self._try_send(sock, parked.identity, parked.corr_id, key)
+                outcome = self._try_send(sock, parked.identity, parked.corr_id, key, parked.stream)
                 if outcome not in ("sent", "gone"):
                     break  # every permitted reader was served; the rest keep waiting
                 queue.popleft()
@@ -394,23 +388,3 @@ class ZmqServer:
         except FileNotFoundError:
             pass  # libzmq already removed it
         self._ipc_inode = None
-
-
-def _refuse_live_ipc(path: str, host: str, port: int) -> None:
-    """Raise BindError when a live process serves ``path``; a stale file is left to libzmq,
-    which replaces it on bind."""
-    if not os.path.exists(path):
-        return
-    probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    try:
-        probe.settimeout(1.0)
-        probe.connect(path)
-    except (ConnectionRefusedError, FileNotFoundError):
-        return
-    except OSError as exc:
-        raise BindError(f"cannot bind ipc://{path} (host {host!r}, port {port}): {exc}") from None
-    finally:
-        probe.close()
-    raise BindError(
-        f"cannot bind ipc://{path} (host {host!r}, port {port}): another process serves it"
-    )

@@ -17,9 +17,12 @@ import zmq
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from kvferry.adapters.connectors.zmq_buffers import RecvPool, as_frames
 from kvferry.adapters.connectors.zmq_config import ZmqConfig, generate_curve_config
 from kvferry.adapters.connectors.zmq_connector import ZmqConnector
-from kvferry.adapters.connectors.zmq_store import as_frames
+from kvferry.adapters.connectors.zmq_inbound import Outcome
+from kvferry.adapters.connectors.zmq_stash import LateStash
+from kvferry.adapters.connectors.zmq_store import HeldPayloads, PublishFailure
 from kvferry.adapters.connectors.zmq_protocol import (
     MAX_IPC_PATH_BYTES,
     Rejection,
@@ -33,6 +36,13 @@ from kvferry.adapters.connectors.zmq_protocol import (
     ipc_path,
     resolve_endpoint,
     tcp_endpoint,
+)
+from kvferry.adapters.connectors.zmq_stream import (
+    Chunk,
+    chunk_count,
+    chunk_span,
+    decode_incoming,
+    encode_chunk,
 )
 from kvferry.core.errors import BindError, ConfigError, PoolFullError
 from kvferry.core.ports import BlockingGet, Connector, SenderAware
@@ -73,9 +83,9 @@ ids = st.integers(min_value=0, max_value=(1 << 63) - 1)
 
 
 @PROPS
-@given(ids, keys, st.sampled_from(["now", "wait"]), st.floats(0, 1e6, allow_nan=False))
-def test_request_round_trip(corr_id, key, mode, wait_s):
-    request = Request(corr_id, key, mode, wait_s)
+@given(ids, keys, st.sampled_from(["now", "wait"]), st.floats(0, 1e6, allow_nan=False), st.booleans())
+def test_request_round_trip(corr_id, key, mode, wait_s, stream):
+    request = Request(corr_id, key, mode, wait_s, stream)
     assert decode_request(encode_request(request)) == request
 
 
@@ -84,7 +94,8 @@ def test_request_round_trip(corr_id, key, mode, wait_s):
     ids,
     keys,
     st.one_of(
-        st.builds(lambda s: ("data", s), st.lists(st.integers(0, 1 << 40), max_size=8)),
+        st.builds(lambda s, c: ("data", (s, c)), st.lists(st.integers(0, 1 << 40), max_size=8),
+                  st.integers(0, 1 << 30)),
         st.builds(lambda r: ("miss", r), st.sampled_from(["not_found", "expired", "timeout"])),
         st.builds(lambda r: ("error", r), st.sampled_from(["bad_request", "busy"])),
     ),
@@ -92,7 +103,7 @@ def test_request_round_trip(corr_id, key, mode, wait_s):
 def test_reply_round_trip(corr_id, key, kind):
     op, extra = kind
     if op == "data":
-        reply = Reply("data", corr_id, key, sizes=tuple(extra))
+        reply = Reply("data", corr_id, key, sizes=tuple(extra[0]), chunk=extra[1])
     elif op == "miss":
         reply = Reply("miss", corr_id, key, reason=extra)
     else:
@@ -105,6 +116,49 @@ def test_reply_round_trip(corr_id, key, kind):
 def test_decoding_random_bytes_never_raises(raw):
     assert isinstance(decode_request(raw), (Request, Rejection))
     assert isinstance(decode_reply(raw), (Reply, Rejection))
+    assert isinstance(decode_incoming(raw), (Reply, Chunk, Rejection))
+
+
+@PROPS
+@given(st.integers(0, 1 << 34), st.integers(1, 1 << 24))
+def test_chunk_spans_tile_the_payload_in_order(total, chunk):
+    count = chunk_count(total, chunk)
+    position = 0
+    for seq in range(min(count, 64)):  # the first spans ...
+        offset, nbytes = chunk_span(total, chunk, seq)
+        assert offset == position and 1 <= nbytes <= chunk
+        position += nbytes
+    if count > 64:  # ... and the last ones (a count can be huge)
+        position = (count - 2) * chunk
+        for seq in (count - 2, count - 1):
+            offset, nbytes = chunk_span(total, chunk, seq)
+            assert offset == position and 1 <= nbytes <= chunk
+            position += nbytes
+    assert position == total and count == -(-total // chunk)
+    for outside in (-1, count):
+        with pytest.raises(ConfigError, match="out of range"):
+            chunk_span(total, chunk, outside)
+
+
+@PROPS
+@given(ids, st.integers(0, (1 << 63) - 1))
+def test_chunk_headers_round_trip_and_are_not_replies(corr_id, seq):
+    raw = encode_chunk(corr_id, seq)
+    assert decode_incoming(raw) == Chunk(corr_id, seq)
+    assert decode_reply(raw).reason == "unknown_op"  # a chunk never reads as a reply
+    reply = encode_reply(Reply("miss", corr_id, "k", reason="timeout"))
+    assert decode_incoming(reply) == decode_reply(reply)
+
+
+def test_bad_chunk_headers_are_rejected():
+    for fields, reason in (({"v": 2, "id": 1, "seq": 0}, "bad_version"),
+                           ({"v": 1, "id": -1, "seq": 0}, "bad_reply"),
+                           ({"v": 1, "id": 1, "seq": "0"}, "bad_reply"),
+                           ({"v": 1, "id": 1, "seq": True}, "bad_reply")):
+        raw = msgpack.packb({"op": "chunk", **fields})
+        assert decode_incoming(raw).reason == reason
+    bad_chunk = msgpack.packb({"v": 1, "op": "data", "id": 1, "key": "k", "sizes": [1], "chunk": -4})
+    assert decode_reply(bad_chunk).reason == "bad_reply"
 
 
 control_values = st.recursive(
@@ -117,12 +171,14 @@ control_values = st.recursive(
 
 @PROPS
 @given(st.dictionaries(st.sampled_from(["v", "op", "id", "key", "mode", "wait_s", "sizes",
-                                        "reason", "detail", "x"]), control_values, max_size=8))
+                                        "reason", "detail", "x", "stream", "chunk", "seq"]),
+                       control_values, max_size=8))
 def test_decoding_arbitrary_maps_never_raises(obj):
     raw = msgpack.packb(obj, use_bin_type=True)
     request, reply = decode_request(raw), decode_reply(raw)
     assert isinstance(request, (Request, Rejection))
     assert isinstance(reply, (Reply, Rejection))
+    assert isinstance(decode_incoming(raw), (Reply, Chunk, Rejection))
     if isinstance(request, Request):
         assert request.mode in ("now", "wait") and request.wait_s >= 0 and request.key
 
@@ -388,14 +444,14 @@ def test_expired_payloads_are_dropped(ipc_dir, transport):
 
 
 def test_reservation_is_published_without_a_copy(make):
-    sender, receiver = make(pool_bytes=1000), make("receiver")
+    sender, receiver = make(pool_bytes=1024), make("receiver")  # regions: 64-byte multiples
     res = sender.reserve("0", "1", "direct", 600)
     assert res.buffer.dtype == torch.uint8 and res.buffer.shape == (600,)
     with pytest.raises(PoolFullError, match="pool_full"):
         sender.reserve("0", "1", "other", 600)
     with pytest.raises(PoolFullError, match="too_large"):
-        sender.reserve("0", "1", "other", 1001)
-    assert sender.put("0", "1", "small", b"x" * 400)[0]  # reserved bytes count
+        sender.reserve("0", "1", "other", 1025)
+    assert sender.put("0", "1", "small", b"x" * 384)[0]  # reserved bytes count
     assert sender.put("0", "1", "more", b"x")[2]["reason"] == "pool_full"
     res.buffer.copy_(torch.arange(600) % 251)
     ok, size, meta = res.commit()
@@ -436,11 +492,11 @@ def test_zero_timeout_asks_nothing(make):
 
 
 def test_pool_bounds_fail_put_with_a_reason(make):
-    sender, receiver = make(pool_bytes=100, max_payloads=2), make("receiver")
-    assert sender.put("0", "1", "a", b"x" * 60)[0]
-    ok, size, why = sender.put("0", "1", "b", b"x" * 60)
+    sender, receiver = make(pool_bytes=256, max_payloads=2), make("receiver")
+    assert sender.put("0", "1", "a", b"x" * 60)[0]  # takes one 64-byte unit
+    ok, size, why = sender.put("0", "1", "b", b"x" * 200)
     assert (ok, size, why["reason"]) == (False, 0, "pool_full")
-    assert sender.put("0", "1", "big", b"x" * 101)[2]["reason"] == "too_large"
+    assert sender.put("0", "1", "big", b"x" * 257)[2]["reason"] == "too_large"
     assert sender.put("0", "1", "c", b"x" * 10)[0]
     assert sender.put("0", "1", "d", b"x")[2]["reason"] == "pool_full"  # max_payloads
     assert receiver.get("0", "1", "a", sender.sender_metadata()) is not None
@@ -704,3 +760,371 @@ def test_curve_without_allow_list_admits_any_curve_client():
         assert sender.health()["unresolved"] == 1
     with pytest.raises(ConfigError, match="client"):
         ZmqConnector({"role": "receiver", "curve": server_only})
+
+
+# ----------------------------------------------------------------------------- pools
+
+MiB = 1 << 20
+SMALL_CHUNK = 64 * 1024  # the smallest chunk_bytes: streams stay small in tests
+
+
+class FakeTracker:
+    """Stands for a pyzmq MessageTracker: libzmq is done with the bytes once ``done``."""
+
+    def __init__(self) -> None:
+        self.done = False
+
+    def wait(self, timeout: float = -1) -> None:
+        if not self.done:
+            raise zmq.NotDone
+
+
+def pattern(seed: int, nbytes: int) -> bytes:
+    import numpy as np
+
+    return ((np.arange(nbytes) + seed * 31) % 251).astype(np.uint8).tobytes()
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(st.lists(st.tuples(st.sampled_from(["put", "serve", "done", "reap"]),
+                          st.integers(1, 700), st.integers(0, 9)), max_size=40))
+def test_send_pool_reuses_a_region_only_after_libzmq_is_done(ops):
+    """Whatever the order of puts, serves and tracker completions, a payload libzmq may still
+    be sending (tracker not done) is never overwritten by a later put."""
+    store = HeldPayloads(4096, 64, lambda: 0.0, drain_wait_s=0)
+    in_flight: list[tuple[FakeTracker, bytes, memoryview]] = []
+    published: dict[str, bytes] = {}
+    serial = 0
+    for op, size, pick in ops:
+        if op == "put":
+            serial += 1
+            region = store.reserve(size)
+            if isinstance(region, PublishFailure):
+                assert region.reason == "pool_full"
+                continue
+            data = pattern(serial, size)
+            assert store.write(region, (memoryview(data),))
+            key = f"k{pick}"
+            assert store.publish(key, region, (size,), readers=1, lease_s=60.0) is None
+            published[key] = data
+        elif op == "serve" and published:
+            key = sorted(published)[pick % len(published)]
+            tracker = FakeTracker()
+            seen = []
+
+            def send(held, tracker=tracker, seen=seen):
+                seen.append(held.whole)
+                return [tracker]
+
+            assert store.serve(key, send) == "sent"
+            assert bytes(seen[0]) == published[key]
+            in_flight.append((tracker, published.pop(key), seen[0]))
+        elif op == "done" and in_flight:
+            in_flight[pick % len(in_flight)][0].done = True
+        elif op == "reap":
+            store.reap()
+        for tracker, data, view in in_flight:
+            if not tracker.done:
+                assert bytes(view) == data  # still intact while libzmq may read it
+    for tracker, _, _ in in_flight:
+        tracker.done = True
+    assert store.reap() == 0
+    stats = store.stats()
+    assert stats["held_bytes"] == sum(len(d) for d in published.values())
+    assert stats["in_flight"] == 0 and stats["reserved_bytes"] == 0
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(st.lists(st.tuples(st.booleans(), st.integers(1, 3000), st.integers(0, 20)), max_size=30))
+def test_receive_pool_lends_disjoint_regions_and_gets_them_back_when_dropped(ops):
+    pool = RecvPool(8192)
+    loans: list[memoryview] = []
+    for lend, size, pick in ops:
+        if lend:
+            loans.append(pool.lend(size))
+            if loans[-1] is None:
+                loans.pop()
+            else:
+                assert loans[-1].nbytes == size and not loans[-1].readonly
+        elif loans:
+            del loans[pick % len(loans)]
+        spans = sorted((buffer_address(v), buffer_address(v) + v.nbytes) for v in loans)
+        assert all(a[1] <= b[0] for a, b in zip(spans, spans[1:]))  # never overlapping
+        in_use = pool.stats()["recv_pool_in_use"]
+        assert in_use == sum(-(-v.nbytes // 64) * 64 for v in loans)
+    loans.clear()  # the last reference: the regions go back at once (no cycles)
+    assert pool.stats()["recv_pool_in_use"] == 0
+    assert pool.lend(8193) is None and pool.stats()["recv_pool_fallbacks"] >= 1
+
+
+def test_a_lent_region_stays_taken_while_a_tensor_views_it():
+    pool = RecvPool(4096)
+    view = pool.lend(1000)
+    tensor = torch.frombuffer(view, dtype=torch.uint8)[100:200]
+    address = buffer_address(view)
+    del view
+    assert pool.stats()["recv_pool_in_use"] == 1024  # the tensor still reads it
+    assert buffer_address(pool.lend(1000)) != address
+    del tensor
+    assert buffer_address(pool.lend(1000)) == address  # the same (touched) pages come back
+
+
+@PROPS
+@given(st.lists(st.tuples(st.sampled_from(["put", "take"]), st.integers(0, 3),
+                          st.integers(0, 120), st.floats(0, 5)), max_size=40))
+def test_late_stash_stays_bounded_and_answers_only_its_key(ops):
+    stash = LateStash(max_bytes=200, max_age_s=10.0)
+    now = 0.0
+    for op, key, size, step in ops:
+        now += step
+        if op == "put":
+            stash.put("ep", f"k{key}", Outcome("data", (b"x",), size), now)
+            assert stash.nbytes <= 200
+        else:
+            got = stash.take("ep", f"k{key}", now)
+            assert got is None or got.kind == "data"
+            assert stash.take("ep", f"k{key}", now) is None  # handed out once
+        assert stash.take("other", f"k{key}", now) is None
+
+
+# ----------------------------------------------------------------------------- streaming
+
+
+def test_large_payloads_stream_into_the_receive_pool_and_reuse_both_pools(make):
+    sender = make(chunk_bytes=SMALL_CHUNK)
+    receiver = make("receiver")
+    meta = sender.sender_metadata()
+    payload = pattern(1, MiB + 123)
+    addresses, sent_from = [], []
+    for round_ in range(3):
+        reservation = sender.reserve("0", "1", f"big{round_}", len(payload))
+        sent_from.append(reservation.buffer.data_ptr())
+        reservation.buffer.copy_(torch.frombuffer(bytearray(payload), dtype=torch.uint8))
+        assert reservation.commit()[0]
+        frames, size = receiver.get_blocking("0", "1", f"big{round_}", meta, timeout_s=WAIT)
+        assert size == len(payload) and len(frames) == 1 and bytes(frames[0]) == payload
+        decoded = torch.frombuffer(frames[0], dtype=torch.uint8)  # a view of the pool region
+        assert decoded.data_ptr() == buffer_address(frames[0]) and not frames[0].readonly
+        addresses.append(buffer_address(frames[0]))
+        del frames, decoded  # the region goes back to the receive pool
+        eventually(lambda: sender.health()["sender"]["in_flight"] == 0)  # libzmq is done
+    assert len(set(addresses)) == 1 and len(set(sent_from)) == 1  # both pools reused
+    stats = sender.health()["sender"]
+    assert stats["streams"] == 3 and stats["chunks_sent"] == 3 * chunk_count(len(payload), SMALL_CHUNK)
+    rx = receiver.health()["receiver"]
+    assert rx["streams"] == 3 and rx["recv_pool_hits"] == 3 and rx["recv_pool_in_use"] == 0
+    assert rx["stream_aborts"] == 0 and rx["bad_replies"] == 0
+
+
+def test_small_payloads_and_old_requests_get_one_message(make):
+    sender = make(chunk_bytes=SMALL_CHUNK)
+    payload = pattern(2, 3 * SMALL_CHUNK)
+    sender.put("0", "1", "old", payload)
+    ctx = zmq.Context()
+    try:
+        sock = raw_dealer(ctx, sender.endpoint)
+        sock.send(encode_request(Request(5, "old", "now", 0.0)))  # no "stream": one message
+        header, *frames = sock.recv_multipart()
+        reply = decode_reply(header)
+        assert (reply.op, reply.chunk, reply.sizes) == ("data", 0, (len(payload),))
+        assert b"".join(frames) == payload
+        sock.close()
+    finally:
+        ctx.destroy(linger=0)
+    assert sender.health()["sender"]["streams"] == 0
+
+
+def test_without_a_receive_pool_streams_arrive_as_chunk_frames(make):
+    sender, receiver = make(chunk_bytes=SMALL_CHUNK), make("receiver", recv_pool_bytes=0)
+    payload = pattern(3, 5 * SMALL_CHUNK + 7)
+    _, _, meta = sender.put("0", "1", "k", payload)
+    frames, size = receiver.get("0", "1", "k", meta)
+    assert len(frames) == 6 and joined(frames) == payload and size == len(payload)
+    assert receiver.health()["receiver"]["recv_pool_fallbacks"] == 1
+
+
+def test_put_copies_so_the_caller_may_reuse_its_buffers(make):
+    sender, receiver = make(), make("receiver")
+    data = bytearray(b"before" * 1000)
+    tensor = torch.arange(100, dtype=torch.int32)
+    _, _, meta = sender.put("0", "1", "k", [data, tensor])
+    data[:6] = b"AFTER!"
+    tensor.zero_()
+    frames, _ = receiver.get("0", "1", "k", meta)
+    assert bytes(frames[0]) == b"before" * 1000
+    assert torch.equal(torch.frombuffer(bytearray(frames[1]), dtype=torch.int32), torch.arange(100))
+
+
+def stalled_peer(ctx, sender, key):
+    """A DEALER that asks for ``plug`` (which fills its one-message receive queue, unread), then
+    for ``key``: libzmq cannot finish sending ``key`` until the peer reads."""
+    assert sender.put("0", "1", "plug", b"p" * (256 * 1024))[0]
+    sock = ctx.socket(zmq.DEALER)
+    sock.linger = 0
+    sock.rcvhwm = 1
+    sock.rcvbuf = 64 * 1024
+    sock.rcvtimeo = int(WAIT * 1000)
+    sock.connect(sender.endpoint)
+    sock.send(encode_request(Request(1, "plug", "now", 0.0)))
+    eventually(lambda: sender.health()["sender"]["served"] == 1)
+    eventually(lambda: sender.health()["sender"]["in_flight"] == 0)  # in the peer's queue
+    sock.send(encode_request(Request(2, key, "now", 0.0)))
+    eventually(lambda: sender.health()["sender"]["served"] == 2)
+    return sock
+
+
+def test_a_served_region_is_held_until_libzmq_is_done_with_it(make):
+    """A peer that does not read keeps libzmq sending: the region stays out of the pool (put
+    waits drain_wait_s, then pool_full) until the bytes are gone, then it is reused."""
+    size = 24 * MiB
+    sender = make(pool_bytes=size + size // 2, drain_wait_s=0.2, chunk_bytes=0)
+    payload = torch.randint(0, 255, (size,), dtype=torch.uint8, generator=torch.Generator().manual_seed(5))
+    assert sender.put("0", "1", "big", payload)[0]
+    ctx = zmq.Context()
+    try:
+        sock = stalled_peer(ctx, sender, "big")
+        health = sender.health()["sender"]
+        assert health["in_flight"] == 1 and health["held_bytes"] == size  # read, not yet freed
+        ok, _, why = sender.put("0", "1", "next", payload)
+        assert not ok and why["reason"] == "pool_full"
+        assert sender.health()["sender"]["drain_waits"] == 1
+        sock.recv_multipart()  # the plug
+        header, frame = sock.recv_multipart(copy=False)
+        assert decode_reply(header.bytes).sizes == (size,)
+        assert torch.equal(torch.frombuffer(frame.buffer, dtype=torch.uint8), payload)  # intact
+        eventually(lambda: sender.health()["sender"]["in_flight"] == 0)
+        assert sender.put("0", "1", "next", payload)[0]
+        sock.close()
+    finally:
+        ctx.destroy(linger=0)
+
+
+def test_a_put_waits_for_a_send_in_flight_instead_of_failing(make):
+    size = 24 * MiB
+    sender = make(pool_bytes=size + size // 2, drain_wait_s=WAIT)
+    assert sender.put("0", "1", "big", b"\x01" * size)[0]
+    ctx = zmq.Context()
+    try:
+        sock = stalled_peer(ctx, sender, "big")
+        assert sender.health()["sender"]["in_flight"] == 1
+
+        def read_once_the_put_waits():
+            eventually(lambda: sender.health()["sender"]["drain_waits"] == 1)
+            sock.recv_multipart()
+            sock.recv_multipart(copy=False)
+
+        reader = threading.Thread(target=read_once_the_put_waits)
+        reader.start()
+        assert sender.put("0", "1", "next", b"\x02" * size)[0]  # waited, then got the room
+        reader.join(WAIT)
+        assert not reader.is_alive()
+        sock.close()
+    finally:
+        ctx.destroy(linger=0)
+
+
+def streamed_header(corr_id: int, sizes: tuple[int, ...], chunk: int) -> bytes:
+    return encode_reply(Reply("data", corr_id, "k", sizes=sizes, chunk=chunk))
+
+
+@pytest.mark.parametrize("breakage", ["new_reply", "gap", "wrong_size", "extra_frame", "stall"])
+def test_receiver_drops_a_broken_stream_and_gives_its_region_back(fake_sender, breakage):
+    sock, meta = fake_sender
+    with ZmqConnector({"role": "receiver", "stream_idle_s": 0.3}) as receiver:
+        result = {}
+        waiter = threading.Thread(target=lambda: result.update(
+            got=receiver.get_blocking("0", "1", "k", meta, timeout_s=WAIT)))
+        started = time.monotonic()
+        waiter.start()
+        identity, body = sock.recv_multipart()
+        corr = decode_request(body).corr_id
+        assert decode_request(body).stream
+        sock.send_multipart([identity, streamed_header(corr, (6, 4), 4)])
+        sock.send_multipart([identity, encode_chunk(corr, 0), b"abcd"])
+        if breakage == "new_reply":
+            sock.send_multipart([identity, encode_reply(Reply("miss", corr + 1, "x", reason="timeout"))])
+        elif breakage == "gap":
+            sock.send_multipart([identity, encode_chunk(corr, 2), b"ij"])
+        elif breakage == "wrong_size":
+            sock.send_multipart([identity, encode_chunk(corr, 1), b"efghX"])
+        elif breakage == "extra_frame":
+            sock.send_multipart([identity, encode_chunk(corr, 1), b"efgh", b"more"])
+        waiter.join(WAIT)
+        assert result["got"] is None and time.monotonic() - started < WAIT / 2
+        health = receiver.health()["receiver"]
+        assert health["stream_aborts"] == 1 and health["errors"] == 1
+        gc.collect()
+        assert receiver.health()["receiver"]["recv_pool_in_use"] == 0
+        # the next, complete stream from the same sender is delivered
+        waiter = threading.Thread(target=lambda: result.update(
+            got=receiver.get_blocking("0", "1", "k", meta, timeout_s=WAIT)))
+        waiter.start()
+        identity, body = sock.recv_multipart()
+        corr = decode_request(body).corr_id
+        sock.send_multipart([identity, streamed_header(corr, (6, 4), 4)])
+        for seq, piece in enumerate((b"abcd", b"efgh", b"ij")):
+            sock.send_multipart([identity, encode_chunk(corr, seq), piece])
+        waiter.join(WAIT)
+        assert joined(result["got"][0]) == b"abcdefghij"
+
+
+def test_a_chunk_without_a_stream_is_a_bad_reply(fake_sender):
+    sock, meta = fake_sender
+    with ZmqConnector({"role": "receiver"}) as receiver:
+        result = {}
+        waiter = threading.Thread(target=lambda: result.update(
+            got=receiver.get_blocking("0", "1", "k", meta, timeout_s=WAIT)))
+        waiter.start()
+        identity, body = sock.recv_multipart()
+        corr = decode_request(body).corr_id
+        sock.send_multipart([identity, encode_chunk(corr, 0), b"stray"])  # no header before it
+        sock.send_multipart([identity, encode_reply(Reply("data", corr, "k", sizes=(2,))), b"ok"])
+        waiter.join(WAIT)
+        assert joined(result["got"][0]) == b"ok"  # the stray chunk answered nothing
+        assert receiver.health()["receiver"]["bad_replies"] == 1
+
+
+def test_steady_state_transfers_do_not_page_fault(make):
+    """After warm-up, a payload goes through the send pool, the wire and the receive pool
+    without touching fresh pages (both sides in this process)."""
+    import resource
+
+    sender, receiver = make(chunk_bytes=256 * 1024), make("receiver")
+    meta = sender.sender_metadata()
+    size = 16 * MiB
+    source = torch.full((size,), 7, dtype=torch.uint8)
+
+    def transfer(key):
+        reservation = sender.reserve("0", "1", key, size)
+        reservation.buffer.copy_(source)
+        reservation.commit()
+        frames, _ = receiver.get_blocking("0", "1", key, meta, timeout_s=WAIT)
+        assert frames[0][size - 1] == 7
+        del frames
+        eventually(lambda: sender.health()["sender"]["in_flight"] == 0)
+
+    for i in range(3):
+        transfer(f"warm{i}")
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+    for i in range(4):
+        transfer(f"k{i}")
+    faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before
+    assert faults / (4 * size / 1e6) < 10, f"{faults} page faults for {4 * size} bytes"
+
+
+def test_streaming_config_is_validated():
+    for raw, word in (({"chunk_bytes": 1000}, "chunk_bytes"), ({"prefault": "yes"}, "prefault"),
+                      ({"recv_hwm": -1}, "recv_hwm"), ({"recv_pool_bytes": -5}, "recv_pool_bytes"),
+                      ({"drain_wait_s": -1}, "drain_wait_s"), ({"stream_idle_s": 0}, "stream_idle_s")):
+        with pytest.raises(ConfigError, match=word):
+            ZmqConfig.from_mapping(raw)
+    cfg = ZmqConfig.from_mapping({"chunk_bytes": 0, "drain_wait_s": 0, "prefault": True})
+    assert (cfg.chunk_bytes, cfg.drain_wait_s, cfg.prefault) == (0, 0.0, True)
+
+
+def test_a_prefaulted_pool_and_chunk_bytes_zero_send_one_message(make):
+    sender, receiver = make(pool_bytes=4 * MiB, prefault=True, chunk_bytes=0), make("receiver")
+    payload = pattern(4, 3 * MiB)
+    _, _, meta = sender.put("0", "1", "k", payload)
+    frames, _ = receiver.get("0", "1", "k", meta)
+    assert joined(frames) == payload and sender.health()["sender"]["streams"] == 0

@@ -38,6 +38,20 @@ def expected_frames(index: int) -> list[Any]:
     return [header, keys, values]
 
 
+def big_payload(index: int, nbytes: int) -> Any:
+    """Streamed payload ``index`` (larger than chunk_bytes): deterministic uint8 tensor."""
+    import torch
+
+    gen = torch.Generator().manual_seed(2000 + index)
+    return torch.randint(0, 256, (nbytes,), dtype=torch.uint8, generator=gen)
+
+
+def minor_faults() -> int:
+    import resource
+
+    return resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+
+
 def frame_bytes(frames: list[Any]) -> list[bytes]:
     import torch
 
@@ -78,12 +92,63 @@ def sender_main(config: dict) -> None:
             command = json.loads(line)
             if command["op"] == "exit":
                 break
+            if command["op"] == "put_big":
+                _say(put_big(conn, command["count"], command["nbytes"]))
+                continue
             parked = _wait_for(lambda: conn.health()["sender"]["parked"] >= command["parked"], WAIT)
             results = [
                 conn.put("0", "1", f"req{i}_0_0_0_0", expected_frames(i))[0]
                 for i in range(command["count"])
             ]
             _say({"put": sum(results), "parked_first": parked})
+
+
+def put_big(conn: Any, count: int, nbytes: int) -> dict:
+    """Reserve, fill and commit ``count`` big payloads one at a time, each once the receiver
+    waits for it and the previous one left the pool; page faults counted after the first."""
+    faults, ok = 0, 0
+    for i in range(count):
+        source = big_payload(i, nbytes)
+        _wait_for(lambda: conn.health()["sender"]["parked"] >= 1, WAIT)
+        before = minor_faults()
+        reservation = conn.reserve("0", "1", f"big{i}_0_0_0_0", nbytes)
+        reservation.buffer.copy_(source)
+        ok += reservation.commit()[0]
+        if i:
+            faults += minor_faults() - before
+        _wait_for(lambda: conn.health()["sender"]["held_payloads"] == 0, WAIT)  # read, sent
+    health = conn.health()["sender"]
+    return {"put": ok, "streams": health["streams"], "faults_per_mb": faults / ((count - 1) * nbytes / 1e6)}
+
+
+def big_receiver_main(config: dict, metadata: dict, count: int, nbytes: int) -> None:
+    """Get ``count`` streamed payloads; report bit-exactness, that each arrived as one view of
+    the receive pool (the same region every time) and page faults after the first."""
+    import zlib
+
+    import numpy as np
+
+    from kvferry.adapters.connectors.zmq_connector import ZmqConnector
+
+    mismatches, addresses, faults = [], set(), 0
+    with ZmqConnector(config) as conn:
+        _say({"waiting": True})
+        for i in range(count):
+            before = minor_faults()
+            got = conn.get_blocking("0", "1", f"big{i}_0_0_0_0", metadata, timeout_s=WAIT)
+            if got is None or len(got[0]) != 1:
+                mismatches.append(f"{i}: {'nothing' if got is None else len(got[0])} frames")
+                continue
+            if i:
+                faults += minor_faults() - before
+            view = got[0][0]
+            if zlib.crc32(view) != zlib.crc32(big_payload(i, nbytes).numpy()):
+                mismatches.append(f"{i}: bytes differ")
+            addresses.add(int(np.frombuffer(view, dtype=np.uint8).ctypes.data))
+            del got, view  # the region goes back to the pool
+        health = conn.health()["receiver"]
+        _say({"mismatches": mismatches, "regions": len(addresses), "streams": health["streams"],
+              "faults_per_mb": faults / ((count - 1) * nbytes / 1e6)})
 
 
 def receiver_main(config: dict, metadata: dict, count: int) -> None:
@@ -242,9 +307,41 @@ def test_sender_crash_then_restart_on_the_same_endpoint(transport, ipc_dir):
                 worker.kill()
 
 
+@pytest.mark.slow
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("transport", ["tcp", "ipc"])
+def test_big_payloads_stream_between_processes_into_reused_pools(transport, ipc_dir):
+    """Payloads larger than chunk_bytes are streamed: bit-exact, one view of the receiver's
+    pool (the same region each time), and after the first one neither side page-faults."""
+    count, nbytes = 4, 12 << 20
+    port = 0 if transport == "tcp" else free_port()
+    config = {**sender_config(transport, ipc_dir, port), "chunk_bytes": 1 << 20}
+    sender = Worker("sender", json.dumps(config))
+    receiver = None
+    try:
+        metadata = sender.read()["ready"]
+        rx_config = {"role": "receiver", "transport": transport, "ipc_dir": ipc_dir}
+        receiver = Worker("big", json.dumps(rx_config), json.dumps(metadata), str(count), str(nbytes))
+        assert receiver.read() == {"waiting": True}
+        sender.send({"op": "put_big", "count": count, "nbytes": nbytes})
+        sent = sender.read(timeout_s=WAIT * 2)
+        got = receiver.read()
+        assert (sent["put"], sent["streams"]) == (count, count)
+        assert (got["mismatches"], got["regions"], got["streams"]) == ([], 1, count)
+        assert sent["faults_per_mb"] < 10 and got["faults_per_mb"] < 10, (sent, got)
+        assert receiver.finish() == 0
+        assert sender.finish() == 0
+    finally:
+        for worker in (receiver, sender):
+            if worker is not None and worker.proc.poll() is None:
+                worker.kill()
+
+
 if __name__ == "__main__":
     role, raw_config = sys.argv[1], json.loads(sys.argv[2])
     if role == "sender":
         sender_main(raw_config)
+    elif role == "big":
+        big_receiver_main(raw_config, json.loads(sys.argv[3]), int(sys.argv[4]), int(sys.argv[5]))
     else:
         receiver_main(raw_config, json.loads(sys.argv[3]), int(sys.argv[4]))
