@@ -31,7 +31,7 @@ import attrs
 import numpy as np
 import torch
 
-__all__ = ["PooledBuffer", "tie_release", "can_tie", "release_soon", "gc_releases_pending"]
+__all__ = ["PooledBuffer", "tie_release", "can_tie", "release_soon", "wait_for_gc_releases"]
 
 logger = logging.getLogger(__name__)
 
@@ -65,9 +65,13 @@ def _defer(release: Callable[[], None]) -> None:
     _QUEUE.put(release)
 
 
-def gc_releases_pending() -> int:
-    """Releases queued by the garbage collector and not yet run (approximate; for tests)."""
-    return _QUEUE.qsize()
+def wait_for_gc_releases(timeout_s: float) -> bool:
+    """Wait until every release the garbage collector queued so far has run (the queue is
+    FIFO: a marker queued now runs after them). True when done within ``timeout_s``."""
+    _ensure_worker()
+    done = threading.Event()
+    _QUEUE.put(done.set)
+    return done.wait(timeout_s)
 
 
 class _Exported:

@@ -19,6 +19,7 @@ import zmq
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from kvferry.adapters.connectors.pool_buffer import wait_for_gc_releases
 from kvferry.adapters.connectors.shm import ShmConnector
 from kvferry.adapters.connectors.shm_control import check_grant, check_request, decode, encode
 from kvferry.adapters.connectors.shm_server import Reader, ReaderRegistry
@@ -321,8 +322,8 @@ def test_release_soon_and_dropped_buffers_reach_the_sender(space) -> None:
         assert receiver.flush_releases(5.0) and sender.health()["used_bytes"] > 0  # a view lives
         assert bytes(view.numpy()) == b"b" * 10
         del view
-        eventually(lambda: receiver.flush_releases(5.0) and sender.health()["used_bytes"] == 0,
-                   "the dropped buffer was released")
+        assert wait_for_gc_releases(10.0) and receiver.flush_releases(5.0)
+        assert sender.health()["used_bytes"] == 0
         assert sender.health()["releases"] == 2
 
 
