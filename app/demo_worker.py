@@ -161,7 +161,8 @@ def _receiver(spec: DemoSpec, rank: int, queue: Any, groups: Any, connector: Any
             result_box: dict[str, Any] = {}
 
             def receive(r: Any) -> bool:
-                res = manager.receive(r.request_id, sender_info=sender_info)
+                # zero-copy: the tensors view the connector's pool until released below
+                res = manager.receive(r.request_id, sender_info=sender_info, zero_copy=True)
                 result_box["result"] = res
                 return manager.apply_to_request(r, res.payload) if res.ok else False
 
@@ -175,6 +176,9 @@ def _receiver(spec: DemoSpec, rank: int, queue: Any, groups: Any, connector: Any
                                 _expected_merged(caches, sources, spec, req, which, layer, plan_heads))
                     for layer in range(spec.layers) for which in (0, 1))
             res = result_box.get("result")
+            if res is not None:  # verified: drop the views, then give the pool buffers back
+                holder.past_key_values = None
+                res.release()
             queue.put({"kind": "received", "rank": rank, "request_id": req.request_id, "ok": bool(ok),
                        "bit_exact": exact, "outcome": res.outcome.kind.value if res else "error",
                        "detail": res.outcome.detail if res else "", "bytes": res.nbytes if res else 0,
