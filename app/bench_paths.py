@@ -170,9 +170,10 @@ def connector_paths(run: RunState, sender: Peer, name: str, pool: int, small: Ge
         if ready is not None:
             run.record(f"readiness_{name}_direct", ready.latency, small.nbytes)
 
-        def managed(label: str, tag: str, count: int, cache: str, nbytes: int, **kw: Any) -> Scenario:
+        def managed(label: str, tag: str, count: int, cache: str, nbytes: int, recv: str = "mgr_recv",
+                    **kw: Any) -> Scenario:
             return Scenario(
-                label, "mgr_send", "mgr_recv",
+                label, "mgr_send", recv,
                 lambda i: {"name": name, "cache": cache, "items": manager_items(tag, i, count)[0]},
                 lambda i: {"name": name, "items": manager_items(tag, i, count)[1], "sender": where},
                 nbytes, **kw)
@@ -188,6 +189,17 @@ def connector_paths(run: RunState, sender: Peer, name: str, pool: int, small: Ge
             reps=s.readiness_reps), f"{name}_readiness_e2e")], name, recv_cfg, where, group=name)
         if ready is not None:
             run.record(f"readiness_{name}", ready.latency, small.nbytes)
+        # the typed API's zero-copy receive (the rows above copy out of the pool, as the
+        # reference API does): figures "{name}_e2e_1_zc" and "readiness_{name}_zc"
+        _fresh(run, sender, [(managed(f"kvferry {name} e2e, 1 request (zero-copy receive)", f"{name}1z", 1,
+                                      "main", g.nbytes, recv="mgr_recv_zc", expected=(("main", 0, None),)),
+                              f"{name}_e2e_1_zc")], name, recv_cfg, where, group=name)
+        (ready,) = _fresh(run, sender, [(managed(
+            f"kvferry {name} readiness (small request, zero-copy receive)", f"{name}rz", 1, "small",
+            small.nbytes, recv="mgr_recv_zc", reps=s.readiness_reps), f"{name}_readiness_zc_e2e")],
+            name, recv_cfg, where, group=name)
+        if ready is not None:
+            run.record(f"readiness_{name}_zc", ready.latency, small.nbytes)
         if name == SAME_HOST:
             tp_paths(run, sender, name, send_cfg, recv_cfg, where)
     finally:
