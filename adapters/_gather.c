@@ -31,9 +31,31 @@
 
 #define STREAM_MIN_PIECE 256
 
-typedef void (*copy_fn)(char *dst, const char *src, size_t n);
+/* Where the pieces are: see gather() below. Sizes and strides in bytes. */
+struct walk {
+    const int64_t *index; /* NULL: blocks 0..n-1 */
+    Py_ssize_t n, block_stride, d0, s0, d1, s1, d2, s2;
+    size_t piece;
+};
 
-static void copy_plain(char *dst, const char *src, size_t n) { memcpy(dst, src, n); }
+/* The loop over blocks and pieces, with `copy` inlined into it (an indirect call per piece
+ * measured 30 % slower for 512-byte pieces). */
+#define KVF_WALK(w, dst, src, copy)                                                                \
+    for (Py_ssize_t i = 0; i < (w)->n; i++) {                                                      \
+        const char *block = (src) + ((w)->index ? (w)->index[i] : i) * (w)->block_stride;          \
+        for (Py_ssize_t a = 0; a < (w)->d0; a++)                                                   \
+            for (Py_ssize_t b = 0; b < (w)->d1; b++)                                               \
+                for (Py_ssize_t c = 0; c < (w)->d2; c++) {                                         \
+                    copy((dst), block + a * (w)->s0 + b * (w)->s1 + c * (w)->s2, (w)->piece);      \
+                    (dst) += (w)->piece;                                                           \
+                }                                                                                  \
+    }
+
+typedef void (*gather_fn)(char *dst, const char *src, const struct walk *w);
+
+static void gather_plain(char *dst, const char *src, const struct walk *w) {
+    KVF_WALK(w, dst, src, memcpy)
+}
 
 #ifdef KVF_X86
 /* Plain stores up to the next `align`-byte boundary of dst; returns the bytes copied. */
@@ -46,69 +68,81 @@ static inline size_t align_head(char *dst, const char *src, size_t n, size_t ali
     return head;
 }
 
-__attribute__((target("avx512f"))) static void copy_nt_avx512(char *dst, const char *src,
-                                                               size_t n) {
-    size_t head = align_head(dst, src, n, 64);
-    dst += head, src += head, n -= head;
-    for (; n >= 256; dst += 256, src += 256, n -= 256) {
-        __m512i a = _mm512_loadu_si512((const void *)src);
-        __m512i b = _mm512_loadu_si512((const void *)(src + 64));
-        __m512i c = _mm512_loadu_si512((const void *)(src + 128));
-        __m512i d = _mm512_loadu_si512((const void *)(src + 192));
-        _mm512_stream_si512((void *)dst, a);
-        _mm512_stream_si512((void *)(dst + 64), b);
-        _mm512_stream_si512((void *)(dst + 128), c);
-        _mm512_stream_si512((void *)(dst + 192), d);
+/* One streaming kernel per instruction set. 128 bytes per step; a piece of 2 or 4 pages or more
+ * is copied 4 (or 2) pages at a time, 128 bytes from each in turn, which keeps several memory
+ * streams in flight (measured 10-20 % faster than a linear pass over scattered 16 KiB blocks). */
+#define KVF_PAGE 4096
+#define KVF_STREAM_KERNEL(name, isa, unit, copy128, copy_unit)                                     \
+    __attribute__((target(isa))) static inline void name##_piece(char *dst, const char *src,      \
+                                                                 size_t n) {                      \
+        size_t head = align_head(dst, src, n, unit);                                               \
+        dst += head, src += head, n -= head;                                                       \
+        for (size_t pages = 4; pages >= 2; pages /= 2)                                             \
+            for (; n >= pages * KVF_PAGE; dst += pages * KVF_PAGE, src += pages * KVF_PAGE,        \
+                                          n -= pages * KVF_PAGE)                                   \
+                for (size_t at = 0; at < KVF_PAGE; at += 128)                                      \
+                    for (size_t page = 0; page < pages * KVF_PAGE; page += KVF_PAGE)               \
+                        copy128(dst + page + at, src + page + at);                                 \
+        for (; n >= 128; dst += 128, src += 128, n -= 128)                                         \
+            copy128(dst, src);                                                                     \
+        for (; n >= unit; dst += unit, src += unit, n -= unit)                                     \
+            copy_unit(dst, src);                                                                   \
+        if (n)                                                                                     \
+            memcpy(dst, src, n);                                                                   \
+    }                                                                                              \
+    __attribute__((target(isa))) static void name(char *dst, const char *src,                     \
+                                                  const struct walk *w) {                         \
+        KVF_WALK(w, dst, src, name##_piece)                                                        \
+        _mm_sfence();                                                                              \
     }
-    for (; n >= 64; dst += 64, src += 64, n -= 64)
-        _mm512_stream_si512((void *)dst, _mm512_loadu_si512((const void *)src));
-    if (n)
-        memcpy(dst, src, n);
-}
 
-__attribute__((target("avx2"))) static void copy_nt_avx2(char *dst, const char *src, size_t n) {
-    size_t head = align_head(dst, src, n, 32);
-    dst += head, src += head, n -= head;
-    for (; n >= 128; dst += 128, src += 128, n -= 128) {
-        __m256i a = _mm256_loadu_si256((const __m256i *)src);
-        __m256i b = _mm256_loadu_si256((const __m256i *)(src + 32));
-        __m256i c = _mm256_loadu_si256((const __m256i *)(src + 64));
-        __m256i d = _mm256_loadu_si256((const __m256i *)(src + 96));
-        _mm256_stream_si256((__m256i *)dst, a);
-        _mm256_stream_si256((__m256i *)(dst + 32), b);
-        _mm256_stream_si256((__m256i *)(dst + 64), c);
-        _mm256_stream_si256((__m256i *)(dst + 96), d);
+__attribute__((target("avx512f"))) static inline void unit_avx512(char *dst, const char *src) {
+    _mm512_stream_si512((void *)dst, _mm512_loadu_si512((const void *)src));
+}
+__attribute__((target("avx512f"))) static inline void copy128_avx512(char *dst, const char *src) {
+    __m512i a = _mm512_loadu_si512((const void *)src);
+    __m512i b = _mm512_loadu_si512((const void *)(src + 64));
+    _mm512_stream_si512((void *)dst, a);
+    _mm512_stream_si512((void *)(dst + 64), b);
+}
+KVF_STREAM_KERNEL(gather_nt_avx512, "avx512f", 64, copy128_avx512, unit_avx512)
+
+__attribute__((target("avx2"))) static inline void unit_avx2(char *dst, const char *src) {
+    _mm256_stream_si256((__m256i *)dst, _mm256_loadu_si256((const __m256i *)src));
+}
+__attribute__((target("avx2"))) static inline void copy128_avx2(char *dst, const char *src) {
+    __m256i a = _mm256_loadu_si256((const __m256i *)src);
+    __m256i b = _mm256_loadu_si256((const __m256i *)(src + 32));
+    __m256i c = _mm256_loadu_si256((const __m256i *)(src + 64));
+    __m256i d = _mm256_loadu_si256((const __m256i *)(src + 96));
+    _mm256_stream_si256((__m256i *)dst, a);
+    _mm256_stream_si256((__m256i *)(dst + 32), b);
+    _mm256_stream_si256((__m256i *)(dst + 64), c);
+    _mm256_stream_si256((__m256i *)(dst + 96), d);
+}
+KVF_STREAM_KERNEL(gather_nt_avx2, "avx2", 32, copy128_avx2, unit_avx2)
+
+__attribute__((target("sse2"))) static inline void unit_sse2(char *dst, const char *src) {
+    _mm_stream_si128((__m128i *)dst, _mm_loadu_si128((const __m128i *)src));
+}
+__attribute__((target("sse2"))) static inline void copy128_sse2(char *dst, const char *src) {
+    for (int i = 0; i < 128; i += 64) {
+        __m128i a = _mm_loadu_si128((const __m128i *)(src + i));
+        __m128i b = _mm_loadu_si128((const __m128i *)(src + i + 16));
+        __m128i c = _mm_loadu_si128((const __m128i *)(src + i + 32));
+        __m128i d = _mm_loadu_si128((const __m128i *)(src + i + 48));
+        _mm_stream_si128((__m128i *)(dst + i), a);
+        _mm_stream_si128((__m128i *)(dst + i + 16), b);
+        _mm_stream_si128((__m128i *)(dst + i + 32), c);
+        _mm_stream_si128((__m128i *)(dst + i + 48), d);
     }
-    for (; n >= 32; dst += 32, src += 32, n -= 32)
-        _mm256_stream_si256((__m256i *)dst, _mm256_loadu_si256((const __m256i *)src));
-    if (n)
-        memcpy(dst, src, n);
 }
+KVF_STREAM_KERNEL(gather_nt_sse2, "sse2", 16, copy128_sse2, unit_sse2)
 
-__attribute__((target("sse2"))) static void copy_nt_sse2(char *dst, const char *src, size_t n) {
-    size_t head = align_head(dst, src, n, 16);
-    dst += head, src += head, n -= head;
-    for (; n >= 64; dst += 64, src += 64, n -= 64) {
-        __m128i a = _mm_loadu_si128((const __m128i *)src);
-        __m128i b = _mm_loadu_si128((const __m128i *)(src + 16));
-        __m128i c = _mm_loadu_si128((const __m128i *)(src + 32));
-        __m128i d = _mm_loadu_si128((const __m128i *)(src + 48));
-        _mm_stream_si128((__m128i *)dst, a);
-        _mm_stream_si128((__m128i *)(dst + 16), b);
-        _mm_stream_si128((__m128i *)(dst + 32), c);
-        _mm_stream_si128((__m128i *)(dst + 48), d);
-    }
-    for (; n >= 16; dst += 16, src += 16, n -= 16)
-        _mm_stream_si128((__m128i *)dst, _mm_loadu_si128((const __m128i *)src));
-    if (n)
-        memcpy(dst, src, n);
-}
-
-__attribute__((target("sse2"))) static void store_fence(void) { _mm_sfence(); }
 #endif
 
-/* The streaming copy in use and its name; "memcpy" when there is none. */
-static copy_fn stream_copy = copy_plain;
+/* The streaming gather in use and its name; "memcpy" when there is none. */
+static gather_fn stream_gather = gather_plain;
 static const char *stream_isa = "memcpy";
 
 static int select_isa(const char *name) {
@@ -116,37 +150,23 @@ static int select_isa(const char *name) {
     __builtin_cpu_init();
     int any = name == NULL;
     if ((any || !strcmp(name, "avx512f")) && __builtin_cpu_supports("avx512f")) {
-        stream_copy = copy_nt_avx512, stream_isa = "avx512f";
+        stream_gather = gather_nt_avx512, stream_isa = "avx512f";
         return 1;
     }
     if ((any || !strcmp(name, "avx2")) && __builtin_cpu_supports("avx2")) {
-        stream_copy = copy_nt_avx2, stream_isa = "avx2";
+        stream_gather = gather_nt_avx2, stream_isa = "avx2";
         return 1;
     }
     if ((any || !strcmp(name, "sse2")) && __builtin_cpu_supports("sse2")) {
-        stream_copy = copy_nt_sse2, stream_isa = "sse2";
+        stream_gather = gather_nt_sse2, stream_isa = "sse2";
         return 1;
     }
 #endif
     if (name == NULL || !strcmp(name, "memcpy")) {
-        stream_copy = copy_plain, stream_isa = "memcpy";
+        stream_gather = gather_plain, stream_isa = "memcpy";
         return 1;
     }
     return 0;
-}
-
-static void run_gather(char *dst, const char *src, const int64_t *index, Py_ssize_t n,
-                       Py_ssize_t block_stride, Py_ssize_t d0, Py_ssize_t s0, Py_ssize_t d1,
-                       Py_ssize_t s1, Py_ssize_t d2, Py_ssize_t s2, size_t piece, copy_fn copy) {
-    for (Py_ssize_t i = 0; i < n; i++) {
-        const char *block = src + (index ? index[i] : i) * block_stride;
-        for (Py_ssize_t a = 0; a < d0; a++)
-            for (Py_ssize_t b = 0; b < d1; b++)
-                for (Py_ssize_t c = 0; c < d2; c++) {
-                    copy(dst, block + a * s0 + b * s1 + c * s2, piece);
-                    dst += piece;
-                }
-    }
 }
 
 PyDoc_STRVAR(gather_doc,
@@ -181,14 +201,10 @@ static PyObject *gather(PyObject *self, PyObject *args) {
         PyErr_Format(PyExc_IndexError, "gather: %zd blocks from a view of %zd", n, nblocks);
         return NULL;
     }
-    int streaming = stream && piece >= STREAM_MIN_PIECE && stream_copy != copy_plain;
+    struct walk w = {ids, n, block_stride, d0, s0, d1, s1, d2, s2, (size_t)piece};
+    gather_fn run = stream && piece >= STREAM_MIN_PIECE ? stream_gather : gather_plain;
     Py_BEGIN_ALLOW_THREADS
-    run_gather((char *)(uintptr_t)dst, (const char *)(uintptr_t)src, ids, n, block_stride, d0, s0,
-               d1, s1, d2, s2, (size_t)piece, streaming ? stream_copy : copy_plain);
-#ifdef KVF_X86
-    if (streaming)
-        store_fence();
-#endif
+    run((char *)(uintptr_t)dst, (const char *)(uintptr_t)src, &w);
     Py_END_ALLOW_THREADS
     Py_RETURN_NONE;
 }
@@ -208,13 +224,7 @@ static PyObject *set_isa(PyObject *self, PyObject *arg) {
         if (name == NULL)
             return NULL;
     }
-    copy_fn before = stream_copy;
-    const char *before_name = stream_isa;
-    if (!select_isa(name)) {
-        stream_copy = before, stream_isa = before_name;
-        Py_RETURN_FALSE;
-    }
-    Py_RETURN_TRUE;
+    return PyBool_FromLong(select_isa(name));
 }
 
 static PyMethodDef methods[] = {

@@ -111,10 +111,11 @@ def _pieces(sizes: tuple[int, ...], strides: tuple[int, ...], itemsize: int
 
 @attrs.frozen
 class _NativeLayout:
-    """What the native gather needs: block stride (bytes) and :func:`_pieces` of a whole block
-    and of the partial last block."""
+    """What the native gather needs: a block's stride and the bytes it gathers, and
+    :func:`_pieces` of a whole block and of the partial last block."""
 
     block_stride: int
+    block_bytes: int
     full: tuple[int, ...]
     tail: tuple[int, ...]
 
@@ -126,7 +127,7 @@ def _layout_of(shape: tuple[int, ...], stride: tuple[int, ...], itemsize: int,
     tail = _pieces((tail_tokens or 1, *shape[2:]), stride[1:], itemsize)
     if full is None or tail is None:
         return None
-    return _NativeLayout(stride[0] * itemsize, full, tail)
+    return _NativeLayout(stride[0] * itemsize, math.prod(shape[1:]) * itemsize, full, tail)
 
 
 def _native_layout(blocks: torch.Tensor, index: torch.Tensor, full_blocks: int,
@@ -317,6 +318,5 @@ class TensorGather:
             native.gather(dst, src, self.index.data_ptr(), self.full_blocks, count,
                           layout.block_stride, *layout.full, stream)
         if self.tail_tokens:
-            done = self.full_blocks * math.prod(self.blocks.shape[1:]) * self.blocks.element_size()
-            native.gather(dst + done, src + last * layout.block_stride, 0, 1, 1,
+            native.gather(dst + self.full_blocks * layout.block_bytes, src + last * layout.block_stride, 0, 1, 1,
                           layout.block_stride, *layout.tail, stream)
