@@ -8,24 +8,20 @@ One receive of one request on one receiver rank:
    notification) when it has one, else polling with 10 ms doubling to 500 ms sleeps;
 3. decode each payload as views of the received memory, merge fan-in shards along the head
    dimension in source-rank order, slice an untagged fan-out payload to this rank's heads;
-4. copying receive (the default): move tensors to the target device, or clone them when they
-   live in a pool buffer, then release every pool buffer, on every path;
-   zero-copy receive (``zero_copy=True``): tensors stay views of the pool buffers, which the
-   result then holds (see below); tensors are copied only to move them to another device,
-   by the fan-in merge (``torch.cat`` makes fresh tensors), or, for data that is not a pool
-   buffer (bytes, zmq frames), when ``copy_unpooled`` asks for it.
+4. copying receive (the default, the reference's behaviour): move tensors to the target
+   device, or clone them out of pool buffers, then release every pool buffer, on every path.
+   Zero-copy receive (``zero_copy=True``): tensors stay views of the pool buffers; they are
+   copied only to move to another device, by the fan-in merge (``torch.cat``), or, for data
+   that is not a pool buffer (bytes, zmq frames), when ``copy_unpooled`` asks for it.
 
 The result is a :class:`ReceiveResult`: a typed outcome plus the payload in the reference's
-dict shape (``request_id``, ``layer_blocks``, ``block_ids``, ``metadata``).
-
-Zero-copy hold semantics: the pool buffers still viewed by the payload's tensors are in
-``result.buffers``; ``result.release()`` (idempotent, fire-and-forget) gives them back, after
-which the caller must not read those tensors any more. Buffers no output tensor views are
-given back before ``receive`` returns. Without an explicit release, a buffer goes back once
-the result and every tensor viewing its bytes are garbage: its tensors' storage owns the
-release (:mod:`kvferry.adapters.connectors.pool_buffer`); a pool buffer that cannot be tied so
-(not a CPU byte view) goes back with the result object. Until then the sender keeps the region:
-shm revokes a hold only when this process is gone, the in-process memory connector never.
+dict shape (``request_id``, ``layer_blocks``, ``block_ids``, ``metadata``). After a zero-copy
+receive it holds the pool buffers its tensors still view (``result.buffers``; the others go
+back before ``receive`` returns): ``result.release()`` gives them back (then the tensors must
+not be read), else they go back once the result and every tensor over their bytes are garbage
+(the tensors' storage owns the release, :mod:`kvferry.adapters.connectors.pool_buffer`; a
+buffer that cannot be tied so, not a CPU byte view, goes back with the result object). Until
+then the sender keeps the region (docs/connectors.md, "Holds").
 """
 
 from __future__ import annotations

@@ -270,10 +270,18 @@ class LeaseTable:
 
         An overdue ticket is revoked unless it has a holder and ``holder_alive(holder)`` is
         true; then it is kept and reported once (``overdue``), and its holder is asked again
-        at every later call. Each transition is reported once; only ``freed`` entries may have
-        their handle reused.
+        at every later call (once per holder and call, however many tickets it holds). Each
+        transition is reported once; only ``freed`` entries may have their handle reused.
         """
         out: list[Expiry] = []
+        asked: dict[int, bool] = {}  # holder id -> alive, asked once per call
+
+        def lives(holder: Any) -> bool:
+            key = id(holder)
+            if key not in asked:
+                asked[key] = bool(holder_alive(holder))  # type: ignore[misc]
+            return asked[key]
+
         for record in list(self._held.values()):
             kind = ""
             if record.state == EntryState.PUBLISHED and now_s >= record.created_s + record.lease_s:
@@ -285,7 +293,7 @@ class LeaseTable:
             for ticket_id, held in record.tickets.items():
                 if now_s < held.taken_s + hold:
                     continue
-                if held.holder is not None and holder_alive is not None and holder_alive(held.holder):
+                if held.holder is not None and holder_alive is not None and lives(held.holder):
                     if not held.overdue:
                         held.overdue = True
                         overdue.append(held.holder)

@@ -306,6 +306,17 @@ def test_a_live_holder_is_never_revoked_only_reported_once() -> None:
     assert len(table) == 0 and table.overdue_count() == 0
 
 
+def test_each_holder_is_asked_once_per_expiry_pass() -> None:
+    table = LeaseTable(hold_s=1.0)
+    for i in range(5):
+        table.publish(f"k{i}", i, 1, now_s=0.0, lease_s=10.0)
+        table.take(f"k{i}", 0.0, holder="reader")
+    asked: list[str] = []
+    table.expire(2.0, lambda holder: asked.append(holder) or True)
+    table.expire(3.0, lambda holder: asked.append(holder) or True)
+    assert asked == ["reader", "reader"] and table.overdue_count() == 5
+
+
 def test_without_a_liveness_test_or_holder_an_overdue_ticket_is_revoked() -> None:
     table = LeaseTable(hold_s=1.0)
     table.publish("a", "A", 1, readers=2, now_s=0.0, lease_s=10.0)
