@@ -25,6 +25,7 @@ Thread-safe (one lock per pool). Sizes are bytes.
 
 from __future__ import annotations
 
+import collections
 import sys
 import threading
 import weakref
@@ -60,9 +61,10 @@ class RecvPool:
 
     :meth:`lend` hands out a region as a writable memoryview; the region goes back to the pool
     when the view and every object made from it are garbage (whichever thread drops the last
-    one). Counters: ``recv_pool_hits``, ``recv_pool_fallbacks`` (no region fit),
-    ``recv_pool_in_use`` bytes, ``recv_pool_peak`` (the furthest byte used, i.e. the pages
-    touched so far).
+    one, even inside a garbage collection: the finalizer only queues the region, which the next
+    ``lend`` or ``stats`` frees under the lock). Counters: ``recv_pool_hits``,
+    ``recv_pool_fallbacks`` (no region fit), ``recv_pool_in_use`` bytes, ``recv_pool_peak``
+    (the furthest byte used, i.e. the pages touched so far).
     """
 
     capacity: int
@@ -70,6 +72,7 @@ class RecvPool:
     _storage: np.ndarray | None = attrs.field(init=False, default=None)
     _allocator: RegionAllocator | None = attrs.field(init=False, default=None)
     _lock: threading.Lock = attrs.field(init=False, factory=threading.Lock)
+    _returned: collections.deque = attrs.field(init=False, factory=collections.deque)
     _closed: bool = attrs.field(init=False, default=False)
     _hits: int = attrs.field(init=False, default=0)
     _fallbacks: int = attrs.field(init=False, default=0)
@@ -79,6 +82,7 @@ class RecvPool:
         """A writable view of exactly ``nbytes`` of the pool, or None (no pool, closed, too
         large, or full of regions still in use)."""
         with self._lock:
+            self._take_back_locked()
             if self._closed or self.capacity < self.alignment:
                 self._fallbacks += 1
                 return None
@@ -93,17 +97,19 @@ class RecvPool:
             self._peak = max(self._peak, region.end)
             array = self._storage[region.offset:region.offset + nbytes]  # owns this loan
             allocator = self._allocator
-        give_back = weakref.finalize(array, self._give_back, allocator, region)
+        give_back = weakref.finalize(array, self._returned.append, (allocator, region))
         give_back.atexit = False
         return memoryview(array)
 
-    def _give_back(self, allocator: RegionAllocator, region: Any) -> None:
-        with self._lock:
+    def _take_back_locked(self) -> None:
+        while self._returned:
+            allocator, region = self._returned.popleft()
             if allocator is self._allocator:  # not a region of a pool closed since
                 allocator.free(region)
 
     def stats(self) -> dict[str, int]:
         with self._lock:
+            self._take_back_locked()
             in_use = self._allocator.used_bytes if self._allocator is not None else 0
             return {"recv_pool_bytes": self.capacity, "recv_pool_hits": self._hits,
                     "recv_pool_fallbacks": self._fallbacks, "recv_pool_in_use": in_use,
@@ -115,6 +121,7 @@ class RecvPool:
             self._closed = True
             self._allocator = None
             self._storage = None
+            self._returned.clear()
 
 
 # --------------------------------------------------------------------------- put data -> frames

@@ -199,7 +199,8 @@ class ZmqClient:
                 return  # e.g. the sender's own "timeout" answer, just after our deadline
             self._counters["late_replies"] += 1
             if not self._closed:
-                self._counters["stash_evicted"] += self._stash.put(endpoint, key, outcome, self.clock())
+                evicted = self._stash.put(endpoint, key, outcome, self.clock())
+                self._counters["stash_evicted"] += evicted
 
     # ---------------------------------------------------------------- I/O thread
 

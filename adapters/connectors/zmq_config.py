@@ -178,7 +178,9 @@ def _flag(raw: Mapping[str, Any], key: str, default: bool) -> bool:
 def _chunk_bytes(raw: Mapping[str, Any]) -> int:
     value = _int(raw, "chunk_bytes", DEFAULT_CHUNK_BYTES, 0)
     if 0 < value < MIN_CHUNK_BYTES:
-        raise ConfigError(f"chunk_bytes must be 0 (no streaming) or >= {MIN_CHUNK_BYTES}, got {value}")
+        raise ConfigError(
+            f"chunk_bytes must be 0 (no streaming) or >= {MIN_CHUNK_BYTES}, got {value}"
+        )
     return value
 
 

@@ -20,7 +20,12 @@ import attrs
 import zmq
 
 from kvferry.adapters.connectors.zmq_protocol import Rejection, Reply, check_data_frames
-from kvferry.adapters.connectors.zmq_stream import Chunk, InboundStream, decode_incoming, discard_rest
+from kvferry.adapters.connectors.zmq_stream import (
+    Chunk,
+    InboundStream,
+    decode_incoming,
+    discard_rest,
+)
 
 __all__ = ["Outcome", "ReplyReader"]
 

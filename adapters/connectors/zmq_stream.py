@@ -113,8 +113,10 @@ def send_message(sock: zmq.Socket, parts: Sequence[Any]) -> list[Any] | None:
     return pending
 
 
-def send_payload(sock: zmq.Socket, identity: bytes, corr_id: int, key: str,
-                 frames: Sequence[memoryview], whole: memoryview, chunk: int) -> tuple[list[Any], int] | None:
+def send_payload(
+    sock: zmq.Socket, identity: bytes, corr_id: int, key: str, frames: Sequence[memoryview],
+    whole: memoryview, chunk: int,
+) -> tuple[list[Any], int] | None:
     """Queue a data reply: ``[identity, header, *frames]`` when ``chunk`` is 0, else the header
     then ``whole`` (the concatenated payload) in chunks of ``chunk`` bytes.
 
@@ -133,7 +135,8 @@ def send_payload(sock: zmq.Socket, identity: bytes, corr_id: int, key: str,
     sent = 0
     for seq in range(chunk_count(total, chunk)):
         offset, nbytes = chunk_span(total, chunk, seq)
-        more = send_message(sock, [identity, encode_chunk(corr_id, seq), whole[offset:offset + nbytes]])
+        piece = whole[offset:offset + nbytes]
+        more = send_message(sock, [identity, encode_chunk(corr_id, seq), piece])
         if more is None:
             break
         pending.extend(more)
@@ -200,7 +203,8 @@ class InboundStream:
             self.frames.append(frame.buffer)
         extra = discard_rest(sock)
         if got != nbytes or extra:
-            return f"chunk {self.next_seq} holds {got} bytes in {1 + extra} frames, expected {nbytes} in 1"
+            return (f"chunk {self.next_seq} holds {got} bytes in {1 + extra} frames, expected "
+                    f"{nbytes} in 1")
         self.next_seq += 1
         self.last_s = now_s
         return None

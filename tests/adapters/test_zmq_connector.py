@@ -83,7 +83,8 @@ ids = st.integers(min_value=0, max_value=(1 << 63) - 1)
 
 
 @PROPS
-@given(ids, keys, st.sampled_from(["now", "wait"]), st.floats(0, 1e6, allow_nan=False), st.booleans())
+@given(ids, keys, st.sampled_from(["now", "wait"]), st.floats(0, 1e6, allow_nan=False),
+       st.booleans())
 def test_request_round_trip(corr_id, key, mode, wait_s, stream):
     request = Request(corr_id, key, mode, wait_s, stream)
     assert decode_request(encode_request(request)) == request
@@ -157,7 +158,8 @@ def test_bad_chunk_headers_are_rejected():
                            ({"v": 1, "id": 1, "seq": True}, "bad_reply")):
         raw = msgpack.packb({"op": "chunk", **fields})
         assert decode_incoming(raw).reason == reason
-    bad_chunk = msgpack.packb({"v": 1, "op": "data", "id": 1, "key": "k", "sizes": [1], "chunk": -4})
+    bad_chunk = msgpack.packb({"v": 1, "op": "data", "id": 1, "key": "k", "sizes": [1],
+                               "chunk": -4})
     assert decode_reply(bad_chunk).reason == "bad_reply"
 
 
@@ -910,7 +912,8 @@ def test_large_payloads_stream_into_the_receive_pool_and_reuse_both_pools(make):
         eventually(lambda: sender.health()["sender"]["in_flight"] == 0)  # libzmq is done
     assert len(set(addresses)) == 1 and len(set(sent_from)) == 1  # both pools reused
     stats = sender.health()["sender"]
-    assert stats["streams"] == 3 and stats["chunks_sent"] == 3 * chunk_count(len(payload), SMALL_CHUNK)
+    assert stats["streams"] == 3
+    assert stats["chunks_sent"] == 3 * chunk_count(len(payload), SMALL_CHUNK)
     rx = receiver.health()["receiver"]
     assert rx["streams"] == 3 and rx["recv_pool_hits"] == 3 and rx["recv_pool_in_use"] == 0
     assert rx["stream_aborts"] == 0 and rx["bad_replies"] == 0
@@ -978,7 +981,8 @@ def test_a_served_region_is_held_until_libzmq_is_done_with_it(make):
     waits drain_wait_s, then pool_full) until the bytes are gone, then it is reused."""
     size = 24 * MiB
     sender = make(pool_bytes=size + size // 2, drain_wait_s=0.2, chunk_bytes=0)
-    payload = torch.randint(0, 255, (size,), dtype=torch.uint8, generator=torch.Generator().manual_seed(5))
+    payload = torch.randint(0, 255, (size,), dtype=torch.uint8,
+                            generator=torch.Generator().manual_seed(5))
     assert sender.put("0", "1", "big", payload)[0]
     ctx = zmq.Context()
     try:
@@ -1042,7 +1046,8 @@ def test_receiver_drops_a_broken_stream_and_gives_its_region_back(fake_sender, b
         sock.send_multipart([identity, streamed_header(corr, (6, 4), 4)])
         sock.send_multipart([identity, encode_chunk(corr, 0), b"abcd"])
         if breakage == "new_reply":
-            sock.send_multipart([identity, encode_reply(Reply("miss", corr + 1, "x", reason="timeout"))])
+            other = Reply("miss", corr + 1, "x", reason="timeout")
+            sock.send_multipart([identity, encode_reply(other)])
         elif breakage == "gap":
             sock.send_multipart([identity, encode_chunk(corr, 2), b"ij"])
         elif breakage == "wrong_size":
@@ -1115,7 +1120,8 @@ def test_steady_state_transfers_do_not_page_fault(make):
 def test_streaming_config_is_validated():
     for raw, word in (({"chunk_bytes": 1000}, "chunk_bytes"), ({"prefault": "yes"}, "prefault"),
                       ({"recv_hwm": -1}, "recv_hwm"), ({"recv_pool_bytes": -5}, "recv_pool_bytes"),
-                      ({"drain_wait_s": -1}, "drain_wait_s"), ({"stream_idle_s": 0}, "stream_idle_s")):
+                      ({"drain_wait_s": -1}, "drain_wait_s"),
+                      ({"stream_idle_s": 0}, "stream_idle_s")):
         with pytest.raises(ConfigError, match=word):
             ZmqConfig.from_mapping(raw)
     cfg = ZmqConfig.from_mapping({"chunk_bytes": 0, "drain_wait_s": 0, "prefault": True})

@@ -118,7 +118,8 @@ def put_big(conn: Any, count: int, nbytes: int) -> dict:
             faults += minor_faults() - before
         _wait_for(lambda: conn.health()["sender"]["held_payloads"] == 0, WAIT)  # read, sent
     health = conn.health()["sender"]
-    return {"put": ok, "streams": health["streams"], "faults_per_mb": faults / ((count - 1) * nbytes / 1e6)}
+    per_mb = faults / ((count - 1) * nbytes / 1e6)
+    return {"put": ok, "streams": health["streams"], "faults_per_mb": per_mb}
 
 
 def big_receiver_main(config: dict, metadata: dict, count: int, nbytes: int) -> None:
