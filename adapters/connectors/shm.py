@@ -18,7 +18,8 @@ only once its process is gone (see :mod:`.shm_server`).
 Endpoints: ``put`` metadata carries ``endpoint``; partial metadata ``{"source_host",
 "source_port"}``, ``update_sender_info(host, port)`` and config ``sender_port`` map to the
 endpoint derived from (namespace, port) (the host is not used: shm is same-host by nature).
-Names and cleanup rules: :mod:`.shm_segment` and docs/connectors.md.
+Configuration and the sender's parts: :mod:`.shm_config`; names and cleanup rules:
+:mod:`.shm_segment` and docs/connectors.md.
 """
 
 from __future__ import annotations
@@ -32,73 +33,21 @@ from typing import Any, Mapping
 import attrs
 import zmq
 
-from kvferry.adapters.connectors.memory_pool import (
-    LocalPool, PoolReservation, PoolSettings, put_failure,
-)
+from kvferry.adapters.connectors.memory_pool import PoolReservation, put_failure
 from kvferry.adapters.connectors.pool_buffer import PooledBuffer
+from kvferry.adapters.connectors.shm_config import (
+    SHM_DEFAULT_POOL_BYTES, SenderSide, ShmConfig, start_sender,
+)
 from kvferry.adapters.connectors.shm_control import ControlClient, check_grant
 from kvferry.adapters.connectors.shm_segment import (
-    SHM_DIR, Segment, check_namespace, claim_control, control_endpoint, create_segment,
-    default_namespace, open_segment, reap_namespace, remove_quietly, runtime_dir,
+    Segment, control_endpoint, open_segment, reap_namespace,
 )
-from kvferry.adapters.connectors.shm_server import ControlServer
 from kvferry.core.errors import ConfigError, LeaseExpired
 from kvferry.core.ports import PutResult
 
 __all__ = ["SHM_DEFAULT_POOL_BYTES", "ShmConfig", "ShmConnector"]
 
 logger = logging.getLogger(__name__)
-
-SHM_DEFAULT_POOL_BYTES = 256 << 20
-ROLES = ("sender", "receiver")
-
-
-def _port(config: Mapping[str, Any], *keys: str) -> int | None:
-    for key in keys:
-        value = config.get(key)
-        if value is None:
-            continue
-        if isinstance(value, bool) or not isinstance(value, int) or not 0 < value < 65536:
-            raise ConfigError(f"shm config {key!r} must be a port number 1..65535, got {value!r}")
-        return value
-    return None
-
-
-@attrs.frozen
-class ShmConfig:
-    """Typed shm config (bytes, seconds). ``port`` tags a sender (None: a unique tag, reachable
-    only through ``put`` metadata); ``sender_port`` is a receiver's default sender."""
-
-    role: str
-    namespace: str
-    port: int | None
-    sender_port: int | None
-    runtime_base: str | None
-    shm_dir: str
-    rpc_timeout_s: float
-    pool: PoolSettings
-
-    @classmethod
-    def from_config(cls, config: Mapping[str, Any]) -> "ShmConfig":
-        role = config.get("role", "receiver")
-        if role not in ROLES:
-            raise ConfigError(f"shm config 'role' must be one of {ROLES}, got {role!r}")
-        rpc = config.get("rpc_timeout_s", 2.0)
-        if isinstance(rpc, bool) or not isinstance(rpc, (int, float)) or not 0 < rpc < 1e6:
-            raise ConfigError(f"shm config 'rpc_timeout_s' must be positive seconds, got {rpc!r}")
-        for key in ("runtime_dir", "shm_dir"):
-            if config.get(key) is not None and not isinstance(config[key], str):
-                raise ConfigError(f"shm config {key!r} must be a path string")
-        return cls(
-            role=role,
-            namespace=check_namespace(config.get("namespace") or default_namespace()),
-            port=_port(config, "port"),
-            sender_port=_port(config, "sender_port", "sender_zmq_port"),
-            runtime_base=config.get("runtime_dir"),
-            shm_dir=config.get("shm_dir") or SHM_DIR,
-            rpc_timeout_s=float(rpc),
-            pool=PoolSettings.from_config(config, default_pool_bytes=SHM_DEFAULT_POOL_BYTES),
-        )
 
 
 def _release_message(grant: dict[str, Any]) -> dict[str, Any]:
@@ -110,66 +59,17 @@ def _release_message(grant: dict[str, Any]) -> dict[str, Any]:
 
 
 @attrs.define(eq=False)
-class _SenderSide:
-    """Everything a sender owns; closed by ShmConnector.close or by its finalizer at exit."""
-
-    segment: Segment
-    pool: LocalPool
-    server: ControlServer
-    socket_path: str
-    owner_file: str
-    directory: str
-    owner_pid: int = attrs.field(factory=os.getpid)
-    closed: bool = False
-
-    def close(self) -> None:
-        if self.closed or os.getpid() != self.owner_pid:  # a forked child owns nothing
-            return
-        self.closed = True
-        remove_quietly(self.segment.path)  # names first: nothing may leak, whatever follows
-        remove_quietly(self.socket_path)
-        remove_quietly(self.owner_file)
-        try:
-            os.rmdir(self.directory)
-        except OSError:
-            pass  # other senders of the namespace still live there
-        self.pool.close()
-        self.server.stop()
-        self.segment.unmap()
-
-
-def _start_sender(config: ShmConfig) -> _SenderSide:
-    cfg = config
-    segment = create_segment(cfg.namespace, cfg.port, cfg.pool.pool_bytes, cfg.shm_dir)
-    try:
-        tag = str(cfg.port) if cfg.port is not None else f"x{os.getpid()}{segment.name[-8:]}"
-        sock, owner = claim_control(cfg.namespace, tag, segment.name, cfg.runtime_base)
-    except BaseException:
-        remove_quietly(segment.path)
-        segment.unmap()
-        raise
-    pool = LocalPool.create(cfg.pool, storage=segment.tensor[: cfg.pool.pool_bytes], name="shm")
-    server = ControlServer(pool, segment.name, segment.nbytes, "ipc://" + sock)
-    side = _SenderSide(segment, pool, server, sock, owner, runtime_dir(cfg.namespace, cfg.runtime_base))
-    try:
-        server.start()
-    except BaseException:
-        side.close()
-        raise
-    return side
-
-
-@attrs.define(eq=False)
 class ShmConnector:
     """Shared-memory connector; see the module docstring. Build with :meth:`from_config`."""
 
     config: ShmConfig
-    _sender: _SenderSide | None = attrs.field(default=None, alias="sender")
+    _sender: SenderSide | None = attrs.field(default=None, alias="sender")
     _default_endpoint: str | None = attrs.field(init=False, default=None)
     _context: zmq.Context | None = attrs.field(init=False, default=None)
     _clients: dict[str, ControlClient] = attrs.field(init=False, factory=dict)
     _segments: dict[str, Segment] = attrs.field(init=False, factory=dict)
     _current: dict[str, str] = attrs.field(init=False, factory=dict)  # endpoint -> segment
+    _endpoints: dict[int, str] = attrs.field(init=False, factory=dict)  # port -> endpoint
     _lock: threading.Lock = attrs.field(init=False, factory=threading.Lock)
     _closed: bool = attrs.field(init=False, default=False)
     counters: dict[str, int] = attrs.field(init=False, factory=dict)
@@ -178,7 +78,7 @@ class ShmConnector:
     def from_config(cls, config: Mapping[str, Any]) -> "ShmConnector":
         cfg = ShmConfig.from_config(config)
         reap_namespace(cfg.namespace, cfg.runtime_base, cfg.shm_dir)
-        sender = _start_sender(cfg) if cfg.role == "sender" else None
+        sender = start_sender(cfg) if cfg.role == "sender" else None
         connector = cls(cfg, sender=sender)
         if sender is not None:
             weakref.finalize(connector, sender.close)
@@ -244,7 +144,12 @@ class ShmConnector:
                 return endpoint
             port = metadata.get("source_port")
             if isinstance(port, int) and not isinstance(port, bool) and 0 < port < 65536:
-                return control_endpoint(self.config.namespace, port, self.config.runtime_base)
+                endpoint = self._endpoints.get(port)
+                if endpoint is None:  # derived once per port (path joins on every get add up)
+                    endpoint = control_endpoint(self.config.namespace, port, self.config.runtime_base)
+                    if len(self._endpoints) < 4096:
+                        self._endpoints[port] = endpoint
+                return endpoint
         return self._default_endpoint
 
     def _client(self, endpoint: str) -> ControlClient | None:
