@@ -29,9 +29,10 @@ ISAS = ("avx512f", "avx2", "sse2", "memcpy")
 #: One dtype per element size: 1, 2, 4 and 8 bytes.
 DTYPES = (torch.float8_e4m3fn, torch.bfloat16, torch.float32, torch.float64)
 BLOCK, HEADS = 5, 4
-#: Per-head bytes: 600 (not a multiple of 64, so every piece has an unaligned tail): whole
-#: blocks, head slices (1200 B per token) and packed heads (600 B) all stream when asked.
-HEAD_BYTES = 600
+#: Bytes per head. 256: whole 128-byte steps (head slices of 512 B, whole blocks of 5 KiB take
+#: the short path when aligned); 600: unaligned tails, whole blocks of 2-4 pages (12,000 B);
+#: 1000: whole blocks over 4 pages (20,000 B). Every piece streams when asked (>= 256 B).
+HEAD_BYTES = (256, 600, 1000)
 IDS_CASES = (([6, 0, 3, 3, 9, 1, 7], 33),  # scattered, a duplicate, partial last block (3 of 5)
              ([2, 3, 4], 15),               # one run of whole blocks
              ([4], 2))                      # only a partial block
@@ -76,31 +77,31 @@ def kernel(request, monkeypatch):
     native.set_isa(None)
 
 
+@pytest.mark.parametrize("head_bytes", HEAD_BYTES)
 @pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: str(d).removeprefix("torch."))
-def test_native_gather_is_bit_exact(kernel, dtype):
+def test_native_gather_is_bit_exact(kernel, dtype, head_bytes):
     itemsize = torch.empty((), dtype=dtype).element_size()
-    head_dim = HEAD_BYTES // itemsize
+    head_dim = head_bytes // itemsize
     key = random_blocks(10, head_dim, dtype, seed=1)
     value = random_blocks(10, head_dim, dtype, seed=2)
-    for layout in ("dim0", "dim1", "packed", "tuple"):
+    for layout in ("dim0", "dim1", "packed"):  # a (key, value) tuple reads like dim0
         for ids, seq_len in IDS_CASES:
             plan = plan_extraction([make_layer(layout, key, value)], ids, seq_len, BLOCK,
                                    cache_dtype=str(dtype))
-            for which, blocks in (("key", key), ("value", value)):
-                for start, stop in ((0, HEADS), (1, 3), (3, 4)):
-                    gather = plan.tensor(0, which)
-                    gather = attrs.evolve(gather, blocks=gather.blocks.narrow(2, start, stop - start))
-                    expected = torch.cat([blocks[b, :, start:stop] for b in ids])[:seq_len]
-                    for offset in (0, 5):  # elements: 5 is misaligned for 16/32/64-byte stores
-                        pool = torch.full((gather.nbytes + (offset + 3) * itemsize,), 0xA5,
-                                          dtype=torch.uint8)
-                        at = offset * itemsize
-                        out = pool[at:at + gather.nbytes].view(dtype).view(gather.shape)
-                        gather.gather_into(out, method="native")
-                        where = (layout, ids, which, start, stop, offset)
-                        assert same_bits(out, expected), where
-                        assert bool((pool[:at] == 0xA5).all()), where
-                        assert bool((pool[at + gather.nbytes:] == 0xA5).all()), where
+            for start, stop in ((0, HEADS), (1, 3), (3, 4)):
+                gather = plan.tensor(0, "value")  # keys take the same path
+                gather = attrs.evolve(gather, blocks=gather.blocks.narrow(2, start, stop - start))
+                expected = torch.cat([value[b, :, start:stop] for b in ids])[:seq_len]
+                for offset in (0, 5):  # elements: 5 is misaligned for 16/32/64-byte stores
+                    pool = torch.full((gather.nbytes + (offset + 3) * itemsize,), 0xA5,
+                                      dtype=torch.uint8)
+                    at = offset * itemsize
+                    out = pool[at:at + gather.nbytes].view(dtype).view(gather.shape)
+                    gather.gather_into(out, method="native")
+                    where = (layout, ids, start, stop, offset)
+                    assert same_bits(out, expected), where
+                    assert bool((pool[:at] == 0xA5).all()), where
+                    assert bool((pool[at + gather.nbytes:] == 0xA5).all()), where
 
 
 @needs_native
