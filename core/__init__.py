@@ -176,6 +176,7 @@ from kvferry.core.ports import (
     SenderAware,
 )
 from kvferry.core.pool import (
+    ExpiryKind,
     AllocationFailure,
     DEFAULT_ALIGNMENT,
     EntryState,
@@ -193,6 +194,7 @@ from kvferry.core.pool import (
 )
 
 __all__ = [
+    "ExpiryKind",
     "LayoutTemplate",
     "kv_layout_template",
     "plan_template",
