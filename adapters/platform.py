@@ -169,7 +169,7 @@ def tune_host_allocator(mmap_threshold: int = 32 << 20, trim_threshold: int = 4 
     every request is faulted in again (measured here: a fresh 200 MB clone runs at about a
     third of the speed of a copy into touched memory). Raising the mmap and trim thresholds
     keeps the heap's pages mapped between requests. Process-wide, so an engine calls it
-    deliberately (``kvferry demo`` and ``kvferry bench`` do). Returns False where glibc's
+    deliberately (``kvferry demo``'s workers do; a zero-copy receive does not need it). Returns False where glibc's
     ``mallopt`` is unavailable.
     """
     import ctypes
