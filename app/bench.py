@@ -8,7 +8,8 @@
 - the baseline (:mod:`kvferry.app.bench_payload`): naive extraction, ``tobytes`` + join,
   copying send, sleep-polling receiver, ``frombuffer`` decode;
 - kvferry: extraction, encode, decode, end-to-end transfers over shm (same host) and zmq tcp
-  of 1 and ``requests`` requests, heterogeneous TP 2->4 against 2->2 for the same bytes,
+  of 1 and ``requests`` requests through the transfer manager's default (zero-copy) receive,
+  and, beside them, the copying receive (``zero_copy=False``, the compat layer's), heterogeneous TP 2->4 against 2->2 for the same bytes,
   readiness latency of a small request, page faults per MB and peak RSS of both sides, the
   cost of crc32 checksums; optional connectors (``mooncake``) beside them.
 
@@ -37,7 +38,7 @@ import torch
 from kvferry.app.bench_model import (
     RATIO_NAMES, TARGETS, BenchSettings, Stat, compute_ratios, ratio_of,
 )
-from kvferry.app.bench_paths import RunState, connector_paths, mooncake_raw
+from kvferry.app.bench_paths import COPYING, RunState, connector_paths, mooncake_raw
 from kvferry.app.bench_scenarios import Scenario
 
 __all__ = ["run_bench", "machine_info", "RATIO_INPUTS", "SMALL"]
@@ -173,19 +174,23 @@ def _gbps(stat: Stat, nbytes: int) -> dict[str, float]:
 
 
 def _worst(run: RunState) -> None:
-    """faults per MB and receiver RSS ratio: the worst kvferry path at full payload size."""
+    """faults per MB and receiver RSS ratio: the worst kvferry path at full payload size, among
+    the default paths (figures ``faults_per_mb_*``, ``rss_ratio_receiver``) and among the
+    copying-receive rows (the same names with ``_copying``)."""
     full = [r for label, r in run.scenarios.items()
-            if label.startswith("kvferry") and "readiness" not in label]
-    if not full:
-        return
-    for side in ("sender", "receiver"):
-        worst = max(full, key=lambda r: getattr(r, f"{side}_faults_per_mb").median)
-        run.stats[f"faults_per_mb_{side}"] = getattr(worst, f"{side}_faults_per_mb")
-        run.extra[f"faults_per_mb_{side}_path"] = worst.label
-    ratios = {r.label: r.receiver_rss_delta_kb * 1024 / r.held_nbytes for r in full}
-    worst_label = max(ratios, key=ratios.get)  # type: ignore[arg-type]
-    run.stats["rss_ratio_receiver"] = Stat.of([ratios[worst_label]], "ratio")
-    run.extra["rss_ratio_receiver_path"] = worst_label
+            if label.startswith(("kvferry", COPYING)) and "readiness" not in label]
+    for suffix, rows in (("", [r for r in full if r.label.startswith("kvferry")]),
+                         ("_copying", [r for r in full if r.label.startswith(COPYING)])):
+        if not rows:
+            continue
+        for side in ("sender", "receiver"):
+            worst = max(rows, key=lambda r: getattr(r, f"{side}_faults_per_mb").median)
+            run.stats[f"faults_per_mb_{side}{suffix}"] = getattr(worst, f"{side}_faults_per_mb")
+            run.extra[f"faults_per_mb_{side}{suffix}_path"] = worst.label
+        ratios = {r.label: r.receiver_rss_delta_kb * 1024 / r.held_nbytes for r in rows}
+        worst_label = max(ratios, key=ratios.get)  # type: ignore[arg-type]
+        run.stats[f"rss_ratio_receiver{suffix}"] = Stat.of([ratios[worst_label]], "ratio")
+        run.extra[f"rss_ratio_receiver{suffix}_path"] = worst_label
 
 
 def _extra_ratios(run: RunState) -> dict[str, float]:
@@ -200,9 +205,17 @@ def _extra_ratios(run: RunState) -> dict[str, float]:
         "zmq_primitives_vs_raw": ratio_of(get("raw_zmq"), get("zmq_direct_1")),
         "zmq_manager_vs_primitives": ratio_of(get("zmq_direct_1"), get("zmq_e2e_1")),
         "readiness_zmq_p50_ms": get("readiness_zmq") * 1e3,
+        "readiness_shm_from_send_call_p50_ms": get("readiness_shm_from_call") * 1e3,
+        "readiness_zmq_from_send_call_p50_ms": get("readiness_zmq_from_call") * 1e3,
         "readiness_shm_primitives_p50_ms": get("readiness_shm_direct") * 1e3,
         "readiness_zmq_primitives_p50_ms": get("readiness_zmq_direct") * 1e3,
         "readiness_baseline_p50_ms": get("readiness_baseline") * 1e3,
+        "shm_copying_e2e_vs_memcpy": ratio_of(get("memcpy"), get("shm_e2e_1_copy")),
+        "zmq_copying_1req_vs_raw": ratio_of(get("raw_zmq"), get("zmq_e2e_1_copy")),
+        "readiness_shm_copying_p50_ms": get("readiness_shm_copy") * 1e3,
+        "readiness_zmq_copying_p50_ms": get("readiness_zmq_copy") * 1e3,
+        "faults_per_mb_receiver_copying": get("faults_per_mb_receiver_copying"),
+        "rss_ratio_receiver_copying": get("rss_ratio_receiver_copying"),
         "checksum_encode_extra_ms": (get("checksum_encode") - get("kvferry_encode")) * 1e3,
         "checksum_verify_ms": get("checksum_decode") * 1e3,
     }

@@ -4,7 +4,10 @@ Every repetition: the receiver starts its receive command and announces it waits
 sender runs; the figure is ``receiver done - sender started`` on the machine's monotonic clock
 (so it includes the sender's extraction and encoding, the transport, and the receiver's
 decoding: what a request's KV costs end to end). Readiness latency is ``receiver has it -
-sender's put started`` per payload. Page faults are counted by each side over its own part;
+sender's put`` per payload (the moment the encoded payload is handed to the transport: the
+baseline's socket send, a connector's ``put`` or reservation ``commit``); a manager's send also
+reports when its ``send_requests`` call started (``call_latency``: readiness including the
+sender's extraction and encoding). Page faults are counted by each side over its own part;
 peak RSS is each side's VmHWM over the timed repetitions (reset after the warm-up) minus its
 RSS at the reset. Every scenario checks crc32s of what arrived against what was sent.
 """
@@ -63,6 +66,7 @@ class ScenarioResult:
     checked: bool | None
     sender_busy: Stat | None = None
     receiver_tail: Stat | None = None
+    call_latency: Stat | None = None
 
 
 def key_items(tag: str, rep: int, requests: int, cache: str = "main") -> tuple[list[dict], list[dict]]:
@@ -116,7 +120,7 @@ def run_scenario(sender: Peer, receiver: Peer, scenario: Scenario, settings: Ben
     """
     timeout = settings.timeout_s
     reps = scenario.reps or settings.reps
-    times, latencies, s_faults, r_faults, busy, tail = [], [], [], [], [], []
+    times, latencies, s_faults, r_faults, busy, tail, from_call = [], [], [], [], [], [], []
     crcs: list[int] = []
     s_reset: dict[str, Any] = {"rss_kb": 0}
     r_reset: dict[str, Any] = {"rss_kb": 0}
@@ -143,6 +147,7 @@ def run_scenario(sender: Peer, receiver: Peer, scenario: Scenario, settings: Ben
             busy.append(sent["t_end"] - sent["t_go"])
             tail.append(got["t_done"] - sent["t_end"])
         latencies += [h - p for h, p in zip(got.get("t_have", []), sent.get("t_put", []))]
+        from_call += [h - c for h, c in zip(got.get("t_have", []), sent.get("t_call", []))]
         s_faults.append(_per_mb(sent.get("faults", 0), scenario.nbytes))
         r_faults.append(_per_mb(got.get("faults", 0), scenario.nbytes))
         crcs = list(got.get("crc", []))
@@ -161,4 +166,5 @@ def run_scenario(sender: Peer, receiver: Peer, scenario: Scenario, settings: Ben
         Stat.of(r_faults, "faults/MB"), s_peak["hwm_kb"] - s_reset["rss_kb"],
         r_peak["hwm_kb"] - r_base, scenario.nbytes, checked,
         Stat.of(busy) if busy else None, Stat.of(tail) if tail else None,
+        Stat.of(from_call) if from_call else None,
     )

@@ -37,6 +37,7 @@ class Worker(KvCommands):
     caches: dict[str, Any] = attrs.field(factory=dict)
     connectors: dict[str, Any] = attrs.field(factory=dict)
     managers: dict[str, dict[int, Any]] = attrs.field(factory=dict)
+    put_stamps: list = attrs.field(factory=list)
     kinds: dict[str, str] = attrs.field(factory=dict)
     socket: Any = None
     context: Any = None
@@ -134,35 +135,6 @@ class Worker(KvCommands):
         crc = kv_crc(keys, values)
         return {"t_done": t_done, "t_have": [t_done], "crc": [crc], "faults": faults() - f0,
                 "nbytes": len(blob)}
-
-    def cmd_mgr_recv_zc(self, name: str, items: list[dict], timeout_s: float,
-                        sender: dict | None = None) -> dict[str, Any]:
-        """Like ``mgr_recv`` with ``receive(..., zero_copy=True)``: the payloads stay views of
-        the pool buffers until each is released, after its (untimed) crc32."""
-        from kvferry.app.bench_payload import kv_crc
-        from kvferry.core.errors import TransferError
-
-        info = None if sender is None else {"host": sender["host"], "zmq_port": sender["port"]}
-        self.announce()
-        f0 = faults()
-        deadline = time.monotonic() + timeout_s
-        held, t_have, total = [], [], 0
-        for item in items:
-            result = self.managers[name][item["rank"]].receive(
-                item["rid"], sender_info=info, timeout_s=max(deadline - time.monotonic(), 0.001),
-                zero_copy=True)
-            if not result.ok:
-                raise TransferError(f"rank {item['rank']}: receive of {item['rid']}: {result.outcome}")
-            t_have.append(time.monotonic())
-            held.append(result)
-            total += result.nbytes
-        t_done = time.monotonic()
-        blocks = [r.payload["layer_blocks"] for r in held]
-        crcs = [kv_crc(b["key_cache"], b["value_cache"]) for b in blocks]
-        for result in held:
-            result.release()
-        return {"t_done": t_done, "t_have": t_have, "crc": crcs, "faults": faults() - f0,
-                "nbytes": total}
 
     def close(self) -> None:
         for name in list(self.connectors):

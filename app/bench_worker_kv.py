@@ -13,7 +13,7 @@ import resource
 import time
 from typing import Any
 
-__all__ = ["KvCommands", "faults", "memory_kb", "reset_peak_rss"]
+__all__ = ["KvCommands", "faults", "memory_kb", "reset_peak_rss", "stamped"]
 
 
 def faults() -> int:
@@ -46,6 +46,47 @@ def reset_peak_rss() -> bool:
         return False
 
 
+def _names(key: str, request_id: str) -> bool:
+    """Whether a connector key belongs to ``request_id`` (``..._{rid}`` or ``{rid}_...``)."""
+    return key.endswith("_" + request_id) or key.startswith(request_id + "_")
+
+
+class _StampedReservation:
+    """A reservation whose commit (the moment the payload is put) is stamped."""
+
+    def __init__(self, inner: Any, key: str, stamps: list) -> None:
+        self._inner, self._key, self._stamps = inner, key, stamps
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._inner, name)
+
+    def commit(self) -> Any:
+        self._stamps.append((self._key, time.monotonic()))
+        return self._inner.commit()
+
+
+def stamped(connector: Any, stamps: list) -> Any:
+    """``connector`` seen through a proxy that appends ``(key, monotonic time)`` to ``stamps``
+    the moment each payload is put (``put``, or a reservation's ``commit``), so a manager's
+    readiness is measured from the put, as the baseline's and the primitives' are. The proxy
+    offers ``reserve`` only when ``connector`` does (the manager picks its path by that)."""
+
+    class Stamped:
+        def __getattr__(self, name: str) -> Any:
+            return getattr(connector, name)
+
+        def put(self, from_stage: Any, to_stage: Any, put_key: str, data: Any) -> Any:
+            stamps.append((put_key, time.monotonic()))
+            return connector.put(from_stage, to_stage, put_key, data)
+
+    if callable(getattr(connector, "reserve", None)):
+        def reserve(self: Any, from_stage: Any, to_stage: Any, put_key: str, nbytes: int) -> Any:
+            return _StampedReservation(connector.reserve(from_stage, to_stage, put_key, nbytes),
+                                       put_key, stamps)
+        Stamped.reserve = reserve  # type: ignore[attr-defined]
+    return Stamped()
+
+
 class KvCommands:
     """``kv_*`` and ``mgr_*`` commands; mixed into the worker, whose attributes they use
     (``connectors``, ``kinds``, ``managers``, ``caches``, ``announce``)."""
@@ -54,6 +95,8 @@ class KvCommands:
     kinds: dict[str, str]
     managers: dict[str, dict[int, Any]]
     caches: dict[str, Any]
+    #: ``(key, monotonic time)`` of every payload the sender's managers put (see :func:`stamped`).
+    put_stamps: list
 
     def announce(self) -> None:  # replaced per command by the channel
         """Tell the orchestrator this receive command now waits."""
@@ -191,8 +234,11 @@ class KvCommands:
         size = from_tp if role == "sender" else to_tp
         for old in self.managers.pop(name, {}).values():
             old.close()  # injected connectors stay open: they belong to this worker
+        def connector(c: str) -> Any:
+            return stamped(self.connectors[c], self.put_stamps) if role == "sender" else self.connectors[c]
+
         self.managers[name] = {
-            r: KVTransferManager(config, tp_rank=r, tp_size=size, connector=self.connectors[c])
+            r: KVTransferManager(config, tp_rank=r, tp_size=size, connector=connector(c))
             for r, c in zip(ranks, names)}
         return {}
 
@@ -207,6 +253,7 @@ class KvCommands:
         for item in items:
             by_rank.setdefault(item["rank"], {})[item["rid"]] = {
                 "block_ids": list(c.block_ids[item["request"]]), "seq_len": g.tokens}
+        self.put_stamps.clear()
         f0 = faults()
         t_go = time.monotonic()
         total = 0
@@ -216,13 +263,19 @@ class KvCommands:
                 if not outcome.ok:
                     raise TransferError(f"rank {rank}: send of {outcome.request_id} failed: {outcome}")
                 total += outcome.nbytes
-        return {"t_go": t_go, "t_end": time.monotonic(), "t_put": [t_go] * len(items),
+        t_end = time.monotonic()
+        # an item is put when the last of its keys is (the receiver needs them all)
+        t_put = [max((t for key, t in self.put_stamps if _names(key, item["rid"])), default=t_go)
+                 for item in items]
+        return {"t_go": t_go, "t_end": t_end, "t_put": t_put, "t_call": [t_go] * len(items),
                 "faults": faults() - f0, "nbytes": total}
 
     def cmd_mgr_recv(self, name: str, items: list[dict], timeout_s: float,
-                     sender: dict | None = None) -> dict[str, Any]:
-        """``receive`` each item (``{"rank", "rid"}``) in order, hold the payloads, stamp the
-        time, then read every byte (crc32, untimed)."""
+                     sender: dict | None = None, copy: bool = False) -> dict[str, Any]:
+        """``receive`` each item (``{"rank", "rid"}``) in order, hold the results, stamp the
+        time, then read every byte (crc32, untimed) and release them. The typed API's default
+        receive (zero-copy: the tensors view the pool until released), or with ``copy`` the
+        copying one (``zero_copy=False``, the compat layer's)."""
         from kvferry.app.bench_payload import kv_crc
         from kvferry.core.errors import TransferError
 
@@ -233,14 +286,19 @@ class KvCommands:
         held, t_have, total = [], [], 0
         for item in items:
             result = self.managers[name][item["rank"]].receive(
-                item["rid"], sender_info=info, timeout_s=max(deadline - time.monotonic(), 0.001))
+                item["rid"], sender_info=info, timeout_s=max(deadline - time.monotonic(), 0.001),
+                zero_copy=not copy)
             if not result.ok:
                 raise TransferError(f"rank {item['rank']}: receive of {item['rid']}: {result.outcome}")
             t_have.append(time.monotonic())
-            held.append(result.payload)
+            held.append(result)
             total += result.nbytes
         t_done = time.monotonic()
-        crcs = [kv_crc(p["layer_blocks"]["key_cache"], p["layer_blocks"]["value_cache"]) for p in held]
+        blocks = [r.payload["layer_blocks"] for r in held]
+        crcs = [kv_crc(b["key_cache"], b["value_cache"]) for b in blocks]
+        del blocks
+        for result in held:
+            result.release()
         held.clear()
         return {"t_done": t_done, "t_have": t_have, "crc": crcs, "faults": faults() - f0,
                 "nbytes": total}

@@ -156,7 +156,8 @@ class OmniKVTransferManager:
 
     # ---------------------------------------------------------------------------- receiving
     def _receive(self, request_id: str, target_device: Any = None, sender_info: Any = None) -> ReceiveResult:
-        result = self._manager.receive(request_id, sender_info=sender_info, target_device=target_device)
+        result = self._manager.receive(request_id, sender_info=sender_info, target_device=target_device,
+                                       zero_copy=False)  # the reference hands out tensors of their own
         self.last_receive_outcome = result.outcome
         return result
 
@@ -234,7 +235,8 @@ class OmniKVTransferManager:
 
     # ------------------------------------------------------------------------------ prefetch
     def _prefetch_receive(self, request_id: str, sender_info: Any, target_device: Any) -> ReceiveResult:
-        return self._manager.receive(request_id, sender_info=sender_info, target_device=target_device)
+        return self._manager.receive(request_id, sender_info=sender_info, target_device=target_device,
+                                     zero_copy=False)
 
     def start_prefetch(self, kv_prefetch_job: Mapping[str, Any], target_device: Any = None) -> None:
         started, reason = self._prefetcher.start(kv_prefetch_job, target_device)

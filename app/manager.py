@@ -112,6 +112,7 @@ class KVTransferManager:
     _lock: threading.RLock = attrs.field(init=False, factory=threading.RLock)
     _closed: bool = attrs.field(init=False, default=False)
     _recv_path: tuple[tuple, ReceivePath] | None = attrs.field(init=False, default=None)
+    _send_path: tuple[tuple, SendPath] | None = attrs.field(init=False, default=None)
 
     # ------------------------------------------------------------------------------ topology
     @property
@@ -234,11 +235,20 @@ class KVTransferManager:
 
     # ---------------------------------------------------------------------------------- send
     def send_path(self) -> SendPath:
+        """The send path for the current settings: built once and reused while the key hook,
+        retry policy, checksums, clock and TP sizes stay the same."""
         from_tp, to_tp = self.tp_sizes
-        return SendPath(
+        signature = (from_tp, to_tp, self.tp_rank, self.config, self.clock, self.sleep, self.retry,
+                     self.kv_send_key_builder, self.checksums)
+        cached = self._send_path
+        if cached is not None and all(a is b or a == b for a, b in zip(cached[0], signature)):
+            return cached[1]
+        path = SendPath(
             self.config.from_stage, self.config.to_stage, TPTopology(from_tp, to_tp, self.tp_rank),
             self.send_connector, self.clock, self.sleep, retry=self.retry, key_builder=self.kv_send_key_builder,
             checksums=self.checksums)
+        self._send_path = (signature, path)
+        return path
 
     def send_requests(
         self,
@@ -296,14 +306,16 @@ class KVTransferManager:
         return path
 
     def receive(self, request_id: str, *, sender_info: Any = None, target_device: Any = None,
-                timeout_s: float | None = None, zero_copy: bool = False) -> ReceiveResult:
+                timeout_s: float | None = None, zero_copy: bool = True) -> ReceiveResult:
         """Receive one request's KV for this rank (SPEC 7); the outcome is counted.
 
         ``sender_info`` (request-scoped) overrides, and does not change, the stored sender.
-        ``zero_copy``: the payload's tensors are views of the connector's pool buffers, which
-        the result holds until ``result.release()`` or until the result and every such tensor
-        are garbage (see :mod:`kvferry.app.receive`); the default copies them out and releases
-        the buffers before returning (what the reference does).
+        ``zero_copy`` (the default): the payload's tensors are views of the connector's pool
+        buffers, which the result holds until ``result.release()`` or until the result and
+        every such tensor are garbage (see :mod:`kvferry.app.receive`); while held, the sender
+        cannot reuse those bytes, so a caller that keeps the KV for long copies it (or passes
+        ``zero_copy=False``). ``zero_copy=False`` copies the tensors out and releases the
+        buffers before returning (what the reference does; :mod:`kvferry.app.compat` uses it).
         """
         info = sender_info
         if info is None and self._sender is not None:

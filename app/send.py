@@ -88,6 +88,16 @@ class SendPath:
     key_builder: Callable[..., Any] | None = None
     align: int = 64
     checksums: str | None = None
+    _checked: Any = attrs.field(init=False, default=None)  # the connector last inspected
+    _reservable: bool = attrs.field(init=False, default=False)
+
+    def _is_reservable(self, connector: Connector) -> bool:
+        """Whether ``connector`` offers Reservable: checked once per connector object (a
+        runtime Protocol isinstance costs tens of microseconds)."""
+        if connector is not self._checked:
+            self._reservable = isinstance(connector, Reservable)
+            self._checked = connector
+        return self._reservable
 
     # ------------------------------------------------------------------------------ planning
     def jobs(self, request_id: str) -> tuple[KeyJob, ...]:
@@ -178,7 +188,7 @@ class SendPath:
         reason, detail = SendReason.PUT_FAILED, ""
         for attempt in range(self.retry.attempts):
             try:
-                if isinstance(connector, Reservable):
+                if self._is_reservable(connector):
                     ok, size, info = self._put_reserved(connector, sliced, job.key, meta)
                 else:
                     ok, size, info = self._put_frames(connector, sliced, job, meta, materialized)

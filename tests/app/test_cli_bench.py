@@ -197,9 +197,15 @@ def test_tiny_run_reports_every_ratio_as_a_finite_number(tiny_run: tuple[int, st
     not_finite = {k: v for k, v in report["ratios"].items() if not isinstance(v, (int, float)) or not math.isfinite(v)}
     assert not_finite == {}
     assert report["data_checks"] and all(report["data_checks"].values())
-    for name in ("memcpy", "raw_zmq", "baseline_e2e", "shm_e2e_1", "zmq_e2e_n", "hetero_2_4"):
+    for name in ("memcpy", "raw_zmq", "baseline_e2e", "shm_e2e_1", "zmq_e2e_n", "hetero_2_4",
+                 "shm_e2e_1_copy", "zmq_e2e_1_copy"):
         fig = report["figures"][name]
         assert fig["n"] == 2 and fig["min"] <= fig["median"] <= fig["max"]
+    # the copying receive is measured beside the default (zero-copy) one, not in the headline
+    for name in ("shm_copying_e2e_vs_memcpy", "readiness_shm_copying_p50_ms", "rss_ratio_receiver_copying"):
+        assert math.isfinite(report["extra_ratios"][name]), name
+    assert report["notes"]["rss_ratio_receiver_path"].startswith("kvferry")
+    assert report["notes"]["rss_ratio_receiver_copying_path"].startswith("copying receive:")
     assert report["settings"]["geometry"]["nbytes"] == 2 * 2 * 256 * 4 * 128 * 2
     for key in ("cpu_model", "cores", "memory_gb", "torch", "pyzmq"):
         assert report["machine"][key]

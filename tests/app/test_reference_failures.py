@@ -84,6 +84,7 @@ def test_spec9_2_sender_and_receiver_derive_same_keys(kit, topology, stages, rid
             result = receiver.receive(rid)
             assert result.ok, result.outcome
             kit.assert_kv_equal(result.payload, *model.expected([1, 2], 6, rank, to_tp))
+            result.release()
         assert sorted(put_keys) == sorted(spy.get_keys) and len(set(put_keys)) == len(put_keys)
         assert kit.pool_is_empty(inner)
 

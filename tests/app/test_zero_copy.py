@@ -1,5 +1,6 @@
-"""Zero-copy receives (``receive(..., zero_copy=True)``): views of the pool, explicit and
-garbage-collected release, hold safety, and the copying default left as it was.
+"""Zero-copy receives (the typed API's default; ``zero_copy=True`` spelled out below): views of
+the pool, explicit and garbage-collected release, hold safety, and the copying receive
+(``zero_copy=False``, what the compat layer uses).
 
 In-process tests use the memory connector (its releases run inline, or on the release thread
 when the garbage collector triggers them); the shm tests run a sender and a receiver in this
@@ -67,7 +68,7 @@ def test_zero_copy_delivers_the_same_bits_as_copying_and_returns_every_region(ki
                                          connector=conn)
             for rid, spec in requests.items():
                 expected = model.expected(spec["block_ids"], spec["seq_len"], rank, to_tp)
-                copied = receiver.receive(rid)
+                copied = receiver.receive(rid, zero_copy=False)
                 with receiver.receive(rid, zero_copy=True) as viewed:
                     assert copied.ok and viewed.ok, (copied.outcome, viewed.outcome)
                     kit.assert_kv_equal(copied.payload, *expected)
@@ -165,12 +166,18 @@ def test_unpooled_data_is_copied_only_when_asked(kit, memory_connector_factory, 
     assert all(fresh) if copy_unpooled else not any(fresh)
 
 
-def test_copying_receive_is_still_the_default(kit, memory_connector, make_receiver) -> None:
+def test_zero_copy_is_the_default_and_copying_is_asked_for(kit, memory_connector, make_receiver) -> None:
     model = kit.PagedModel()
-    kit.send_all(model, memory_connector, 1, 1, {"a": {"block_ids": [1, 2], "seq_len": 8}})
-    result = make_receiver(memory_connector).receive("a")
-    assert result.ok and result.buffers == () and not result.held
-    assert not any(inside(t, memory_connector.pool.storage) for t in tensors_of(result))
+    kit.send_all(model, memory_connector, 1, 1, {"a": {"block_ids": [1, 2], "seq_len": 8},
+                                                 "b": {"block_ids": [3], "seq_len": 4}})
+    receiver = make_receiver(memory_connector)
+    viewed = receiver.receive("a")
+    assert viewed.ok and viewed.held
+    assert all(inside(t, memory_connector.pool.storage) for t in tensors_of(viewed))
+    viewed.release()
+    copied = receiver.receive("b", zero_copy=False)
+    assert copied.ok and copied.buffers == () and not copied.held
+    assert not any(inside(t, memory_connector.pool.storage) for t in tensors_of(copied))
     assert kit.pool_is_empty(memory_connector)
 
 
@@ -291,7 +298,7 @@ def test_shm_copying_receive_releases_without_waiting(kit, shm_pair, make_receiv
     sender, receiver_conn = shm_pair
     model = kit.PagedModel()
     kit.send_all(model, sender, 1, 1, {"a": {"block_ids": [1, 2], "seq_len": 8}})
-    result = make_receiver(receiver_conn).receive("a")
+    result = make_receiver(receiver_conn).receive("a", zero_copy=False)
     assert result.ok and result.buffers == ()
     assert receiver_conn.flush_releases(5.0) and sender.health()["used_bytes"] == 0
     kit.assert_kv_equal(result.payload, *model.expected([1, 2], 8))

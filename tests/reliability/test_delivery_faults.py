@@ -249,8 +249,9 @@ def test_a_full_sender_pool_fails_put_promptly_and_recovers(kind: str, shm_space
     assert full.kind is SendKind.FAILED and full.reason is SendReason.POOL_FULL, full
     assert "pool full" in full.detail or "pool_full" in full.detail, full.detail
     assert full.attempts == 3
-    result, _ = link.receive("first")  # the reader frees the space
+    result, _ = link.receive("first")
     assert link.exact(result, "first")
+    result.release(wait=True)  # the reader frees the space (a zero-copy result holds it until then)
     assert link.send("second", 64).kind is SendKind.SENT  # recovered
     result, _ = link.receive("second")
     assert link.exact(result, "second")
