@@ -1,6 +1,8 @@
 /* kvferry.adapters._gather: an optional native gather with streaming stores.
  *
- * One function, gather(), copies n blocks of a paged cache into a contiguous destination.
+ * gather() copies n blocks of a paged cache into a contiguous destination; gather_split() does
+ * the same for several equal slices of every block (head slices for several receivers) in one
+ * pass over the source, each slice into its own destination.
  * A block is read as up to three nested strided dimensions of contiguous pieces:
  *
  *   for i in [0, n):                      block = src + index[i] * block_stride
@@ -36,6 +38,9 @@ struct walk {
     const int64_t *index; /* NULL: blocks 0..n-1 */
     Py_ssize_t n, block_stride, d0, s0, d1, s1, d2, s2;
     size_t piece;
+    /* gather_split(): nsplit destinations; split j reads its pieces split_stride*j further on */
+    Py_ssize_t nsplit, split_stride;
+    char **dsts;
 };
 
 /* The loop over blocks and pieces, with `copy` inlined into it (an indirect call per piece
@@ -51,9 +56,33 @@ struct walk {
                 }                                                                                  \
     }
 
+/* The same walk over several destinations at once (gather_split): every block is read for each
+ * split in turn while it is still in the core's cache, so memory is read once; each split's
+ * pieces of a block land one after another in its destination (measured faster than
+ * alternating destinations piece by piece). */
+#define KVF_WALK_SPLIT(w, src, copy)                                                               \
+    for (Py_ssize_t i = 0; i < (w)->n; i++) {                                                      \
+        const char *block = (src) + ((w)->index ? (w)->index[i] : i) * (w)->block_stride;          \
+        for (Py_ssize_t j = 0; j < (w)->nsplit; j++) {                                             \
+            const char *slice = block + j * (w)->split_stride;                                     \
+            char *out = (w)->dsts[j];                                                              \
+            for (Py_ssize_t a = 0; a < (w)->d0; a++)                                               \
+                for (Py_ssize_t b = 0; b < (w)->d1; b++)                                           \
+                    for (Py_ssize_t c = 0; c < (w)->d2; c++) {                                     \
+                        copy(out, slice + a * (w)->s0 + b * (w)->s1 + c * (w)->s2, (w)->piece);    \
+                        out += (w)->piece;                                                         \
+                    }                                                                              \
+            (w)->dsts[j] = out;                                                                    \
+        }                                                                                          \
+    }
+
 typedef void (*gather_fn)(char *dst, const char *src, const struct walk *w);
 
 static void gather_plain(char *dst, const char *src, const struct walk *w) {
+    if (w->nsplit) {
+        KVF_WALK_SPLIT(w, src, memcpy)
+        return;
+    }
     KVF_WALK(w, dst, src, memcpy)
 }
 
@@ -99,7 +128,11 @@ static inline size_t align_head(char *dst, const char *src, size_t n, size_t ali
     }                                                                                              \
     __attribute__((target(isa))) static void name(char *dst, const char *src,                     \
                                                   const struct walk *w) {                         \
-        KVF_WALK(w, dst, src, name##_piece)                                                        \
+        if (w->nsplit) {                                                                           \
+            KVF_WALK_SPLIT(w, src, name##_piece)                                                   \
+        } else {                                                                                   \
+            KVF_WALK(w, dst, src, name##_piece)                                                    \
+        }                                                                                          \
         _mm_sfence();                                                                              \
     }
 
@@ -208,10 +241,65 @@ static PyObject *gather(PyObject *self, PyObject *args) {
         PyErr_Format(PyExc_IndexError, "gather: %zd blocks from a view of %zd", n, nblocks);
         return NULL;
     }
-    struct walk w = {ids, n, block_stride, d0, s0, d1, s1, d2, s2, (size_t)piece};
+    struct walk w = {ids, n, block_stride, d0, s0, d1, s1, d2, s2, (size_t)piece, 0, 0, NULL};
     gather_fn run = stream && piece >= STREAM_MIN_PIECE ? stream_gather : gather_plain;
     Py_BEGIN_ALLOW_THREADS
     run((char *)(uintptr_t)dst, (const char *)(uintptr_t)src, &w);
+    Py_END_ALLOW_THREADS
+    Py_RETURN_NONE;
+}
+
+#define KVF_MAX_SPLIT 64
+PyDoc_STRVAR(gather_split_doc,
+"gather_split(dsts, split_stride, src, index, n, nblocks, block_stride, d0, s0, d1, s1, d2, s2,\n"
+"             piece, stream)\n"
+"\n"
+"gather() into len(dsts) destinations in one pass over the source: destination j (an address)\n"
+"gets what gather() would write reading from src + j*split_stride (e.g. head slice j of every\n"
+"block). At most 64 destinations. Errors as gather().");
+static PyObject *gather_split(PyObject *self, PyObject *args) {
+    PyObject *targets;
+    unsigned long long src, index;
+    Py_ssize_t split_stride, n, nblocks, block_stride, d0, s0, d1, s1, d2, s2, piece;
+    int stream;
+    if (!PyArg_ParseTuple(args, "O!nKKnnnnnnnnnnp:gather_split", &PyTuple_Type, &targets,
+                          &split_stride, &src, &index, &n, &nblocks, &block_stride, &d0, &s0, &d1,
+                          &s1, &d2, &s2, &piece, &stream))
+        return NULL;
+    Py_ssize_t nsplit = PyTuple_GET_SIZE(targets);
+    if (nsplit < 1 || nsplit > KVF_MAX_SPLIT) {
+        PyErr_Format(PyExc_ValueError, "gather_split: need 1 to %d destinations, got %zd",
+                     KVF_MAX_SPLIT, nsplit);
+        return NULL;
+    }
+    if (n < 0 || d0 < 0 || d1 < 0 || d2 < 0 || piece < 0) {
+        PyErr_SetString(PyExc_ValueError, "gather_split: negative count or size");
+        return NULL;
+    }
+    char *dsts[KVF_MAX_SPLIT];
+    for (Py_ssize_t j = 0; j < nsplit; j++) {
+        unsigned long long address = PyLong_AsUnsignedLongLong(PyTuple_GET_ITEM(targets, j));
+        if (PyErr_Occurred())
+            return NULL;
+        dsts[j] = (char *)(uintptr_t)address;
+    }
+    const int64_t *ids = (const int64_t *)(uintptr_t)index;
+    if (ids) {
+        for (Py_ssize_t i = 0; i < n; i++)
+            if (ids[i] < 0 || ids[i] >= nblocks) {
+                PyErr_Format(PyExc_IndexError, "gather_split: block id %lld outside [0, %zd)",
+                             (long long)ids[i], nblocks);
+                return NULL;
+            }
+    } else if (n > nblocks) {
+        PyErr_Format(PyExc_IndexError, "gather_split: %zd blocks from a view of %zd", n, nblocks);
+        return NULL;
+    }
+    struct walk w = {ids, n, block_stride, d0, s0, d1, s1, d2, s2, (size_t)piece,
+                     nsplit, split_stride, dsts};
+    gather_fn run = stream && piece >= STREAM_MIN_PIECE ? stream_gather : gather_plain;
+    Py_BEGIN_ALLOW_THREADS
+    run(NULL, (const char *)(uintptr_t)src, &w);
     Py_END_ALLOW_THREADS
     Py_RETURN_NONE;
 }
@@ -236,6 +324,7 @@ static PyObject *set_isa(PyObject *self, PyObject *arg) {
 
 static PyMethodDef methods[] = {
     {"gather", gather, METH_VARARGS, gather_doc},
+    {"gather_split", gather_split, METH_VARARGS, gather_split_doc},
     {"isa", isa, METH_NOARGS, isa_doc},
     {"set_isa", set_isa, METH_O, set_isa_doc},
     {NULL, NULL, 0, NULL},

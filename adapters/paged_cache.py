@@ -39,6 +39,8 @@ from kvferry.adapters.paged_gather import (
     STRIDED_MAX_RUNS,
     GatherMethod,
     TensorGather,
+    gather_split,
+    split_stride,
 )
 from kvferry.core.errors import ConfigError
 
@@ -46,6 +48,7 @@ __all__ = [
     "GatherMethod", "CROSS_DEVICE_MAX_RUNS", "DEVICE_MAX_RUNS", "STRIDED_MAX_RUNS", "LayerSkip",
     "ExtractionSkipped", "TensorGather", "ExtractionPlan", "ExtractedKV", "normalize_layer_kv",
     "valid_block_ids", "block_runs", "token_split", "plan_extraction", "extract_request",
+    "gather_slices",
 ]
 
 logger = logging.getLogger(__name__)
@@ -242,6 +245,44 @@ class ExtractionPlan:
             out = torch.empty(g.shape, dtype=g.dtype, device=g.device)
             return g.gather_into(out, method=method)
         return [fresh(g) for g in self.keys], [fresh(g) for g in self.values]
+
+
+def gather_slices(plans: Sequence[ExtractionPlan],
+                  dests: Sequence[Sequence[Sequence[torch.Tensor | None]]]) -> None:
+    """:meth:`ExtractionPlan.gather_all` of every plan into its ``(key_views, value_views)``,
+    where the plans are slices of one request (e.g. the head slices of several receivers): a
+    tensor whose slices are equal, consecutive views of the cache (``split_stride``) is read
+    once for all of them by the native split gather; any other is gathered slice by slice.
+    Every view is checked before the first byte moves."""
+    if len(plans) != len(dests):
+        raise ConfigError(f"{len(plans)} plans, {len(dests)} destinations")
+    jobs: list[tuple[list[TensorGather], list[torch.Tensor], list[str]]] = []
+    for plan, views in zip(plans, dests):
+        if len(views) != 2 or any(len(v) != plan.num_layers for v in views):
+            raise ConfigError("each destination must be (key_views, value_views), one view per layer")
+    for position in range(2 * plans[0].num_layers):
+        gathers, outs, methods = [], [], []
+        for plan, views in zip(plans, dests):
+            which, layer = divmod(position, plan.num_layers)
+            gather = (plan.keys, plan.values)[which][layer]
+            view = views[which][layer]
+            if (gather is None) != (view is None):
+                raise ConfigError(f"{_WHICH[which]} layer {layer}: view must be None exactly when "
+                                  "the layer is absent")
+            if gather is not None:
+                gather.check_out(view)
+                gathers.append(gather)
+                outs.append(view)
+                methods.append(gather.choose_method(view.device))
+        jobs.append((gathers, outs, methods))
+    with torch.no_grad():
+        for gathers, outs, methods in jobs:
+            stride = split_stride(gathers) if all(m == "native" for m in methods) else None
+            if stride is not None and len(gathers) == len(plans):
+                gather_split(gathers, outs, stride)
+                continue
+            for gather, out, method in zip(gathers, outs, methods):
+                gather.write_unchecked(out, method)
 
 
 @attrs.frozen(eq=False)

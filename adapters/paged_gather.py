@@ -16,7 +16,7 @@ from __future__ import annotations
 import functools
 import math
 import os
-from typing import Any, Literal
+from typing import Any, Literal, Sequence
 
 import attrs
 import torch
@@ -33,6 +33,7 @@ if os.environ.get("KVFERRY_NATIVE_GATHER", "1") != "0":
 __all__ = [
     "GatherMethod", "CROSS_DEVICE_MAX_RUNS", "DEVICE_MAX_RUNS", "STRIDED_MAX_RUNS", "TensorGather",
     "NATIVE_GATHER", "NATIVE_MAX_THREADS", "NATIVE_MIN_PIECE", "STREAM_MIN_BYTES", "native_isa",
+    "MAX_SPLIT", "split_stride", "gather_split",
 ]
 
 #: ``"index"``: one ``index_select(out=...)`` over byte rows of whole blocks (element-wise when a
@@ -68,6 +69,8 @@ DEVICE_MAX_RUNS = 4
 #: contiguous blocks always use the index on CPU (byte rows: as fast as runs for one run, far
 #: faster for scattered blocks).
 STRIDED_MAX_RUNS = 4
+#: Most destinations one :func:`gather_split` writes (the C extension's limit).
+MAX_SPLIT = 64
 _WIDE = ((8, torch.int64), (4, torch.int32), (2, torch.int16))
 _WIDTH_DTYPE = {8: torch.int64, 4: torch.int32, 2: torch.int16, 1: torch.uint8}
 
@@ -309,14 +312,66 @@ class TensorGather:
         layout, native = self._layout, _native
         if layout is None or native is None:
             raise ConfigError(f"{self.name}: the native gather cannot read these blocks")
-        dst, src, count = out.data_ptr(), self.blocks.data_ptr(), self.blocks.shape[0]
-        last = self.block_ids[self.full_blocks] if self.tail_tokens else 0
-        if not 0 <= last < count:
-            raise IndexError(f"{self.name}: block {last} outside [0, {count})")
-        stream = self.nbytes >= STREAM_MIN_BYTES
+        self._check_tail_id()
         if self.full_blocks:
-            native.gather(dst, src, self.index.data_ptr(), self.full_blocks, count,
-                          layout.block_stride, *layout.full, stream)
-        if self.tail_tokens:
-            native.gather(dst + self.full_blocks * layout.block_bytes, src + last * layout.block_stride, 0, 1, 1,
-                          layout.block_stride, *layout.tail, stream)
+            native.gather(out.data_ptr(), self.blocks.data_ptr(), self.index.data_ptr(), self.full_blocks,
+                          self.blocks.shape[0], layout.block_stride, *layout.full, self._stream)
+        self._write_native_tail(out)
+
+    @property
+    def _stream(self) -> bool:
+        return self.nbytes >= STREAM_MIN_BYTES
+
+    def _check_tail_id(self) -> None:
+        last = self.block_ids[self.full_blocks] if self.tail_tokens else 0
+        if not 0 <= last < self.blocks.shape[0]:
+            raise IndexError(f"{self.name}: block {last} outside [0, {self.blocks.shape[0]})")
+
+    def _write_native_tail(self, out: torch.Tensor) -> None:
+        """The partial last block's tokens (native; after :meth:`_check_tail_id`)."""
+        if not self.tail_tokens:
+            return
+        layout, last = self._layout, self.block_ids[self.full_blocks]
+        _native.gather(out.data_ptr() + self.full_blocks * layout.block_bytes,
+                       self.blocks.data_ptr() + last * layout.block_stride, 0, 1, 1,
+                       layout.block_stride, *layout.tail, self._stream)
+
+
+def split_stride(gathers: Sequence[TensorGather]) -> int | None:
+    """The byte distance between consecutive gathers when they are equal slices of one tensor
+    (same blocks, block ids and layout, each view ``stride`` bytes after the previous one, e.g.
+    the head slices of several receivers), so :func:`gather_split` can read the source once;
+    None otherwise (or when the native gather is not in use)."""
+    if _native is None or not 2 <= len(gathers) <= MAX_SPLIT:
+        return None
+    first = gathers[0]
+    base, layout = first.blocks, first._layout
+    if layout is None:
+        return None
+    stride = gathers[1].blocks.data_ptr() - base.data_ptr()
+    if stride <= 0:
+        return None
+    for j, g in enumerate(gathers):
+        b = g.blocks
+        if (g._layout != layout or b.data_ptr() != base.data_ptr() + j * stride
+                or b.shape != base.shape or b.stride() != base.stride() or b.dtype != base.dtype
+                or g.block_ids != first.block_ids or g.full_blocks != first.full_blocks
+                or g.tail_tokens != first.tail_tokens or not torch.equal(g.index, first.index)):
+            return None
+    return stride
+
+
+def gather_split(gathers: Sequence[TensorGather], outs: Sequence[torch.Tensor], stride: int) -> None:
+    """Write ``gathers[j]`` into ``outs[j]`` (each checked by :meth:`TensorGather.check_out`)
+    in one pass over the source: the native split gather for the whole blocks, then each
+    partial last block. ``stride``: :func:`split_stride` of ``gathers`` (not None)."""
+    first = gathers[0]
+    layout = first._layout
+    for g in gathers:
+        g._check_tail_id()
+    if first.full_blocks:
+        _native.gather_split(tuple(o.data_ptr() for o in outs), stride, first.blocks.data_ptr(),
+                             first.index.data_ptr(), first.full_blocks, first.blocks.shape[0],
+                             layout.block_stride, *layout.full, first._stream)
+    for g, out in zip(gathers, outs):
+        g._write_native_tail(out)

@@ -10,7 +10,9 @@ each key write the payload by the connector's fastest path:
 
 When fanning out (sender TP < receiver TP) each key carries only its receiver's heads: the
 gather reads just those heads of every block, and the payload is tagged ``tp_head_slice``
-(side "sender") so the receiver never slices it again.
+(side "sender") so the receiver never slices it again. Into a reservable connector every key's
+region is reserved first and the slices are gathered in one pass over the cache
+(:func:`~kvferry.adapters.paged_cache.gather_slices`), then committed.
 
 Every request gets a :class:`~kvferry.core.outcomes.SendOutcome`; puts are retried (3
 attempts, 0.1 s doubling backoff by default) and a full pool is reported as ``pool_full``.
@@ -23,7 +25,7 @@ from typing import Any, Callable, Mapping, Sequence
 
 import attrs
 
-from kvferry.adapters.paged_cache import ExtractionPlan, ExtractionSkipped, plan_extraction
+from kvferry.adapters.paged_cache import ExtractionPlan, ExtractionSkipped, gather_slices, plan_extraction
 from kvferry.adapters.torch_frames import dest_views, encode_frames, finish_payload_in
 from kvferry.core.errors import KVFerryError, PoolFullError, RoutingError
 from kvferry.core.head_slices import fan_out_slice, slice_bounds, tp_head_slice_record
@@ -148,8 +150,12 @@ class SendPath:
         nbytes = attempts = 0
         last_reason, last_detail = SendReason.PUT_FAILED, ""
         materialized: dict[tuple[int, int], Any] = {}
+        together = self._put_slices_together(connector, plan, jobs)
         for job in jobs:
-            ok, size, tries, reason, detail = self._put_one(connector, plan, job, materialized)
+            if job.key in together:  # put in the one-pass fan-out gather below
+                ok, size, tries, reason, detail = True, together[job.key], 1, last_reason, ""
+            else:
+                ok, size, tries, reason, detail = self._put_one(connector, plan, job, materialized)
             attempts += tries
             if ok:
                 sent.append(job.key)
@@ -208,6 +214,48 @@ class SendPath:
             if attempt < len(delays):
                 self.sleep(delays[attempt])
         return False, 0, self.retry.attempts, reason, detail
+
+    def _put_slices_together(self, connector: Connector, plan: ExtractionPlan,
+                             jobs: tuple[KeyJob, ...]) -> dict[str, int]:
+        """Fan-out into a reservable connector: reserve every key's region first, then gather
+        every head slice in one pass over the cache (``gather_slices``), then write the headers
+        and commit. Returns ``{key: size}`` of the keys put; a key missing from it (nothing
+        applies, a reservation or a commit failed) goes through :meth:`_put_one` (with its
+        retries) instead."""
+        if len(jobs) < 2 or any(j.num_slices < 2 or j.target_rank is None for j in jobs) \
+                or not self._is_reservable(connector):
+            return {}
+        reservations: list[Any] = []
+        try:
+            sliced = [slice_plan_heads(plan, j.offset_in_shard, j.num_slices) for j in jobs]
+            layouts = [self._layout(p, self._metadata(plan, j)) for p, j in zip(sliced, jobs)]
+            for job, layout in zip(jobs, layouts):
+                reservations.append(connector.reserve(str(self.from_stage), str(self.to_stage), job.key,
+                                                      layout.total_nbytes))
+        except KVFerryError:  # a full pool, an odd layout: each key takes the single path
+            for reservation in reservations:
+                reservation.abort()
+            return {}
+        try:
+            n = plan.num_layers
+            views = [dest_views(r.buffer, layout) for r, layout in zip(reservations, layouts)]
+            gather_slices(sliced, [(v[:n], v[n:]) for v in views])
+            for reservation, layout in zip(reservations, layouts):
+                finish_payload_in(reservation.buffer, layout)
+        except KVFerryError:  # a local fault: the single path reports it per key
+            for reservation in reservations:
+                reservation.abort()
+            return {}
+        except BaseException:
+            for reservation in reservations:
+                reservation.abort()
+            raise
+        put: dict[str, int] = {}
+        for job, reservation in zip(jobs, reservations):
+            ok, size, _ = reservation.commit()
+            if ok:
+                put[job.key] = size
+        return put
 
     def _layout(self, plan: ExtractionPlan, meta: dict[str, Any]) -> Any:
         keys, values = plan.dtype_shapes()

@@ -265,3 +265,95 @@ def test_isa_names_and_switching():
     finally:
         native.set_isa(None)
     assert native.isa() in ISAS
+
+
+# --------------------------------------------------------------- one pass over head slices
+def _sliced(plan, slices):
+    from kvferry.app.send import slice_plan_heads
+
+    return [slice_plan_heads(plan, j, slices) for j in range(slices)]
+
+
+def _dests(plan):
+    def fresh(g):
+        return None if g is None else torch.full(g.shape, 0, dtype=g.dtype)
+    return [fresh(g) for g in plan.keys], [fresh(g) for g in plan.values]
+
+
+@pytest.fixture(params=[1, 2], ids=["one-thread", "two-threads"])
+def split_calls(request, monkeypatch):
+    """torch on 1 thread ("auto" picks native, so the split gather runs) or 2 (slice by
+    slice); yields the list of the split gather's calls."""
+    calls = []
+    native = paged_gather._native
+    if native is not None:
+        monkeypatch.setattr(paged_gather, "_native", _Counting(native, calls))
+    threads = torch.get_num_threads()
+    torch.set_num_threads(request.param)
+    try:
+        yield calls, request.param
+    finally:
+        torch.set_num_threads(threads)
+
+
+class _Counting:
+    def __init__(self, inner, calls):
+        self._inner, self._calls = inner, calls
+
+    def __getattr__(self, name):
+        return getattr(self._inner, name)
+
+    def gather_split(self, *args):
+        self._calls.append(len(args[0]))
+        return self._inner.gather_split(*args)
+
+
+@pytest.mark.parametrize("slices", [2, 4])
+@pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: str(d).removeprefix("torch."))
+def test_gather_slices_writes_what_each_slice_gathers_alone(kernel, split_calls, dtype, slices):
+    """``gather_slices`` (the native split gather when it applies) == each slice's own gather,
+    for every layout, scattered/duplicated ids and a partial last block."""
+    from kvferry.adapters.paged_cache import gather_slices
+
+    calls, threads = split_calls
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    key = random_blocks(10, 256 // itemsize, dtype, seed=3)
+    value = random_blocks(10, 256 // itemsize, dtype, seed=4)
+    for layout in ("dim0", "dim1", "packed", "tuple"):
+        for ids, seq_len in IDS_CASES:
+            plan = plan_extraction([make_layer(layout, key, value)] * 2, ids, seq_len, BLOCK,
+                                   cache_dtype=str(dtype))
+            parts = _sliced(plan, slices)
+            together = [_dests(p) for p in parts]
+            gather_slices(parts, together)
+            for part, got in zip(parts, together):
+                alone = _dests(part)
+                part.gather_all(alone)
+                for a, b in zip(alone[0] + alone[1], got[0] + got[1]):
+                    assert same_bits(a, b), (layout, ids, slices)
+    # one thread: every tensor with whole blocks went through one split call for all slices
+    assert (set(calls) == {slices}) if threads == 1 else calls == []
+
+
+@needs_native
+def test_equal_consecutive_slices_take_the_split_gather_and_others_do_not():
+    cache = random_blocks(10, 128, torch.bfloat16, seed=5)
+    plan = plan_extraction([make_layer("dim0", cache, cache)], [3, 1, 4], 12, BLOCK, cache_dtype="bfloat16")
+    halves = [g.keys[0] for g in _sliced(plan, 2)]
+    assert paged_gather.split_stride(halves) == 2 * 128 * 2  # two heads of 128 bf16 further on
+    assert paged_gather.split_stride(halves[::-1]) is None  # not in increasing order
+    assert paged_gather.split_stride(halves[:1]) is None
+    uneven = attrs.evolve(halves[1], blocks=plan.keys[0].blocks.narrow(2, 2, 1))
+    assert paged_gather.split_stride([halves[0], uneven]) is None
+
+
+@needs_native
+def test_split_gather_checks_every_id_and_its_destinations():
+    native = paged_gather._native
+    index = torch.tensor([1, 5], dtype=torch.int64)
+    with pytest.raises(IndexError):  # null addresses: any copy would crash
+        native.gather_split((0, 0), 8, 0, index.data_ptr(), 2, 3, 0, 1, 0, 1, 0, 1, 0, 8, True)
+    with pytest.raises(ValueError):
+        native.gather_split((), 8, 0, 0, 0, 3, 0, 1, 0, 1, 0, 1, 0, 8, True)
+    with pytest.raises(ValueError):
+        native.gather_split(tuple([0] * 65), 8, 0, 0, 0, 3, 0, 1, 0, 1, 0, 1, 0, 8, True)

@@ -33,7 +33,7 @@ METHODS = (*TORCH_METHODS, pytest.param("native", marks=pytest.mark.skipif(
     not paged_gather.NATIVE_GATHER, reason="the native gather (kvferry.adapters._gather) is not built")))
 #: Names of paged_gather that paged_cache and the layer need not re-export.
 GATHER_ONLY = {"STRIDED_MAX_RUNS", "NATIVE_GATHER", "NATIVE_MAX_THREADS", "NATIVE_MIN_PIECE",
-               "STREAM_MIN_BYTES", "native_isa"}
+               "STREAM_MIN_BYTES", "native_isa", "MAX_SPLIT", "split_stride", "gather_split"}
 DTYPES = (torch.bfloat16, torch.float16, torch.float32, torch.float8_e4m3fn)
 LOGGER = "kvferry.adapters.paged_cache"
 
