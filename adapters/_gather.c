@@ -209,6 +209,28 @@ static int select_isa(const char *name) {
     return 0;
 }
 
+/* ValueError for a negative count or size, IndexError for a block id outside [0, nblocks)
+ * (ids NULL: n blocks from the start); 0 with the error set, before any byte moves. */
+static int check_walk(const char *fn, const int64_t *ids, Py_ssize_t n, Py_ssize_t nblocks,
+                      Py_ssize_t d0, Py_ssize_t d1, Py_ssize_t d2, Py_ssize_t piece) {
+    if (n < 0 || d0 < 0 || d1 < 0 || d2 < 0 || piece < 0) {
+        PyErr_Format(PyExc_ValueError, "%s: negative count or size", fn);
+        return 0;
+    }
+    if (ids) {
+        for (Py_ssize_t i = 0; i < n; i++)
+            if (ids[i] < 0 || ids[i] >= nblocks) {
+                PyErr_Format(PyExc_IndexError, "%s: block id %lld outside [0, %zd)", fn,
+                             (long long)ids[i], nblocks);
+                return 0;
+            }
+    } else if (n > nblocks) {
+        PyErr_Format(PyExc_IndexError, "%s: %zd blocks from a view of %zd", fn, n, nblocks);
+        return 0;
+    }
+    return 1;
+}
+
 PyDoc_STRVAR(gather_doc,
 "gather(dst, src, index, n, nblocks, block_stride, d0, s0, d1, s1, d2, s2, piece, stream)\n"
 "\n"
@@ -225,22 +247,9 @@ static PyObject *gather(PyObject *self, PyObject *args) {
     if (!PyArg_ParseTuple(args, "KKKnnnnnnnnnnp:gather", &dst, &src, &index, &n, &nblocks,
                           &block_stride, &d0, &s0, &d1, &s1, &d2, &s2, &piece, &stream))
         return NULL;
-    if (n < 0 || d0 < 0 || d1 < 0 || d2 < 0 || piece < 0) {
-        PyErr_SetString(PyExc_ValueError, "gather: negative count or size");
-        return NULL;
-    }
     const int64_t *ids = (const int64_t *)(uintptr_t)index;
-    if (ids) {
-        for (Py_ssize_t i = 0; i < n; i++)
-            if (ids[i] < 0 || ids[i] >= nblocks) {
-                PyErr_Format(PyExc_IndexError, "gather: block id %lld outside [0, %zd)",
-                             (long long)ids[i], nblocks);
-                return NULL;
-            }
-    } else if (n > nblocks) {
-        PyErr_Format(PyExc_IndexError, "gather: %zd blocks from a view of %zd", n, nblocks);
+    if (!check_walk("gather", ids, n, nblocks, d0, d1, d2, piece))
         return NULL;
-    }
     struct walk w = {ids, n, block_stride, d0, s0, d1, s1, d2, s2, (size_t)piece, 0, 0, NULL};
     gather_fn run = stream && piece >= STREAM_MIN_PIECE ? stream_gather : gather_plain;
     Py_BEGIN_ALLOW_THREADS
@@ -272,10 +281,6 @@ static PyObject *gather_split(PyObject *self, PyObject *args) {
                      KVF_MAX_SPLIT, nsplit);
         return NULL;
     }
-    if (n < 0 || d0 < 0 || d1 < 0 || d2 < 0 || piece < 0) {
-        PyErr_SetString(PyExc_ValueError, "gather_split: negative count or size");
-        return NULL;
-    }
     char *dsts[KVF_MAX_SPLIT];
     for (Py_ssize_t j = 0; j < nsplit; j++) {
         unsigned long long address = PyLong_AsUnsignedLongLong(PyTuple_GET_ITEM(targets, j));
@@ -284,17 +289,8 @@ static PyObject *gather_split(PyObject *self, PyObject *args) {
         dsts[j] = (char *)(uintptr_t)address;
     }
     const int64_t *ids = (const int64_t *)(uintptr_t)index;
-    if (ids) {
-        for (Py_ssize_t i = 0; i < n; i++)
-            if (ids[i] < 0 || ids[i] >= nblocks) {
-                PyErr_Format(PyExc_IndexError, "gather_split: block id %lld outside [0, %zd)",
-                             (long long)ids[i], nblocks);
-                return NULL;
-            }
-    } else if (n > nblocks) {
-        PyErr_Format(PyExc_IndexError, "gather_split: %zd blocks from a view of %zd", n, nblocks);
+    if (!check_walk("gather_split", ids, n, nblocks, d0, d1, d2, piece))
         return NULL;
-    }
     struct walk w = {ids, n, block_stride, d0, s0, d1, s1, d2, s2, (size_t)piece,
                      nsplit, split_stride, dsts};
     gather_fn run = stream && piece >= STREAM_MIN_PIECE ? stream_gather : gather_plain;

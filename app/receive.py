@@ -42,7 +42,7 @@ from kvferry.core.head_slices import applied_head_slice, fan_out_slice, tp_head_
 from kvferry.core.ids import is_dummy_request, recv_keys
 from kvferry.core.outcomes import ReceiveKind, ReceiveOutcome, SkipReason
 from kvferry.core.policy import Deadline, PollBackoff
-from kvferry.core.ports import BlockingGet, Clock, Connector
+from kvferry.core.ports import BlockingGet, Clock, Connector, Implements
 from kvferry.core.sender_info import SenderEndpoint, resolve_sender
 from kvferry.core.topology import TPTopology
 
@@ -173,8 +173,7 @@ class ReceivePath:
     limits: DecodeLimits = attrs.field(factory=DecodeLimits)
     #: The default of :meth:`receive`'s ``zero_copy`` (see the module doc).
     zero_copy: bool = False
-    _checked: Any = attrs.field(init=False, default=None)  # the connector last inspected
-    _blocking: bool = attrs.field(init=False, default=False)
+    _is_blocking: Implements = attrs.field(init=False, factory=lambda: Implements(BlockingGet))
 
     def keys(self, request_id: str) -> tuple[tuple[str, int | None], ...]:
         return recv_keys(request_id, self.from_stage, self.to_stage, self.topology, self.key_builder)
@@ -248,14 +247,6 @@ class ReceivePath:
 
     def _since(self, start: float) -> float:
         return max(0.0, self.clock.monotonic() - start)
-
-    def _is_blocking(self, connector: Connector) -> bool:
-        """Whether ``connector`` offers BlockingGet: checked once per connector object (a
-        runtime Protocol isinstance costs tens of microseconds)."""
-        if connector is not self._checked:
-            self._blocking = isinstance(connector, BlockingGet)
-            self._checked = connector
-        return self._blocking
 
     def _get_once(self, connector: Connector, key: str, meta: Any, remaining: float) -> Any:
         if self._is_blocking(connector):

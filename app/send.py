@@ -33,7 +33,7 @@ from kvferry.core.header import kv_tensor_specs, plan_layout
 from kvferry.core.ids import send_keys
 from kvferry.core.outcomes import SendOutcome, SendReason
 from kvferry.core.policy import RetryPolicy
-from kvferry.core.ports import Clock, Connector, Reservable
+from kvferry.core.ports import Clock, Connector, Implements, Reservable
 from kvferry.core.topology import TPTopology, target_ranks
 
 __all__ = ["SendPath", "KeyJob", "slice_plan_heads"]
@@ -90,16 +90,7 @@ class SendPath:
     key_builder: Callable[..., Any] | None = None
     align: int = 64
     checksums: str | None = None
-    _checked: Any = attrs.field(init=False, default=None)  # the connector last inspected
-    _reservable: bool = attrs.field(init=False, default=False)
-
-    def _is_reservable(self, connector: Connector) -> bool:
-        """Whether ``connector`` offers Reservable: checked once per connector object (a
-        runtime Protocol isinstance costs tens of microseconds)."""
-        if connector is not self._checked:
-            self._reservable = isinstance(connector, Reservable)
-            self._checked = connector
-        return self._reservable
+    _is_reservable: Implements = attrs.field(init=False, factory=lambda: Implements(Reservable))
 
     # ------------------------------------------------------------------------------ planning
     def jobs(self, request_id: str) -> tuple[KeyJob, ...]:
