@@ -136,7 +136,7 @@ def _split_layer(layer_kv: Any, block_size: int | None) -> tuple[torch.Tensor, t
         return f"unsupported KV type {type(layer_kv).__name__}"
     if key.ndim < 2 or value.ndim < 2:
         return f"key/value blocks under 2-D: key={tuple(key.shape)} value={tuple(value.shape)}"
-    return key.detach(), value.detach()
+    return (key.detach() if key.requires_grad else key), (value.detach() if value.requires_grad else value)
 
 
 def normalize_layer_kv(

@@ -75,13 +75,21 @@ _WIDE = ((8, torch.int64), (4, torch.int32), (2, torch.int16))
 _WIDTH_DTYPE = {8: torch.int64, 4: torch.int32, 2: torch.int16, 1: torch.uint8}
 
 
-def _byte_rows(t: torch.Tensor) -> torch.Tensor | None:
-    """``t`` as a 2-D uint8 view ``[t.shape[0], bytes per row]``; None if ``t[i]`` is strided."""
+def _row_elements(t: torch.Tensor) -> int | None:
+    """Elements per ``t[i]`` when each is one contiguous run; None if ``t[i]`` is strided."""
     row = 1
     for size, stride in zip(reversed(t.shape[1:]), reversed(t.stride()[1:])):
         if size != 1 and stride != row:
             return None
         row *= size
+    return row
+
+
+def _byte_rows(t: torch.Tensor) -> torch.Tensor | None:
+    """``t`` as a 2-D uint8 view ``[t.shape[0], bytes per row]``; None if ``t[i]`` is strided."""
+    row = _row_elements(t)
+    if row is None:
+        return None
     return t.as_strided((t.shape[0], row), (t.stride(0), 1)).view(torch.uint8)
 
 
@@ -176,7 +184,7 @@ class TensorGather:
     #: Output shape ``(tokens, *token_shape)`` and bytes.
     shape: tuple[int, ...] = attrs.field(init=False)
     nbytes: int = attrs.field(init=False)
-    _rows: torch.Tensor | None = attrs.field(init=False, repr=False)  # uint8 view of ``blocks``
+    _whole_rows: bool = attrs.field(init=False, repr=False)  # a block is one contiguous run
     _layout: _NativeLayout | None = attrs.field(init=False, repr=False)  # None: torch only
 
     @shape.default
@@ -187,9 +195,9 @@ class TensorGather:
     def _nbytes_default(self) -> int:
         return math.prod(self.shape) * self.blocks.element_size()
 
-    @_rows.default
-    def _rows_default(self) -> torch.Tensor | None:
-        return _byte_rows(self.blocks)
+    @_whole_rows.default
+    def _whole_rows_default(self) -> bool:
+        return _row_elements(self.blocks) is not None
 
     @_layout.default
     def _layout_default(self) -> _NativeLayout | None:
@@ -216,7 +224,7 @@ class TensorGather:
     @property
     def strided(self) -> bool:
         """True when a block is not one contiguous run of bytes (head slices, packed layout)."""
-        return self._rows is None
+        return not self._whole_rows
 
     def choose_method(self, out_device: torch.device, method: GatherMethod = "auto") -> str:
         """The concrete method for a destination on ``out_device``.
@@ -293,11 +301,11 @@ class TensorGather:
             elif chosen == "staged":
                 dst.copy_(torch.index_select(self.blocks, 0, self.index))
             else:
-                dst_rows = _byte_rows(dst)
-                if self._rows is not None and dst_rows is not None:
-                    width = min(_row_width(self._rows), _row_width(dst_rows))
+                rows, dst_rows = _byte_rows(self.blocks), _byte_rows(dst)
+                if rows is not None and dst_rows is not None:
+                    width = min(_row_width(rows), _row_width(dst_rows))
                     wide = _WIDTH_DTYPE[width]
-                    torch.index_select(self._rows.view(wide), 0, self.index, out=dst_rows.view(wide))
+                    torch.index_select(rows.view(wide), 0, self.index, out=dst_rows.view(wide))
                 else:  # strided blocks: element-wise gather, still no temporary
                     torch.index_select(self.blocks, 0, self.index, out=dst)
         if self.tail_tokens:

@@ -29,7 +29,7 @@ from kvferry.adapters.paged_cache import ExtractionPlan, ExtractionSkipped, gath
 from kvferry.adapters.torch_frames import dest_views, encode_frames, finish_payload_in
 from kvferry.core.errors import KVFerryError, PoolFullError, RoutingError
 from kvferry.core.head_slices import fan_out_slice, slice_bounds, tp_head_slice_record
-from kvferry.core.header import kv_tensor_specs, plan_layout
+from kvferry.core.header import kv_layout_template
 from kvferry.core.ids import send_keys
 from kvferry.core.outcomes import SendOutcome, SendReason
 from kvferry.core.policy import RetryPolicy
@@ -40,6 +40,8 @@ __all__ = ["SendPath", "KeyJob", "slice_plan_heads"]
 
 logger = logging.getLogger(__name__)
 
+#: Layout templates a send path keeps (one per tensor shape signature; all dropped when full).
+_TEMPLATES_KEPT = 64
 #: Put failure reasons that retrying cannot help (the payload never fits; the connector is gone).
 _UNRETRIED = ("too_large", "closed")
 
@@ -91,6 +93,7 @@ class SendPath:
     align: int = 64
     checksums: str | None = None
     _is_reservable: Implements = attrs.field(init=False, factory=lambda: Implements(Reservable))
+    _templates: dict[tuple, Any] = attrs.field(init=False, factory=dict)  # see _layout
 
     # ------------------------------------------------------------------------------ planning
     def jobs(self, request_id: str) -> tuple[KeyJob, ...]:
@@ -249,10 +252,17 @@ class SendPath:
         return put
 
     def _layout(self, plan: ExtractionPlan, meta: dict[str, Any]) -> Any:
+        """The payload layout: the part fixed by the tensors' dtypes and shapes (a template) is
+        kept per shape signature, so a request of a shape seen before only renders its header."""
         keys, values = plan.dtype_shapes()
-        num_layers, specs = kv_tensor_specs(keys, values)
-        return plan_layout(plan.request_id, plan.block_ids, meta, num_layers, specs, align=self.align,
-                           checksums=self.checksums)
+        signature = (tuple(keys), tuple(values))
+        template = self._templates.get(signature)
+        if template is None:
+            template = kv_layout_template(keys, values, align=self.align, checksums=self.checksums)
+            if len(self._templates) >= _TEMPLATES_KEPT:
+                self._templates.clear()
+            self._templates[signature] = template
+        return template.layout(plan.request_id, plan.block_ids, meta)
 
     def _put_reserved(self, connector: Any, plan: ExtractionPlan, key: str,
                       meta: dict[str, Any]) -> tuple[bool, int, Any]:
