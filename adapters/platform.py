@@ -1,4 +1,5 @@
-"""Device memory and stream helpers: CUDA when present, harmless CPU fallbacks otherwise.
+"""Device memory and stream helpers (CUDA when present, harmless CPU fallbacks otherwise), and
+free loopback ports for the sender ports of a stage.
 
 CPU semantics (documented decisions):
 
@@ -16,11 +17,17 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import socket
 from typing import Any, Iterator
 
 import attrs
 
+from kvferry.core.addressing import kv_port
+from kvferry.core.errors import BindError
+
 __all__ = [
+    "free_port",
+    "free_base_port",
     "tune_host_allocator",
     "MemoryInfo",
     "PROC_MEMINFO",
@@ -189,3 +196,35 @@ def tune_host_allocator(mmap_threshold: int = 32 << 20, trim_threshold: int = 4 
                          (_M_TOP_PAD, top_pad)):
         ok = bool(mallopt(param, min(int(value), 2**31 - 1))) and ok
     return ok
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port the OS just handed out on ``host`` (free now; the caller binds it later)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
+        probe.bind((host, 0))
+        return probe.getsockname()[1]
+
+
+def free_base_port(from_tp: int = 1, from_stage: int = 0, *, host: str = "127.0.0.1",
+                   attempts: int = 200, low: int = 20000, high: int = 60000) -> int:
+    """A base port in ``[low, high]`` whose sender ports (``kv_port(base, from_stage, rank)``
+    for every rank below ``from_tp``) are all free on ``host`` now: the OS picks a port, its
+    multiple of 16 is tried. For demos and tests on one machine (another process may still
+    take a port before it is bound). BindError when ``attempts`` tries found none."""
+    for _ in range(attempts):
+        base = free_port(host) // 16 * 16
+        if not low <= base <= high:
+            continue
+        probes: list[socket.socket] = []
+        try:
+            for rank in range(from_tp):
+                probe = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+                probes.append(probe)
+                probe.bind((host, kv_port(base, from_stage, rank, tp_size=from_tp)))
+            return base
+        except OSError:
+            continue
+        finally:
+            for probe in probes:
+                probe.close()
+    raise BindError(f"no base port in [{low}, {high}] with {from_tp} free sender ports on {host}")

@@ -16,7 +16,6 @@ import json
 import multiprocessing as mp
 import os
 import queue as queue_mod
-import socket
 import sys
 import tempfile
 import threading
@@ -25,38 +24,11 @@ from typing import Any, Callable
 
 import attrs
 
+from kvferry.adapters.platform import free_base_port
 from kvferry.app.demo_model import CONNECTOR_CHOICES, PRESETS, DemoSpec, request_plan
 from kvferry.core.plan import stage_plan
 
 __all__ = ["configure", "run_demo", "DemoReport"]
-
-
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _free_base_port(from_tp: int) -> int:
-    """A base port whose sender ports (base + 100 + rank*16) are all free on loopback."""
-    for _ in range(50):
-        base = _free_port() // 16 * 16
-        if base < 20000 or base > 60000:
-            continue
-        ports = [base + 100 + r * 16 for r in range(from_tp)]
-        try:
-            socks = []
-            for p in ports:
-                s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-                socks.append(s)
-                s.bind(("127.0.0.1", p))
-            return base
-        except OSError:
-            continue
-        finally:
-            for s in socks:
-                s.close()
-    raise RuntimeError("no free port range found for the demo's senders")
 
 
 @attrs.frozen
@@ -277,7 +249,7 @@ def _run(args: argparse.Namespace) -> int:
             connector=args.connector, from_tp=args.from_tp, to_tp=args.to_tp, model=model,
             layers=args.layers or layers, kv_heads=args.kv_heads or heads, head_dim=args.head_dim or head_dim,
             dtype=dtype, block_size=args.block_size or block, requests=args.requests, min_tokens=args.min_tokens,
-            max_tokens=args.max_tokens, seed=args.seed, base_port=_free_base_port(args.from_tp),
+            max_tokens=args.max_tokens, seed=args.seed, base_port=free_base_port(args.from_tp),
             store_ports=(_free_port(), _free_port()), timeout_s=args.timeout,
             namespace=f"demo{os.getpid()}", done_file=os.path.join(tmp, "done"), dump_dir=args.dump)
         request_plan(spec)

@@ -263,6 +263,27 @@ class LeaseTable:
             return record.snapshot()
         return None
 
+    def give_back(self, ticket_id: int, now_s: float) -> LeaseEntry | None:
+        """Release a ticket whose read failed, and give its reader slot back (idempotent): the
+        key is readable again (relisted if that read had drained it) while its lease lasts and
+        no newer payload took the key; otherwise the same as :meth:`release`. Returns the
+        entry's snapshot when this freed it."""
+        record = self._tickets.pop(ticket_id, None)
+        if record is None:
+            return None
+        record.tickets.pop(ticket_id, None)
+        readable = now_s < record.created_s + record.lease_s
+        if readable and record.state == EntryState.PUBLISHED:
+            record.readers_left += 1
+        elif readable and record.state == EntryState.DRAINED and record.key not in self._by_key:
+            record.readers_left += 1
+            record.state = EntryState.PUBLISHED
+            self._by_key[record.key] = record
+            self._gone.pop(record.key, None)
+        if self._free_if_done(record):
+            return record.snapshot()
+        return None
+
     def expire(
         self, now_s: float, holder_alive: Callable[[Any], bool] | None = None
     ) -> tuple[Expiry, ...]:

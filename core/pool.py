@@ -134,6 +134,14 @@ class PoolLedger:
             self._free([entry])
         return entry
 
+    def give_back(self, ticket_id: int, now_s: float) -> LeaseEntry | None:
+        """A failed read: :meth:`LeaseTable.give_back` (the reader slot returns while the lease
+        lasts); the entry's snapshot when this freed its region."""
+        entry = self.leases.give_back(ticket_id, now_s)
+        if entry is not None:
+            self._free([entry])
+        return entry
+
     def expire(
         self, now_s: float, holder_alive: Callable[[Any], bool] | None = None
     ) -> tuple[Expiry, ...]:

@@ -98,9 +98,14 @@ class SenderState:
             )
 
     def finish(self, done: wire.Done) -> None:
-        """The reader finished its claim (read ok or not): release the ticket (idempotent)."""
+        """The reader finished its claim: release the ticket (idempotent). A failed read gives
+        its reader slot back, so the receiver's retry can read the payload while its lease
+        lasts."""
         with self.lock:
-            self.ledger.release(done.claim)
+            if done.ok:
+                self.ledger.release(done.claim)
+            else:
+                self.ledger.give_back(done.claim, self.clock())
             self.counters["delivered" if done.ok else "read_failed"] += 1
 
     def count(self, name: str) -> None:

@@ -378,6 +378,11 @@ def test_announced_size_must_match_the_senders(make) -> None:
     assert receiver.get("0", "1", "sized", {**meta, "size": 5}) is None
     assert receiver.last_failure("sized") == "size_mismatch"
     assert receiver.health()["room"] == 1 << 20  # nothing kept for the refused payload
+    # the refused claim gave its reader slot back: a get that names the right size still reads it
+    got = receiver.get("0", "1", "sized", meta)
+    assert got is not None and bytes(got[0].tensor.numpy()) == b"1234"
+    got[0].release()
+    assert sender.health()["read_failed"] == 1
 
 
 def test_two_readers_each_get_their_copy_then_it_is_freed(make) -> None:

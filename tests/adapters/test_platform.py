@@ -76,3 +76,32 @@ def test_cuda_memory_and_streams() -> None:
         y = torch.ones(1024, device="cuda") * 3
     synchronize(stream)
     assert y.sum().item() == 3 * 1024
+
+
+# ------------------------------------------------------------------------- free ports
+@pytest.mark.parametrize("from_tp,from_stage", [(1, 0), (4, 0), (2, 3)])
+def test_free_base_port_leaves_every_sender_port_bindable(from_tp, from_stage):
+    import socket
+
+    from kvferry.adapters.platform import free_base_port
+    from kvferry.core.addressing import kv_port
+
+    base = free_base_port(from_tp, from_stage)
+    assert base % 16 == 0 and 20000 <= base <= 60000
+    probes = []
+    try:
+        for rank in range(from_tp):  # the ports the library derives for this stage, bound now
+            probe = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+            probes.append(probe)
+            probe.bind(("127.0.0.1", kv_port(base, from_stage, rank, tp_size=from_tp)))
+    finally:
+        for probe in probes:
+            probe.close()
+
+
+def test_free_base_port_gives_up_with_a_bind_error():
+    from kvferry.adapters.platform import free_base_port
+    from kvferry.core.errors import BindError
+
+    with pytest.raises(BindError, match="no base port"):
+        free_base_port(1, low=70000, high=70001, attempts=3)  # no OS port is ever in range

@@ -216,6 +216,7 @@ ledger_ops = st.lists(
         st.tuples(st.just("put"), st.integers(0, 3), st.integers(0, 700), st.integers(1, 3)),
         st.tuples(st.just("take"), st.integers(0, 3)),
         st.tuples(st.just("release"), st.integers(0, 50)),
+        st.tuples(st.just("give_back"), st.integers(0, 50)),
         st.tuples(st.just("tick"), st.floats(0.0, 3.0)),
         st.tuples(st.just("drop"), st.integers(0, 3)),
     ),
@@ -248,6 +249,13 @@ def test_ledger_regions_follow_entries(ops) -> None:
                 tickets.append(ticket)
         elif op[0] == "release" and tickets:
             ledger.release(tickets[op[1] % len(tickets)].ticket_id)
+        elif op[0] == "give_back" and tickets:  # a failed read: the reader may try again
+            ticket = tickets[op[1] % len(tickets)]
+            before = ledger.leases.entry(ticket.key)
+            ledger.give_back(ticket.ticket_id, now)
+            after = ledger.leases.entry(ticket.key)
+            if after is not None and before is not None and after.entry_id == before.entry_id:
+                assert after.readers_left <= after.readers
         elif op[0] == "tick":
             now += op[1]
             ledger.expire(now)
@@ -381,4 +389,54 @@ def test_bytes_a_live_holder_reads_are_never_reused(ops) -> None:
         check_allocator(ledger.allocator)
     alive.clear()
     ledger.expire(now + 100.0, alive.__contains__)
+    assert ledger.allocator.used_bytes == 0 and len(ledger.leases) == 0
+
+
+# ------------------------------------------------------------------------- failed reads
+def test_a_failed_read_gives_its_reader_slot_back_while_the_lease_lasts() -> None:
+    ledger = PoolLedger.create(1024, alignment=64)
+    region = ledger.reserve(100)
+    ledger.publish("r_0_0_0_0", region, readers=1, now_s=0.0, lease_s=5.0)
+    first = ledger.take("r_0_0_0_0", 1.0)
+    assert first is not None and ledger.take("r_0_0_0_0", 1.0) is None  # drained
+    assert ledger.give_back(first.ticket_id, 1.5) is None  # relisted, not freed
+    assert ledger.give_back(first.ticket_id, 1.5) is None  # idempotent
+    again = ledger.take("r_0_0_0_0", 2.0)
+    assert again is not None and again.handle == region and again.ticket_id != first.ticket_id
+    assert ledger.release(again.ticket_id) is not None and ledger.allocator.used_bytes == 0
+
+
+def test_a_failed_read_after_the_lease_or_a_newer_put_frees_like_a_release() -> None:
+    ledger = PoolLedger.create(1024, alignment=64)
+    old = ledger.reserve(100)
+    ledger.publish("r_0_0_0_0", old, readers=1, now_s=0.0, lease_s=5.0)
+    late = ledger.take("r_0_0_0_0", 1.0)
+    assert ledger.give_back(late.ticket_id, 6.0) is not None  # lease passed: freed, not relisted
+    assert ledger.take("r_0_0_0_0", 6.0) is None and ledger.allocator.used_bytes == 0
+
+    first = ledger.reserve(100)
+    ledger.publish("r_0_0_0_0", first, readers=1, now_s=10.0, lease_s=5.0)
+    stale = ledger.take("r_0_0_0_0", 10.0)
+    newer = ledger.reserve(100)
+    ledger.publish("r_0_0_0_0", newer, readers=1, now_s=11.0, lease_s=5.0)  # the key moved on
+    assert ledger.give_back(stale.ticket_id, 11.0) is not None  # the old payload is freed
+    current = ledger.take("r_0_0_0_0", 11.0)
+    assert current is not None and current.handle == newer
+
+
+@given(readers=st.integers(1, 4), failures=st.integers(0, 6))
+def test_failed_reads_never_cost_a_reader_its_turn(readers: int, failures: int) -> None:
+    """Any number of failed reads, then ``readers`` successful ones: exactly those many takes
+    succeed, and the region is freed after the last release."""
+    ledger = PoolLedger.create(1024, alignment=64)
+    region = ledger.reserve(64)
+    ledger.publish("r_0_0_0_0", region, readers=readers, now_s=0.0, lease_s=100.0)
+    for i in range(failures):
+        ticket = ledger.take("r_0_0_0_0", float(i))
+        assert ticket is not None
+        ledger.give_back(ticket.ticket_id, float(i))
+    good = [ledger.take("r_0_0_0_0", 50.0) for _ in range(readers)]
+    assert all(t is not None for t in good) and ledger.take("r_0_0_0_0", 50.0) is None
+    for ticket in good:
+        ledger.release(ticket.ticket_id)
     assert ledger.allocator.used_bytes == 0 and len(ledger.leases) == 0

@@ -13,13 +13,14 @@ import types
 import pathlib
 import queue
 import signal
-import socket
 import subprocess
 import sys
 import threading
 from typing import Any, Iterator
 
 import pytest
+
+from kvferry.adapters.platform import free_base_port, free_port
 
 HERE = pathlib.Path(__file__).resolve().parent
 if str(HERE) not in sys.path:
@@ -32,34 +33,6 @@ SHM_DIR = "/dev/shm"
 
 
 # ----------------------------------------------------------------------------- ports
-def free_port() -> int:
-    """A TCP port the OS just handed out on loopback (free now; bound by the caller later)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
-
-
-def free_base_port(from_tp: int) -> int:
-    """A base port whose sender ports ``base + 100 + rank*16`` (SPEC 2.3) are all free now."""
-    for _ in range(100):
-        base = free_port() // 16 * 16
-        if not 20000 <= base <= 60000:
-            continue
-        socks = []
-        try:
-            for rank in range(from_tp):
-                s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-                socks.append(s)
-                s.bind(("127.0.0.1", base + 100 + rank * 16))
-            return base
-        except OSError:
-            continue
-        finally:
-            for s in socks:
-                s.close()
-    raise RuntimeError("no free range of sender ports on loopback")
-
-
 # --------------------------------------------------------------------------- workers
 class LineWorker:
     """A ``stage_worker.py`` process: JSON lines out on stdout, commands in on stdin.

@@ -8,7 +8,6 @@ import itertools
 import json
 import os
 import queue
-import socket
 import subprocess
 import sys
 import tempfile
@@ -17,18 +16,13 @@ import time
 from pathlib import Path
 from typing import Any, Callable
 
+from kvferry.adapters.platform import free_base_port, free_port  # noqa: F401 (re-exported to the tests)
+
 HERE = Path(__file__).resolve().parent
 SHM_DIR = "/dev/shm"
 #: Generous bound for things that should happen at once (the machine is shared and loaded).
 WAIT_S = 20.0
 _COUNTER = itertools.count()
-
-
-def free_port() -> int:
-    """A TCP port the OS just handed out on loopback."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
 
 
 def eventually(predicate: Callable[[], Any], timeout_s: float = WAIT_S, what: str = "condition") -> Any:
@@ -139,22 +133,3 @@ class LineProc:
         self._log.close()
 
 
-def free_base_port(from_tp: int = 1) -> int:
-    """A base port whose sender ports ``base + 100 + rank*16`` (SPEC 2.3) are free on loopback."""
-    for _ in range(200):
-        base = free_port() // 16 * 16
-        if not 20000 <= base <= 60000:
-            continue
-        socks = []
-        try:
-            for rank in range(from_tp):
-                s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-                socks.append(s)
-                s.bind(("127.0.0.1", base + 100 + rank * 16))
-            return base
-        except OSError:
-            continue
-        finally:
-            for s in socks:
-                s.close()
-    raise RuntimeError("no free range of sender ports on loopback")
