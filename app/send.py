@@ -146,8 +146,8 @@ class SendPath:
         materialized: dict[tuple[int, int], Any] = {}
         together = self._put_slices_together(connector, plan, jobs)
         for job in jobs:
-            if job.key in together:  # put in the one-pass fan-out gather below
-                ok, size, tries, reason, detail = True, together[job.key], 1, last_reason, ""
+            if job.key in together:  # put by the one-pass fan-out gather
+                ok, size, tries, reason, detail = True, together[job.key], 1, SendReason.PUT_FAILED, ""
             else:
                 ok, size, tries, reason, detail = self._put_one(connector, plan, job, materialized)
             attempts += tries
@@ -220,29 +220,27 @@ class SendPath:
                 or not self._is_reservable(connector):
             return {}
         reservations: list[Any] = []
+
+        def abort_all() -> None:
+            for reservation in reservations:
+                reservation.abort()
+
         try:
             sliced = [slice_plan_heads(plan, j.offset_in_shard, j.num_slices) for j in jobs]
             layouts = [self._layout(p, self._metadata(plan, j)) for p, j in zip(sliced, jobs)]
             for job, layout in zip(jobs, layouts):
                 reservations.append(connector.reserve(str(self.from_stage), str(self.to_stage), job.key,
                                                       layout.total_nbytes))
-        except KVFerryError:  # a full pool, an odd layout: each key takes the single path
-            for reservation in reservations:
-                reservation.abort()
-            return {}
-        try:
             n = plan.num_layers
             views = [dest_views(r.buffer, layout) for r, layout in zip(reservations, layouts)]
             gather_slices(sliced, [(v[:n], v[n:]) for v in views])
             for reservation, layout in zip(reservations, layouts):
                 finish_payload_in(reservation.buffer, layout)
-        except KVFerryError:  # a local fault: the single path reports it per key
-            for reservation in reservations:
-                reservation.abort()
+        except KVFerryError:  # a full pool, a local fault: each key takes the single path
+            abort_all()
             return {}
         except BaseException:
-            for reservation in reservations:
-                reservation.abort()
+            abort_all()
             raise
         put: dict[str, int] = {}
         for job, reservation in zip(jobs, reservations):

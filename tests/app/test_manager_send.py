@@ -261,6 +261,66 @@ def test_spec2_4_fan_out_is_sliced_on_the_sender_and_tagged(kit, memory_connecto
     assert kit.pool_is_empty(memory_connector)
 
 
+class _Reserving:
+    """A reservable connector over ``inner`` that logs reserve/commit order and fails the
+    reservations whose (1-based) numbers are in ``fail``."""
+
+    def __init__(self, inner: Any, fail: tuple[int, ...] = ()) -> None:
+        self.inner, self.fail, self.log = inner, fail, []
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.inner, name)
+
+    def put(self, from_stage: Any, to_stage: Any, put_key: str, data: Any) -> Any:
+        return self.inner.put(from_stage, to_stage, put_key, data)
+
+    def reserve(self, from_stage: Any, to_stage: Any, put_key: str, nbytes: int) -> Any:
+        from kvferry.core.errors import PoolFullError
+
+        count = sum(1 for op, _ in self.log if op == "reserve") + 1
+        self.log.append(("reserve", put_key))
+        if count in self.fail:
+            raise PoolFullError("pool_full: injected")
+        reservation = self.inner.reserve(from_stage, to_stage, put_key, nbytes)
+        log = self.log
+
+        class Logged:
+            buffer = reservation.buffer
+
+            def commit(self) -> Any:
+                log.append(("commit", put_key))
+                return reservation.commit()
+
+            def abort(self) -> None:
+                log.append(("abort", put_key))
+                reservation.abort()
+
+        return Logged()
+
+
+@pytest.mark.parametrize("fail", [(), (2,)], ids=["together", "second-reserve-fails"])
+def test_fan_out_reserves_every_key_before_gathering_and_falls_back_per_key(kit, memory_connector,
+                                                                            make_sender, fail) -> None:
+    """Fan-out into a reservable connector: every receiver's region is reserved, then all head
+    slices are gathered (one pass), then each key is committed; when a reservation fails the
+    ones taken are aborted and every key goes by the single path. Bits are exact both ways."""
+    model = kit.PagedModel(heads=8)
+    conn = _Reserving(memory_connector, fail)
+    [outcome] = make_sender(conn, 1, 4).send_requests({"r1": REQ}, model.rank_cache(0, 1), 4, "float32")
+    assert outcome.ok and len(outcome.keys) == 4
+    keys = [f"r1_0_0_0_{t}" for t in range(4)]
+    if not fail:
+        assert conn.log == [("reserve", k) for k in keys] + [("commit", k) for k in keys]
+    else:
+        assert conn.log[:3] == [("reserve", keys[0]), ("reserve", keys[1]), ("abort", keys[0])]
+        assert conn.log[3:] == [op for k in keys for op in (("reserve", k), ("commit", k))]
+    for target, key in enumerate(keys):
+        _, got_k, got_v = _raw(memory_connector, key)
+        want_k, want_v = model.expected(REQ["block_ids"], 10, target, 4)
+        assert all(kit.bits_equal(a, b) for a, b in zip(got_k + got_v, want_k + want_v))
+    assert kit.pool_is_empty(memory_connector)
+
+
 def test_spec2_2_send_key_hook_replaces_the_keys(kit, memory_connector, make_sender) -> None:
     """One hook key per target rank: each carries its target's heads (in target order)."""
     model = kit.PagedModel()
