@@ -41,6 +41,9 @@ struct walk {
     /* gather_split(): nsplit destinations; split j reads its pieces split_stride*j further on */
     Py_ssize_t nsplit, split_stride;
     char **dsts;
+    /* gather_split() when the splits tile each block (see tiled_ok): log2 of a piece's and of
+     * a row's bytes, else 0 */
+    int piece_shift, row_shift;
 };
 
 /* The loop over blocks and pieces, with `copy` inlined into it (an indirect call per piece
@@ -126,9 +129,38 @@ static inline size_t align_head(char *dst, const char *src, size_t n, size_t ali
         if (n)                                                                                     \
             memcpy(dst, src, n);                                                                   \
     }                                                                                              \
+    /* One block whose rows are the splits' pieces side by side (tiled_ok): read in the order    \
+     * of a whole-block copy (4 or 2 pages at a time, 128 bytes from each in turn: the several   \
+     * memory streams that make whole blocks fast), each 128-byte step stored to the split and   \
+     * row it belongs to. Measured as fast as a whole-block copy; piece by piece was 15-25 %     \
+     * slower. */                                                                              \
+    __attribute__((target(isa))) static inline void name##_tiled(char **dsts, const char *src,    \
+                                                                 size_t span, int pshift,         \
+                                                                 int rshift, size_t nsplit) {     \
+        size_t pmask = ((size_t)1 << pshift) - 1, x = 0;                                           \
+        for (size_t pages = 4; pages >= 2; pages /= 2)                                             \
+            for (; span - x >= pages * KVF_PAGE; x += pages * KVF_PAGE)                            \
+                for (size_t at = 0; at < KVF_PAGE; at += 128)                                      \
+                    for (size_t page = 0; page < pages * KVF_PAGE; page += KVF_PAGE) {             \
+                        size_t y = x + page + at;                                                  \
+                        copy128(dsts[(y >> pshift) & (nsplit - 1)] + ((y >> rshift) << pshift)    \
+                                    + (y & pmask), src + y);                                       \
+                    }                                                                              \
+        for (; x < span; x += 128)                                                                 \
+            copy128(dsts[(x >> pshift) & (nsplit - 1)] + ((x >> rshift) << pshift) + (x & pmask), \
+                    src + x);                                                                      \
+    }                                                                                              \
     __attribute__((target(isa))) static void name(char *dst, const char *src,                     \
                                                   const struct walk *w) {                         \
-        if (w->nsplit) {                                                                           \
+        if (w->nsplit && w->row_shift) {                                                           \
+            size_t span = (size_t)w->d2 * (size_t)w->s2, part = (size_t)w->d2 * w->piece;          \
+            for (Py_ssize_t i = 0; i < w->n; i++) {                                                \
+                name##_tiled(w->dsts, src + (w->index ? w->index[i] : i) * w->block_stride, span, \
+                             w->piece_shift, w->row_shift, (size_t)w->nsplit);                    \
+                for (Py_ssize_t j = 0; j < w->nsplit; j++)                                         \
+                    w->dsts[j] += part;                                                            \
+            }                                                                                      \
+        } else if (w->nsplit) {                                                                    \
             KVF_WALK_SPLIT(w, src, name##_piece)                                                   \
         } else {                                                                                   \
             KVF_WALK(w, dst, src, name##_piece)                                                    \
@@ -250,7 +282,7 @@ static PyObject *gather(PyObject *self, PyObject *args) {
     const int64_t *ids = (const int64_t *)(uintptr_t)index;
     if (!check_walk("gather", ids, n, nblocks, d0, d1, d2, piece))
         return NULL;
-    struct walk w = {ids, n, block_stride, d0, s0, d1, s1, d2, s2, (size_t)piece, 0, 0, NULL};
+    struct walk w = {ids, n, block_stride, d0, s0, d1, s1, d2, s2, (size_t)piece, 0, 0, NULL, 0, 0};
     gather_fn run = stream && piece >= STREAM_MIN_PIECE ? stream_gather : gather_plain;
     Py_BEGIN_ALLOW_THREADS
     run((char *)(uintptr_t)dst, (const char *)(uintptr_t)src, &w);
@@ -259,6 +291,33 @@ static PyObject *gather(PyObject *self, PyObject *args) {
 }
 
 #define KVF_MAX_SPLIT 64
+
+/* log2(v) for a power of two v > 0, else -1. */
+static int log2_exact(Py_ssize_t v) {
+    if (v <= 0 || (v & (v - 1)))
+        return -1;
+    int shift = 0;
+    while (((Py_ssize_t)1 << shift) != v)
+        shift++;
+    return shift;
+}
+
+/* Whether the splits tile every block, so the tiled kernel applies: one level of pieces
+ * (d0 = d1 = 1), each row of a block is the nsplit pieces side by side (s2 = nsplit * piece,
+ * split_stride = piece), piece and nsplit powers of two, piece a multiple of 128 bytes and every
+ * destination 64-byte aligned. Sets the shifts (0 when it does not apply). */
+static void tiled_ok(struct walk *w) {
+    w->piece_shift = w->row_shift = 0;
+    int pshift = log2_exact((Py_ssize_t)w->piece), nshift = log2_exact(w->nsplit);
+    if (w->d0 != 1 || w->d1 != 1 || pshift < 7 || nshift < 1 || w->split_stride != (Py_ssize_t)w->piece
+        || w->s2 != w->nsplit * (Py_ssize_t)w->piece)
+        return;
+    for (Py_ssize_t j = 0; j < w->nsplit; j++)
+        if ((uintptr_t)w->dsts[j] & 63)
+            return;
+    w->piece_shift = pshift;
+    w->row_shift = pshift + nshift;
+}
 PyDoc_STRVAR(gather_split_doc,
 "gather_split(dsts, split_stride, src, index, n, nblocks, block_stride, d0, s0, d1, s1, d2, s2,\n"
 "             piece, stream)\n"
@@ -292,7 +351,8 @@ static PyObject *gather_split(PyObject *self, PyObject *args) {
     if (!check_walk("gather_split", ids, n, nblocks, d0, d1, d2, piece))
         return NULL;
     struct walk w = {ids, n, block_stride, d0, s0, d1, s1, d2, s2, (size_t)piece,
-                     nsplit, split_stride, dsts};
+                     nsplit, split_stride, dsts, 0, 0};
+    tiled_ok(&w);
     gather_fn run = stream && piece >= STREAM_MIN_PIECE ? stream_gather : gather_plain;
     Py_BEGIN_ALLOW_THREADS
     run(NULL, (const char *)(uintptr_t)src, &w);

@@ -357,3 +357,26 @@ def test_split_gather_checks_every_id_and_its_destinations():
         native.gather_split((), 8, 0, 0, 0, 3, 0, 1, 0, 1, 0, 1, 0, 8, True)
     with pytest.raises(ValueError):
         native.gather_split(tuple([0] * 65), 8, 0, 0, 0, 3, 0, 1, 0, 1, 0, 1, 0, 8, True)
+
+
+@needs_native
+@pytest.mark.parametrize("slices", [2, 4])
+def test_a_bench_sized_split_gather_reads_whole_pages_and_writes_the_same_bytes(split_calls, slices,
+                                                                               monkeypatch):
+    """16 KiB blocks (4 heads x 128 bf16 x 16 tokens), streamed: the splits tile every block,
+    so the split gather takes its page-at-a-time kernel; the bytes equal each slice's own."""
+    from kvferry.adapters.paged_cache import gather_slices
+
+    monkeypatch.setattr(paged_gather, "STREAM_MIN_BYTES", 0)
+    calls, threads = split_calls
+    cache = torch.randint(-2 ** 15, 2 ** 15, (2, 300, 16, 4, 128), dtype=torch.int16).view(torch.bfloat16)
+    ids = torch.randperm(300, generator=torch.Generator().manual_seed(7))[:256].tolist()
+    plan = plan_extraction([cache, cache], ids, 4090, 16, cache_dtype="bfloat16")
+    parts = _sliced(plan, slices)
+    together = [_dests(p) for p in parts]
+    gather_slices(parts, together)
+    for part, got in zip(parts, together):
+        alone = _dests(part)
+        part.gather_all(alone, method="native")
+        assert all(same_bits(a, b) for a, b in zip(alone[0] + alone[1], got[0] + got[1]))
+    assert (calls == [slices] * 4) if threads == 1 else calls == []
