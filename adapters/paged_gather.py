@@ -364,7 +364,8 @@ def split_stride(gathers: Sequence[TensorGather]) -> int | None:
         if (g._layout != layout or b.data_ptr() != base.data_ptr() + j * stride
                 or b.shape != base.shape or b.stride() != base.stride() or b.dtype != base.dtype
                 or g.block_ids != first.block_ids or g.full_blocks != first.full_blocks
-                or g.tail_tokens != first.tail_tokens or not torch.equal(g.index, first.index)):
+                or g.tail_tokens != first.tail_tokens
+                or (g.index is not first.index and not torch.equal(g.index, first.index))):
             return None
     return stride
 
