@@ -273,7 +273,8 @@ class KvCommands:
     def cmd_mgr_recv(self, name: str, items: list[dict], timeout_s: float,
                      sender: dict | None = None, copy: bool = False) -> dict[str, Any]:
         """``receive`` each item (``{"rank", "rid"}``) in order, hold the results, stamp the
-        time, then read every byte (crc32, untimed) and release them. The typed API's default
+        time, then read every byte (crc32, untimed) and release them (waiting until each pool
+        took its buffer back, so the next repetition reuses the same pages). The typed API's default
         receive (zero-copy: the tensors view the pool until released), or with ``copy`` the
         copying one (``zero_copy=False``, the compat layer's)."""
         from kvferry.app.bench_payload import kv_crc
@@ -297,8 +298,8 @@ class KvCommands:
         blocks = [r.payload["layer_blocks"] for r in held]
         crcs = [kv_crc(b["key_cache"], b["value_cache"]) for b in blocks]
         del blocks
-        for result in held:
-            result.release()
+        for result in held:  # back to the sender before the next repetition (as kv_recv does)
+            result.release(wait=True)
         held.clear()
         return {"t_done": t_done, "t_have": t_have, "crc": crcs, "faults": faults() - f0,
                 "nbytes": total}
