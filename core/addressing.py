@@ -21,6 +21,7 @@ import re
 from typing import Any, Mapping
 
 from kvferry.core.errors import ConfigError, RoutingError
+from kvferry.core.validate import check_int
 
 __all__ = [
     "KV_TRANSFER_PORT_OFFSET",
@@ -51,14 +52,6 @@ MAX_PORT = 65535
 
 _NAME = r"[A-Za-z_][A-Za-z0-9_]*"
 _VAR = re.compile(r"\$(?:\{(" + _NAME + r")\}|(" + _NAME + r"))")
-
-
-def _int_field(name: str, value: Any, minimum: int) -> int:
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise RoutingError(f"{name} must be an integer, got {value!r}")
-    if value < minimum:
-        raise RoutingError(f"{name} must be >= {minimum}, got {value}")
-    return value
 
 
 def _stage_number(from_stage: Any) -> int:
@@ -96,13 +89,13 @@ def kv_port(
     outside ``0..15``, a negative rank/replica/dp rank, ``tp_size < 1``, a rank slot
     ``(dp_rank*tp_size+tp_rank)*16 >= 1024``, a base port or result outside ``1..65535``.
     """
-    base = _int_field("base_port", base_port, MIN_PORT)
+    base = check_int("base_port", base_port, MIN_PORT, RoutingError)
     _check_port("base_port", base, "the configured base port")
     stage = _stage_number(from_stage)
-    rank = _int_field("tp_rank", tp_rank, 0)
-    rep = _int_field("replica", replica, 0)
-    dp = _int_field("dp_rank", dp_rank, 0)
-    size = _int_field("tp_size", tp_size, 1)
+    rank = check_int("tp_rank", tp_rank, 0, RoutingError)
+    rep = check_int("replica", replica, 0, RoutingError)
+    dp = check_int("dp_rank", dp_rank, 0, RoutingError)
+    size = check_int("tp_size", tp_size, 1, RoutingError)
     if (dp > 0 or size > 1) and rank >= size:
         raise RoutingError(f"tp_rank {rank} is not below tp_size {size}")
     slot = dp * size + rank
@@ -132,9 +125,9 @@ def sender_endpoint_port(advertised_port: int, source_rank: int) -> int:
     Raises RoutingError for an advertised port outside ``1..65535``, a negative source rank,
     ``source_rank*16 >= 1024`` or a result outside ``1..65535``.
     """
-    adv = _int_field("advertised_port", advertised_port, MIN_PORT)
+    adv = check_int("advertised_port", advertised_port, MIN_PORT, RoutingError)
     _check_port("advertised_port", adv, "the sender's advertised rank-0 port")
-    rank = _int_field("source_rank", source_rank, 0)
+    rank = check_int("source_rank", source_rank, 0, RoutingError)
     if rank * KV_RANK_PORT_STRIDE >= KV_REPLICA_PORT_STRIDE:
         raise RoutingError(
             f"source_rank {rank} too large: {rank}*{KV_RANK_PORT_STRIDE} >= {KV_REPLICA_PORT_STRIDE}"

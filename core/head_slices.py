@@ -26,6 +26,7 @@ import attrs
 
 from kvferry.core.errors import RoutingError
 from kvferry.core.topology import recv_rank_map, send_rank_map, validate_sizes
+from kvferry.core.validate import check_int
 
 __all__ = [
     "TP_HEAD_SLICE_KEY",
@@ -45,23 +46,15 @@ TP_HEAD_SLICE_KEY = "tp_head_slice"
 _SIDES = ("sender", "receiver")
 
 
-def _int(name: str, value: Any, minimum: int) -> int:
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise RoutingError(f"{name} must be an integer, got {value!r}")
-    if value < minimum:
-        raise RoutingError(f"{name} must be >= {minimum}, got {value}")
-    return value
-
-
 def slice_bounds(shard_heads: int, offset_in_shard: int, num_slices: int) -> tuple[int, int]:
     """``(start, stop)`` on dim 1 of slice ``offset_in_shard`` of ``num_slices`` equal slices.
 
     Raises RoutingError for ``num_slices < 1``, an offset outside ``[0, num_slices)`` or a head
     count not divisible by ``num_slices``.
     """
-    heads = _int("shard_heads", shard_heads, 0)
-    slices = _int("num_slices", num_slices, 1)
-    offset = _int("offset_in_shard", offset_in_shard, 0)
+    heads = check_int("shard_heads", shard_heads, 0, RoutingError)
+    slices = check_int("num_slices", num_slices, 1, RoutingError)
+    offset = check_int("offset_in_shard", offset_in_shard, 0, RoutingError)
     if offset >= slices:
         raise RoutingError(f"offset_in_shard {offset} is outside [0, {slices})")
     if heads % slices:
@@ -76,7 +69,7 @@ def fan_out_slice(source_tp: int, target_tp: int, target_rank: int) -> tuple[int
     Fan-out: ``(target_rank % k, k)``; equal sizes or fan-in: ``(0, 1)`` (the whole shard).
     """
     ratio = validate_sizes(source_tp, target_tp)
-    rank = _int("target_rank", target_rank, 0)
+    rank = check_int("target_rank", target_rank, 0, RoutingError)
     if rank >= target_tp:
         raise RoutingError(f"target_rank {rank} is not a receiver rank (target_tp={target_tp})")
     if source_tp < target_tp:
@@ -86,7 +79,7 @@ def fan_out_slice(source_tp: int, target_tp: int, target_rank: int) -> tuple[int
 
 def merge_order(source_tp: int, target_tp: int, target_rank: int) -> tuple[int, ...]:
     """Sender ranks whose payloads receiver ``target_rank`` concatenates on dim 1, increasing."""
-    rank = _int("target_rank", target_rank, 0)
+    rank = check_int("target_rank", target_rank, 0, RoutingError)
     ranks = recv_rank_map(source_tp, target_tp)
     if rank >= target_tp:
         raise RoutingError(f"target_rank {rank} is not a receiver rank (target_tp={target_tp})")
@@ -139,7 +132,7 @@ class TargetHeadPlan:
 
 def _shard_sizes(source_tp: int, target_tp: int, num_heads: int) -> tuple[int, int]:
     validate_sizes(source_tp, target_tp)
-    heads = _int("num_heads", num_heads, 1)
+    heads = check_int("num_heads", num_heads, 1, RoutingError)
     larger = max(source_tp, target_tp)
     if heads % larger:
         raise RoutingError(
@@ -174,7 +167,7 @@ def sender_slices(
     source_tp: int, target_tp: int, num_heads: int, source_rank: int
 ) -> tuple[HeadSlice, ...]:
     """The payloads sender ``source_rank`` produces, one per receiver it feeds, increasing."""
-    rank = _int("source_rank", source_rank, 0)
+    rank = check_int("source_rank", source_rank, 0, RoutingError)
     targets = send_rank_map(source_tp, target_tp)
     if rank >= source_tp:
         raise RoutingError(f"source_rank {rank} is not a sender rank (source_tp={source_tp})")
@@ -211,17 +204,17 @@ def tp_head_slice_record(
     """
     if side not in _SIDES:
         raise RoutingError(f"side must be one of {_SIDES}, got {side!r}")
-    slices = _int("num_slices", num_slices, 1)
-    offset = _int("offset_in_shard", offset_in_shard, 0)
+    slices = check_int("num_slices", num_slices, 1, RoutingError)
+    offset = check_int("offset_in_shard", offset_in_shard, 0, RoutingError)
     if offset >= slices:
         raise RoutingError(f"offset_in_shard {offset} is outside [0, {slices})")
     return {
         "applied": True,
         "side": side,
-        "target_rank": _int("target_rank", target_rank, 0),
-        "source_rank": _int("source_rank", source_rank, 0),
-        "from_tp": _int("from_tp", from_tp, 1),
-        "to_tp": _int("to_tp", to_tp, 1),
+        "target_rank": check_int("target_rank", target_rank, 0, RoutingError),
+        "source_rank": check_int("source_rank", source_rank, 0, RoutingError),
+        "from_tp": check_int("from_tp", from_tp, 1, RoutingError),
+        "to_tp": check_int("to_tp", to_tp, 1, RoutingError),
         "offset_in_shard": offset,
         "num_slices": slices,
     }

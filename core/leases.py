@@ -28,7 +28,7 @@ import attrs
 
 from kvferry.core.errors import ConfigError, RoutingError
 from kvferry.core.ids import parse_connector_key, parse_legacy_key
-from kvferry.core.regions import _check_int, _check_seconds
+from kvferry.core.validate import check_int, check_seconds
 
 __all__ = [
     "EntryState",
@@ -150,7 +150,7 @@ class _Record:
 
 def _hold_validator(instance: Any, attribute: attrs.Attribute, value: Any) -> None:
     if value is not None:
-        _check_seconds("hold_s", value)
+        check_seconds("hold_s", value)
 
 
 @attrs.define(eq=False)
@@ -220,9 +220,9 @@ class LeaseTable:
         """
         if not isinstance(key, str):
             raise ConfigError(f"key must be a string, got {type(key).__name__}")
-        _check_int("readers", readers, 1)
-        _check_int("size", size, 0)
-        lease = _check_seconds("lease_s", lease_s)
+        check_int("readers", readers, 1)
+        check_int("size", size, 0)
+        lease = check_seconds("lease_s", lease_s)
         if key in self._by_key:
             raise ConfigError(f"key {key!r} is already published")
         rid = request_id if request_id is not None else request_id_of_key(key)

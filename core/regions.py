@@ -15,6 +15,7 @@ from typing import Any
 import attrs
 
 from kvferry.core.errors import ConfigError
+from kvferry.core.validate import check_int, check_seconds
 
 __all__ = [
     "DEFAULT_ALIGNMENT",
@@ -34,29 +35,13 @@ POOL_FULL = "pool_full"
 TOO_LARGE = "too_large"
 
 
-def _check_int(name: str, value: Any, minimum: int) -> int:
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise ConfigError(f"{name} must be an integer, got {value!r}")
-    if value < minimum:
-        raise ConfigError(f"{name} must be >= {minimum}, got {value}")
-    return value
-
-
-def _check_seconds(name: str, value: Any) -> float:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
-        raise ConfigError(f"{name} must be a positive number of seconds, got {value!r}")
-    if value != value or value == float("inf"):
-        raise ConfigError(f"{name} must be finite, got {value!r}")
-    return float(value)
-
-
 def aligned_span(nbytes: int, alignment: int = DEFAULT_ALIGNMENT) -> int:
     """Bytes a region of ``nbytes`` occupies: rounded up to ``alignment``, at least one unit.
 
     Zero-byte payloads still take one unit so that every live region has a distinct offset.
     """
-    _check_int("nbytes", nbytes, 0)
-    _check_int("alignment", alignment, 1)
+    check_int("nbytes", nbytes, 0)
+    check_int("alignment", alignment, 1)
     units = max(1, -(-nbytes // alignment))
     return units * alignment
 
@@ -100,13 +85,13 @@ class AllocationFailure:
 
 
 def _alignment_validator(instance: Any, attribute: attrs.Attribute, value: Any) -> None:
-    _check_int("alignment", value, 1)
+    check_int("alignment", value, 1)
     if value & (value - 1):
         raise ConfigError(f"alignment must be a power of two, got {value}")
 
 
 def _capacity_validator(instance: Any, attribute: attrs.Attribute, value: Any) -> None:
-    _check_int("capacity", value, 1)
+    check_int("capacity", value, 1)
 
 
 @attrs.define(eq=False)

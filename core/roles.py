@@ -19,6 +19,7 @@ from typing import Any, Iterable, Sequence
 import attrs
 
 from kvferry.core.errors import ConfigError, RoutingError
+from kvferry.core.validate import check_int
 
 __all__ = [
     "ReceiveRole",
@@ -67,16 +68,8 @@ class DistributionKind(enum.Enum):
     WORLD_BROADCAST = "world_broadcast"
 
 
-def _int(name: str, value: Any, minimum: int) -> int:
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise RoutingError(f"{name} must be an integer, got {value!r}")
-    if value < minimum:
-        raise RoutingError(f"{name} must be >= {minimum}, got {value}")
-    return value
-
-
 def _rank(name: str, rank: Any, size: int, size_name: str) -> int:
-    _int(name, rank, 0)
+    check_int(name, rank, 0, RoutingError)
     if rank >= size:
         raise RoutingError(f"{name} {rank} is outside the group ({size_name}={size})")
     return rank
@@ -88,9 +81,9 @@ def tp_active(from_tp: int, to_tp: int, tp_size: int = 1) -> bool:
     ``from_tp``/``to_tp`` are the configured sizes; when both are <= 1 the run-time TP size
     ``tp_size`` stands for both (SPEC 7), so TP is active when ``tp_size > 1``.
     """
-    _int("from_tp", from_tp, 1)
-    _int("to_tp", to_tp, 1)
-    _int("tp_size", tp_size, 1)
+    check_int("from_tp", from_tp, 1, RoutingError)
+    check_int("to_tp", to_tp, 1, RoutingError)
+    check_int("tp_size", tp_size, 1, RoutingError)
     if from_tp <= 1 and to_tp <= 1:
         return tp_size > 1
     return True
@@ -117,11 +110,11 @@ def receive_role(
 
     Sizes must be >= 1 and ranks inside their groups, else RoutingError naming the field.
     """
-    _int("world_size", world_size, 1)
+    check_int("world_size", world_size, 1, RoutingError)
     _rank("world_rank", world_rank, world_size, "world_size")
-    _int("cfg_size", cfg_size, 1)
+    check_int("cfg_size", cfg_size, 1, RoutingError)
     _rank("cfg_rank", cfg_rank, cfg_size, "cfg_size")
-    _int("sp_size", sp_size, 1)
+    check_int("sp_size", sp_size, 1, RoutingError)
     _rank("sp_rank", sp_rank, sp_size, "sp_size")
     active = tp_active(from_tp, to_tp, tp_size)
     if world_size == 1 or not groups_initialised:
@@ -191,9 +184,9 @@ class GroupLayout:
     TP, one SP and one CFG group; a rank's index in each of its groups is its coordinate.
     """
 
-    tp_size: int = attrs.field(default=1, validator=lambda i, a, v: _int(a.name, v, 1))
-    sp_size: int = attrs.field(default=1, validator=lambda i, a, v: _int(a.name, v, 1))
-    cfg_size: int = attrs.field(default=1, validator=lambda i, a, v: _int(a.name, v, 1))
+    tp_size: int = attrs.field(default=1, validator=lambda i, a, v: check_int(a.name, v, 1, RoutingError))
+    sp_size: int = attrs.field(default=1, validator=lambda i, a, v: check_int(a.name, v, 1, RoutingError))
+    cfg_size: int = attrs.field(default=1, validator=lambda i, a, v: check_int(a.name, v, 1, RoutingError))
 
     @property
     def world_size(self) -> int:
@@ -268,7 +261,7 @@ def cfg_payload_plan(cfg_size: int, branch_roles: Sequence[str]) -> tuple[CfgAss
     ``cfg_size == 2``, rank 1 gets a copy of the primary; otherwise a rank without a branch gets
     None. Roles beyond ``cfg_size - 1`` are listed on every assignment but not sent.
     """
-    _int("cfg_size", cfg_size, 1)
+    check_int("cfg_size", cfg_size, 1, RoutingError)
     if isinstance(branch_roles, str):
         raise ConfigError("branch_roles must be a sequence of role names, not one string")
     roles = tuple(branch_roles)
@@ -358,5 +351,5 @@ def needs_consensus(role: ReceiveRole, tp_group_size: int, is_dummy: bool, recei
     """
     if not isinstance(role, ReceiveRole):
         raise ConfigError(f"role must be a ReceiveRole, got {role!r}")
-    _int("tp_group_size", tp_group_size, 1)
+    check_int("tp_group_size", tp_group_size, 1, RoutingError)
     return role is ReceiveRole.LOCAL and tp_group_size > 1 and not is_dummy and bool(receiving)

@@ -22,6 +22,7 @@ from typing import Any
 import attrs
 
 from kvferry.core.errors import RoutingError
+from kvferry.core.validate import check_int
 
 __all__ = [
     "TPTopology",
@@ -35,19 +36,12 @@ __all__ = [
 ]
 
 
-def _check_int(name: str, value: Any, minimum: int) -> None:
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise RoutingError(f"{name} must be an integer, got {value!r}")
-    if value < minimum:
-        raise RoutingError(f"{name} must be >= {minimum}, got {value}")
-
-
 def _size_validator(instance: Any, attribute: attrs.Attribute, value: Any) -> None:
-    _check_int(attribute.name, value, 1)
+    check_int(attribute.name, value, 1, RoutingError)
 
 
 def _rank_validator(instance: Any, attribute: attrs.Attribute, value: Any) -> None:
-    _check_int(attribute.name, value, 0)
+    check_int(attribute.name, value, 0, RoutingError)
 
 
 @attrs.frozen
@@ -95,8 +89,8 @@ def validate_sizes(source_tp: int, target_tp: int) -> int:
     Raises RoutingError naming the field for a size below 1, and one that says "divisible" and
     names both sizes when the larger is not a multiple of the smaller.
     """
-    _check_int("source_tp", source_tp, 1)
-    _check_int("target_tp", target_tp, 1)
+    check_int("source_tp", source_tp, 1, RoutingError)
+    check_int("target_tp", target_tp, 1, RoutingError)
     larger, smaller = max(source_tp, target_tp), min(source_tp, target_tp)
     if larger % smaller:
         raise RoutingError(
