@@ -24,7 +24,7 @@ from typing import Any, Callable
 
 import attrs
 
-from kvferry.adapters.platform import free_base_port
+from kvferry.adapters.platform import free_base_port, free_port
 from kvferry.app.demo_model import CONNECTOR_CHOICES, PRESETS, DemoSpec, request_plan
 from kvferry.core.plan import stage_plan
 
@@ -250,7 +250,7 @@ def _run(args: argparse.Namespace) -> int:
             layers=args.layers or layers, kv_heads=args.kv_heads or heads, head_dim=args.head_dim or head_dim,
             dtype=dtype, block_size=args.block_size or block, requests=args.requests, min_tokens=args.min_tokens,
             max_tokens=args.max_tokens, seed=args.seed, base_port=free_base_port(args.from_tp),
-            store_ports=(_free_port(), _free_port()), timeout_s=args.timeout,
+            store_ports=(free_port(), free_port()), timeout_s=args.timeout,
             namespace=f"demo{os.getpid()}", done_file=os.path.join(tmp, "done"), dump_dir=args.dump)
         request_plan(spec)
         spec.head_range(0)

@@ -76,3 +76,23 @@ def test_acceptance_200_requests_two_senders_four_receivers(tmp_path: pathlib.Pa
     report = run_demo(spec)
     _assert_all_exact(report, 200)
     assert report.latency_ms_p99 < spec.timeout_s * 1e3  # no request waited out its deadline
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(150)
+def test_the_demo_command_runs_and_reports_json(capsys: pytest.CaptureFixture[str], tmp_path: pathlib.Path,
+                                                itkit: Any) -> None:
+    """``kvferry demo --json`` end to end (the README's first command, with a tiny geometry):
+    it picks its own ports, runs both stages and prints one JSON object; exit 0."""
+    import json
+
+    from kvferry.app.cli import main
+
+    code = main(["demo", "--connector", "shm", "--requests", "4", "--layers", "2", "--kv-heads", "4",
+                 "--head-dim", "16", "--min-tokens", "8", "--max-tokens", "40", "--json",
+                 "--dump", str(tmp_path / "dump")])
+    doc = json.loads(capsys.readouterr().out)
+    assert code == 0, doc
+    assert doc["requests"] == 4 and doc["bit_exact"] == 4 and doc["outcomes"] == {"received": 4}
+    assert doc["bytes"] > 0 and doc["seconds"] > 0 and doc["errors"] == []
+    assert any((tmp_path / "dump").iterdir())  # payload files for `kvferry inspect`
