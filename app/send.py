@@ -25,7 +25,9 @@ from typing import Any, Callable, Mapping, Sequence
 
 import attrs
 
-from kvferry.adapters.paged_cache import ExtractionPlan, ExtractionSkipped, gather_slices, plan_extraction
+from kvferry.adapters.paged_cache import (
+    ExtractionPlan, ExtractionSkipped, TensorGather, gather_slices, plan_extraction,
+)
 from kvferry.adapters.torch_frames import dest_views, encode_frames, finish_payload_in
 from kvferry.core.errors import KVFerryError, PoolFullError, RoutingError
 from kvferry.core.head_slices import fan_out_slice, slice_bounds, tp_head_slice_record
@@ -55,13 +57,20 @@ def slice_plan_heads(plan: ExtractionPlan, offset_in_shard: int, num_slices: int
     if num_slices == 1:
         return plan
 
+    bounds: dict[int, tuple[int, int]] = {}  # heads -> (start, length): layers share one
+
     def narrow(g: Any) -> Any:
         if g is None:
             return None
         if g.blocks.dim() < 3:
             raise RoutingError(f"{g.name}: cannot slice heads of a tensor without a head dimension")
-        start, stop = slice_bounds(g.blocks.shape[2], offset_in_shard, num_slices)
-        return attrs.evolve(g, blocks=g.blocks.narrow(2, start, stop - start))
+        heads = g.blocks.shape[2]
+        if heads not in bounds:
+            start, stop = slice_bounds(heads, offset_in_shard, num_slices)
+            bounds[heads] = (start, stop - start)
+        # the constructor directly (attrs.evolve costs as much again, every layer, every slice)
+        return TensorGather(g.layer, g.which, g.blocks.narrow(2, *bounds[heads]), g.block_ids, g.tokens,
+                            g.full_blocks, g.tail_tokens, g.index, g.runs)
 
     return attrs.evolve(plan, keys=tuple(map(narrow, plan.keys)), values=tuple(map(narrow, plan.values)),
                         metadata=plan.metadata)
