@@ -257,28 +257,31 @@ def gather_slices(plans: Sequence[ExtractionPlan],
     if len(plans) != len(dests):
         raise ConfigError(f"{len(plans)} plans, {len(dests)} destinations")
     jobs: list[tuple[list[TensorGather], list[torch.Tensor], list[str]]] = []
+    num_layers = plans[0].num_layers
     for plan, views in zip(plans, dests):
-        if len(views) != 2 or any(len(v) != plan.num_layers for v in views):
-            raise ConfigError("each destination must be (key_views, value_views), one view per layer")
-    for position in range(2 * plans[0].num_layers):
-        gathers, outs, methods = [], [], []
-        for plan, views in zip(plans, dests):
-            which, layer = divmod(position, plan.num_layers)
-            gather = (plan.keys, plan.values)[which][layer]
-            view = views[which][layer]
-            if (gather is None) != (view is None):
-                raise ConfigError(f"{_WHICH[which]} layer {layer}: view must be None exactly when "
-                                  "the layer is absent")
-            if gather is not None:
-                gather.check_out(view)
-                gathers.append(gather)
-                outs.append(view)
-                methods.append(gather.choose_method(view.device))
-        jobs.append((gathers, outs, methods))
+        if plan.num_layers != num_layers or len(views) != 2 or any(len(v) != num_layers for v in views):
+            raise ConfigError("each destination must be (key_views, value_views), one view per layer "
+                              "of plans with the same layers")
+    sides = [((p.keys, p.values), d) for p, d in zip(plans, dests)]
+    for which in (0, 1):
+        for layer in range(num_layers):
+            gathers, outs, methods = [], [], []
+            for tensors, views in sides:
+                gather, view = tensors[which][layer], views[which][layer]
+                if (gather is None) != (view is None):
+                    raise ConfigError(f"{_WHICH[which]} layer {layer}: view must be None exactly "
+                                      "when the layer is absent")
+                if gather is not None:
+                    gather.check_out(view)
+                    gathers.append(gather)
+                    outs.append(view)
+                    methods.append(gather.choose_method(view.device))
+            jobs.append((gathers, outs, methods))
     with torch.no_grad():
         for gathers, outs, methods in jobs:
-            stride = split_stride(gathers) if all(m == "native" for m in methods) else None
-            if stride is not None and len(gathers) == len(plans):
+            stride = (split_stride(gathers) if len(gathers) == len(plans)
+                      and all(m == "native" for m in methods) else None)
+            if stride is not None:
                 gather_split(gathers, outs, stride)
                 continue
             for gather, out, method in zip(gathers, outs, methods):

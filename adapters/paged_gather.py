@@ -359,12 +359,13 @@ def split_stride(gathers: Sequence[TensorGather]) -> int | None:
     stride = gathers[1].blocks.data_ptr() - base.data_ptr()
     if stride <= 0:
         return None
-    for j, g in enumerate(gathers):
+    start, shape, strides, dtype = base.data_ptr(), base.shape, base.stride(), base.dtype
+    for j, g in enumerate(gathers[1:], 1):
         b = g.blocks
-        if (g._layout != layout or b.data_ptr() != base.data_ptr() + j * stride
-                or b.shape != base.shape or b.stride() != base.stride() or b.dtype != base.dtype
-                or g.block_ids != first.block_ids or g.full_blocks != first.full_blocks
-                or g.tail_tokens != first.tail_tokens
+        if (g._layout != layout or b.data_ptr() != start + j * stride
+                or b.shape != shape or b.stride() != strides or b.dtype != dtype
+                or g.full_blocks != first.full_blocks or g.tail_tokens != first.tail_tokens
+                or (g.block_ids is not first.block_ids and g.block_ids != first.block_ids)
                 or (g.index is not first.index and not torch.equal(g.index, first.index))):
             return None
     return stride
