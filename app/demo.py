@@ -16,6 +16,7 @@ import json
 import multiprocessing as mp
 import os
 import queue as queue_mod
+import shutil
 import sys
 import tempfile
 import threading
@@ -244,6 +245,14 @@ def _run(args: argparse.Namespace) -> int:
                   file=sys.stderr)
             return 2
     tmp = tempfile.mkdtemp(prefix="kvferry-demo-")
+    try:  # the scratch folder (the stages' done file) goes on every path
+        return _run_in(args, model, layers, heads, head_dim, dtype, block, tmp)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _run_in(args: argparse.Namespace, model: str, layers: int, heads: int, head_dim: int, dtype: str,
+            block: int, tmp: str) -> int:
     try:
         spec = DemoSpec(
             connector=args.connector, from_tp=args.from_tp, to_tp=args.to_tp, model=model,
@@ -266,11 +275,6 @@ def _run(args: argparse.Namespace) -> int:
               f"{spec.dtype}, block {spec.block_size}); sender TP {spec.from_tp} -> receiver TP {spec.to_tp} "
               f"over {spec.connector}", flush=True)
     report = run_demo(spec, None if args.json else _progress_bar(sys.stderr))
-    try:
-        os.remove(spec.done_file)
-        os.rmdir(tmp)
-    except OSError:
-        pass
     if args.json:
         doc = {"requests": report.requests, "bit_exact": report.bit_exact, "outcomes": report.outcomes,
                "bytes": report.bytes, "seconds": round(report.seconds, 4),

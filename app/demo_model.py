@@ -101,7 +101,12 @@ class DemoSpec:
 
 
 def request_plan(spec: DemoSpec) -> list[DemoRequest]:
-    """The demo's requests: lengths uniform in [min, max] tokens, random distinct blocks."""
+    """The demo's requests: lengths uniform in [min, max] tokens, random distinct blocks.
+    ValueError for fewer than 1 request or tokens outside ``1 <= min <= max``."""
+    if spec.requests < 1:
+        raise ValueError(f"--requests must be at least 1, got {spec.requests}")
+    if not 1 <= spec.min_tokens <= spec.max_tokens:
+        raise ValueError(f"need 1 <= --min-tokens <= --max-tokens, got {spec.min_tokens} and {spec.max_tokens}")
     rng = random.Random(spec.seed)
     out = []
     for i in range(spec.requests):

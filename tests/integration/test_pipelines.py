@@ -84,10 +84,14 @@ def test_the_demo_command_runs_and_reports_json(capsys: pytest.CaptureFixture[st
                                                 itkit: Any) -> None:
     """``kvferry demo --json`` end to end (the README's first command, with a tiny geometry):
     it picks its own ports, runs both stages and prints one JSON object; exit 0."""
+    import glob
     import json
+    import tempfile
 
     from kvferry.app.cli import main
 
+    scratch = os.path.join(tempfile.gettempdir(), "kvferry-demo-*")
+    before = set(glob.glob(scratch))
     code = main(["demo", "--connector", "shm", "--requests", "4", "--layers", "2", "--kv-heads", "4",
                  "--head-dim", "16", "--min-tokens", "8", "--max-tokens", "40", "--json",
                  "--dump", str(tmp_path / "dump")])
@@ -96,3 +100,4 @@ def test_the_demo_command_runs_and_reports_json(capsys: pytest.CaptureFixture[st
     assert doc["requests"] == 4 and doc["bit_exact"] == 4 and doc["outcomes"] == {"received": 4}
     assert doc["bytes"] > 0 and doc["seconds"] > 0 and doc["errors"] == []
     assert any((tmp_path / "dump").iterdir())  # payload files for `kvferry inspect`
+    assert set(glob.glob(scratch)) <= before  # the run's scratch folder is gone
