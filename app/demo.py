@@ -236,7 +236,6 @@ def configure(sub: argparse.ArgumentParser) -> Callable[[argparse.Namespace], in
 
 
 def _run(args: argparse.Namespace) -> int:
-    model, layers, heads, head_dim, dtype, block = PRESETS[args.preset]
     if args.connector == "mooncake":
         try:
             import mooncake.engine  # noqa: F401
@@ -246,13 +245,13 @@ def _run(args: argparse.Namespace) -> int:
             return 2
     tmp = tempfile.mkdtemp(prefix="kvferry-demo-")
     try:  # the scratch folder (the stages' done file) goes on every path
-        return _run_in(args, model, layers, heads, head_dim, dtype, block, tmp)
+        return _run_in(args, tmp)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
 
 
-def _run_in(args: argparse.Namespace, model: str, layers: int, heads: int, head_dim: int, dtype: str,
-            block: int, tmp: str) -> int:
+def _run_in(args: argparse.Namespace, tmp: str) -> int:
+    model, layers, heads, head_dim, dtype, block = PRESETS[args.preset]
     try:
         spec = DemoSpec(
             connector=args.connector, from_tp=args.from_tp, to_tp=args.to_tp, model=model,

@@ -171,8 +171,6 @@ class ReceivePath:
     copy_unpooled: bool = False
     #: Bounds on what a received header may claim (header bytes, tensors, layers, dimensions).
     limits: DecodeLimits = attrs.field(factory=DecodeLimits)
-    #: The default of :meth:`receive`'s ``zero_copy`` (see the module doc).
-    zero_copy: bool = False
     _is_blocking: Implements = attrs.field(init=False, factory=lambda: Implements(BlockingGet))
 
     def keys(self, request_id: str) -> tuple[tuple[str, int | None], ...]:
@@ -196,10 +194,10 @@ class ReceivePath:
         target_device: Any = None,
         timeout_s: float | None = None,
         receiving: bool = True,
-        zero_copy: bool | None = None,
+        zero_copy: bool = True,
     ) -> ReceiveResult:
         """Receive one request (see the module docstring). Never raises for remote faults.
-        ``zero_copy`` None: the path's default."""
+        ``zero_copy``: see the module doc (the typed API's default)."""
         if not request_id:
             return ReceiveResult(ReceiveOutcome.skipped("", SkipReason.NO_REQUEST_ID))
         if is_dummy_request(request_id):
@@ -239,8 +237,7 @@ class ReceivePath:
                 return ReceiveResult(ReceiveOutcome.failed(
                     request_id, ReceiveKind.TIMED_OUT, f"{len(missing)} of {len(keys)} keys missing",
                     keys=names, missing_keys=missing, seconds=self._since(start)))
-            zc = self.zero_copy if zero_copy is None else zero_copy
-            return self._assemble(request_id, keys, got, target_device, start, handed if zc else None)
+            return self._assemble(request_id, keys, got, target_device, start, handed if zero_copy else None)
         finally:
             taken = {id(x) for x in handed}
             release_all([data for data, _ in got if id(data) not in taken], wait=False)

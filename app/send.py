@@ -220,43 +220,51 @@ class SendPath:
 
     def _put_slices_together(self, connector: Connector, plan: ExtractionPlan,
                              jobs: tuple[KeyJob, ...]) -> dict[str, int]:
-        """Fan-out into a reservable connector: reserve every key's region first, then gather
-        every head slice in one pass over the cache (``gather_slices``), then write the headers
-        and commit. Returns ``{key: size}`` of the keys put; a key missing from it (nothing
-        applies, a reservation or a commit failed) goes through :meth:`_put_one` (with its
+        """Fan-out into a reservable connector: every key's region reserved, every head slice
+        gathered in one pass over the cache (``gather_slices``), then each key committed.
+        Returns ``{key: size}`` of the keys put; a key missing from it (nothing applies, a
+        reservation, a local fault or a commit failed) goes through :meth:`_put_one` (with its
         retries) instead."""
         if len(jobs) < 2 or any(j.num_slices < 2 or j.target_rank is None for j in jobs) \
                 or not self._is_reservable(connector):
             return {}
-        reservations: list[Any] = []
-
-        def abort_all() -> None:
-            for reservation in reservations:
-                reservation.abort()
-
         try:
-            sliced = [slice_plan_heads(plan, j.offset_in_shard, j.num_slices) for j in jobs]
-            layouts = [self._layout(p, self._metadata(plan, j)) for p, j in zip(sliced, jobs)]
-            for job, layout in zip(jobs, layouts):
-                reservations.append(connector.reserve(str(self.from_stage), str(self.to_stage), job.key,
-                                                      layout.total_nbytes))
-            n = plan.num_layers
-            views = [dest_views(r.buffer, layout) for r, layout in zip(reservations, layouts)]
-            gather_slices(sliced, [(v[:n], v[n:]) for v in views])
-            for reservation, layout in zip(reservations, layouts):
-                finish_payload_in(reservation.buffer, layout)
+            filled = self._fill_reserved(connector, [
+                (slice_plan_heads(plan, j.offset_in_shard, j.num_slices), j.key, self._metadata(plan, j))
+                for j in jobs])
         except KVFerryError:  # a full pool, a local fault: each key takes the single path
-            abort_all()
             return {}
-        except BaseException:
-            abort_all()
-            raise
         put: dict[str, int] = {}
-        for job, reservation in zip(jobs, reservations):
+        for job, reservation in zip(jobs, filled):
             ok, size, _ = reservation.commit()
             if ok:
                 put[job.key] = size
         return put
+
+    def _fill_reserved(self, connector: Any, items: Sequence[tuple[ExtractionPlan, str, dict[str, Any]]]
+                       ) -> list[Any]:
+        """Reserve a region per ``(plan, key, metadata)``, gather every plan into its region
+        (several: the one-pass ``gather_slices``) and write the headers; the reservations,
+        ready to commit. Any exception aborts every reservation taken."""
+        reservations: list[Any] = []
+        try:
+            layouts = [self._layout(p, meta) for p, _, meta in items]
+            for (_, key, _), layout in zip(items, layouts):
+                reservations.append(connector.reserve(str(self.from_stage), str(self.to_stage), key,
+                                                      layout.total_nbytes))
+            views = [dest_views(r.buffer, layout) for r, layout in zip(reservations, layouts)]
+            dests = [(v[:p.num_layers], v[p.num_layers:]) for v, (p, _, _) in zip(views, items)]
+            if len(items) == 1:
+                items[0][0].gather_all(dests[0])
+            else:
+                gather_slices([p for p, _, _ in items], dests)
+            for reservation, layout in zip(reservations, layouts):
+                finish_payload_in(reservation.buffer, layout)
+        except BaseException:
+            for reservation in reservations:
+                reservation.abort()
+            raise
+        return reservations
 
     def _layout(self, plan: ExtractionPlan, meta: dict[str, Any]) -> Any:
         """The payload layout: the part fixed by the tensors' dtypes and shapes (a template) is
@@ -273,16 +281,7 @@ class SendPath:
 
     def _put_reserved(self, connector: Any, plan: ExtractionPlan, key: str,
                       meta: dict[str, Any]) -> tuple[bool, int, Any]:
-        layout = self._layout(plan, meta)
-        reservation = connector.reserve(str(self.from_stage), str(self.to_stage), key, layout.total_nbytes)
-        try:
-            views = dest_views(reservation.buffer, layout)
-            n = plan.num_layers
-            plan.gather_all((views[:n], views[n:]))
-            finish_payload_in(reservation.buffer, layout)
-        except BaseException:
-            reservation.abort()
-            raise
+        [reservation] = self._fill_reserved(connector, [(plan, key, meta)])
         return reservation.commit()
 
     def _put_frames(self, connector: Connector, plan: ExtractionPlan, job: KeyJob,
