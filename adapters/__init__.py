@@ -6,31 +6,17 @@ Connectors live in :mod:`kvferry.adapters.connectors` and are created by name th
 
 from __future__ import annotations
 
-from kvferry.adapters.torch_frames import (
-    DecodedKV,
-    EncodedPayload,
-    TORCH_DTYPES,
-    decode_payload,
-    dest_views,
-    dtype_name,
-    encode_bytes,
-    encode_device_tensor,
-    encode_frames,
-    finish_payload_in,
-    host_byte_view,
-    merge_heads,
-    merge_layers,
-    plan_tensors,
-    slice_heads,
-    slice_layers,
-    torch_dtype,
-    write_payload_into,
+from kvferry.adapters.collectives import (
+    InProcessGroup,
+    InProcessWorld,
+    ParallelGroups,
+    TorchDistGroup,
+    build_parallel_groups,
 )
-from kvferry.adapters.side_codec import (
-    KVCacheLists,
-    SIDE_FORMAT_VERSION,
-    pack_request_kv,
-    unpack_request_kv,
+from kvferry.adapters.object_codec import (
+    MAX_OBJECT_BYTES,
+    decode_object,
+    encode_object,
 )
 from kvferry.adapters.paged_cache import (
     CROSS_DEVICE_MAX_RUNS,
@@ -49,21 +35,9 @@ from kvferry.adapters.paged_cache import (
     token_split,
     valid_block_ids,
 )
-from kvferry.adapters.object_codec import (
-    MAX_OBJECT_BYTES,
-    decode_object,
-    encode_object,
-)
-from kvferry.adapters.collectives import (
-    InProcessGroup,
-    InProcessWorld,
-    ParallelGroups,
-    TorchDistGroup,
-    build_parallel_groups,
-)
 from kvferry.adapters.platform import (
-    MemoryInfo,
     PROC_MEMINFO,
+    MemoryInfo,
     as_device,
     cuda_available,
     default_device,
@@ -73,6 +47,32 @@ from kvferry.adapters.platform import (
     synchronize,
     tune_host_allocator,
     use_stream,
+)
+from kvferry.adapters.side_codec import (
+    SIDE_FORMAT_VERSION,
+    KVCacheLists,
+    pack_request_kv,
+    unpack_request_kv,
+)
+from kvferry.adapters.torch_frames import (
+    TORCH_DTYPES,
+    DecodedKV,
+    EncodedPayload,
+    decode_payload,
+    dest_views,
+    dtype_name,
+    encode_bytes,
+    encode_device_tensor,
+    encode_frames,
+    finish_payload_in,
+    host_byte_view,
+    merge_heads,
+    merge_layers,
+    plan_tensors,
+    slice_heads,
+    slice_layers,
+    torch_dtype,
+    write_payload_into,
 )
 
 __all__ = [
@@ -109,7 +109,8 @@ __all__ = [
     "encode_device_tensor",
     "encode_frames",
     "encode_object",
-    "extract_request", "gather_slices",
+    "extract_request",
+    "gather_slices",
     "finish_payload_in",
     "host_byte_view",
     "host_memory_info",

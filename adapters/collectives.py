@@ -24,11 +24,13 @@ import datetime
 import logging
 import threading
 import time
-from typing import Any, Callable, Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import attrs
-from kvferry.core.errors import ConfigError, PayloadError, RoutingError, TransferError, TransferTimeout
+
 from kvferry.adapters.object_codec import MAX_OBJECT_BYTES, decode_object, encode_object
+from kvferry.core.errors import ConfigError, PayloadError, RoutingError, TransferError, TransferTimeout
 from kvferry.core.roles import GroupLayout
 
 __all__ = [
@@ -212,8 +214,7 @@ class InProcessGroup:
         return decode_object(got)
 
     def broadcast_tensor(self, tensor: Any, src: int, *, timeout_s: float) -> Any:
-        got = self._bcast(tensor.detach().clone() if self._rank == src else None, src, timeout_s,
-                          "broadcast_tensor")
+        got = self._bcast(tensor.detach().clone() if self._rank == src else None, src, timeout_s, "broadcast_tensor")
         return tensor if self._rank == src else _fill(tensor, got)
 
     def send_object(self, obj: Any, dst: int, *, timeout_s: float) -> None:
@@ -272,7 +273,9 @@ class TorchDistGroup:
         self._device = torch.device("cuda", torch.cuda.current_device()) if nccl else torch.device("cpu")
 
     @classmethod
-    def new(cls, ranks: Sequence[int], *, timeout_s: float | None = None, backend: str | None = None) -> TorchDistGroup | None:
+    def new(
+        cls, ranks: Sequence[int], *, timeout_s: float | None = None, backend: str | None = None
+    ) -> TorchDistGroup | None:
         """Create a sub-group. Like ``dist.new_group``, EVERY process must call this, in the same
         order, with the same ranks; returns None on processes outside the group."""
         dist = _dist()
@@ -331,16 +334,18 @@ class TorchDistGroup:
         is_src = self.rank == src
         data, error = _encode_or_failure(obj) if is_src else (None, None)
         size = self._size_tensor(len(data) if data is not None else _FAILED)
-        self._wait(dist.broadcast(size, src=g_src, group=self.process_group, async_op=True),
-                   deadline, "broadcast_object size")
+        self._wait(
+            dist.broadcast(size, src=g_src, group=self.process_group, async_op=True), deadline, "broadcast_object size"
+        )
         if is_src:
             if error is not None:
                 raise error
             buf = self._bytes_tensor(data, 0)
         else:
             buf = self._bytes_tensor(None, self._received_size(size, src))
-        self._wait(dist.broadcast(buf, src=g_src, group=self.process_group, async_op=True),
-                   deadline, "broadcast_object data")
+        self._wait(
+            dist.broadcast(buf, src=g_src, group=self.process_group, async_op=True), deadline, "broadcast_object data"
+        )
         return obj if is_src else decode_object(buf.cpu().numpy().tobytes())
 
     def send_object(self, obj: Any, dst: int, *, timeout_s: float) -> None:
@@ -351,8 +356,9 @@ class TorchDistGroup:
         self._wait(dist.isend(size, dst=g_dst, group=self.process_group), deadline, "send_object size")
         if error is not None:
             raise error
-        self._wait(dist.isend(self._bytes_tensor(data, 0), dst=g_dst, group=self.process_group),
-                   deadline, "send_object data")
+        self._wait(
+            dist.isend(self._bytes_tensor(data, 0), dst=g_dst, group=self.process_group), deadline, "send_object data"
+        )
 
     def recv_object(self, src: int, *, timeout_s: float) -> Any:
         dist, g_src = _dist(), self._global("src", src)

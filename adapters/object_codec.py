@@ -84,8 +84,7 @@ def _ext_hook(code: int, data: bytes) -> Any:
 
 
 def _unpack(data: Any) -> Any:
-    return msgpack.unpackb(data, ext_hook=_ext_hook, raw=False, strict_map_key=False,
-                           use_list=True)
+    return msgpack.unpackb(data, ext_hook=_ext_hook, raw=False, strict_map_key=False, use_list=True)
 
 
 def decode_object(data: Any) -> Any:

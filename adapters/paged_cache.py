@@ -27,8 +27,9 @@ from __future__ import annotations
 
 import logging
 import operator
+from collections.abc import Iterable, Mapping, Sequence
 from types import MappingProxyType
-from typing import Any, Iterable, Mapping, Sequence
+from typing import Any
 
 import attrs
 import torch
@@ -45,9 +46,21 @@ from kvferry.adapters.paged_gather import (
 from kvferry.core.errors import ConfigError
 
 __all__ = [
-    "GatherMethod", "CROSS_DEVICE_MAX_RUNS", "DEVICE_MAX_RUNS", "STRIDED_MAX_RUNS", "LayerSkip",
-    "ExtractionSkipped", "TensorGather", "ExtractionPlan", "ExtractedKV", "normalize_layer_kv",
-    "valid_block_ids", "block_runs", "token_split", "plan_extraction", "extract_request",
+    "GatherMethod",
+    "CROSS_DEVICE_MAX_RUNS",
+    "DEVICE_MAX_RUNS",
+    "STRIDED_MAX_RUNS",
+    "LayerSkip",
+    "ExtractionSkipped",
+    "TensorGather",
+    "ExtractionPlan",
+    "ExtractedKV",
+    "normalize_layer_kv",
+    "valid_block_ids",
+    "block_runs",
+    "token_split",
+    "plan_extraction",
+    "extract_request",
     "gather_slices",
 ]
 
@@ -115,8 +128,9 @@ def _split_layer(layer_kv: Any, block_size: int | None) -> tuple[torch.Tensor, t
     """``(key_blocks, value_blocks)`` views, or a human reason why the layer is unusable."""
     if isinstance(layer_kv, torch.Tensor):
         shape = tuple(layer_kv.shape)
-        if layer_kv.ndim == 4 and block_size is not None and shape[2] == block_size \
-                and shape[3] % 2 == 0:  # packed [blocks, heads, block_size, 2*head_dim]
+        if (
+            layer_kv.ndim == 4 and block_size is not None and shape[2] == block_size and shape[3] % 2 == 0
+        ):  # packed [blocks, heads, block_size, 2*head_dim]
             half, blocks = shape[3] // 2, layer_kv.transpose(1, 2)
             key, value = blocks.narrow(-1, 0, half), blocks.narrow(-1, half, half)
         elif layer_kv.ndim >= 3 and shape[0] == 2:  # [2, blocks, ...]; wins when blocks == 2
@@ -124,8 +138,10 @@ def _split_layer(layer_kv: Any, block_size: int | None) -> tuple[torch.Tensor, t
         elif layer_kv.ndim >= 3 and shape[1] == 2:  # [blocks, 2, ...]
             key, value = layer_kv[:, 0], layer_kv[:, 1]
         else:
-            return (f"unsupported KV tensor shape {shape}: expected [2, blocks, ...], "
-                    "[blocks, 2, ...] or packed [blocks, heads, block_size, 2*head_dim]")
+            return (
+                f"unsupported KV tensor shape {shape}: expected [2, blocks, ...], "
+                "[blocks, 2, ...] or packed [blocks, heads, block_size, 2*head_dim]"
+            )
     elif isinstance(layer_kv, (tuple, list)):
         if len(layer_kv) != 2:
             return f"KV pair has {len(layer_kv)} entries (expected 2)"
@@ -194,8 +210,9 @@ class ExtractionPlan:
     def dtype_shapes(self) -> tuple[list[tuple[str, tuple[int, ...]] | None], ...]:
         """``(keys, values)``: per layer ``(dtype name, shape)`` or None, the input of the wire
         codec's ``kv_tensor_specs``."""
-        return tuple([None if g is None else (g.dtype_name, g.shape) for g in gathers]
-                     for gathers in (self.keys, self.values))
+        return tuple(
+            [None if g is None else (g.dtype_name, g.shape) for g in gathers] for gathers in (self.keys, self.values)
+        )
 
     def tensor(self, layer: int, which: str) -> TensorGather | None:
         """``which`` (``"key"``/``"value"``) of ``layer`` (shape, dtype, ...); None if absent."""
@@ -205,16 +222,14 @@ class ExtractionPlan:
             raise ConfigError(f"layer must be in [0, {self.num_layers}), got {layer}")
         return (self.keys if which == "key" else self.values)[layer]
 
-    def gather_into(self, layer: int, which: str, out: torch.Tensor, *,
-                    method: GatherMethod = "auto") -> torch.Tensor:
+    def gather_into(self, layer: int, which: str, out: torch.Tensor, *, method: GatherMethod = "auto") -> torch.Tensor:
         """Write one tensor into the preallocated ``out`` in place (ConfigError if absent)."""
         gather = self.tensor(layer, which)
         if gather is None:
             raise ConfigError(f"request {self.request_id}: layer {layer} has no {which} tensor")
         return gather.gather_into(out, method=method)
 
-    def gather_all(self, dest_views: Sequence[Sequence[torch.Tensor | None]], *,
-                   method: GatherMethod = "auto") -> None:
+    def gather_all(self, dest_views: Sequence[Sequence[torch.Tensor | None]], *, method: GatherMethod = "auto") -> None:
         """Fill ``(key_views, value_views)``: one view per layer, None exactly where absent.
 
         Every view is checked before the first byte moves.
@@ -227,8 +242,7 @@ class ExtractionPlan:
                 raise ConfigError(f"{which} views: need {self.num_layers}, got {len(views)}")
             for layer, (gather, view) in enumerate(zip(gathers, views)):
                 if (gather is None) != (view is None):
-                    raise ConfigError(f"{which} layer {layer}: view must be None exactly when "
-                                      "the layer is absent")
+                    raise ConfigError(f"{which} layer {layer}: view must be None exactly when the layer is absent")
                 if gather is not None:
                     gather.check_out(view)
                     pairs.append((gather, view, gather.choose_method(view.device, method)))
@@ -236,19 +250,21 @@ class ExtractionPlan:
             for gather, view, chosen in pairs:
                 gather.write_unchecked(view, chosen)
 
-    def materialize(self, *, method: GatherMethod = "auto"
-                    ) -> tuple[list[torch.Tensor | None], list[torch.Tensor | None]]:
+    def materialize(
+        self, *, method: GatherMethod = "auto"
+    ) -> tuple[list[torch.Tensor | None], list[torch.Tensor | None]]:
         """Fresh contiguous tensors on the cache's device (one copy): ``(keys, values)``."""
+
         def fresh(g: TensorGather | None) -> torch.Tensor | None:
             if g is None:
                 return None
             out = torch.empty(g.shape, dtype=g.dtype, device=g.device)
             return g.gather_into(out, method=method)
+
         return [fresh(g) for g in self.keys], [fresh(g) for g in self.values]
 
 
-def gather_slices(plans: Sequence[ExtractionPlan],
-                  dests: Sequence[Sequence[Sequence[torch.Tensor | None]]]) -> None:
+def gather_slices(plans: Sequence[ExtractionPlan], dests: Sequence[Sequence[Sequence[torch.Tensor | None]]]) -> None:
     """:meth:`ExtractionPlan.gather_all` of every plan into its ``(key_views, value_views)``,
     where the plans are slices of one request (e.g. the head slices of several receivers): a
     tensor whose slices are equal, consecutive views of the cache (``split_stride``) is read
@@ -260,8 +276,9 @@ def gather_slices(plans: Sequence[ExtractionPlan],
     num_layers = plans[0].num_layers
     for plan, views in zip(plans, dests):
         if plan.num_layers != num_layers or len(views) != 2 or any(len(v) != num_layers for v in views):
-            raise ConfigError("each destination must be (key_views, value_views), one view per layer "
-                              "of plans with the same layers")
+            raise ConfigError(
+                "each destination must be (key_views, value_views), one view per layer of plans with the same layers"
+            )
     sides = [((p.keys, p.values), d) for p, d in zip(plans, dests)]
     for which in (0, 1):
         for layer in range(num_layers):
@@ -269,8 +286,9 @@ def gather_slices(plans: Sequence[ExtractionPlan],
             for tensors, views in sides:
                 gather, view = tensors[which][layer], views[which][layer]
                 if (gather is None) != (view is None):
-                    raise ConfigError(f"{_WHICH[which]} layer {layer}: view must be None exactly "
-                                      "when the layer is absent")
+                    raise ConfigError(
+                        f"{_WHICH[which]} layer {layer}: view must be None exactly when the layer is absent"
+                    )
                 if gather is not None:
                     gather.check_out(view)
                     gathers.append(gather)
@@ -279,8 +297,9 @@ def gather_slices(plans: Sequence[ExtractionPlan],
             jobs.append((gathers, outs, methods))
     with torch.no_grad():
         for gathers, outs, methods in jobs:
-            stride = (split_stride(gathers) if len(gathers) == len(plans)
-                      and all(m == "native" for m in methods) else None)
+            stride = (
+                split_stride(gathers) if len(gathers) == len(plans) and all(m == "native" for m in methods) else None
+            )
             if stride is not None:
                 gather_split(gathers, outs, stride)
                 continue
@@ -303,8 +322,9 @@ class ExtractedKV:
         return {"key_cache": list(self.key_cache), "value_cache": list(self.value_cache)}
 
 
-def _check_args(block_ids: Any, seq_len: Any, block_size: Any, custom_metadata: Any
-                ) -> tuple[tuple[int, ...], int, int]:
+def _check_args(
+    block_ids: Any, seq_len: Any, block_size: Any, custom_metadata: Any
+) -> tuple[tuple[int, ...], int, int]:
     try:
         seq_len, block_size = operator.index(seq_len), operator.index(block_size)
         if isinstance(block_ids, torch.Tensor):
@@ -350,19 +370,26 @@ def plan_extraction(
     indexes: dict[tuple[torch.device, int, int], torch.Tensor] = {}  # (device, bound, full)
     runs: dict[tuple[int, int], tuple[tuple[int, int, int], ...]] = {}  # (bound, full)
 
-    def plan_tensor(layer: int, which: str, blocks: torch.Tensor, bound: int
-                    ) -> TensorGather | None:
+    def plan_tensor(layer: int, which: str, blocks: torch.Tensor, bound: int) -> TensorGather | None:
         valid = valid_by_bound[bound]
         tokens, full, tail = token_split(len(valid), blocks.shape[1], seq_len)
         if tokens == 0:
             return None
         if (blocks.device, bound, full) not in indexes:
-            indexes[blocks.device, bound, full] = torch.tensor(
-                valid[:full], dtype=torch.int64, device=blocks.device)
+            indexes[blocks.device, bound, full] = torch.tensor(valid[:full], dtype=torch.int64, device=blocks.device)
         if (bound, full) not in runs:
             runs[bound, full] = block_runs(valid[:full])
-        return TensorGather(layer, which, blocks, valid[: full + (1 if tail else 0)], tokens,
-                            full, tail, indexes[blocks.device, bound, full], runs[bound, full])
+        return TensorGather(
+            layer,
+            which,
+            blocks,
+            valid[: full + (1 if tail else 0)],
+            tokens,
+            full,
+            tail,
+            indexes[blocks.device, bound, full],
+            runs[bound, full],
+        )
 
     keys: list[TensorGather | None] = [None] * len(layers)
     values: list[TensorGather | None] = [None] * len(layers)
@@ -376,14 +403,25 @@ def plan_extraction(
         key_blocks, value_blocks = split
         bound = min(key_blocks.shape[0], value_blocks.shape[0])
         if key_blocks.shape[0] != value_blocks.shape[0]:
-            logger.warning("request %s layer %s: key has %s blocks, value %s; using the first %s",
-                           request_id, layer, key_blocks.shape[0], value_blocks.shape[0], bound)
+            logger.warning(
+                "request %s layer %s: key has %s blocks, value %s; using the first %s",
+                request_id,
+                layer,
+                key_blocks.shape[0],
+                value_blocks.shape[0],
+                bound,
+            )
         if bound not in valid_by_bound:
             valid_by_bound[bound] = valid_block_ids(ids, bound)
             valid = valid_by_bound[bound]
             if len(valid) != len(ids):
-                logger.warning("request %s: dropped %s of %s block ids outside [0, %s)",
-                               request_id, len(ids) - len(valid), len(ids), bound)
+                logger.warning(
+                    "request %s: dropped %s of %s block ids outside [0, %s)",
+                    request_id,
+                    len(ids) - len(valid),
+                    len(ids),
+                    bound,
+                )
         if not valid_by_bound[bound]:
             skipped.append(LayerSkip(layer, "no_valid_blocks", f"no block id in [0, {bound})"))
             continue
@@ -395,12 +433,15 @@ def plan_extraction(
         keys[layer], values[layer] = k, v
     if all(k is None for k in keys):
         logger.warning("request %s skipped: every layer is empty", request_id)
-        return ExtractionSkipped(request_id, "all_layers_empty", "no layer yielded a token",
-                                 tuple(skipped))
-    metadata = {"block_size": block_size, "num_layers": len(layers), "dtype": str(cache_dtype),
-                "seq_len": seq_len, **(custom_metadata or {})}
-    return ExtractionPlan(request_id, ids, seq_len, tuple(keys), tuple(values), metadata,
-                          tuple(skipped))
+        return ExtractionSkipped(request_id, "all_layers_empty", "no layer yielded a token", tuple(skipped))
+    metadata = {
+        "block_size": block_size,
+        "num_layers": len(layers),
+        "dtype": str(cache_dtype),
+        "seq_len": seq_len,
+        **(custom_metadata or {}),
+    }
+    return ExtractionPlan(request_id, ids, seq_len, tuple(keys), tuple(values), metadata, tuple(skipped))
 
 
 def extract_request(
@@ -415,8 +456,15 @@ def extract_request(
     method: GatherMethod = "auto",
 ) -> ExtractedKV | ExtractionSkipped:
     """:func:`plan_extraction` then :meth:`ExtractionPlan.materialize` (fresh tensors)."""
-    plan = plan_extraction(kv_caches, block_ids, seq_len, block_size, cache_dtype=cache_dtype,
-                           custom_metadata=custom_metadata, request_id=request_id)
+    plan = plan_extraction(
+        kv_caches,
+        block_ids,
+        seq_len,
+        block_size,
+        cache_dtype=cache_dtype,
+        custom_metadata=custom_metadata,
+        request_id=request_id,
+    )
     if isinstance(plan, ExtractionSkipped):
         return plan
     keys, values = plan.materialize(method=method)

@@ -16,7 +16,8 @@ from __future__ import annotations
 import functools
 import math
 import os
-from typing import Any, Literal, Sequence
+from collections.abc import Sequence
+from typing import Any, Literal
 
 import attrs
 import torch
@@ -31,9 +32,19 @@ if os.environ.get("KVFERRY_NATIVE_GATHER", "1") != "0":
         _native = None
 
 __all__ = [
-    "GatherMethod", "CROSS_DEVICE_MAX_RUNS", "DEVICE_MAX_RUNS", "STRIDED_MAX_RUNS", "TensorGather",
-    "NATIVE_GATHER", "NATIVE_MAX_THREADS", "NATIVE_MIN_PIECE", "STREAM_MIN_BYTES", "native_isa",
-    "MAX_SPLIT", "split_stride", "gather_split",
+    "GatherMethod",
+    "CROSS_DEVICE_MAX_RUNS",
+    "DEVICE_MAX_RUNS",
+    "STRIDED_MAX_RUNS",
+    "TensorGather",
+    "NATIVE_GATHER",
+    "NATIVE_MAX_THREADS",
+    "NATIVE_MIN_PIECE",
+    "STREAM_MIN_BYTES",
+    "native_isa",
+    "MAX_SPLIT",
+    "split_stride",
+    "gather_split",
 ]
 
 #: ``"index"``: one ``index_select(out=...)`` over byte rows of whole blocks (element-wise when a
@@ -99,8 +110,7 @@ def native_isa() -> str | None:
     return None if _native is None else str(_native.isa())
 
 
-def _pieces(sizes: tuple[int, ...], strides: tuple[int, ...], itemsize: int
-            ) -> tuple[int, ...] | None:
+def _pieces(sizes: tuple[int, ...], strides: tuple[int, ...], itemsize: int) -> tuple[int, ...] | None:
     """A block of ``sizes``/``strides`` (elements) as the native gather reads it:
     ``(d0, s0, d1, s1, d2, s2, piece)``, i.e. up to three strided dimensions (outermost first,
     bytes) of contiguous pieces of ``piece`` bytes, in row-major order; None if it needs more."""
@@ -132,8 +142,9 @@ class _NativeLayout:
 
 
 @functools.lru_cache(maxsize=256)  # every layer of a cache shares one geometry
-def _layout_of(shape: tuple[int, ...], stride: tuple[int, ...], itemsize: int,
-               tail_tokens: int) -> _NativeLayout | None:
+def _layout_of(
+    shape: tuple[int, ...], stride: tuple[int, ...], itemsize: int, tail_tokens: int
+) -> _NativeLayout | None:
     full = _pieces(shape[1:], stride[1:], itemsize)
     tail = _pieces((tail_tokens or 1, *shape[2:]), stride[1:], itemsize)
     if full is None or tail is None:
@@ -141,13 +152,19 @@ def _layout_of(shape: tuple[int, ...], stride: tuple[int, ...], itemsize: int,
     return _NativeLayout(stride[0] * itemsize, math.prod(shape[1:]) * itemsize, full, tail)
 
 
-def _native_layout(blocks: torch.Tensor, index: torch.Tensor, full_blocks: int,
-                   tail_tokens: int) -> _NativeLayout | None:
+def _native_layout(
+    blocks: torch.Tensor, index: torch.Tensor, full_blocks: int, tail_tokens: int
+) -> _NativeLayout | None:
     """The layout for the native gather; None unless both are on the CPU, ``index`` is a
     contiguous int64 tensor of ``full_blocks`` ids and a block needs at most three strided
     dimensions. About 3 us (cached per geometry): planning computes it for every tensor."""
-    if not (blocks.is_cpu and index.is_cpu) or index.dtype != torch.int64 \
-            or index.numel() != full_blocks or not index.is_contiguous() or blocks.dim() < 2:
+    if (
+        not (blocks.is_cpu and index.is_cpu)
+        or index.dtype != torch.int64
+        or index.numel() != full_blocks
+        or not index.is_contiguous()
+        or blocks.dim() < 2
+    ):
         return None
     return _layout_of(tuple(blocks.shape), blocks.stride(), blocks.element_size(), tail_tokens)
 
@@ -155,8 +172,12 @@ def _native_layout(blocks: torch.Tensor, index: torch.Tensor, full_blocks: int,
 def _row_width(rows: torch.Tensor) -> int:
     """The widest integer (8, 4, 2 or 1 bytes) a uint8 row view can be reinterpreted as."""
     for width, _ in _WIDE:
-        if rows.shape[1] % width == 0 and rows.stride(0) % width == 0 \
-                and rows.data_ptr() % width == 0 and rows.storage_offset() % width == 0:
+        if (
+            rows.shape[1] % width == 0
+            and rows.stride(0) % width == 0
+            and rows.data_ptr() % width == 0
+            and rows.storage_offset() % width == 0
+        ):
             return width
     return 1
 
@@ -245,12 +266,16 @@ class TensorGather:
             raise ConfigError(f"'index' needs the destination on {self.device}, not {out_device}")
         if method == "native":
             if _native is None:
-                raise ConfigError("the native gather (kvferry.adapters._gather) is not built "
-                                  "or is switched off (KVFERRY_NATIVE_GATHER=0)")
+                raise ConfigError(
+                    "the native gather (kvferry.adapters._gather) is not built "
+                    "or is switched off (KVFERRY_NATIVE_GATHER=0)"
+                )
             if cross or out_device.type != "cpu" or self._layout is None:
-                raise ConfigError(f"{self.name}: 'native' needs a CPU cache with blocks strided in "
-                                  f"at most 3 dimensions and a CPU destination (cache on "
-                                  f"{self.device}, destination on {out_device})")
+                raise ConfigError(
+                    f"{self.name}: 'native' needs a CPU cache with blocks strided in "
+                    f"at most 3 dimensions and a CPU destination (cache on "
+                    f"{self.device}, destination on {out_device})"
+                )
         if method != "auto":
             return method
         if cross:
@@ -258,8 +283,12 @@ class TensorGather:
         if self.device.type != "cpu":
             return "runs" if len(self.runs) <= DEVICE_MAX_RUNS else "index"
         layout = self._layout
-        if NATIVE_GATHER and layout is not None and layout.full[-1] >= NATIVE_MIN_PIECE \
-                and torch.get_num_threads() <= NATIVE_MAX_THREADS:
+        if (
+            NATIVE_GATHER
+            and layout is not None
+            and layout.full[-1] >= NATIVE_MIN_PIECE
+            and torch.get_num_threads() <= NATIVE_MAX_THREADS
+        ):
             return "native"
         return "runs" if self.strided and len(self.runs) <= STRIDED_MAX_RUNS else "index"
 
@@ -270,7 +299,8 @@ class TensorGather:
         if tuple(out.shape) != self.shape or out.dtype != self.dtype or not out.is_contiguous():
             raise ConfigError(
                 f"{self.name}: destination is {out.dtype}{list(out.shape)} "
-                f"(contiguous={out.is_contiguous()}), need contiguous {self.dtype}{list(self.shape)}")
+                f"(contiguous={out.is_contiguous()}), need contiguous {self.dtype}{list(self.shape)}"
+            )
 
     @torch.no_grad()
     def gather_into(self, out: torch.Tensor, *, method: GatherMethod = "auto") -> torch.Tensor:
@@ -293,8 +323,7 @@ class TensorGather:
             return out
         block_shape = tuple(self.blocks.shape[1:])
         if self.full_blocks:
-            dst = out.narrow(0, 0, self.full_blocks * block_shape[0]).view(
-                self.full_blocks, *block_shape)
+            dst = out.narrow(0, 0, self.full_blocks * block_shape[0]).view(self.full_blocks, *block_shape)
             if chosen == "runs":
                 for at, src, count in self.runs:
                     dst.narrow(0, at, count).copy_(self.blocks.narrow(0, src, count))
@@ -311,7 +340,8 @@ class TensorGather:
         if self.tail_tokens:
             last = self.blocks.select(0, self.block_ids[self.full_blocks])
             out.narrow(0, self.full_blocks * block_shape[0], self.tail_tokens).copy_(
-                last.narrow(0, 0, self.tail_tokens))
+                last.narrow(0, 0, self.tail_tokens)
+            )
         return out
 
     def _write_native(self, out: torch.Tensor) -> None:
@@ -322,8 +352,16 @@ class TensorGather:
             raise ConfigError(f"{self.name}: the native gather cannot read these blocks")
         self._check_tail_id()
         if self.full_blocks:
-            native.gather(out.data_ptr(), self.blocks.data_ptr(), self.index.data_ptr(), self.full_blocks,
-                          self.blocks.shape[0], layout.block_stride, *layout.full, self._stream)
+            native.gather(
+                out.data_ptr(),
+                self.blocks.data_ptr(),
+                self.index.data_ptr(),
+                self.full_blocks,
+                self.blocks.shape[0],
+                layout.block_stride,
+                *layout.full,
+                self._stream,
+            )
         self._write_native_tail(out)
 
     @property
@@ -340,9 +378,16 @@ class TensorGather:
         if not self.tail_tokens:
             return
         layout, last = self._layout, self.block_ids[self.full_blocks]
-        _native.gather(out.data_ptr() + self.full_blocks * layout.block_bytes,
-                       self.blocks.data_ptr() + last * layout.block_stride, 0, 1, 1,
-                       layout.block_stride, *layout.tail, self._stream)
+        _native.gather(
+            out.data_ptr() + self.full_blocks * layout.block_bytes,
+            self.blocks.data_ptr() + last * layout.block_stride,
+            0,
+            1,
+            1,
+            layout.block_stride,
+            *layout.tail,
+            self._stream,
+        )
 
 
 def split_stride(gathers: Sequence[TensorGather]) -> int | None:
@@ -362,11 +407,17 @@ def split_stride(gathers: Sequence[TensorGather]) -> int | None:
     start, shape, strides, dtype = base.data_ptr(), base.shape, base.stride(), base.dtype
     for j, g in enumerate(gathers[1:], 1):
         b = g.blocks
-        if (g._layout != layout or b.data_ptr() != start + j * stride
-                or b.shape != shape or b.stride() != strides or b.dtype != dtype
-                or g.full_blocks != first.full_blocks or g.tail_tokens != first.tail_tokens
-                or (g.block_ids is not first.block_ids and g.block_ids != first.block_ids)
-                or (g.index is not first.index and not torch.equal(g.index, first.index))):
+        if (
+            g._layout != layout
+            or b.data_ptr() != start + j * stride
+            or b.shape != shape
+            or b.stride() != strides
+            or b.dtype != dtype
+            or g.full_blocks != first.full_blocks
+            or g.tail_tokens != first.tail_tokens
+            or (g.block_ids is not first.block_ids and g.block_ids != first.block_ids)
+            or (g.index is not first.index and not torch.equal(g.index, first.index))
+        ):
             return None
     return stride
 
@@ -380,8 +431,16 @@ def gather_split(gathers: Sequence[TensorGather], outs: Sequence[torch.Tensor], 
     for g in gathers:
         g._check_tail_id()
     if first.full_blocks:
-        _native.gather_split(tuple(o.data_ptr() for o in outs), stride, first.blocks.data_ptr(),
-                             first.index.data_ptr(), first.full_blocks, first.blocks.shape[0],
-                             layout.block_stride, *layout.full, first._stream)
+        _native.gather_split(
+            tuple(o.data_ptr() for o in outs),
+            stride,
+            first.blocks.data_ptr(),
+            first.index.data_ptr(),
+            first.full_blocks,
+            first.blocks.shape[0],
+            layout.block_stride,
+            *layout.full,
+            first._stream,
+        )
     for g, out in zip(gathers, outs):
         g._write_native_tail(out)

@@ -18,7 +18,8 @@ from __future__ import annotations
 import contextlib
 import logging
 import socket
-from typing import Any, Iterator
+from collections.abc import Iterator
+from typing import Any
 
 import attrs
 
@@ -167,8 +168,7 @@ def synchronize(stream: Any = None, device: Any = None) -> None:
 _M_TRIM_THRESHOLD, _M_TOP_PAD, _M_MMAP_THRESHOLD = -1, -2, -3
 
 
-def tune_host_allocator(mmap_threshold: int = 32 << 20, trim_threshold: int = 4 << 30,
-                        top_pad: int = 64 << 20) -> bool:
+def tune_host_allocator(mmap_threshold: int = 32 << 20, trim_threshold: int = 4 << 30, top_pad: int = 64 << 20) -> bool:
     """Opt-in: make glibc keep and reuse freed host memory instead of returning it to the OS.
 
     Receivers copy each request's tensors out of pool buffers into fresh host memory; with
@@ -192,8 +192,11 @@ def tune_host_allocator(mmap_threshold: int = 32 << 20, trim_threshold: int = 4 
         return False
     mallopt.argtypes = [ctypes.c_int, ctypes.c_int]
     ok = True
-    for param, value in ((_M_MMAP_THRESHOLD, mmap_threshold), (_M_TRIM_THRESHOLD, trim_threshold),
-                         (_M_TOP_PAD, top_pad)):
+    for param, value in (
+        (_M_MMAP_THRESHOLD, mmap_threshold),
+        (_M_TRIM_THRESHOLD, trim_threshold),
+        (_M_TOP_PAD, top_pad),
+    ):
         ok = bool(mallopt(param, min(int(value), 2**31 - 1))) and ok
     return ok
 
@@ -205,8 +208,15 @@ def free_port(host: str = "127.0.0.1") -> int:
         return probe.getsockname()[1]
 
 
-def free_base_port(from_tp: int = 1, from_stage: int = 0, *, host: str = "127.0.0.1",
-                   attempts: int = 200, low: int = 20000, high: int = 60000) -> int:
+def free_base_port(
+    from_tp: int = 1,
+    from_stage: int = 0,
+    *,
+    host: str = "127.0.0.1",
+    attempts: int = 200,
+    low: int = 20000,
+    high: int = 60000,
+) -> int:
     """A base port in ``[low, high]`` whose sender ports (``kv_port(base, from_stage, rank)``
     for every rank below ``from_tp``) are all free on ``host`` now: the OS picks a port, its
     multiple of 16 is tried. For demos and tests on one machine (another process may still

@@ -21,7 +21,8 @@ from __future__ import annotations
 
 import itertools
 import struct
-from typing import Any, Callable, Mapping
+from collections.abc import Callable, Mapping
+from typing import Any
 
 import attrs
 import msgpack
@@ -95,7 +96,9 @@ class _Packer:
             if not all(isinstance(k, str) for k in value):
                 raise ConfigError(f"KV field {path} has a non-string key")
             return {k: self.walk(v, f"{path}.{k}", depth + 1) for k, v in value.items()}
-        raise ConfigError(f"KV field {path} has a value of type {type(value).__name__} that the side codec cannot carry")
+        raise ConfigError(
+            f"KV field {path} has a value of type {type(value).__name__} that the side codec cannot carry"
+        )
 
 
 def pack_request_kv(
@@ -138,7 +141,7 @@ def _split_device(data: torch.Tensor) -> tuple[bytes, torch.Tensor] | SenderFail
         return SENDER_FAILED
     if 4 + side_len > data.numel():
         raise PayloadError(f"invalid side payload: side_len={side_len} exceeds buffer size={data.numel()}")
-    return bytes(data[4:4 + side_len].cpu().numpy()), data[4 + side_len:]
+    return bytes(data[4 : 4 + side_len].cpu().numpy()), data[4 + side_len :]
 
 
 def unpack_request_kv(
@@ -173,7 +176,7 @@ def unpack_request_kv(
         if len(raw) != 4 or (index := _INDEX.unpack(raw)[0]) >= len(sizes):
             raise PayloadError("invalid side payload: placeholder names no blob")
         if index not in decoded:
-            decoded[index] = decode_payload(blob_base[starts[index]:starts[index] + sizes[index]], verify=verify)
+            decoded[index] = decode_payload(blob_base[starts[index] : starts[index] + sizes[index]], verify=verify)
         return decoded[index]
 
     def restore(value: Any) -> Any:

@@ -24,7 +24,12 @@ import torch
 
 from kvferry.core.errors import ConfigError, PayloadError
 from kvferry.core.header import (
-    DTYPE_ITEMSIZE, PREFIX_NBYTES, DecodedHeader, DecodeLimits, TensorDescriptor, decode_header,
+    DTYPE_ITEMSIZE,
+    PREFIX_NBYTES,
+    DecodedHeader,
+    DecodeLimits,
+    TensorDescriptor,
+    decode_header,
     verify_checksum,
 )
 from kvferry.core.ports import PoolBuffer
@@ -39,7 +44,8 @@ _NAMES = {dt: name for name, dt in TORCH_DTYPES.items()}
 #: dtypes numpy lacks (or whose buffers memoryview cannot cast) -> a same-layout dtype it has
 _NUMPY_AS = {
     dt: (torch.int16 if dt.itemsize == 2 else torch.int64 if dt.itemsize == 8 else torch.uint8)
-    for name, dt in TORCH_DTYPES.items() if name == "bfloat16" or name.startswith(("float8", "complex"))
+    for name, dt in TORCH_DTYPES.items()
+    if name == "bfloat16" or name.startswith(("float8", "complex"))
 }
 
 
@@ -106,11 +112,13 @@ class DecodedKV:
 
 
 # ------------------------------------------------------------------------------- typed views
-def _typed_view(buf: torch.Tensor, start: int, desc: TensorDescriptor, *, copy_if_misaligned: bool) -> torch.Tensor | None:
+def _typed_view(
+    buf: torch.Tensor, start: int, desc: TensorDescriptor, *, copy_if_misaligned: bool
+) -> torch.Tensor | None:
     dtype = torch_dtype(desc.dtype)
     if not desc.nbytes:
         return torch.empty(desc.shape, dtype=dtype, device=buf.device)
-    piece = buf[start:start + desc.nbytes]
+    piece = buf[start : start + desc.nbytes]
     if piece.storage_offset() % dtype.itemsize == 0:
         return piece.view(dtype).view(desc.shape)
     if buf.device.type == "cpu":  # a fresh storage at the exact address has no offset to align
@@ -202,7 +210,12 @@ def _host_run(base: torch.Tensor, view: memoryview, data_start: int, run: _Run) 
 # ------------------------------------------------------------------------------------ decode
 def _as_view(buf: Any) -> memoryview:
     if isinstance(buf, torch.Tensor):
-        if buf.device.type != "cpu" or buf.dtype != torch.uint8 or buf.dim() != 1 or (buf.numel() and buf.stride(0) != 1):
+        if (
+            buf.device.type != "cpu"
+            or buf.dtype != torch.uint8
+            or buf.dim() != 1
+            or (buf.numel() and buf.stride(0) != 1)
+        ):
             raise PayloadError("invalid KV payload: frames must be contiguous 1-D uint8 CPU tensors or bytes-like")
         return memoryview(buf.numpy())
     try:
@@ -225,7 +238,7 @@ class _Frames:
     def head(self, start: int, nbytes: int) -> Any:
         """Bytes ``[start, start+nbytes)``: a view when the first frame holds them, else a copy."""
         if self.views and start + nbytes <= len(self.views[0]):
-            return self.views[0][start:start + nbytes]
+            return self.views[0][start : start + nbytes]
         return self.read(start, nbytes)
 
     def read(self, start: int, nbytes: int) -> bytearray:
@@ -235,7 +248,7 @@ class _Frames:
             i = bisect.bisect_right(self.starts, pos) - 1
             local = pos - self.starts[i]
             take = min(len(self.views[i]) - local, start + nbytes - pos)
-            out[pos - start:pos - start + take] = self.views[i][local:local + take]
+            out[pos - start : pos - start + take] = self.views[i][local : local + take]
             pos += take
         return out
 
@@ -259,10 +272,11 @@ def _tensors(data: Any, limits: DecodeLimits) -> tuple[DecodedHeader, list]:
     if isinstance(data, torch.Tensor) and data.device.type != "cpu":
         if data.dtype != torch.uint8 or data.dim() != 1:
             raise PayloadError("invalid KV payload: a packed payload tensor must be 1-D uint8")
-        decoded = _decode_head(lambda a, n: bytes(data[a:a + n].cpu().numpy()), data.numel(), limits)
+        decoded = _decode_head(lambda a, n: bytes(data[a : a + n].cpu().numpy()), data.numel(), limits)
         return decoded, [
             (slot, _typed_view(data, decoded.data_start + slot[2].offset, slot[2], copy_if_misaligned=True))
-            for run in _runs(decoded.header.tensors) for slot in run.slots
+            for run in _runs(decoded.header.tensors)
+            for slot in run.slots
         ]
     if isinstance(data, (list, tuple)):
         frames = _Frames([_as_view(f) for f in data])
@@ -271,7 +285,8 @@ def _tensors(data: Any, limits: DecodeLimits) -> tuple[DecodedHeader, list]:
             warnings.simplefilter("ignore", UserWarning)  # read-only input: documented, see module doc
             return decoded, [
                 (slot, frames.tensor(decoded.data_start + slot[2].offset, slot[2]))
-                for run in _runs(decoded.header.tensors) for slot in run.slots
+                for run in _runs(decoded.header.tensors)
+                for slot in run.slots
             ]
     view = _as_view(data)
     decoded = decode_header(view, limits=limits)

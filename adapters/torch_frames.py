@@ -14,23 +14,46 @@ Decoding (:func:`decode_payload`, :class:`DecodedKV`) and the dtype table live i
 
 from __future__ import annotations
 
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import attrs
 import torch
 
 from kvferry.adapters.torch_decode import (
-    _NAMES, _NUMPY_AS, TORCH_DTYPES, DecodedKV, _typed_view, decode_payload, dtype_name, host_byte_view, torch_dtype,
+    _NAMES,
+    _NUMPY_AS,
+    TORCH_DTYPES,
+    DecodedKV,
+    _typed_view,
+    decode_payload,
+    dtype_name,
+    host_byte_view,
+    torch_dtype,
 )
 from kvferry.core.errors import ConfigError, RoutingError
 from kvferry.core.head_slices import slice_bounds
 from kvferry.core.header import LayoutTemplate, PayloadLayout, compute_checksum, kv_layout_template
 
 __all__ = [
-    "TORCH_DTYPES", "dtype_name", "torch_dtype", "host_byte_view", "EncodedPayload", "DecodedKV",
-    "plan_tensors", "encode_frames", "encode_bytes", "encode_device_tensor", "write_payload_into",
-    "finish_payload_in", "dest_views", "decode_payload", "slice_heads", "merge_heads",
-    "slice_layers", "merge_layers",
+    "TORCH_DTYPES",
+    "dtype_name",
+    "torch_dtype",
+    "host_byte_view",
+    "EncodedPayload",
+    "DecodedKV",
+    "plan_tensors",
+    "encode_frames",
+    "encode_bytes",
+    "encode_device_tensor",
+    "write_payload_into",
+    "finish_payload_in",
+    "dest_views",
+    "decode_payload",
+    "slice_heads",
+    "merge_heads",
+    "slice_layers",
+    "merge_layers",
 ]
 
 _ZEROS = bytes(4096)
@@ -96,8 +119,14 @@ def _template_of(keys: tuple, values: tuple, align: Any, version: Any, checksums
 
 
 def plan_tensors(
-    request_id: str, key_cache: Sequence[torch.Tensor | None], value_cache: Sequence[torch.Tensor | None],
-    block_ids: Sequence[int], metadata: dict, *, align: int = 64, version: bool = True,
+    request_id: str,
+    key_cache: Sequence[torch.Tensor | None],
+    value_cache: Sequence[torch.Tensor | None],
+    block_ids: Sequence[int],
+    metadata: dict,
+    *,
+    align: int = 64,
+    version: bool = True,
     checksums: str | None = None,
 ) -> tuple[PayloadLayout, list[torch.Tensor | None]]:
     """The layout for these tensors and the tensors in layout order (keys, then values)."""
@@ -129,8 +158,14 @@ def _views_of(layers: Sequence[Any], views: list[Any]) -> tuple:
 
 
 def encode_frames(
-    request_id: str, key_cache: Sequence[torch.Tensor | None], value_cache: Sequence[torch.Tensor | None],
-    block_ids: Sequence[int], metadata: dict, *, align: int = 64, checksums: str | None = None,
+    request_id: str,
+    key_cache: Sequence[torch.Tensor | None],
+    value_cache: Sequence[torch.Tensor | None],
+    block_ids: Sequence[int],
+    metadata: dict,
+    *,
+    align: int = 64,
+    checksums: str | None = None,
     version: bool = True,
 ) -> EncodedPayload:
     """Header bytes + memoryviews of the tensors (+ zero padding): never one joined object."""
@@ -160,8 +195,14 @@ def encode_bytes(*args: Any, **kwargs: Any) -> bytes:
 
 
 def encode_device_tensor(
-    request_id: str, key_cache: Sequence[torch.Tensor | None], value_cache: Sequence[torch.Tensor | None],
-    block_ids: Sequence[int], metadata: dict, *, align: int = 64, checksums: str | None = None,
+    request_id: str,
+    key_cache: Sequence[torch.Tensor | None],
+    value_cache: Sequence[torch.Tensor | None],
+    block_ids: Sequence[int],
+    metadata: dict,
+    *,
+    align: int = 64,
+    checksums: str | None = None,
     version: bool = True,
 ) -> torch.Tensor:
     """The payload as one 1-D uint8 tensor on the tensors' device (first non-CPU tensor).
@@ -214,9 +255,13 @@ def finish_payload_in(dest: torch.Tensor, layout: PayloadLayout) -> PayloadLayou
     _check_dest(dest, layout)
     if layout.checksums_pending:
         algorithm = layout.header.checksum_algorithm
-        layout = layout.with_checksums([
-            compute_checksum(algorithm, host_byte_view(dest[s[0]:s[0] + s[1]])) for s in layout.spans if s is not None
-        ])
+        layout = layout.with_checksums(
+            [
+                compute_checksum(algorithm, host_byte_view(dest[s[0] : s[0] + s[1]]))
+                for s in layout.spans
+                if s is not None
+            ]
+        )
     header = torch.frombuffer(bytearray(layout.header_bytes), dtype=torch.uint8)
     dest[: layout.data_start].copy_(header)
     for start, stop in layout.gaps():
@@ -224,7 +269,9 @@ def finish_payload_in(dest: torch.Tensor, layout: PayloadLayout) -> PayloadLayou
     return layout
 
 
-def write_payload_into(dest: torch.Tensor, layout: PayloadLayout, tensors: Sequence[torch.Tensor | None]) -> PayloadLayout:
+def write_payload_into(
+    dest: torch.Tensor, layout: PayloadLayout, tensors: Sequence[torch.Tensor | None]
+) -> PayloadLayout:
     """Copy ``tensors`` (layout order: keys then values) and the header into a reserved buffer."""
     _check_dest(dest, layout)
     if len(tensors) != len(layout.header.tensors):
@@ -234,7 +281,7 @@ def write_payload_into(dest: torch.Tensor, layout: PayloadLayout, tensors: Seque
             continue
         if tensor is None or dtype_name(tensor.dtype) != entry.dtype or tuple(tensor.shape) != entry.shape:
             raise ConfigError(f"tensor {entry.name!r} does not match the planned dtype and shape")
-        dest[span[0]:span[0] + span[1]].copy_(_flat_u8(tensor))
+        dest[span[0] : span[0] + span[1]].copy_(_flat_u8(tensor))
     return finish_payload_in(dest, layout)
 
 

@@ -18,7 +18,8 @@ request, and ``past_key_values``, ``kv_metadata`` and every ``cfg_*`` KV field o
 from __future__ import annotations
 
 import logging
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import torch
 
@@ -62,8 +63,7 @@ def _branch_attrs(params: Any) -> dict[str, Any]:
         items = vars(params).items()
     except TypeError:
         return {}
-    return {k: v for k, v in items
-            if k.startswith("cfg_") and k.endswith(_KV_SUFFIXES) and v is not None}
+    return {k: v for k, v in items if k.startswith("cfg_") and k.endswith(_KV_SUFFIXES) and v is not None}
 
 
 def kv_fields_of(req: Any) -> dict[str, Any] | None:
@@ -153,8 +153,15 @@ def _unpack(size: Any, data: Any, kv_factory: Callable[..., Any]) -> dict[str, A
         return None
 
 
-def broadcast_fields(group: Any, fields: dict[str, Any] | None, src: int, *, timeout_s: float,
-                     request_id: str = "", kv_factory: Callable[..., Any]) -> dict[str, Any] | None:
+def broadcast_fields(
+    group: Any,
+    fields: dict[str, Any] | None,
+    src: int,
+    *,
+    timeout_s: float,
+    request_id: str = "",
+    kv_factory: Callable[..., Any],
+) -> dict[str, Any] | None:
     """Broadcast ``fields`` (meaningful on ``src`` only) to the group; every rank returns them."""
     if group.rank == src:
         size, data = _pack(fields, request_id)
@@ -172,8 +179,7 @@ def broadcast_fields(group: Any, fields: dict[str, Any] | None, src: int, *, tim
     return _unpack(size, buf, kv_factory)
 
 
-def send_fields(group: Any, fields: dict[str, Any] | None, dst: int, *, timeout_s: float,
-                request_id: str = "") -> None:
+def send_fields(group: Any, fields: dict[str, Any] | None, dst: int, *, timeout_s: float, request_id: str = "") -> None:
     size, data = _pack(fields, request_id)
     group.send_object(size, dst, timeout_s=timeout_s)
     if size == _AS_OBJECT:
@@ -213,8 +219,11 @@ def _cfg_payloads(fields: dict[str, Any] | None, cfg_size: int) -> list[dict[str
     """Per CFG rank, what the leader hands it (SPEC 6): index 0 is the leader's own."""
     if fields is None:
         return [None] * cfg_size
-    attr_roles = [name[: -len("_past_key_values")] for name in fields
-                  if name.startswith("cfg_") and name.endswith("_past_key_values")]
+    attr_roles = [
+        name[: -len("_past_key_values")]
+        for name in fields
+        if name.startswith("cfg_") and name.endswith("_past_key_values")
+    ]
     roles = order_branch_roles((), attr_roles)
     base = {PRIMARY_FIELD: fields[PRIMARY_FIELD], "kv_metadata": fields.get("kv_metadata") or {}}
     out: list[dict[str, Any] | None] = []
@@ -240,8 +249,16 @@ class Distributor:
     deadline, since followers wait while the leader receives).
     """
 
-    def __init__(self, groups: Any, from_tp: int, to_tp: int, *, timeout_s: float,
-                 kv_factory: Callable[..., Any], on_drop: Callable[[str], None] | None = None) -> None:
+    def __init__(
+        self,
+        groups: Any,
+        from_tp: int,
+        to_tp: int,
+        *,
+        timeout_s: float,
+        kv_factory: Callable[..., Any],
+        on_drop: Callable[[str], None] | None = None,
+    ) -> None:
         self.groups = groups
         #: called with the request id when this rank had KV but the TP group dropped it
         self.on_drop = on_drop
@@ -253,9 +270,17 @@ class Distributor:
         g = self.groups
         world, tp, cfg, sp = g.world, g.tp, g.cfg, g.sp
         return distribution_plan(
-            world.size if world else 1, world.rank if world else 0, world is not None,
-            self.from_tp, self.to_tp, tp.size if tp else 1,
-            cfg.size if cfg else 1, cfg.rank if cfg else 0, sp.size if sp else 1, sp.rank if sp else 0)
+            world.size if world else 1,
+            world.rank if world else 0,
+            world is not None,
+            self.from_tp,
+            self.to_tp,
+            tp.size if tp else 1,
+            cfg.size if cfg else 1,
+            cfg.rank if cfg else 0,
+            sp.size if sp else 1,
+            sp.rank if sp else 0,
+        )
 
     def run(self, req: Any, receive: Callable[[Any], bool], *, active: bool) -> bool:
         """Receive (by role) then distribute; True when this rank ends up with KV.

@@ -13,7 +13,8 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from typing import Any, Callable, Mapping
+from collections.abc import Callable, Mapping
+from typing import Any
 
 import attrs
 
@@ -135,8 +136,14 @@ class KVTransferManager:
     def sender_port(self) -> int:
         """The port this rank binds as a sender (SPEC 2.3)."""
         from_tp, _ = self.tp_sizes
-        return kv_port(self.config.base_port, self.config.from_stage, self.tp_rank,
-                       self.config.replica_id, self.dp_rank, tp_size=from_tp)
+        return kv_port(
+            self.config.base_port,
+            self.config.from_stage,
+            self.tp_rank,
+            self.config.replica_id,
+            self.dp_rank,
+            tp_size=from_tp,
+        )
 
     # ---------------------------------------------------------------------------- connectors
     def _connector_config(self, role: str) -> dict[str, Any] | None:
@@ -168,8 +175,9 @@ class KVTransferManager:
         try:
             conn = self.connector_factory(cfg)
         except Exception as exc:  # any failure of an injected factory: remembered, never retried
-            error = exc if isinstance(exc, ConnectorUnavailable) else ConnectorUnavailable(
-                f"{type(exc).__name__}: {exc}")
+            error = (
+                exc if isinstance(exc, ConnectorUnavailable) else ConnectorUnavailable(f"{type(exc).__name__}: {exc}")
+            )
             if error is not exc:
                 error.__cause__ = exc
             self._failures[role] = error
@@ -238,15 +246,31 @@ class KVTransferManager:
         """The send path for the current settings: built once and reused while the key hook,
         retry policy, checksums, clock and TP sizes stay the same."""
         from_tp, to_tp = self.tp_sizes
-        signature = (from_tp, to_tp, self.tp_rank, self.config, self.clock, self.sleep, self.retry,
-                     self.kv_send_key_builder, self.checksums)
+        signature = (
+            from_tp,
+            to_tp,
+            self.tp_rank,
+            self.config,
+            self.clock,
+            self.sleep,
+            self.retry,
+            self.kv_send_key_builder,
+            self.checksums,
+        )
         cached = self._send_path
         if cached is not None and all(a is b or a == b for a, b in zip(cached[0], signature)):
             return cached[1]
         path = SendPath(
-            self.config.from_stage, self.config.to_stage, TPTopology(from_tp, to_tp, self.tp_rank),
-            self.send_connector, self.clock, self.sleep, retry=self.retry, key_builder=self.kv_send_key_builder,
-            checksums=self.checksums)
+            self.config.from_stage,
+            self.config.to_stage,
+            TPTopology(from_tp, to_tp, self.tp_rank),
+            self.send_connector,
+            self.clock,
+            self.sleep,
+            retry=self.retry,
+            key_builder=self.kv_send_key_builder,
+            checksums=self.checksums,
+        )
         self._send_path = (signature, path)
         return path
 
@@ -276,8 +300,14 @@ class KVTransferManager:
                 global_id = request_id_resolver(rid) if request_id_resolver else rid
                 spec = spec if isinstance(spec, Mapping) else {}
                 outcome = path.send(
-                    str(global_id), kv_caches, spec.get("block_ids"), spec.get("seq_len", 0), block_size,
-                    cache_dtype, spec.get("custom_metadata"))
+                    str(global_id),
+                    kv_caches,
+                    spec.get("block_ids"),
+                    spec.get("seq_len", 0),
+                    block_size,
+                    cache_dtype,
+                    spec.get("custom_metadata"),
+                )
             except Exception as exc:  # one bad request must not stop the others
                 logger.exception("request %s: send failed", rid)
                 outcome = SendOutcome.failed(rid, SendReason.ERROR, f"{type(exc).__name__}: {exc}")
@@ -290,23 +320,50 @@ class KVTransferManager:
         """The receive path for the current settings: built once and reused while the hooks,
         limits, clock and TP sizes stay the same (the hooks may be replaced at any time)."""
         from_tp, to_tp = self.tp_sizes
-        signature = (from_tp, to_tp, self.tp_rank, self.config, self.clock, self.sleep,
-                     self.kv_recv_key_builder, self.kv_payload_merger, self.kv_payload_slicer,
-                     self.decode_limits)
+        signature = (
+            from_tp,
+            to_tp,
+            self.tp_rank,
+            self.config,
+            self.clock,
+            self.sleep,
+            self.kv_recv_key_builder,
+            self.kv_payload_merger,
+            self.kv_payload_slicer,
+            self.decode_limits,
+        )
         cached = self._recv_path
-        if cached is not None and len(cached[0]) == len(signature) and all(
-                a is b for a, b in zip(cached[0], signature)):
+        if (
+            cached is not None
+            and len(cached[0]) == len(signature)
+            and all(a is b for a, b in zip(cached[0], signature))
+        ):
             return cached[1]
         path = ReceivePath(
-            self.config.recv_from_stage, self.config.stage_id, TPTopology(from_tp, to_tp, self.tp_rank),
-            self.recv_connector, self.clock, self.sleep, self.config.recv_timeout,
-            key_builder=self.kv_recv_key_builder, merger=self.kv_payload_merger,
-            slicer=self.kv_payload_slicer, limits=self.decode_limits)
+            self.config.recv_from_stage,
+            self.config.stage_id,
+            TPTopology(from_tp, to_tp, self.tp_rank),
+            self.recv_connector,
+            self.clock,
+            self.sleep,
+            self.config.recv_timeout,
+            key_builder=self.kv_recv_key_builder,
+            merger=self.kv_payload_merger,
+            slicer=self.kv_payload_slicer,
+            limits=self.decode_limits,
+        )
         self._recv_path = (signature, path)
         return path
 
-    def receive(self, request_id: str, *, sender_info: Any = None, target_device: Any = None,
-                timeout_s: float | None = None, zero_copy: bool = True) -> ReceiveResult:
+    def receive(
+        self,
+        request_id: str,
+        *,
+        sender_info: Any = None,
+        target_device: Any = None,
+        timeout_s: float | None = None,
+        zero_copy: bool = True,
+    ) -> ReceiveResult:
         """Receive one request's KV for this rank (SPEC 7); the outcome is counted.
 
         ``sender_info`` (request-scoped) overrides, and does not change, the stored sender.
@@ -322,20 +379,26 @@ class KVTransferManager:
             info = {"host": self._sender.host, "zmq_port": self._sender.port}
         try:
             result = self.receive_path().receive(
-                str(request_id) if request_id is not None else "", sender_info=info,
-                target_device=target_device, timeout_s=timeout_s, receiving=self.receiving,
-                zero_copy=zero_copy)
+                str(request_id) if request_id is not None else "",
+                sender_info=info,
+                target_device=target_device,
+                timeout_s=timeout_s,
+                receiving=self.receiving,
+                zero_copy=zero_copy,
+            )
         except Exception as exc:
             logger.exception("request %s: receive failed", request_id)
-            result = ReceiveResult(ReceiveOutcome.failed(str(request_id), ReceiveKind.ERROR,
-                                                         f"{type(exc).__name__}: {exc}"))
+            result = ReceiveResult(
+                ReceiveOutcome.failed(str(request_id), ReceiveKind.ERROR, f"{type(exc).__name__}: {exc}")
+            )
         self.counters.record(result.outcome)
         return result
 
     def record_consensus_drop(self, request_id: str) -> ReceiveOutcome:
         """Count that KV this rank received was dropped because a TP peer missed (SPEC 9.1)."""
-        outcome = ReceiveOutcome.failed(str(request_id), ReceiveKind.DROPPED_BY_CONSENSUS,
-                                        "a TP peer did not receive; every rank dropped its KV")
+        outcome = ReceiveOutcome.failed(
+            str(request_id), ReceiveKind.DROPPED_BY_CONSENSUS, "a TP peer did not receive; every rank dropped its KV"
+        )
         self.counters.record(outcome)
         return outcome
 
@@ -357,8 +420,10 @@ class KVTransferManager:
 
     # ------------------------------------------------------------------------------ lifecycle
     def health(self) -> dict[str, Any]:
-        out: dict[str, Any] = {"counters": self.counters.snapshot(),
-                               "failures": {k: str(v) for k, v in self._failures.items()}}
+        out: dict[str, Any] = {
+            "counters": self.counters.snapshot(),
+            "failures": {k: str(v) for k, v in self._failures.items()},
+        }
         for role, conn in (("sender", self._send_connector), ("receiver", self._recv_connector)):
             if conn is not None:
                 try:
@@ -373,15 +438,18 @@ class KVTransferManager:
             if self._closed:
                 return
             self._closed = True
-            owned = {id(c): c for c in (self._send_connector, self._recv_connector)
-                     if c is not None and c is not self.connector}
+            owned = {
+                id(c): c
+                for c in (self._send_connector, self._recv_connector)
+                if c is not None and c is not self.connector
+            }
         for conn in owned.values():
             try:
                 conn.close()
             except Exception:
                 logger.exception("closing a connector failed")
 
-    def __enter__(self) -> "KVTransferManager":
+    def __enter__(self) -> KVTransferManager:
         return self
 
     def __exit__(self, *exc: Any) -> None:

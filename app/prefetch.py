@@ -16,7 +16,8 @@ from __future__ import annotations
 import concurrent.futures
 import logging
 import threading
-from typing import Any, Callable, Mapping
+from collections.abc import Callable, Mapping
+from typing import Any
 
 from kvferry.app.receive import ReceiveResult
 from kvferry.core.outcomes import ReceiveKind
@@ -34,9 +35,16 @@ CONSUMED_KINDS = frozenset({ReceiveKind.DECODE_FAILED, ReceiveKind.CONSUMED_BUT_
 class Prefetcher:
     """``receive(request_id, sender_info, target_device) -> ReceiveResult`` runs on the worker."""
 
-    def __init__(self, receive: Callable[[str, Any, Any], ReceiveResult], *, enabled: bool,
-                 role: Callable[[], ReceiveRole], free_ratio: Callable[[], float | None],
-                 min_free_ratio: float, wait_s: float) -> None:
+    def __init__(
+        self,
+        receive: Callable[[str, Any, Any], ReceiveResult],
+        *,
+        enabled: bool,
+        role: Callable[[], ReceiveRole],
+        free_ratio: Callable[[], float | None],
+        min_free_ratio: float,
+        wait_s: float,
+    ) -> None:
         self._receive = receive
         self.enabled = enabled
         self._role = role
@@ -65,8 +73,8 @@ class Prefetcher:
                 return False, "no_request_id"
             in_flight = self._current is not None and self._current[0] == request_id
             allowed, reason = prefetch_allowed(
-                self.enabled, self._role(), sender_info is not None, in_flight,
-                self._free_ratio(), self._min_free_ratio)
+                self.enabled, self._role(), sender_info is not None, in_flight, self._free_ratio(), self._min_free_ratio
+            )
             if not allowed:
                 return False, reason
             self._drop_locked()

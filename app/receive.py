@@ -28,7 +28,8 @@ from __future__ import annotations
 
 import logging
 import weakref
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import attrs
 import torch
@@ -37,8 +38,8 @@ from kvferry.adapters.connectors.pool_buffer import PooledBuffer, release_soon
 from kvferry.adapters.torch_frames import DecodedKV, decode_payload, merge_layers, slice_layers
 from kvferry.core.addressing import pull_port
 from kvferry.core.errors import KVFerryError, LeaseExpired, PayloadError
-from kvferry.core.header import DecodeLimits
 from kvferry.core.head_slices import applied_head_slice, fan_out_slice, tp_head_slice_record
+from kvferry.core.header import DecodeLimits
 from kvferry.core.ids import is_dummy_request, recv_keys
 from kvferry.core.outcomes import ReceiveKind, ReceiveOutcome, SkipReason
 from kvferry.core.policy import Deadline, PollBackoff
@@ -83,7 +84,7 @@ class ReceiveResult:
         returns at once (the sender may reuse a region once its release arrived)."""
         release_all(list(self.buffers), wait=wait)
 
-    def __enter__(self) -> "ReceiveResult":
+    def __enter__(self) -> ReceiveResult:
         return self
 
     def __exit__(self, *exc: object) -> None:
@@ -120,19 +121,23 @@ def _hold_of(item: Any) -> Any:
     wrapper whose tensor's storage owns ``item``'s release (untied when it cannot be tied)."""
     if getattr(item, "tied_to_views", False):
         return item
-    return PooledBuffer.tied(item.tensor, on_release=item.release,
-                             on_release_soon=lambda: release_soon(item))
+    return PooledBuffer.tied(item.tensor, on_release=item.release, on_release_soon=lambda: release_soon(item))
 
 
 def _still_viewed(payload: dict[str, Any], holds: list[Any]) -> tuple[Any, ...]:
     """The pool buffers some tensor of ``payload`` still views (the result must hold them)."""
-    tensors = [t for name in ("key_cache", "value_cache")
-               for t in payload["layer_blocks"].get(name, []) if isinstance(t, torch.Tensor)]
+    tensors = [
+        t
+        for name in ("key_cache", "value_cache")
+        for t in payload["layer_blocks"].get(name, [])
+        if isinstance(t, torch.Tensor)
+    ]
     return tuple(h for h in holds if any(_views_any(t, [h.tensor]) for t in tensors))
 
 
-def finalize_tensors(payload: dict[str, Any], device: Any,
-                     must_copy: bool | Callable[[torch.Tensor], bool]) -> dict[str, Any]:
+def finalize_tensors(
+    payload: dict[str, Any], device: Any, must_copy: bool | Callable[[torch.Tensor], bool]
+) -> dict[str, Any]:
     """Move every tensor of ``payload`` to ``device`` (None: stay), copying when ``must_copy``
     (the bytes live in a pool buffer about to be released, or in a read-only receive buffer);
     a callable ``must_copy`` decides per tensor."""
@@ -145,8 +150,7 @@ def finalize_tensors(payload: dict[str, Any], device: Any,
             return t.to(device, non_blocking=False)
         return t.clone() if (must_copy(t) if callable(must_copy) else must_copy) else t
 
-    payload["layer_blocks"] = {name: [fix(t) for t in blocks.get(name, [])]
-                               for name in ("key_cache", "value_cache")}
+    payload["layer_blocks"] = {name: [fix(t) for t in blocks.get(name, [])] for name in ("key_cache", "value_cache")}
     return payload
 
 
@@ -158,7 +162,7 @@ class ReceivePath:
     from_stage: Any
     to_stage: Any
     topology: TPTopology
-    get_connector: Callable[[], "Connector | None"]
+    get_connector: Callable[[], Connector | None]
     clock: Clock
     sleep: Callable[[float], None]
     timeout_s: float
@@ -210,13 +214,15 @@ class ReceivePath:
             resolution = resolve_sender(sender_info, self.from_stage)
             if not resolution.resolved:
                 logger.warning("request %s: sender info unresolved: %s", request_id, resolution.reason)
-                return ReceiveResult(ReceiveOutcome.failed(
-                    request_id, ReceiveKind.SENDER_UNRESOLVED, str(resolution.reason)))
+                return ReceiveResult(
+                    ReceiveOutcome.failed(request_id, ReceiveKind.SENDER_UNRESOLVED, str(resolution.reason))
+                )
             endpoint = resolution.endpoint
         connector = self.get_connector()
         if connector is None:
-            return ReceiveResult(ReceiveOutcome.failed(
-                request_id, ReceiveKind.CONNECTOR_UNAVAILABLE, "no connector could be created"))
+            return ReceiveResult(
+                ReceiveOutcome.failed(request_id, ReceiveKind.CONNECTOR_UNAVAILABLE, "no connector could be created")
+            )
         try:
             keys = self.keys(request_id)
             metas = [self.key_metadata(endpoint, rank) for _, rank in keys]
@@ -230,13 +236,27 @@ class ReceivePath:
             missing = self._wait_all(connector, keys, metas, deadline, got, expired)
             names = tuple(k for k, _ in keys)
             if expired:
-                return ReceiveResult(ReceiveOutcome.failed(
-                    request_id, ReceiveKind.EXPIRED, expired[0], keys=names, missing_keys=missing,
-                    seconds=self._since(start)))
+                return ReceiveResult(
+                    ReceiveOutcome.failed(
+                        request_id,
+                        ReceiveKind.EXPIRED,
+                        expired[0],
+                        keys=names,
+                        missing_keys=missing,
+                        seconds=self._since(start),
+                    )
+                )
             if missing:
-                return ReceiveResult(ReceiveOutcome.failed(
-                    request_id, ReceiveKind.TIMED_OUT, f"{len(missing)} of {len(keys)} keys missing",
-                    keys=names, missing_keys=missing, seconds=self._since(start)))
+                return ReceiveResult(
+                    ReceiveOutcome.failed(
+                        request_id,
+                        ReceiveKind.TIMED_OUT,
+                        f"{len(missing)} of {len(keys)} keys missing",
+                        keys=names,
+                        missing_keys=missing,
+                        seconds=self._since(start),
+                    )
+                )
             return self._assemble(request_id, keys, got, target_device, start, handed if zero_copy else None)
         finally:
             taken = {id(x) for x in handed}
@@ -247,13 +267,12 @@ class ReceivePath:
 
     def _get_once(self, connector: Connector, key: str, meta: Any, remaining: float) -> Any:
         if self._is_blocking(connector):
-            return connector.get_blocking(str(self.from_stage), str(self.to_stage), key, meta,
-                                          timeout_s=remaining)
-        return connector.get(from_stage=str(self.from_stage), to_stage=str(self.to_stage),
-                             get_key=key, metadata=meta)
+            return connector.get_blocking(str(self.from_stage), str(self.to_stage), key, meta, timeout_s=remaining)
+        return connector.get(from_stage=str(self.from_stage), to_stage=str(self.to_stage), get_key=key, metadata=meta)
 
-    def _wait_all(self, connector: Connector, keys: tuple, metas: list, deadline: Deadline,
-                  got: list, expired: list) -> tuple[str, ...]:
+    def _wait_all(
+        self, connector: Connector, keys: tuple, metas: list, deadline: Deadline, got: list, expired: list
+    ) -> tuple[str, ...]:
         """Fill ``got`` with ``(data, size)`` per key in order; return the keys still missing.
 
         A key whose lease expired at the sender ends the wait at once (its reason goes to
@@ -287,8 +306,9 @@ class ReceivePath:
         got.extend(results[i] for i in sorted(results))
         return tuple(keys[i][0] for i in pending)
 
-    def _assemble(self, request_id: str, keys: tuple, got: list, device: Any, start: float,
-                  handed: list | None) -> ReceiveResult:
+    def _assemble(
+        self, request_id: str, keys: tuple, got: list, device: Any, start: float, handed: list | None
+    ) -> ReceiveResult:
         """Decode, merge, finalize. ``handed`` None: copying receive. Else zero-copy: every
         pool buffer is taken over (appended to ``handed``); those the result does not keep
         are given back before this returns."""
@@ -310,8 +330,9 @@ class ReceivePath:
             kept = {id(b) for b in result.buffers} if result is not None else set()
             release_all([h for h in holds if id(h) not in kept], wait=False)
 
-    def _assemble_decoded(self, request_id: str, keys: tuple, got: list, sources: list,
-                          holds: list, device: Any, start: float) -> ReceiveResult:
+    def _assemble_decoded(
+        self, request_id: str, keys: tuple, got: list, sources: list, holds: list, device: Any, start: float
+    ) -> ReceiveResult:
         names = tuple(k for k, _ in keys)
         total = sum(int(size) for _, size in got)
         decoded: list[DecodedKV] = []
@@ -321,13 +342,21 @@ class ReceivePath:
             if self.key_builder is None:  # kvferry's keys carry the id the sender wrote inside
                 for d, (key, _) in zip(decoded, keys):
                     if d.request_id != request_id:
-                        raise PayloadError(f"payload under {key!r} belongs to request "
-                                           f"{d.request_id!r}, not {request_id!r}")
+                        raise PayloadError(
+                            f"payload under {key!r} belongs to request {d.request_id!r}, not {request_id!r}"
+                        )
         except PayloadError as exc:
             logger.warning("request %s: undecodable payload: %s", request_id, exc)
-            return ReceiveResult(ReceiveOutcome.failed(
-                request_id, ReceiveKind.DECODE_FAILED, str(exc), keys=names, nbytes=total,
-                seconds=self._since(start)))
+            return ReceiveResult(
+                ReceiveOutcome.failed(
+                    request_id,
+                    ReceiveKind.DECODE_FAILED,
+                    str(exc),
+                    keys=names,
+                    nbytes=total,
+                    seconds=self._since(start),
+                )
+            )
         try:
             payload = self._combine([d.to_reference_dict() for d in decoded])
             del decoded
@@ -335,24 +364,35 @@ class ReceivePath:
             if holds:
                 views = [h.tensor for h in holds]
                 unpooled = self.copy_unpooled and len(holds) < len(got)
-                payload = finalize_tensors(
-                    payload, device, (lambda t: not _views_any(t, views)) if unpooled else False)
+                payload = finalize_tensors(payload, device, (lambda t: not _views_any(t, views)) if unpooled else False)
                 kept = _still_viewed(payload, holds)
             else:
                 pooled = [data for data, _ in got if _is_pooled(data)]
                 must_copy: Any = bool(pooled) or self.copy_unpooled
                 views = [getattr(p, "tensor", None) for p in pooled]
-                if (len(got) > 1 and self.merger is None and not self.copy_unpooled
-                        and all(isinstance(v, torch.Tensor) for v in views)):
+                if (
+                    len(got) > 1
+                    and self.merger is None
+                    and not self.copy_unpooled
+                    and all(isinstance(v, torch.Tensor) for v in views)
+                ):
                     # torch.cat made fresh tensors, but a layer only one shard carried is still a view
                     must_copy = lambda t: _views_any(t, views)  # noqa: E731
                 payload = finalize_tensors(payload, device, must_copy)
         except (KVFerryError, ValueError, RuntimeError) as exc:
-            return ReceiveResult(ReceiveOutcome.failed(
-                request_id, ReceiveKind.CONSUMED_BUT_FAILED, f"post-processing: {exc}", keys=names,
-                nbytes=total, seconds=self._since(start)))
-        result = ReceiveResult(ReceiveOutcome.received(request_id, keys=names, nbytes=total,
-                                                       seconds=self._since(start)), payload, kept)
+            return ReceiveResult(
+                ReceiveOutcome.failed(
+                    request_id,
+                    ReceiveKind.CONSUMED_BUT_FAILED,
+                    f"post-processing: {exc}",
+                    keys=names,
+                    nbytes=total,
+                    seconds=self._since(start),
+                )
+            )
+        result = ReceiveResult(
+            ReceiveOutcome.received(request_id, keys=names, nbytes=total, seconds=self._since(start)), payload, kept
+        )
         for hold in kept:
             if not getattr(hold, "tied_to_views", False):  # cannot follow its views: follow the result
                 weakref.finalize(result, release_soon, hold).atexit = False
@@ -387,16 +427,23 @@ class ReceivePath:
         tag = applied_head_slice(meta)
         if tag is not None:
             if tag.get("target_rank") != topo.local_rank:
-                logger.warning("payload %s was sliced for rank %s, received on rank %s",
-                               payload.get("request_id"), tag.get("target_rank"), topo.local_rank)
+                logger.warning(
+                    "payload %s was sliced for rank %s, received on rank %s",
+                    payload.get("request_id"),
+                    tag.get("target_rank"),
+                    topo.local_rank,
+                )
             return payload
         offset, slices = fan_out_slice(topo.source_tp, topo.target_tp, topo.local_rank)
         blocks = payload["layer_blocks"]
         meta = dict(meta)
         meta["tp_head_slice"] = tp_head_slice_record(
-            "receiver", topo.local_rank // slices, topo.local_rank, topo.source_tp, topo.target_tp,
-            offset, slices)
-        return {**payload, "metadata": meta, "layer_blocks": {
-            name: slice_layers(blocks.get(name), offset, slices) for name in ("key_cache", "value_cache")}}
-
-
+            "receiver", topo.local_rank // slices, topo.local_rank, topo.source_tp, topo.target_tp, offset, slices
+        )
+        return {
+            **payload,
+            "metadata": meta,
+            "layer_blocks": {
+                name: slice_layers(blocks.get(name), offset, slices) for name in ("key_cache", "value_cache")
+            },
+        }

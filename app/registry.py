@@ -22,7 +22,8 @@ import importlib
 import json
 import logging
 import threading
-from typing import Any, Callable, Mapping
+from collections.abc import Callable, Mapping
+from typing import Any
 
 import attrs
 
@@ -43,11 +44,12 @@ logger = logging.getLogger(__name__)
 
 #: Built-in connectors (module paths are imported only when the connector is created).
 BUILTIN_CONNECTORS: dict[str, str] = {
-    "memory": "kvferry.adapters.connectors.memory:MemoryConnector",
-    "shm": "kvferry.adapters.connectors.shm:ShmConnector",
-    "zmq": "kvferry.adapters.connectors.zmq_connector:ZmqConnector",
-    "mooncake": "kvferry.adapters.connectors.mooncake:MooncakeConnector",
+    "memory": "kvferry.adapters.connectors.memory.connector:MemoryConnector",
+    "shm": "kvferry.adapters.connectors.shm.connector:ShmConnector",
+    "zmq": "kvferry.adapters.connectors.zmq.connector:ZmqConnector",
+    "mooncake": "kvferry.adapters.connectors.mooncake.connector:MooncakeConnector",
 }
+
 
 def _config_key(name: str, config: Mapping[str, Any]) -> str:
     """A stable identity for (name, config); non-JSON values (a clock) count by identity."""

@@ -21,12 +21,17 @@ attempts, 0.1 s doubling backoff by default) and a full pool is reported as ``po
 from __future__ import annotations
 
 import logging
-from typing import Any, Callable, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
 
 import attrs
 
 from kvferry.adapters.paged_cache import (
-    ExtractionPlan, ExtractionSkipped, TensorGather, gather_slices, plan_extraction,
+    ExtractionPlan,
+    ExtractionSkipped,
+    TensorGather,
+    gather_slices,
+    plan_extraction,
 )
 from kvferry.adapters.torch_frames import dest_views, encode_frames, finish_payload_in
 from kvferry.core.errors import KVFerryError, PoolFullError, RoutingError
@@ -69,11 +74,21 @@ def slice_plan_heads(plan: ExtractionPlan, offset_in_shard: int, num_slices: int
             start, stop = slice_bounds(heads, offset_in_shard, num_slices)
             bounds[heads] = (start, stop - start)
         # the constructor directly (attrs.evolve costs as much again, every layer, every slice)
-        return TensorGather(g.layer, g.which, g.blocks.narrow(2, *bounds[heads]), g.block_ids, g.tokens,
-                            g.full_blocks, g.tail_tokens, g.index, g.runs)
+        return TensorGather(
+            g.layer,
+            g.which,
+            g.blocks.narrow(2, *bounds[heads]),
+            g.block_ids,
+            g.tokens,
+            g.full_blocks,
+            g.tail_tokens,
+            g.index,
+            g.runs,
+        )
 
-    return attrs.evolve(plan, keys=tuple(map(narrow, plan.keys)), values=tuple(map(narrow, plan.values)),
-                        metadata=plan.metadata)
+    return attrs.evolve(
+        plan, keys=tuple(map(narrow, plan.keys)), values=tuple(map(narrow, plan.values)), metadata=plan.metadata
+    )
 
 
 @attrs.frozen
@@ -94,7 +109,7 @@ class SendPath:
     from_stage: Any
     to_stage: Any
     topology: TPTopology
-    get_connector: Callable[[], "Connector | None"]
+    get_connector: Callable[[], Connector | None]
     clock: Clock
     sleep: Callable[[float], None]
     retry: RetryPolicy = attrs.field(factory=RetryPolicy)
@@ -137,8 +152,15 @@ class SendPath:
         if connector is None:
             return SendOutcome.failed(request_id, SendReason.CONNECTOR_UNAVAILABLE, "no connector")
         try:
-            plan = plan_extraction(kv_caches, block_ids, seq_len, block_size, cache_dtype=cache_dtype,
-                                   custom_metadata=custom_metadata, request_id=request_id)
+            plan = plan_extraction(
+                kv_caches,
+                block_ids,
+                seq_len,
+                block_size,
+                cache_dtype=cache_dtype,
+                custom_metadata=custom_metadata,
+                request_id=request_id,
+            )
         except KVFerryError as exc:
             return SendOutcome.failed(request_id, SendReason.ERROR, f"extraction: {exc}")
         if isinstance(plan, ExtractionSkipped):
@@ -168,12 +190,32 @@ class SendPath:
                 last_reason, last_detail = reason, detail
         seconds = max(0.0, self.clock.monotonic() - start)
         if failed:
-            logger.warning("request %s: %d of %d keys not sent (%s: %s)", request_id, len(failed),
-                           len(jobs), last_reason.value, last_detail)
-            return SendOutcome.failed(request_id, last_reason, last_detail, nbytes=nbytes, keys=sent,
-                                      failed_keys=failed, attempts=attempts, seconds=seconds)
-        logger.debug("request %s: sent %d bytes in %d keys (%.3f s, %.1f MB/s)", request_id, nbytes,
-                     len(sent), seconds, nbytes / 1e6 / seconds if seconds else float("inf"))
+            logger.warning(
+                "request %s: %d of %d keys not sent (%s: %s)",
+                request_id,
+                len(failed),
+                len(jobs),
+                last_reason.value,
+                last_detail,
+            )
+            return SendOutcome.failed(
+                request_id,
+                last_reason,
+                last_detail,
+                nbytes=nbytes,
+                keys=sent,
+                failed_keys=failed,
+                attempts=attempts,
+                seconds=seconds,
+            )
+        logger.debug(
+            "request %s: sent %d bytes in %d keys (%.3f s, %.1f MB/s)",
+            request_id,
+            nbytes,
+            len(sent),
+            seconds,
+            nbytes / 1e6 / seconds if seconds else float("inf"),
+        )
         return SendOutcome.sent(request_id, keys=sent, nbytes=nbytes, attempts=attempts, seconds=seconds)
 
     def _metadata(self, plan: ExtractionPlan, job: KeyJob) -> dict[str, Any]:
@@ -181,12 +223,19 @@ class SendPath:
         if job.num_slices > 1 and job.target_rank is not None:
             topo = self.topology
             meta["tp_head_slice"] = tp_head_slice_record(
-                "sender", topo.local_rank, job.target_rank, topo.source_tp, topo.target_tp,
-                job.offset_in_shard, job.num_slices)
+                "sender",
+                topo.local_rank,
+                job.target_rank,
+                topo.source_tp,
+                topo.target_tp,
+                job.offset_in_shard,
+                job.num_slices,
+            )
         return meta
 
-    def _put_one(self, connector: Connector, plan: ExtractionPlan, job: KeyJob,
-                 materialized: dict) -> tuple[bool, int, int, SendReason, str]:
+    def _put_one(
+        self, connector: Connector, plan: ExtractionPlan, job: KeyJob, materialized: dict
+    ) -> tuple[bool, int, int, SendReason, str]:
         """Put one key with retries: ``(ok, size, attempts, reason, detail)``."""
         try:
             sliced = slice_plan_heads(plan, job.offset_in_shard, job.num_slices)
@@ -218,20 +267,28 @@ class SendPath:
                 self.sleep(delays[attempt])
         return False, 0, self.retry.attempts, reason, detail
 
-    def _put_slices_together(self, connector: Connector, plan: ExtractionPlan,
-                             jobs: tuple[KeyJob, ...]) -> dict[str, int]:
+    def _put_slices_together(
+        self, connector: Connector, plan: ExtractionPlan, jobs: tuple[KeyJob, ...]
+    ) -> dict[str, int]:
         """Fan-out into a reservable connector: every key's region reserved, every head slice
         gathered in one pass over the cache (``gather_slices``), then each key committed.
         Returns ``{key: size}`` of the keys put; a key missing from it (nothing applies, a
         reservation, a local fault or a commit failed) goes through :meth:`_put_one` (with its
         retries) instead."""
-        if len(jobs) < 2 or any(j.num_slices < 2 or j.target_rank is None for j in jobs) \
-                or not self._is_reservable(connector):
+        if (
+            len(jobs) < 2
+            or any(j.num_slices < 2 or j.target_rank is None for j in jobs)
+            or not self._is_reservable(connector)
+        ):
             return {}
         try:
-            filled = self._fill_reserved(connector, [
-                (slice_plan_heads(plan, j.offset_in_shard, j.num_slices), j.key, self._metadata(plan, j))
-                for j in jobs])
+            filled = self._fill_reserved(
+                connector,
+                [
+                    (slice_plan_heads(plan, j.offset_in_shard, j.num_slices), j.key, self._metadata(plan, j))
+                    for j in jobs
+                ],
+            )
         except KVFerryError:  # a full pool, a local fault: each key takes the single path
             return {}
         put: dict[str, int] = {}
@@ -241,8 +298,7 @@ class SendPath:
                 put[job.key] = size
         return put
 
-    def _fill_reserved(self, connector: Any, items: Sequence[tuple[ExtractionPlan, str, dict[str, Any]]]
-                       ) -> list[Any]:
+    def _fill_reserved(self, connector: Any, items: Sequence[tuple[ExtractionPlan, str, dict[str, Any]]]) -> list[Any]:
         """Reserve a region per ``(plan, key, metadata)``, gather every plan into its region
         (several: the one-pass ``gather_slices``) and write the headers; the reservations,
         ready to commit. Any exception aborts every reservation taken."""
@@ -250,10 +306,11 @@ class SendPath:
         try:
             layouts = [self._layout(p, meta) for p, _, meta in items]
             for (_, key, _), layout in zip(items, layouts):
-                reservations.append(connector.reserve(str(self.from_stage), str(self.to_stage), key,
-                                                      layout.total_nbytes))
+                reservations.append(
+                    connector.reserve(str(self.from_stage), str(self.to_stage), key, layout.total_nbytes)
+                )
             views = [dest_views(r.buffer, layout) for r, layout in zip(reservations, layouts)]
-            dests = [(v[:p.num_layers], v[p.num_layers:]) for v, (p, _, _) in zip(views, items)]
+            dests = [(v[: p.num_layers], v[p.num_layers :]) for v, (p, _, _) in zip(views, items)]
             if len(items) == 1:
                 items[0][0].gather_all(dests[0])
             else:
@@ -279,18 +336,22 @@ class SendPath:
             self._templates[signature] = template
         return template.layout(plan.request_id, plan.block_ids, meta)
 
-    def _put_reserved(self, connector: Any, plan: ExtractionPlan, key: str,
-                      meta: dict[str, Any]) -> tuple[bool, int, Any]:
+    def _put_reserved(
+        self, connector: Any, plan: ExtractionPlan, key: str, meta: dict[str, Any]
+    ) -> tuple[bool, int, Any]:
         [reservation] = self._fill_reserved(connector, [(plan, key, meta)])
         return reservation.commit()
 
-    def _put_frames(self, connector: Connector, plan: ExtractionPlan, job: KeyJob,
-                    meta: dict[str, Any], materialized: dict) -> tuple[bool, int, Any]:
+    def _put_frames(
+        self, connector: Connector, plan: ExtractionPlan, job: KeyJob, meta: dict[str, Any], materialized: dict
+    ) -> tuple[bool, int, Any]:
         slot = (job.offset_in_shard, job.num_slices)
         if slot not in materialized:  # gather once per head slice, even across retries
             materialized[slot] = plan.materialize()
         keys, values = materialized[slot]
-        encoded = encode_frames(plan.request_id, keys, values, plan.block_ids, meta, align=self.align,
-                                checksums=self.checksums)
-        return connector.put(from_stage=str(self.from_stage), to_stage=str(self.to_stage),
-                             put_key=job.key, data=list(encoded.frames))
+        encoded = encode_frames(
+            plan.request_id, keys, values, plan.block_ids, meta, align=self.align, checksums=self.checksums
+        )
+        return connector.put(
+            from_stage=str(self.from_stage), to_stage=str(self.to_stage), put_key=job.key, data=list(encoded.frames)
+        )

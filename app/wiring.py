@@ -11,7 +11,8 @@ from __future__ import annotations
 
 import logging
 import os
-from typing import Any, Callable, Mapping
+from collections.abc import Callable, Mapping
+from typing import Any
 
 from kvferry.adapters.platform import memory_info
 from kvferry.app.manager import KVTransferManager, StageGroups
@@ -51,12 +52,22 @@ def build_manager(
     ConnectorUnavailable when a sending stage's connector cannot be created.
     """
     env = os.environ if env is None else env
-    config = omni_kv_config if isinstance(omni_kv_config, TransferConfig) else \
-        TransferConfig.from_omni_kv_config(omni_kv_config, env)
+    config = (
+        omni_kv_config
+        if isinstance(omni_kv_config, TransferConfig)
+        else TransferConfig.from_omni_kv_config(omni_kv_config, env)
+    )
     manager = KVTransferManager(
-        config, tp_rank=tp_rank, tp_size=tp_size, dp_rank=dp_rank, groups=groups or StageGroups(),
-        connector=connector, connector_factory=connector_factory, free_memory_ratio=free_memory_ratio,
-        **options)
+        config,
+        tp_rank=tp_rank,
+        tp_size=tp_size,
+        dp_rank=dp_rank,
+        groups=groups or StageGroups(),
+        connector=connector,
+        connector_factory=connector_factory,
+        free_memory_ratio=free_memory_ratio,
+        **options,
+    )
     if start:
         manager.start()
     return manager

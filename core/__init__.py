@@ -6,45 +6,6 @@ plans, the wire header codec, receive roles, policies, typed configuration and o
 
 from __future__ import annotations
 
-from kvferry.core.errors import (
-    BindError,
-    ConfigError,
-    ConnectorUnavailable,
-    KVFerryError,
-    LeaseExpired,
-    PayloadError,
-    PoolFullError,
-    RoutingError,
-    SenderUnavailable,
-    TransferError,
-    TransferTimeout,
-)
-from kvferry.core.topology import (
-    TPTopology,
-    rank_pairs,
-    recv_rank_map,
-    send_rank_map,
-    source_ranks,
-    target_ranks,
-    validate_sizes,
-    validate_topology,
-)
-from kvferry.core.ids import (
-    ConnectorKey,
-    DUMMY_REQUEST_ID,
-    LegacyKey,
-    RecvKeyHook,
-    SendKeyHook,
-    Stage,
-    WHOLE_REQUEST_CHUNK,
-    connector_key,
-    is_dummy_request,
-    legacy_key,
-    parse_connector_key,
-    parse_legacy_key,
-    recv_keys,
-    send_keys,
-)
 from kvferry.core.addressing import (
     DEFAULT_BASE_PORT,
     KV_RANK_PORT_STRIDE,
@@ -60,9 +21,29 @@ from kvferry.core.addressing import (
     replica_id_from_env,
     sender_endpoint_port,
 )
+from kvferry.core.config import (
+    DEFAULT_RECV_TIMEOUT_S,
+    REPLICA_ID_ENV,
+    TransferConfig,
+    connector_config_from_kv_transfer,
+    extract_omni_kv_config,
+)
+from kvferry.core.errors import (
+    BindError,
+    ConfigError,
+    ConnectorUnavailable,
+    KVFerryError,
+    LeaseExpired,
+    PayloadError,
+    PoolFullError,
+    RoutingError,
+    SenderUnavailable,
+    TransferError,
+    TransferTimeout,
+)
 from kvferry.core.head_slices import (
-    HeadSlice,
     TP_HEAD_SLICE_KEY,
+    HeadSlice,
     TargetHeadPlan,
     applied_head_slice,
     fan_out_slice,
@@ -72,35 +53,17 @@ from kvferry.core.head_slices import (
     slice_bounds,
     tp_head_slice_record,
 )
-from kvferry.core.sender_info import (
-    HOST_KEY,
-    PORT_KEY,
-    SenderEndpoint,
-    SenderResolution,
-    resolve_sender,
-    resolve_sender_info,
-)
-from kvferry.core.plan import (
-    KeyRoute,
-    RECEIVER,
-    RankPlan,
-    SENDER,
-    stage_plan,
-    to_json_records,
-)
 from kvferry.core.header import (
-    plan_template,
-    kv_layout_template,
-    LayoutTemplate,
-    AbsentTensor,
     CHECKSUM_ALGORITHMS,
     DESCRIPTOR_FIELDS,
     DTYPE_ITEMSIZE,
-    DecodeLimits,
-    DecodedHeader,
     FORMAT_VERSION,
     HEADER_FIELDS,
     PREFIX_NBYTES,
+    AbsentTensor,
+    DecodedHeader,
+    DecodeLimits,
+    LayoutTemplate,
     PayloadHeader,
     PayloadLayout,
     TensorDescriptor,
@@ -108,51 +71,28 @@ from kvferry.core.header import (
     compute_checksum,
     decode_header,
     encode_header,
+    kv_layout_template,
     kv_tensor_specs,
     plan_layout,
+    plan_template,
     tensor_name,
     verify_checksum,
 )
-from kvferry.core.side_payload import (
-    MAX_SIDE_BYTES,
-    SENDER_FAILED,
-    SENDER_FAILED_MESSAGE,
-    SIDE_PREFIX_NBYTES,
-    SenderFailed,
-    pack_side_frames,
-    side_payload_nbytes,
-    split_side_payload,
-)
-from kvferry.core.roles import (
-    CfgAssignment,
-    DistributionKind,
-    DistributionPlan,
-    GroupLayout,
-    PREFERRED_CFG_ROLES,
-    ReceiveRole,
-    cfg_payload_plan,
-    consensus_signature,
-    consensus_verdict,
-    distribution_plan,
-    needs_consensus,
-    order_branch_roles,
-    receive_role,
-    tp_active,
-)
-from kvferry.core.policy import (
-    Deadline,
-    PREFETCH_OK,
-    PollBackoff,
-    RetryPolicy,
-    lease_expired,
-    prefetch_allowed,
-)
-from kvferry.core.config import (
-    DEFAULT_RECV_TIMEOUT_S,
-    REPLICA_ID_ENV,
-    TransferConfig,
-    connector_config_from_kv_transfer,
-    extract_omni_kv_config,
+from kvferry.core.ids import (
+    DUMMY_REQUEST_ID,
+    WHOLE_REQUEST_CHUNK,
+    ConnectorKey,
+    LegacyKey,
+    RecvKeyHook,
+    SendKeyHook,
+    Stage,
+    connector_key,
+    is_dummy_request,
+    legacy_key,
+    parse_connector_key,
+    parse_legacy_key,
+    recv_keys,
+    send_keys,
 )
 from kvferry.core.outcomes import (
     Counters,
@@ -162,6 +102,39 @@ from kvferry.core.outcomes import (
     SendOutcome,
     SendReason,
     SkipReason,
+)
+from kvferry.core.plan import (
+    RECEIVER,
+    SENDER,
+    KeyRoute,
+    RankPlan,
+    stage_plan,
+    to_json_records,
+)
+from kvferry.core.policy import (
+    PREFETCH_OK,
+    Deadline,
+    PollBackoff,
+    RetryPolicy,
+    lease_expired,
+    prefetch_allowed,
+)
+from kvferry.core.pool import (
+    DEFAULT_ALIGNMENT,
+    POOL_FULL,
+    TOO_LARGE,
+    AllocationFailure,
+    EntryState,
+    Expiry,
+    ExpiryKind,
+    LeaseEntry,
+    LeaseTable,
+    PoolLedger,
+    Region,
+    RegionAllocator,
+    Ticket,
+    aligned_span,
+    request_id_of_key,
 )
 from kvferry.core.ports import (
     BlockingGet,
@@ -176,22 +149,49 @@ from kvferry.core.ports import (
     Reservation,
     SenderAware,
 )
-from kvferry.core.pool import (
-    ExpiryKind,
-    AllocationFailure,
-    DEFAULT_ALIGNMENT,
-    EntryState,
-    Expiry,
-    LeaseEntry,
-    LeaseTable,
-    POOL_FULL,
-    PoolLedger,
-    Region,
-    RegionAllocator,
-    TOO_LARGE,
-    Ticket,
-    aligned_span,
-    request_id_of_key,
+from kvferry.core.roles import (
+    PREFERRED_CFG_ROLES,
+    CfgAssignment,
+    DistributionKind,
+    DistributionPlan,
+    GroupLayout,
+    ReceiveRole,
+    cfg_payload_plan,
+    consensus_signature,
+    consensus_verdict,
+    distribution_plan,
+    needs_consensus,
+    order_branch_roles,
+    receive_role,
+    tp_active,
+)
+from kvferry.core.sender_info import (
+    HOST_KEY,
+    PORT_KEY,
+    SenderEndpoint,
+    SenderResolution,
+    resolve_sender,
+    resolve_sender_info,
+)
+from kvferry.core.side_payload import (
+    MAX_SIDE_BYTES,
+    SENDER_FAILED,
+    SENDER_FAILED_MESSAGE,
+    SIDE_PREFIX_NBYTES,
+    SenderFailed,
+    pack_side_frames,
+    side_payload_nbytes,
+    split_side_payload,
+)
+from kvferry.core.topology import (
+    TPTopology,
+    rank_pairs,
+    recv_rank_map,
+    send_rank_map,
+    source_ranks,
+    target_ranks,
+    validate_sizes,
+    validate_topology,
 )
 
 __all__ = [
@@ -226,7 +226,8 @@ __all__ = [
     "EntryState",
     "Expiry",
     "FORMAT_VERSION",
-    "GetResult", "Implements",
+    "GetResult",
+    "Implements",
     "GroupLayout",
     "HEADER_FIELDS",
     "HOST_KEY",

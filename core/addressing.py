@@ -18,7 +18,8 @@ replica and DP group serves on ``advertised + s * 16`` (:func:`sender_endpoint_p
 from __future__ import annotations
 
 import re
-from typing import Any, Mapping
+from collections.abc import Mapping
+from typing import Any
 
 from kvferry.core.errors import ConfigError, RoutingError
 from kvferry.core.validate import check_int
@@ -105,13 +106,7 @@ def kv_port(
             f"{slot * KV_RANK_PORT_STRIDE} >= {KV_REPLICA_PORT_STRIDE} "
             f"(tp_rank={rank}, dp_rank={dp}, tp_size={size}); it would collide with replica {rep + 1}"
         )
-    port = (
-        base
-        + KV_TRANSFER_PORT_OFFSET
-        + rep * KV_REPLICA_PORT_STRIDE
-        + slot * KV_RANK_PORT_STRIDE
-        + stage
-    )
+    port = base + KV_TRANSFER_PORT_OFFSET + rep * KV_REPLICA_PORT_STRIDE + slot * KV_RANK_PORT_STRIDE + stage
     return _check_port(
         "port",
         port,
@@ -129,12 +124,8 @@ def sender_endpoint_port(advertised_port: int, source_rank: int) -> int:
     _check_port("advertised_port", adv, "the sender's advertised rank-0 port")
     rank = check_int("source_rank", source_rank, 0, RoutingError)
     if rank * KV_RANK_PORT_STRIDE >= KV_REPLICA_PORT_STRIDE:
-        raise RoutingError(
-            f"source_rank {rank} too large: {rank}*{KV_RANK_PORT_STRIDE} >= {KV_REPLICA_PORT_STRIDE}"
-        )
-    return _check_port(
-        "port", adv + rank * KV_RANK_PORT_STRIDE, f"advertised_port={adv}, source_rank={rank}"
-    )
+        raise RoutingError(f"source_rank {rank} too large: {rank}*{KV_RANK_PORT_STRIDE} >= {KV_REPLICA_PORT_STRIDE}")
+    return _check_port("port", adv + rank * KV_RANK_PORT_STRIDE, f"advertised_port={adv}, source_rank={rank}")
 
 
 def pull_port(advertised_port: int, from_rank: int | None, local_rank: int) -> int:

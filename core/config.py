@@ -19,7 +19,8 @@ from __future__ import annotations
 import copy
 import math
 import types
-from typing import Any, Mapping, Union
+from collections.abc import Mapping
+from typing import Any
 
 import attrs
 
@@ -34,7 +35,7 @@ __all__ = [
     "connector_config_from_kv_transfer",
 ]
 
-Stage = Union[int, str]
+Stage = int | str
 #: Environment variable holding the replica id (invalid or negative -> 0).
 REPLICA_ID_ENV = "VLLM_OMNI_REPLICA_ID"
 DEFAULT_RECV_TIMEOUT_S = 30.0
@@ -163,9 +164,7 @@ class TransferConfig:
     no configuration was found.
     """
 
-    connector_config: Mapping[str, Any] | None = attrs.field(
-        default=None, converter=_frozen_connector, hash=False
-    )
+    connector_config: Mapping[str, Any] | None = attrs.field(default=None, converter=_frozen_connector, hash=False)
     from_stage: Stage | None = attrs.field(default=None, validator=_validate(_stage))
     to_stage: Stage | None = attrs.field(default=None, validator=_validate(_stage))
     stage_id: Stage | None = attrs.field(default=None, validator=_validate(_stage))
@@ -174,9 +173,7 @@ class TransferConfig:
     )
     need_send_cache: bool = attrs.field(default=False, validator=_validate(_flag))
     need_recv_cache: bool = attrs.field(default=False, validator=_validate(_flag))
-    recv_timeout: float = attrs.field(
-        default=DEFAULT_RECV_TIMEOUT_S, converter=lambda v: _timeout("recv_timeout", v)
-    )
+    recv_timeout: float = attrs.field(default=DEFAULT_RECV_TIMEOUT_S, converter=lambda v: _timeout("recv_timeout", v))
     from_tp: int = attrs.field(default=1, validator=_validate(_tp))
     to_tp: int = attrs.field(default=1, validator=_validate(_tp))
     enable_kv_async_prefetch: bool = attrs.field(default=False, validator=_validate(_flag))
@@ -196,9 +193,7 @@ class TransferConfig:
         return cls(empty_reason=reason)
 
     @classmethod
-    def from_omni_kv_config(
-        cls, d: Mapping[str, Any], env: Mapping[str, str] = _EMPTY_ENV
-    ) -> TransferConfig:
+    def from_omni_kv_config(cls, d: Mapping[str, Any], env: Mapping[str, str] = _EMPTY_ENV) -> TransferConfig:
         """Parse the reference's ``omni_kv_config`` dict; ConfigError names any invalid key."""
         if not isinstance(d, Mapping):
             raise ConfigError(f"omni_kv_config must be a mapping, got {type(d).__name__}")
@@ -222,9 +217,7 @@ class TransferConfig:
             recv_timeout=_timeout("recv_timeout", d.get("recv_timeout")),
             from_tp=_tp("rank_mapping.from_tp", rank_mapping.get("from_tp")),
             to_tp=_tp("rank_mapping.to_tp", rank_mapping.get("to_tp")),
-            enable_kv_async_prefetch=_flag(
-                "enable_kv_async_prefetch", d.get("enable_kv_async_prefetch")
-            ),
+            enable_kv_async_prefetch=_flag("enable_kv_async_prefetch", d.get("enable_kv_async_prefetch")),
             kv_prefetch_min_free_mem_ratio=_ratio(
                 "kv_prefetch_min_free_mem_ratio", d.get("kv_prefetch_min_free_mem_ratio")
             ),
@@ -258,8 +251,7 @@ class TransferConfig:
         if connector is not None:
             return cls.from_omni_kv_config({"connector_config": connector}, env)
         return cls.empty(
-            "no omni_kv_config on the model config and no omni_connector_config "
-            "in vllm_config.kv_transfer_config"
+            "no omni_kv_config on the model config and no omni_connector_config in vllm_config.kv_transfer_config"
         )
 
     # ----------------------------------------------------------------------------------------

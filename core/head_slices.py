@@ -20,7 +20,8 @@ Head counts must be divisible by the larger TP size (no replicated KV heads).
 
 from __future__ import annotations
 
-from typing import Any, Mapping
+from collections.abc import Mapping
+from typing import Any
 
 import attrs
 
@@ -163,9 +164,7 @@ def _slice(source_tp: int, target_tp: int, num_heads: int, source: int, target: 
     )
 
 
-def sender_slices(
-    source_tp: int, target_tp: int, num_heads: int, source_rank: int
-) -> tuple[HeadSlice, ...]:
+def sender_slices(source_tp: int, target_tp: int, num_heads: int, source_rank: int) -> tuple[HeadSlice, ...]:
     """The payloads sender ``source_rank`` produces, one per receiver it feeds, increasing."""
     rank = check_int("source_rank", source_rank, 0, RoutingError)
     targets = send_rank_map(source_tp, target_tp)
@@ -183,9 +182,7 @@ def plan_heads(source_tp: int, target_tp: int, num_heads: int) -> tuple[TargetHe
     plans = []
     for target, sources in recv_rank_map(source_tp, target_tp).items():
         slices = tuple(_slice(source_tp, target_tp, num_heads, s, target) for s in sources)
-        plans.append(
-            TargetHeadPlan(target, target * recv_shard, (target + 1) * recv_shard, slices)
-        )
+        plans.append(TargetHeadPlan(target, target * recv_shard, (target + 1) * recv_shard, slices))
     return tuple(plans)
 
 

@@ -28,26 +28,66 @@ from __future__ import annotations
 import functools
 import json
 import struct
-from typing import Any, Mapping, Sequence
+from collections.abc import Mapping, Sequence
+from typing import Any
 
 import attrs
 
 from kvferry.core.errors import ConfigError
 from kvferry.core.header_decode import (
-    DESCRIPTOR_FIELDS, HEADER_FIELDS, DecodedHeader, DecodeLimits, _enc_descriptor, decode_header,
+    DESCRIPTOR_FIELDS,
+    HEADER_FIELDS,
+    DecodedHeader,
+    DecodeLimits,
+    _enc_descriptor,
+    decode_header,
 )
 from kvferry.core.header_values import (
-    CHECKSUM_ALGORITHMS, DTYPE_ITEMSIZE, FORMAT_VERSION, PREFIX_NBYTES, AbsentTensor, Entry,
-    _MAX_INT, _MEMO_NDIM, PayloadHeader, _size_memo, TensorDescriptor, TensorSpec, _checked, _checked_as, _element_info, _exact,
-    _fail, _trusted_descriptor, tensor_name,
+    _MAX_INT,
+    _MEMO_NDIM,
+    CHECKSUM_ALGORITHMS,
+    DTYPE_ITEMSIZE,
+    FORMAT_VERSION,
+    PREFIX_NBYTES,
+    AbsentTensor,
+    Entry,
+    PayloadHeader,
+    TensorDescriptor,
+    TensorSpec,
+    _checked,
+    _checked_as,
+    _element_info,
+    _exact,
+    _fail,
+    _size_memo,
+    _trusted_descriptor,
+    tensor_name,
 )
 
 __all__ = [
-    "DTYPE_ITEMSIZE", "FORMAT_VERSION", "CHECKSUM_ALGORITHMS", "PREFIX_NBYTES",
-    "HEADER_FIELDS", "DESCRIPTOR_FIELDS", "DecodeLimits", "TensorSpec", "TensorDescriptor",
-    "AbsentTensor", "PayloadHeader", "PayloadLayout", "LayoutTemplate", "DecodedHeader",
-    "tensor_name", "kv_tensor_specs", "plan_template", "kv_layout_template", "plan_layout",
-    "encode_header", "decode_header", "compute_checksum", "verify_checksum",
+    "DTYPE_ITEMSIZE",
+    "FORMAT_VERSION",
+    "CHECKSUM_ALGORITHMS",
+    "PREFIX_NBYTES",
+    "HEADER_FIELDS",
+    "DESCRIPTOR_FIELDS",
+    "DecodeLimits",
+    "TensorSpec",
+    "TensorDescriptor",
+    "AbsentTensor",
+    "PayloadHeader",
+    "PayloadLayout",
+    "LayoutTemplate",
+    "DecodedHeader",
+    "tensor_name",
+    "kv_tensor_specs",
+    "plan_template",
+    "kv_layout_template",
+    "plan_layout",
+    "encode_header",
+    "decode_header",
+    "compute_checksum",
+    "verify_checksum",
 ]
 
 _PREFIX = struct.Struct(">I")
@@ -70,12 +110,26 @@ def _header_object(header: PayloadHeader) -> dict[str, Any]:
 
 def _descriptor_text(entry: Entry) -> str:
     """``json.dumps(_enc_descriptor(entry), separators=(",", ":"))``, built directly."""
-    if type(entry) is TensorDescriptor and type(entry.layer) is int and type(entry.offset) is int \
-            and type(entry.nbytes) is int and _exact(entry.shape):
+    if (
+        type(entry) is TensorDescriptor
+        and type(entry.layer) is int
+        and type(entry.offset) is int
+        and type(entry.nbytes) is int
+        and _exact(entry.shape)
+    ):
         text = (
-            '{"n":' + _STR(entry.name) + ',"i":' + _INT(entry.layer) + ',"d":' + _STR(entry.dtype)
-            + ',"s":[' + ",".join(map(_INT, entry.shape)) + '],"o":' + _INT(entry.offset)
-            + ',"b":' + _INT(entry.nbytes)
+            '{"n":'
+            + _STR(entry.name)
+            + ',"i":'
+            + _INT(entry.layer)
+            + ',"d":'
+            + _STR(entry.dtype)
+            + ',"s":['
+            + ",".join(map(_INT, entry.shape))
+            + '],"o":'
+            + _INT(entry.offset)
+            + ',"b":'
+            + _INT(entry.nbytes)
         )
         return text + ("}" if entry.checksum is None else ',"c":' + _STR(f"{entry.checksum:08x}") + "}")
     if type(entry) is AbsentTensor and type(entry.name) is str:
@@ -98,8 +152,16 @@ def _header_text(header: PayloadHeader, td_text: str) -> str:
         raise ConfigError(f"payload metadata is not JSON-serialisable: {exc}") from None
     nl, version, algorithm = header.num_layers, header.format_version, header.checksum_algorithm
     text = (  # block ids and nl are ints, not bools (PayloadHeader checked): json writes int.__repr__
-        '{"rid":' + _STR(header.request_id) + ',"bids":[' + ",".join(map(_INT, header.block_ids)) + '],"meta":'
-        + meta + ',"td":' + td_text + ',"nl":' + _INT(nl)
+        '{"rid":'
+        + _STR(header.request_id)
+        + ',"bids":['
+        + ",".join(map(_INT, header.block_ids))
+        + '],"meta":'
+        + meta
+        + ',"td":'
+        + td_text
+        + ',"nl":'
+        + _INT(nl)
     )
     if version is not None:
         text += ',"v":' + (_INT(version) if type(version) is int else _ENCODE(version))
@@ -176,10 +238,12 @@ class PayloadLayout:
         if self.header.checksum_algorithm is None or len(values) != len(present):
             raise ConfigError(f"expected {len(present)} checksums for a checksummed layout")
         it = iter(values)
-        tensors = _checked([
-            t if isinstance(t, AbsentTensor) else attrs.evolve(t, checksum=int(next(it)) & 0xFFFFFFFF)
-            for t in self.header.tensors
-        ])
+        tensors = _checked(
+            [
+                t if isinstance(t, AbsentTensor) else attrs.evolve(t, checksum=int(next(it)) & 0xFFFFFFFF)
+                for t in self.header.tensors
+            ]
+        )
         header = attrs.evolve(self.header, tensors=tensors)
         rendered = encode_header(header, pad_to=self.align)
         if len(rendered) != self.data_start:  # fixed-width checksums keep the length
@@ -220,14 +284,20 @@ class LayoutTemplate:
         if not isinstance(metadata, Mapping):
             raise ConfigError(f"metadata must be a mapping, got {type(metadata).__name__}")
         header = PayloadHeader(
-            request_id, block_ids, metadata, self.num_layers, self.entries,
-            FORMAT_VERSION if self.version else None, self.checksums,
+            request_id,
+            block_ids,
+            metadata,
+            self.num_layers,
+            self.entries,
+            FORMAT_VERSION if self.version else None,
+            self.checksums,
         )
         rendered = _frame(_header_text(header, self.td_text), self.align)
         start = len(rendered)
         spans = tuple(None if s is None else (start + s[0], s[1]) for s in self.rel_spans)
-        return PayloadLayout(header, start, spans, start + self.data_nbytes, self.align,
-                             self.checksums is not None, rendered)
+        return PayloadLayout(
+            header, start, spans, start + self.data_nbytes, self.align, self.checksums is not None, rendered
+        )
 
 
 def _check_options(align: Any, checksums: Any) -> None:
@@ -244,7 +314,10 @@ def _place(pos: int, nbytes: int, align: int) -> int:
 
 
 def _build_template(
-    num_layers: int, tensor_specs: Sequence[TensorSpec | AbsentTensor], align: int, version: bool,
+    num_layers: int,
+    tensor_specs: Sequence[TensorSpec | AbsentTensor],
+    align: int,
+    version: bool,
     checksums: str | None,
 ) -> LayoutTemplate:
     entries: list[Entry] = []
@@ -285,8 +358,12 @@ def _memo_safe(num_layers: Any, tensor_specs: Any) -> bool:
 
 
 def plan_template(
-    num_layers: int, tensor_specs: Sequence[TensorSpec | AbsentTensor], *, align: int = 64,
-    version: bool = True, checksums: str | None = None,
+    num_layers: int,
+    tensor_specs: Sequence[TensorSpec | AbsentTensor],
+    *,
+    align: int = 64,
+    version: bool = True,
+    checksums: str | None = None,
 ) -> LayoutTemplate:
     """Offsets and descriptors for these tensors (pure; see :func:`plan_layout` for the rules).
 
@@ -299,8 +376,12 @@ def plan_template(
 
 
 def kv_layout_template(
-    keys: Sequence[tuple[str, Sequence[int]] | None], values: Sequence[tuple[str, Sequence[int]] | None],
-    *, align: int = 64, version: bool = True, checksums: str | None = None,
+    keys: Sequence[tuple[str, Sequence[int]] | None],
+    values: Sequence[tuple[str, Sequence[int]] | None],
+    *,
+    align: int = 64,
+    version: bool = True,
+    checksums: str | None = None,
 ) -> LayoutTemplate:
     """``plan_template(*kv_tensor_specs(keys, values), ...)``, the same value, built directly.
 
@@ -328,8 +409,11 @@ def kv_layout_template(
             dtype, shape = item[0], tuple(item[1])
             exact = type(dtype) is str and layer < _NAMED_LAYERS and len(shape) <= _MEMO_NDIM and _exact(shape)
             # the name is made here and matches the layer: only the dtype and shape need checking
-            problem, nbytes = _size_memo(dtype, shape) if exact and dtype in DTYPE_ITEMSIZE else \
-                _element_info(name, layer, dtype, shape)
+            problem, nbytes = (
+                _size_memo(dtype, shape)
+                if exact and dtype in DTYPE_ITEMSIZE
+                else _element_info(name, layer, dtype, shape)
+            )
             if problem:
                 raise ConfigError(f"tensor {name!r}: {problem}")
             pos = _place(pos, nbytes, align)
@@ -343,17 +427,23 @@ def kv_layout_template(
                     middle = middles[(dtype, shape)] = (
                         ',"d":' + _STR(dtype) + ',"s":[' + ",".join(map(_INT, shape)) + '],"o":'
                     )
-                texts.append('{"n":"' + name + '","i":' + _INT(layer) + middle + _INT(pos) + ',"b":' + _INT(nbytes) + tail)
+                texts.append(
+                    '{"n":"' + name + '","i":' + _INT(layer) + middle + _INT(pos) + ',"b":' + _INT(nbytes) + tail
+                )
             spans.append((pos, nbytes))
             min_layers = max(min_layers, layer + 1)
             pos += nbytes
     present = [s for s in spans if s is not None]
     checked = _checked_as(
-        entries, min_layers, None if not present else checksums is not None, tuple(spans),
+        entries,
+        min_layers,
+        None if not present else checksums is not None,
+        tuple(spans),
         max((o + n for o, n in present), default=0),
     )
-    return LayoutTemplate(len(keys), checked, checked.rel_spans, pos, align, bool(version), checksums,
-                          "[" + ",".join(texts) + "]")
+    return LayoutTemplate(
+        len(keys), checked, checked.rel_spans, pos, align, bool(version), checksums, "[" + ",".join(texts) + "]"
+    )
 
 
 def plan_layout(
@@ -399,6 +489,6 @@ def verify_checksum(header: PayloadHeader, descriptor: TensorDescriptor, data: A
     actual = compute_checksum(header.checksum_algorithm, data)
     if actual != descriptor.checksum:
         raise _fail(
-            f"{header.checksum_algorithm} mismatch: header says {descriptor.checksum:08x}, "
-            f"data has {actual:08x}", descriptor.name,
+            f"{header.checksum_algorithm} mismatch: header says {descriptor.checksum:08x}, data has {actual:08x}",
+            descriptor.name,
         )

@@ -20,18 +20,36 @@ from __future__ import annotations
 import operator
 import re
 import struct
+from collections.abc import Callable
 from itertools import chain, repeat
-from typing import Any, Callable
+from typing import Any
 
 import attrs
 
 from kvferry.core.errors import ConfigError
-from kvferry.core.header_values import (
-    _MAX_INT, _MEMO_NDIM, _NAME_MAX, CHECKSUM_ALGORITHMS, DTYPE_ITEMSIZE, FORMAT_VERSION, PREFIX_NBYTES,
-    AbsentTensor, Entry, PayloadHeader, TensorDescriptor, _checked, _checked_as, _CheckedEntries, _fail,
-    _name_memo, _parse_name, _short, _size_memo, _trusted_descriptor,
-)
 from kvferry.core.header_json import _parse, _remember, _Reused
+from kvferry.core.header_values import (
+    _MAX_INT,
+    _MEMO_NDIM,
+    _NAME_MAX,
+    CHECKSUM_ALGORITHMS,
+    DTYPE_ITEMSIZE,
+    FORMAT_VERSION,
+    PREFIX_NBYTES,
+    AbsentTensor,
+    Entry,
+    PayloadHeader,
+    TensorDescriptor,
+    _checked,
+    _checked_as,
+    _CheckedEntries,
+    _fail,
+    _name_memo,
+    _parse_name,
+    _short,
+    _size_memo,
+    _trusted_descriptor,
+)
 
 __all__ = ["HEADER_FIELDS", "DESCRIPTOR_FIELDS", "DecodeLimits", "DecodedHeader", "decode_header"]
 
@@ -172,9 +190,14 @@ def _fast_fields(item: dict, limits: DecodeLimits) -> tuple | None:
     name, layer, dtype, shape = item.get("n"), item.get("i"), item.get("d"), item.get("s")
     offset, nbytes, checksum = item.get("o"), item.get("b"), item.get("c")
     if (
-        type(name) is not str or item.get("x", False) is not False or not _small_int(layer)
-        or type(dtype) is not str or type(shape) is not list or len(shape) > limits.max_ndim
-        or not _small_int(offset) or not _small_int(nbytes)
+        type(name) is not str
+        or item.get("x", False) is not False
+        or not _small_int(layer)
+        or type(dtype) is not str
+        or type(shape) is not list
+        or len(shape) > limits.max_ndim
+        or not _small_int(offset)
+        or not _small_int(nbytes)
     ):
         return None
     for d in shape:
@@ -236,8 +259,13 @@ def _bulk_descriptors(items: list, limits: DecodeLimits) -> _CheckedEntries | No
             return None
         checksums = map(int, columns[6], repeat(16))
     entries = list(map(_trusted_descriptor, names, layers, dtypes, shapes, offsets, nbytes, checksums))
-    return _checked_as(entries, max(layers) + 1, getter is _COLUMNS_C, tuple(zip(offsets, nbytes)),
-                       max(map(operator.add, offsets, nbytes)))
+    return _checked_as(
+        entries,
+        max(layers) + 1,
+        getter is _COLUMNS_C,
+        tuple(zip(offsets, nbytes)),
+        max(map(operator.add, offsets, nbytes)),
+    )
 
 
 def _dec_descriptor(item: Any, limits: DecodeLimits) -> Entry:
@@ -263,7 +291,12 @@ def _dec_descriptor(item: Any, limits: DecodeLimits) -> Entry:
                 raise _fail("no layer index and the name has no layer suffix", name)
             values["layer"] = parsed[1]
         fields = (
-            name, values["layer"], values["dtype"], values["shape"], values["offset"], values["nbytes"],
+            name,
+            values["layer"],
+            values["dtype"],
+            values["shape"],
+            values["offset"],
+            values["nbytes"],
             values.get("checksum"),
         )
     try:
@@ -345,8 +378,8 @@ def decode_header(buf: Any, total_len: int | None = None, *, limits: DecodeLimit
             continue
         if entry.offset + entry.nbytes > data_len:
             raise _fail(
-                f"span offset={entry.offset}, bytes={entry.nbytes} lies outside the "
-                f"{data_len} bytes of tensor data", entry.name,
+                f"span offset={entry.offset}, bytes={entry.nbytes} lies outside the {data_len} bytes of tensor data",
+                entry.name,
             )
         out.append((data_start + entry.offset, entry.nbytes))
     return DecodedHeader(header, data_start, total, tuple(out))

@@ -15,25 +15,48 @@ import functools
 import math
 import re
 import zlib
+from collections.abc import Callable, Mapping
 from types import MappingProxyType
-from typing import Any, Callable, Mapping, Union
+from typing import Any
 
 import attrs
 
 from kvferry.core.errors import ConfigError, PayloadError
 
 __all__ = [
-    "DTYPE_ITEMSIZE", "FORMAT_VERSION", "CHECKSUM_ALGORITHMS", "PREFIX_NBYTES", "TensorSpec",
-    "TensorDescriptor", "AbsentTensor", "PayloadHeader", "tensor_name",
+    "DTYPE_ITEMSIZE",
+    "FORMAT_VERSION",
+    "CHECKSUM_ALGORITHMS",
+    "PREFIX_NBYTES",
+    "TensorSpec",
+    "TensorDescriptor",
+    "AbsentTensor",
+    "PayloadHeader",
+    "tensor_name",
 ]
 
 #: Bytes per element of every dtype a payload may carry (names are torch's without ``torch.``).
-DTYPE_ITEMSIZE: Mapping[str, int] = MappingProxyType({
-    "bool": 1, "uint8": 1, "int8": 1, "int16": 2, "int32": 4, "int64": 8,
-    "float16": 2, "float32": 4, "float64": 8, "bfloat16": 2, "complex64": 8, "complex128": 16,
-    "float8_e4m3fn": 1, "float8_e5m2": 1, "float8_e4m3fnuz": 1, "float8_e5m2fnuz": 1,
-    "float8_e8m0fnu": 1,
-})
+DTYPE_ITEMSIZE: Mapping[str, int] = MappingProxyType(
+    {
+        "bool": 1,
+        "uint8": 1,
+        "int8": 1,
+        "int16": 2,
+        "int32": 4,
+        "int64": 8,
+        "float16": 2,
+        "float32": 4,
+        "float64": 8,
+        "bfloat16": 2,
+        "complex64": 8,
+        "complex128": 16,
+        "float8_e4m3fn": 1,
+        "float8_e5m2": 1,
+        "float8_e4m3fnuz": 1,
+        "float8_e5m2fnuz": 1,
+        "float8_e8m0fnu": 1,
+    }
+)
 #: The kvferry format version written under ``"v"``; bumped only for incompatible changes.
 FORMAT_VERSION = 1
 #: Checksum algorithms by header name: ``fn(buffer, running) -> int`` (unsigned 32 bit).
@@ -183,7 +206,7 @@ class AbsentTensor:
     name: str
 
 
-Entry = Union[TensorDescriptor, AbsentTensor]
+Entry = TensorDescriptor | AbsentTensor
 
 
 class _CheckedEntries(tuple):
@@ -297,7 +320,8 @@ class PayloadHeader:
             raise ConfigError(f"unknown checksum algorithm {self.checksum_algorithm!r}")
         tensors = self.tensors
         if (
-            type(tensors) is _CheckedEntries and tensors.min_layers <= self.num_layers
+            type(tensors) is _CheckedEntries
+            and tensors.min_layers <= self.num_layers
             and tensors.checksummed in (None, self.checksum_algorithm is not None)
         ):
             return  # the per-entry invariants were checked when the entries were made

@@ -16,7 +16,8 @@ parsed back unambiguously (keys are still built, as the reference does).
 
 from __future__ import annotations
 
-from typing import Any, Callable, Sequence, Union
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import attrs
 
@@ -46,7 +47,7 @@ DUMMY_REQUEST_ID = "dummy_req_id"
 #: ``chunk_id`` of a payload carrying a whole request.
 WHOLE_REQUEST_CHUNK = 0
 
-Stage = Union[int, str]
+Stage = int | str
 #: ``hook(request_id, from_stage, to_stage) -> keys``; an empty result means "use the default".
 SendKeyHook = Callable[[str, Stage, Stage], Sequence[str]]
 #: ``hook(request_id, from_stage, to_stage) -> [(key, from_rank) | key, ...]``.
@@ -89,9 +90,7 @@ def legacy_key(from_stage: Stage, to_stage: Stage, request_id: str) -> str:
     return f"{_LEGACY_PREFIX}{frm}{_LEGACY_TO}{to}{_LEGACY_MID}{_check_request_id(request_id)}"
 
 
-def connector_key(
-    request_id: str, from_stage: Stage, chunk_id: int, from_rank: int, to_rank: int
-) -> str:
+def connector_key(request_id: str, from_stage: Stage, chunk_id: int, from_rank: int, to_rank: int) -> str:
     """The rank-aware key ``{request_id}_{from_stage}_{chunk_id}_{from_rank}_{to_rank}``."""
     rid = _check_request_id(request_id)
     frm = _stage_str("from_stage", from_stage)
@@ -112,9 +111,7 @@ class ConnectorKey:
     to_rank: int
 
     def __str__(self) -> str:
-        return connector_key(
-            self.request_id, self.from_stage, self.chunk_id, self.from_rank, self.to_rank
-        )
+        return connector_key(self.request_id, self.from_stage, self.chunk_id, self.from_rank, self.to_rank)
 
 
 @attrs.frozen
@@ -155,7 +152,7 @@ def parse_legacy_key(key: str) -> LegacyKey:
     """Parse ``omni_{from}_to_{to}_kv_cache_{rid}`` (stages must not contain ``_to_``/``_kv_cache_``)."""
     if not isinstance(key, str) or not key.startswith(_LEGACY_PREFIX):
         raise RoutingError(f"not a legacy key: {key!r}")
-    stages, sep, rid = key[len(_LEGACY_PREFIX):].partition(_LEGACY_MID)
+    stages, sep, rid = key[len(_LEGACY_PREFIX) :].partition(_LEGACY_MID)
     frm, sep2, to = stages.partition(_LEGACY_TO)
     if not sep or not sep2 or not frm or not to:
         raise RoutingError(f"not a legacy key: {key!r}")
@@ -186,14 +183,11 @@ def send_keys(
     if topo.is_legacy:
         return (legacy_key(from_stage, to_stage, request_id),)
     return tuple(
-        connector_key(request_id, from_stage, WHOLE_REQUEST_CHUNK, topo.local_rank, dst)
-        for dst in target_ranks(topo)
+        connector_key(request_id, from_stage, WHOLE_REQUEST_CHUNK, topo.local_rank, dst) for dst in target_ranks(topo)
     )
 
 
-def _from_hook(
-    custom: Sequence[Any], topo: TPTopology
-) -> tuple[tuple[str, int | None], ...]:
+def _from_hook(custom: Sequence[Any], topo: TPTopology) -> tuple[tuple[str, int | None], ...]:
     items = tuple(custom)
     plain_ranks: tuple[int | None, ...] | None = None
     out: list[tuple[str, int | None]] = []

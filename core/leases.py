@@ -22,7 +22,8 @@ Every name here is also importable from :mod:`kvferry.core.pool`.
 
 from __future__ import annotations
 
-from typing import Any, Callable, Iterable
+from collections.abc import Callable, Iterable
+from typing import Any
 
 import attrs
 
@@ -143,8 +144,17 @@ class _Record:
 
     def snapshot(self) -> LeaseEntry:
         return LeaseEntry(
-            self.entry_id, self.key, self.request_id, self.handle, self.size, self.readers,
-            self.readers_left, len(self.tickets), self.created_s, self.lease_s, self.state,
+            self.entry_id,
+            self.key,
+            self.request_id,
+            self.handle,
+            self.size,
+            self.readers,
+            self.readers_left,
+            len(self.tickets),
+            self.created_s,
+            self.lease_s,
+            self.state,
         )
 
 
@@ -226,9 +236,7 @@ class LeaseTable:
         if key in self._by_key:
             raise ConfigError(f"key {key!r} is already published")
         rid = request_id if request_id is not None else request_id_of_key(key)
-        record = _Record(
-            self._serial(), key, rid, handle, size, readers, readers, float(now_s), lease
-        )
+        record = _Record(self._serial(), key, rid, handle, size, readers, readers, float(now_s), lease)
         self._by_key[key] = record
         self._held[record.entry_id] = record
         self._gone.pop(key, None)
@@ -245,8 +253,7 @@ class LeaseTable:
         if record is None or now_s >= record.created_s + record.lease_s:
             return None
         record.readers_left -= 1
-        ticket = Ticket(self._serial(), record.entry_id, key, record.handle, record.size, now_s,
-                        holder)
+        ticket = Ticket(self._serial(), record.entry_id, key, record.handle, record.size, now_s, holder)
         record.tickets[ticket.ticket_id] = _Hold(float(now_s), holder)
         self._tickets[ticket.ticket_id] = record
         if record.readers_left == 0:
@@ -284,9 +291,7 @@ class LeaseTable:
             return record.snapshot()
         return None
 
-    def expire(
-        self, now_s: float, holder_alive: Callable[[Any], bool] | None = None
-    ) -> tuple[Expiry, ...]:
+    def expire(self, now_s: float, holder_alive: Callable[[Any], bool] | None = None) -> tuple[Expiry, ...]:
         """Drop unread readers past their lease; deal with tickets held past ``hold_s``.
 
         An overdue ticket is revoked unless it has a holder and ``holder_alive(holder)`` is

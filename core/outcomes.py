@@ -10,7 +10,8 @@ from __future__ import annotations
 import contextlib
 import enum
 import math
-from typing import Any, ContextManager, Mapping
+from collections.abc import Mapping
+from typing import Any
 
 import attrs
 
@@ -136,10 +137,16 @@ class SkipReason(enum.Enum):
 
 
 #: Receive kinds counted as errors (timeouts are counted on their own).
-_RECEIVE_ERRORS = frozenset({
-    ReceiveKind.EXPIRED, ReceiveKind.SENDER_UNRESOLVED, ReceiveKind.CONNECTOR_UNAVAILABLE, ReceiveKind.DECODE_FAILED,
-    ReceiveKind.CONSUMED_BUT_FAILED, ReceiveKind.ERROR,
-})
+_RECEIVE_ERRORS = frozenset(
+    {
+        ReceiveKind.EXPIRED,
+        ReceiveKind.SENDER_UNRESOLVED,
+        ReceiveKind.CONNECTOR_UNAVAILABLE,
+        ReceiveKind.DECODE_FAILED,
+        ReceiveKind.CONSUMED_BUT_FAILED,
+        ReceiveKind.ERROR,
+    }
+)
 
 
 @attrs.frozen
@@ -183,8 +190,9 @@ class ReceiveOutcome:
         return self.kind in _RECEIVE_ERRORS
 
     @classmethod
-    def received(cls, request_id: str, *, keys: Any = (), nbytes: int = 0, seconds: float = 0.0,
-                 via: str = "connector") -> ReceiveOutcome:
+    def received(
+        cls, request_id: str, *, keys: Any = (), nbytes: int = 0, seconds: float = 0.0, via: str = "connector"
+    ) -> ReceiveOutcome:
         return cls(request_id, ReceiveKind.RECEIVED, keys=keys, nbytes=nbytes, seconds=seconds, via=via)
 
     @classmethod
@@ -211,7 +219,7 @@ class Counters:
     threads may lose counts: pass ``threading.Lock()`` when more than one thread records.
     """
 
-    lock: ContextManager[Any] = attrs.field(factory=contextlib.nullcontext)
+    lock: contextlib.AbstractContextManager[Any] = attrs.field(factory=contextlib.nullcontext)
     _counts: dict[str, int] = attrs.field(factory=dict, init=False)
 
     def incr(self, name: str, n: int = 1) -> None:

@@ -124,9 +124,7 @@ def stage_plan(
     """
     validate_sizes(from_tp, to_tp)
     stage = str(from_stage)
-    sender_ports = tuple(
-        kv_port(base_port, from_stage, r, replica, dp_rank, from_tp) for r in range(from_tp)
-    )
+    sender_ports = tuple(kv_port(base_port, from_stage, r, replica, dp_rank, from_tp) for r in range(from_tp))
     advertised = sender_ports[0]
     heads_by_target = plan_heads(from_tp, to_tp, num_heads) if num_heads is not None else None
     plans: list[RankPlan] = []
@@ -135,9 +133,7 @@ def stage_plan(
         targets = target_ranks(topo)
         keys = send_keys(request_id, from_stage, to_stage, topo)
         slices: tuple[HeadSlice | None, ...] = (
-            sender_slices(from_tp, to_tp, num_heads, rank)
-            if num_heads is not None
-            else (None,) * len(targets)
+            sender_slices(from_tp, to_tp, num_heads, rank) if num_heads is not None else (None,) * len(targets)
         )
         routes = tuple(
             KeyRoute(key, target, sender_ports[rank], head)
@@ -146,7 +142,14 @@ def stage_plan(
         shard = (num_heads // from_tp) if num_heads is not None else None
         plans.append(
             RankPlan(
-                SENDER, stage, rank, from_tp, replica, dp_rank, sender_ports[rank], routes,
+                SENDER,
+                stage,
+                rank,
+                from_tp,
+                replica,
+                dp_rank,
+                sender_ports[rank],
+                routes,
                 None if shard is None else rank * shard,
                 None if shard is None else (rank + 1) * shard,
             )
@@ -162,7 +165,14 @@ def stage_plan(
         )
         plans.append(
             RankPlan(
-                RECEIVER, to_stage_str, rank, to_tp, replica, dp_rank, None, pulls,
+                RECEIVER,
+                to_stage_str,
+                rank,
+                to_tp,
+                replica,
+                dp_rank,
+                None,
+                pulls,
                 None if target_plan is None else target_plan.abs_head_start,
                 None if target_plan is None else target_plan.abs_head_stop,
             )

@@ -7,7 +7,8 @@ caller (an injected :class:`~kvferry.core.ports.Clock`), so tests drive time by 
 from __future__ import annotations
 
 import math
-from typing import Any, Iterator
+from collections.abc import Iterator
+from typing import Any
 
 import attrs
 

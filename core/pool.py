@@ -19,7 +19,8 @@ two modules above is importable from here too.
 
 from __future__ import annotations
 
-from typing import Any, Callable, Iterable
+from collections.abc import Callable, Iterable
+from typing import Any
 
 import attrs
 
@@ -76,9 +77,7 @@ class PoolLedger:
     _reserved: set[int] = attrs.field(init=False, factory=set)
 
     @classmethod
-    def create(
-        cls, capacity: int, *, alignment: int = DEFAULT_ALIGNMENT, hold_s: float | None = None
-    ) -> "PoolLedger":
+    def create(cls, capacity: int, *, alignment: int = DEFAULT_ALIGNMENT, hold_s: float | None = None) -> PoolLedger:
         return cls(RegionAllocator(capacity, alignment), LeaseTable(hold_s=hold_s))
 
     def reserve(self, nbytes: int) -> Region | AllocationFailure:
@@ -117,7 +116,12 @@ class PoolLedger:
             raise ConfigError(f"region {region} was not reserved (or was already published)")
         self._free(self.leases.drop_key(key))
         entry = self.leases.publish(
-            key, region, region.nbytes, readers=readers, now_s=now_s, lease_s=lease_s,
+            key,
+            region,
+            region.nbytes,
+            readers=readers,
+            now_s=now_s,
+            lease_s=lease_s,
             request_id=request_id,
         )
         self._reserved.discard(region.offset)
@@ -142,9 +146,7 @@ class PoolLedger:
             self._free([entry])
         return entry
 
-    def expire(
-        self, now_s: float, holder_alive: Callable[[Any], bool] | None = None
-    ) -> tuple[Expiry, ...]:
+    def expire(self, now_s: float, holder_alive: Callable[[Any], bool] | None = None) -> tuple[Expiry, ...]:
         """:meth:`LeaseTable.expire`; regions of freed entries go back to the allocator."""
         report = self.leases.expire(now_s, holder_alive)
         self._free(x.entry for x in report if x.freed)

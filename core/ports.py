@@ -17,7 +17,8 @@ Data vocabulary used below:
 
 from __future__ import annotations
 
-from typing import Any, Mapping, Protocol, runtime_checkable
+from collections.abc import Mapping
+from typing import Any, Protocol, runtime_checkable
 
 __all__ = [
     "PutResult",
@@ -129,7 +130,7 @@ class Reservation(Protocol):
 
     buffer: Any
 
-    def commit(self) -> "PutResult": ...
+    def commit(self) -> PutResult: ...
 
     def abort(self) -> None: ...
 

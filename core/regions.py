@@ -15,7 +15,7 @@ from typing import Any
 import attrs
 
 from kvferry.core.errors import ConfigError
-from kvferry.core.validate import check_int, check_seconds
+from kvferry.core.validate import check_int
 
 __all__ = [
     "DEFAULT_ALIGNMENT",
@@ -152,9 +152,7 @@ class RegionAllocator:
     def failure(self, nbytes: int) -> AllocationFailure:
         """Describe why ``nbytes`` cannot be allocated now (call after ``allocate`` gave None)."""
         reason = TOO_LARGE if self.too_large(nbytes) else POOL_FULL
-        return AllocationFailure(
-            reason, nbytes, self.free_bytes, self.largest_free, self.usable_bytes
-        )
+        return AllocationFailure(reason, nbytes, self.free_bytes, self.largest_free, self.usable_bytes)
 
     def allocate(self, nbytes: int) -> Region | None:
         """Reserve ``nbytes``; None when no hole fits (see :meth:`too_large` / :meth:`failure`).

@@ -14,7 +14,8 @@ fastest-moving coordinate (neighbours share a TP group), SP next, CFG slowest.
 from __future__ import annotations
 
 import enum
-from typing import Any, Iterable, Sequence
+from collections.abc import Iterable, Sequence
+from typing import Any
 
 import attrs
 
@@ -163,8 +164,16 @@ def distribution_plan(
     broadcast when ``sp_size > 1``); TP active with SP only -> TP_SP; TP inactive -> WORLD_BROADCAST.
     """
     role = receive_role(
-        world_size, world_rank, groups_initialised, from_tp, to_tp, tp_size,
-        cfg_size, cfg_rank, sp_size, sp_rank,
+        world_size,
+        world_rank,
+        groups_initialised,
+        from_tp,
+        to_tp,
+        tp_size,
+        cfg_size,
+        cfg_rank,
+        sp_size,
+        sp_rank,
     )
     if role is ReceiveRole.LOCAL:
         return DistributionPlan(role, DistributionKind.NONE)
@@ -281,9 +290,7 @@ def cfg_payload_plan(cfg_size: int, branch_roles: Sequence[str]) -> tuple[CfgAss
     return tuple(plan)
 
 
-def order_branch_roles(
-    branch_map_roles: Iterable[str], attribute_roles: Iterable[str] = ()
-) -> tuple[str, ...]:
+def order_branch_roles(branch_map_roles: Iterable[str], attribute_roles: Iterable[str] = ()) -> tuple[str, ...]:
     """Stable order of CFG branch roles: ``cfg_text``, ``cfg_img`` first when present, then the
     other roles of the branch map in their order, then roles found only as
     ``{role}_past_key_values`` attributes in their order. Duplicates are dropped.

@@ -24,7 +24,8 @@ advertised rank-0 port; per-rank ports come from :func:`kvferry.core.addressing.
 from __future__ import annotations
 
 import re
-from typing import Any, Mapping
+from collections.abc import Mapping
+from typing import Any
 
 import attrs
 
@@ -136,11 +137,7 @@ def resolve_sender(info: Any, expected_stage: Any = None) -> SenderResolution:
             if not isinstance(entry, Mapping):
                 return SenderResolution(None, f"entry for stage {key!r} is not a dict")
             return _result(entry, f"entry for stage {key!r}", key)
-    with_host = [
-        (key, entry)
-        for key, entry in info.items()
-        if isinstance(entry, Mapping) and HOST_KEY in entry
-    ]
+    with_host = [(key, entry) for key, entry in info.items() if isinstance(entry, Mapping) and HOST_KEY in entry]
     if len(with_host) == 1:
         key, entry = with_host[0]
         return _result(entry, f"entry for stage {key!r}", key)
@@ -148,9 +145,7 @@ def resolve_sender(info: Any, expected_stage: Any = None) -> SenderResolution:
     if not with_host:
         return SenderResolution(None, f"no entry{wanted} and no entry with a host")
     stages = sorted(repr(k) for k, _ in with_host)
-    return SenderResolution(
-        None, f"ambiguous: no entry{wanted} and several stages have a host ({', '.join(stages)})"
-    )
+    return SenderResolution(None, f"ambiguous: no entry{wanted} and several stages have a host ({', '.join(stages)})")
 
 
 def resolve_sender_info(info: Any, expected_stage: Any = None) -> SenderEndpoint | None:

@@ -13,7 +13,8 @@ rank of a group keeps calling the same collectives. Anything else that does not 
 from __future__ import annotations
 
 import struct
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import attrs
 

@@ -130,9 +130,7 @@ def target_ranks(topo: TPTopology) -> tuple[int, ...]:
     """
     validate_topology(topo)
     if topo.local_rank >= topo.source_tp:
-        raise RoutingError(
-            f"local_rank {topo.local_rank} is not a sender rank (source_tp={topo.source_tp})"
-        )
+        raise RoutingError(f"local_rank {topo.local_rank} is not a sender rank (source_tp={topo.source_tp})")
     return _feeds(topo.source_tp, topo.target_tp, topo.local_rank)
 
 
@@ -143,9 +141,7 @@ def source_ranks(topo: TPTopology) -> tuple[int, ...]:
     """
     validate_topology(topo)
     if topo.local_rank >= topo.target_tp:
-        raise RoutingError(
-            f"local_rank {topo.local_rank} is not a receiver rank (target_tp={topo.target_tp})"
-        )
+        raise RoutingError(f"local_rank {topo.local_rank} is not a receiver rank (target_tp={topo.target_tp})")
     return _reads(topo.source_tp, topo.target_tp, topo.local_rank)
 
 
@@ -163,6 +159,4 @@ def recv_rank_map(source_tp: int, target_tp: int) -> dict[int, tuple[int, ...]]:
 
 def rank_pairs(source_tp: int, target_tp: int) -> tuple[tuple[int, int], ...]:
     """Every ``(sender rank, receiver rank)`` pair that exchanges a payload, sorted."""
-    return tuple(
-        (s, t) for s, targets in send_rank_map(source_tp, target_tp).items() for t in targets
-    )
+    return tuple((s, t) for s, targets in send_rank_map(source_tp, target_tp).items() for t in targets)

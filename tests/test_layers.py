@@ -13,8 +13,23 @@ import pytest
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 CORE_ALLOWED_THIRD_PARTY = {"attrs", "attr"}
 FORBIDDEN_IN_CORE = {
-    "torch", "zmq", "numpy", "msgpack", "threading", "socket", "subprocess", "multiprocessing",
-    "os", "time", "random", "logging", "asyncio", "mmap", "select", "signal", "pickle",
+    "torch",
+    "zmq",
+    "numpy",
+    "msgpack",
+    "threading",
+    "socket",
+    "subprocess",
+    "multiprocessing",
+    "os",
+    "time",
+    "random",
+    "logging",
+    "asyncio",
+    "mmap",
+    "select",
+    "signal",
+    "pickle",
 }
 
 
@@ -86,6 +101,10 @@ def test_no_pickle_or_eval_on_any_wire() -> None:
                     assert node.func.id not in {"eval", "exec"}, f"{path}: {node.func.id}()"
                 if isinstance(node, ast.Attribute):
                     assert node.attr not in {
-                        "broadcast_object_list", "send_object_list", "recv_object_list",
-                        "all_gather_object", "gather_object", "scatter_object_list",
+                        "broadcast_object_list",
+                        "send_object_list",
+                        "recv_object_list",
+                        "all_gather_object",
+                        "gather_object",
+                        "scatter_object_list",
                     }, f"{path}: torch.distributed.{node.attr} pickles; use the data-only codec"

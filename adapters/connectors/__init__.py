@@ -9,8 +9,8 @@ __all__ = ["CONNECTOR_MODULES"]
 
 #: connector name -> implementing module (imported lazily by the registry)
 CONNECTOR_MODULES = {
-    "memory": "kvferry.adapters.connectors.memory",
-    "shm": "kvferry.adapters.connectors.shm",
-    "zmq": "kvferry.adapters.connectors.zmq_connector",
-    "mooncake": "kvferry.adapters.connectors.mooncake",
+    "memory": "kvferry.adapters.connectors.memory.connector",
+    "shm": "kvferry.adapters.connectors.shm.connector",
+    "zmq": "kvferry.adapters.connectors.zmq.connector",
+    "mooncake": "kvferry.adapters.connectors.mooncake.connector",
 }

@@ -25,7 +25,8 @@ import os
 import queue
 import threading
 import weakref
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import attrs
 import numpy as np
@@ -35,7 +36,7 @@ __all__ = ["PooledBuffer", "tie_release", "can_tie", "release_soon", "wait_for_g
 
 logger = logging.getLogger(__name__)
 
-_QUEUE: "queue.SimpleQueue[Callable[[], None]]" = queue.SimpleQueue()
+_QUEUE: queue.SimpleQueue[Callable[[], None]] = queue.SimpleQueue()
 _WORKER: dict[str, Any] = {"pid": None, "lock": threading.Lock()}
 
 
@@ -83,8 +84,13 @@ class _Exported:
 def can_tie(view: Any) -> bool:
     """True when ``view`` is a CPU, contiguous, 1-D ``uint8`` tensor (what :func:`tie_release`
     accepts)."""
-    return (isinstance(view, torch.Tensor) and view.device.type == "cpu" and view.dim() == 1
-            and view.dtype == torch.uint8 and view.is_contiguous())
+    return (
+        isinstance(view, torch.Tensor)
+        and view.device.type == "cpu"
+        and view.dim() == 1
+        and view.dtype == torch.uint8
+        and view.is_contiguous()
+    )
 
 
 def tie_release(view: torch.Tensor, release: Callable[[], None]) -> tuple[torch.Tensor, weakref.finalize]:
@@ -100,8 +106,12 @@ def tie_release(view: torch.Tensor, release: Callable[[], None]) -> tuple[torch.
         raise ValueError("only a CPU, contiguous, 1-D uint8 tensor can be tied to a release")
     owner = _Exported()
     owner.keep = view
-    owner.__array_interface__ = {"shape": (int(view.numel()),), "typestr": "|u1",
-                                 "data": (view.data_ptr(), False), "version": 3}
+    owner.__array_interface__ = {
+        "shape": (int(view.numel()),),
+        "typestr": "|u1",
+        "data": (view.data_ptr(), False),
+        "version": 3,
+    }
     tensor = torch.from_numpy(np.asarray(owner))
     _ensure_worker()
     finalizer = weakref.finalize(owner, _defer, release)
@@ -138,8 +148,9 @@ class PooledBuffer:
     _done: bool = attrs.field(init=False, default=False)
 
     @classmethod
-    def tied(cls, view: torch.Tensor, on_release: Callable[[], None],
-             on_release_soon: Callable[[], None] | None = None) -> "PooledBuffer":
+    def tied(
+        cls, view: torch.Tensor, on_release: Callable[[], None], on_release_soon: Callable[[], None] | None = None
+    ) -> PooledBuffer:
         """A buffer whose ``tensor`` is tied to the release (module doc); falls back to an
         untied buffer over ``view`` when it cannot be tied (not a CPU contiguous uint8 view)."""
         if not can_tie(view):
@@ -183,7 +194,7 @@ class PooledBuffer:
             if callback is not None:
                 callback()
 
-    def __enter__(self) -> "PooledBuffer":
+    def __enter__(self) -> PooledBuffer:
         return self
 
     def __exit__(self, *exc: object) -> None:

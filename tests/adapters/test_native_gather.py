@@ -23,8 +23,9 @@ from kvferry.adapters import paged_gather
 from kvferry.adapters.paged_cache import plan_extraction
 from kvferry.core.errors import ConfigError
 
-needs_native = pytest.mark.skipif(not paged_gather.NATIVE_GATHER,
-                                  reason="the native gather (kvferry.adapters._gather) is not built")
+needs_native = pytest.mark.skipif(
+    not paged_gather.NATIVE_GATHER, reason="the native gather (kvferry.adapters._gather) is not built"
+)
 ISAS = ("avx512f", "avx2", "sse2", "memcpy")
 #: One dtype per element size: 1, 2, 4 and 8 bytes.
 DTYPES = (torch.float8_e4m3fn, torch.bfloat16, torch.float32, torch.float64)
@@ -33,16 +34,17 @@ BLOCK, HEADS = 5, 4
 #: the short path when aligned); 600: unaligned tails, whole blocks of 2-4 pages (12,000 B);
 #: 1000: whole blocks over 4 pages (20,000 B). Every piece streams when asked (>= 256 B).
 HEAD_BYTES = (256, 600, 1000)
-IDS_CASES = (([6, 0, 3, 3, 9, 1, 7], 33),  # scattered, a duplicate, partial last block (3 of 5)
-             ([2, 3, 4], 15),               # one run of whole blocks
-             ([4], 2))                      # only a partial block
+IDS_CASES = (
+    ([6, 0, 3, 3, 9, 1, 7], 33),  # scattered, a duplicate, partial last block (3 of 5)
+    ([2, 3, 4], 15),  # one run of whole blocks
+    ([4], 2),
+)  # only a partial block
 
 
 def random_blocks(num_blocks, head_dim, dtype, seed):
     g = torch.Generator().manual_seed(seed)
     itemsize = torch.empty((), dtype=dtype).element_size()
-    raw = torch.randint(0, 256, (num_blocks, BLOCK, HEADS, head_dim * itemsize),
-                        dtype=torch.uint8, generator=g)
+    raw = torch.randint(0, 256, (num_blocks, BLOCK, HEADS, head_dim * itemsize), dtype=torch.uint8, generator=g)
     return raw.view(dtype)
 
 
@@ -57,8 +59,7 @@ def make_layer(layout, key, value):
 
 
 def same_bits(a, b):
-    return a.shape == b.shape and torch.equal(a.contiguous().view(torch.uint8),
-                                              b.contiguous().view(torch.uint8))
+    return a.shape == b.shape and torch.equal(a.contiguous().view(torch.uint8), b.contiguous().view(torch.uint8))
 
 
 @pytest.fixture(params=("avx512f", "avx2", "sse2", "cached"))
@@ -86,34 +87,33 @@ def test_native_gather_is_bit_exact(kernel, dtype, head_bytes):
     value = random_blocks(10, head_dim, dtype, seed=2)
     for layout in ("dim0", "dim1", "packed"):  # a (key, value) tuple reads like dim0
         for ids, seq_len in IDS_CASES:
-            plan = plan_extraction([make_layer(layout, key, value)], ids, seq_len, BLOCK,
-                                   cache_dtype=str(dtype))
+            plan = plan_extraction([make_layer(layout, key, value)], ids, seq_len, BLOCK, cache_dtype=str(dtype))
             for start, stop in ((0, HEADS), (1, 3), (3, 4)):
                 gather = plan.tensor(0, "value")  # keys take the same path
                 gather = attrs.evolve(gather, blocks=gather.blocks.narrow(2, start, stop - start))
                 expected = torch.cat([value[b, :, start:stop] for b in ids])[:seq_len]
                 for offset in (0, 5):  # elements: 5 is misaligned for 16/32/64-byte stores
-                    pool = torch.full((gather.nbytes + (offset + 3) * itemsize,), 0xA5,
-                                      dtype=torch.uint8)
+                    pool = torch.full((gather.nbytes + (offset + 3) * itemsize,), 0xA5, dtype=torch.uint8)
                     at = offset * itemsize
-                    out = pool[at:at + gather.nbytes].view(dtype).view(gather.shape)
+                    out = pool[at : at + gather.nbytes].view(dtype).view(gather.shape)
                     gather.gather_into(out, method="native")
                     where = (layout, ids, start, stop, offset)
                     assert same_bits(out, expected), where
                     assert bool((pool[:at] == 0xA5).all()), where
-                    assert bool((pool[at + gather.nbytes:] == 0xA5).all()), where
+                    assert bool((pool[at + gather.nbytes :] == 0xA5).all()), where
 
 
 @needs_native
 def test_large_scattered_gather_streams_the_same_bytes(monkeypatch):
     """A bench-sized tensor (4 MiB, 16 KiB blocks) with the default threshold: streamed."""
     assert paged_gather.STREAM_MIN_BYTES <= 4 << 20
-    cache = torch.randint(-2 ** 15, 2 ** 15, (2, 272, 16, 4, 128), dtype=torch.int16).view(
-        torch.bfloat16)
+    cache = torch.randint(-(2**15), 2**15, (2, 272, 16, 4, 128), dtype=torch.int16).view(torch.bfloat16)
     ids = torch.randperm(272, generator=torch.Generator().manual_seed(3))[:256].tolist()
     plan = plan_extraction([cache], ids, 4090, 16, cache_dtype="bfloat16")
-    keys, values = [torch.empty(plan.keys[0].shape, dtype=torch.bfloat16)], [
-        torch.empty(plan.values[0].shape, dtype=torch.bfloat16)]
+    keys, values = (
+        [torch.empty(plan.keys[0].shape, dtype=torch.bfloat16)],
+        [torch.empty(plan.values[0].shape, dtype=torch.bfloat16)],
+    )
     plan.gather_all((keys, values), method="native")
     assert plan.keys[0].nbytes >= paged_gather.STREAM_MIN_BYTES
     assert same_bits(keys[0], torch.cat([cache[0, b] for b in ids])[:4090])
@@ -155,8 +155,9 @@ def test_pieces_reproduce_the_byte_offsets_of_a_block(view):
         assert sum(1 for n in block.shape if n != 1) >= 4
         return
     d0, s0, d1, s1, d2, s2, piece = pieces
-    described = [a * s0 + b * s1 + c * s2 + i
-                 for a in range(d0) for b in range(d1) for c in range(d2) for i in range(piece)]
+    described = [
+        a * s0 + b * s1 + c * s2 + i for a in range(d0) for b in range(d1) for c in range(d2) for i in range(piece)
+    ]
     assert described == expected
 
 
@@ -189,8 +190,7 @@ def test_native_misuse_is_a_config_error():
     gather = plan_extraction([cpu], [1, 2], 8, 4, cache_dtype="float32").keys[0]
     with pytest.raises(ConfigError):
         gather.choose_method(torch.device("meta"), "native")  # destination elsewhere
-    meta = plan_extraction([torch.empty(2, 6, 4, 2, 64, device="meta")], [1, 2], 8, 4,
-                           cache_dtype="float32").keys[0]
+    meta = plan_extraction([torch.empty(2, 6, 4, 2, 64, device="meta")], [1, 2], 8, 4, cache_dtype="float32").keys[0]
     with pytest.raises(ConfigError):
         meta.choose_method(torch.device("meta"), "native")  # cache elsewhere
     # every dimension of a block strided on its own: more than three levels of pieces
@@ -212,8 +212,7 @@ def test_auto_picks_native_on_one_thread_for_pieces_of_enough_bytes():
     try:
         torch.set_num_threads(1)
         assert gather.choose_method(torch.device("cpu")) == "native"
-        assert attrs.evolve(gather, blocks=gather.blocks.narrow(2, 0, 2)).choose_method(
-            torch.device("cpu")) == "native"
+        assert attrs.evolve(gather, blocks=gather.blocks.narrow(2, 0, 2)).choose_method(torch.device("cpu")) == "native"
         assert one_head._layout.full[-1] == 32 < paged_gather.NATIVE_MIN_PIECE
         assert one_head.choose_method(torch.device("cpu")) == "index"
         torch.set_num_threads(2)
@@ -235,23 +234,23 @@ def test_without_the_extension_torch_copies_and_native_is_a_config_error(monkeyp
     finally:
         torch.set_num_threads(threads)
     with pytest.raises(ConfigError, match="not built"):
-        plan.gather_into(0, "key", torch.empty(plan.keys[0].shape, dtype=torch.bfloat16),
-                         method="native")
+        plan.gather_into(0, "key", torch.empty(plan.keys[0].shape, dtype=torch.bfloat16), method="native")
     keys, _ = plan.materialize()
     assert same_bits(keys[0], torch.cat([key[b] for b in (4, 0, 2)])[:12])
 
 
 def test_the_environment_switch_leaves_the_extension_unloaded():
-    code = ("import sys, torch\n"
-            "from kvferry.adapters import paged_gather as pg\n"
-            "from kvferry.adapters.paged_cache import extract_request\n"
-            "k = torch.arange(6 * 4 * 2 * 64, dtype=torch.float32).view(6, 4, 2, 64)\n"
-            "kv = extract_request([(k, k)], [3, 1], 7, 4, cache_dtype='float32')\n"
-            "ok = torch.equal(kv.key_cache[0], torch.cat([k[3], k[1]])[:7])\n"
-            "print(pg.NATIVE_GATHER, pg.native_isa(), 'kvferry.adapters._gather' in sys.modules, ok)\n")
+    code = (
+        "import sys, torch\n"
+        "from kvferry.adapters import paged_gather as pg\n"
+        "from kvferry.adapters.paged_cache import extract_request\n"
+        "k = torch.arange(6 * 4 * 2 * 64, dtype=torch.float32).view(6, 4, 2, 64)\n"
+        "kv = extract_request([(k, k)], [3, 1], 7, 4, cache_dtype='float32')\n"
+        "ok = torch.equal(kv.key_cache[0], torch.cat([k[3], k[1]])[:7])\n"
+        "print(pg.NATIVE_GATHER, pg.native_isa(), 'kvferry.adapters._gather' in sys.modules, ok)\n"
+    )
     env = {**os.environ, "KVFERRY_NATIVE_GATHER": "0"}
-    done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
-                          timeout=60, check=True)
+    done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=60, check=True)
     assert done.stdout.split() == ["False", "None", "False", "True"]
 
 
@@ -277,6 +276,7 @@ def _sliced(plan, slices):
 def _dests(plan):
     def fresh(g):
         return None if g is None else torch.full(g.shape, 0, dtype=g.dtype)
+
     return [fresh(g) for g in plan.keys], [fresh(g) for g in plan.values]
 
 
@@ -321,8 +321,7 @@ def test_gather_slices_writes_what_each_slice_gathers_alone(kernel, split_calls,
     value = random_blocks(10, 256 // itemsize, dtype, seed=4)
     for layout in ("dim0", "dim1", "packed", "tuple"):
         for ids, seq_len in IDS_CASES:
-            plan = plan_extraction([make_layer(layout, key, value)] * 2, ids, seq_len, BLOCK,
-                                   cache_dtype=str(dtype))
+            plan = plan_extraction([make_layer(layout, key, value)] * 2, ids, seq_len, BLOCK, cache_dtype=str(dtype))
             parts = _sliced(plan, slices)
             together = [_dests(p) for p in parts]
             gather_slices(parts, together)
@@ -361,15 +360,14 @@ def test_split_gather_checks_every_id_and_its_destinations():
 
 @needs_native
 @pytest.mark.parametrize("slices", [2, 4])
-def test_a_bench_sized_split_gather_reads_whole_pages_and_writes_the_same_bytes(split_calls, slices,
-                                                                               monkeypatch):
+def test_a_bench_sized_split_gather_reads_whole_pages_and_writes_the_same_bytes(split_calls, slices, monkeypatch):
     """16 KiB blocks (4 heads x 128 bf16 x 16 tokens), streamed: the splits tile every block,
     so the split gather takes its page-at-a-time kernel; the bytes equal each slice's own."""
     from kvferry.adapters.paged_cache import gather_slices
 
     monkeypatch.setattr(paged_gather, "STREAM_MIN_BYTES", 0)
     calls, threads = split_calls
-    cache = torch.randint(-2 ** 15, 2 ** 15, (2, 300, 16, 4, 128), dtype=torch.int16).view(torch.bfloat16)
+    cache = torch.randint(-(2**15), 2**15, (2, 300, 16, 4, 128), dtype=torch.int16).view(torch.bfloat16)
     ids = torch.randperm(300, generator=torch.Generator().manual_seed(7))[:256].tolist()
     plan = plan_extraction([cache, cache], ids, 4090, 16, cache_dtype="bfloat16")
     parts = _sliced(plan, slices)

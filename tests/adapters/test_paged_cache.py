@@ -29,22 +29,36 @@ PROPERTY = settings(max_examples=60, deadline=None)
 LAYOUTS = ("dim0", "dim1", "packed", "tuple", "list")
 TORCH_METHODS = ("auto", "index", "runs", "staged")
 #: Every gather method; "native" (the optional C extension) is skipped where it is not built.
-METHODS = (*TORCH_METHODS, pytest.param("native", marks=pytest.mark.skipif(
-    not paged_gather.NATIVE_GATHER, reason="the native gather (kvferry.adapters._gather) is not built")))
+METHODS = (
+    *TORCH_METHODS,
+    pytest.param(
+        "native",
+        marks=pytest.mark.skipif(
+            not paged_gather.NATIVE_GATHER, reason="the native gather (kvferry.adapters._gather) is not built"
+        ),
+    ),
+)
 #: Names of paged_gather that paged_cache and the layer need not re-export.
-GATHER_ONLY = {"STRIDED_MAX_RUNS", "NATIVE_GATHER", "NATIVE_MAX_THREADS", "NATIVE_MIN_PIECE",
-               "STREAM_MIN_BYTES", "native_isa", "MAX_SPLIT", "split_stride", "gather_split"}
+GATHER_ONLY = {
+    "STRIDED_MAX_RUNS",
+    "NATIVE_GATHER",
+    "NATIVE_MAX_THREADS",
+    "NATIVE_MIN_PIECE",
+    "STREAM_MIN_BYTES",
+    "native_isa",
+    "MAX_SPLIT",
+    "split_stride",
+    "gather_split",
+}
 DTYPES = (torch.bfloat16, torch.float16, torch.float32, torch.float8_e4m3fn)
 LOGGER = "kvferry.adapters.paged_cache"
 
 
-def random_blocks(num_blocks, block_size, heads, head_dim, dtype=torch.float32, seed=0,
-                  device="cpu"):
+def random_blocks(num_blocks, block_size, heads, head_dim, dtype=torch.float32, seed=0, device="cpu"):
     """Random bit patterns (any dtype, NaNs included): compare bytes, never values."""
     g = torch.Generator().manual_seed(seed)
     itemsize = torch.empty((), dtype=dtype).element_size()
-    raw = torch.randint(0, 256, (num_blocks, block_size, heads, head_dim * itemsize),
-                        dtype=torch.uint8, generator=g)
+    raw = torch.randint(0, 256, (num_blocks, block_size, heads, head_dim * itemsize), dtype=torch.uint8, generator=g)
     return raw.view(dtype).to(device)
 
 
@@ -68,8 +82,11 @@ def naive(blocks, ids, seq_len):
 
 
 def same_bits(a, b):
-    return a.shape == b.shape and a.dtype == b.dtype and torch.equal(
-        a.contiguous().view(torch.uint8), b.contiguous().view(torch.uint8))
+    return (
+        a.shape == b.shape
+        and a.dtype == b.dtype
+        and torch.equal(a.contiguous().view(torch.uint8), b.contiguous().view(torch.uint8))
+    )
 
 
 # ---------------------------------------------------------------- pure helpers
@@ -137,15 +154,18 @@ def test_two_blocks_with_kv_on_dim1_read_as_kv_on_dim0():
     assert same_bits(k, layer[0]) and same_bits(v, layer[1])
 
 
-@pytest.mark.parametrize("bad", [
-    torch.zeros(3, 4, 2, 8),                       # neither dim 0 nor dim 1 is 2
-    torch.zeros(2, 4),                             # rank under 3
-    (torch.zeros(2, 4, 2, 8),) * 3,                # 3-tuple
-    (torch.zeros(2, 4, 2, 8), "not-a-tensor"),     # non-tensor entry
-    (torch.zeros(4), torch.zeros(4, 2)),           # key under 2-D
-    42,
-    None,
-])
+@pytest.mark.parametrize(
+    "bad",
+    [
+        torch.zeros(3, 4, 2, 8),  # neither dim 0 nor dim 1 is 2
+        torch.zeros(2, 4),  # rank under 3
+        (torch.zeros(2, 4, 2, 8),) * 3,  # 3-tuple
+        (torch.zeros(2, 4, 2, 8), "not-a-tensor"),  # non-tensor entry
+        (torch.zeros(4), torch.zeros(4, 2)),  # key under 2-D
+        42,
+        None,
+    ],
+)
 def test_unsupported_layers_are_none_with_a_warning(bad, caplog):
     with caplog.at_level(logging.WARNING, logger=LOGGER):
         assert normalize_layer_kv(bad, req_id="req-7", layer_idx=5, block_size=16) is None
@@ -155,12 +175,9 @@ def test_unsupported_layers_are_none_with_a_warning(bad, caplog):
 # ---------------------------------------------------------------- planning
 
 
-def cache(layout="dim0", layers=2, num_blocks=10, block_size=4, heads=2, head_dim=8,
-          dtype=torch.float32):
-    ks = [random_blocks(num_blocks, block_size, heads, head_dim, dtype, seed=2 * i)
-          for i in range(layers)]
-    vs = [random_blocks(num_blocks, block_size, heads, head_dim, dtype, seed=2 * i + 1)
-          for i in range(layers)]
+def cache(layout="dim0", layers=2, num_blocks=10, block_size=4, heads=2, head_dim=8, dtype=torch.float32):
+    ks = [random_blocks(num_blocks, block_size, heads, head_dim, dtype, seed=2 * i) for i in range(layers)]
+    vs = [random_blocks(num_blocks, block_size, heads, head_dim, dtype, seed=2 * i + 1) for i in range(layers)]
     return [make_layer(layout, k, v) for k, v in zip(ks, vs)], ks, vs
 
 
@@ -176,8 +193,7 @@ def test_block_ids_outside_the_range_are_dropped_and_duplicates_keep_order(caplo
     assert same_bits(values[0], naive(vs[0], ids, 1000))
 
 
-@pytest.mark.parametrize("seq_len, tokens", [(1, 1), (6, 6), (8, 8), (11, 11), (12, 12),
-                                             (500, 12)])
+@pytest.mark.parametrize("seq_len, tokens", [(1, 1), (6, 6), (8, 8), (11, 11), (12, 12), (500, 12)])
 def test_truncation_to_seq_len(seq_len, tokens):
     layers, ks, _ = cache()
     result = extract_request(layers, [2, 5, 1], seq_len, 4, cache_dtype="float32")
@@ -188,8 +204,7 @@ def test_truncation_to_seq_len(seq_len, tokens):
 def test_mismatched_key_and_value_block_counts_use_the_shared_range(caplog):
     key, value = random_blocks(6, 4, 2, 8, seed=1), random_blocks(4, 4, 2, 8, seed=2)
     with caplog.at_level(logging.WARNING, logger=LOGGER):
-        result = extract_request([(key, value)], [5, 1, 3, 4], 100, 4, cache_dtype="x",
-                                 request_id="rm")
+        result = extract_request([(key, value)], [5, 1, 3, 4], 100, 4, cache_dtype="x", request_id="rm")
     assert "key has 6 blocks, value 4" in caplog.text and "rm" in caplog.text
     assert same_bits(result.key_cache[0], naive(key, [1, 3], 100))
     assert same_bits(result.value_cache[0], naive(value, [1, 3], 100))
@@ -236,10 +251,16 @@ def test_no_block_ids_is_skipped_with_a_warning(ids, caplog):
 def test_metadata_carries_the_required_keys_then_custom_ones():
     layers, _, _ = cache(layers=3)
     layers[2] = "junk"
-    plan = plan_extraction(layers, torch.tensor([1, 2]), 7, 4, cache_dtype="bfloat16",
-                           custom_metadata={"model": "m", "seq_len": 7}, request_id="rq")
-    assert plan.metadata == {"block_size": 4, "num_layers": 3, "dtype": "bfloat16",
-                             "seq_len": 7, "model": "m"}
+    plan = plan_extraction(
+        layers,
+        torch.tensor([1, 2]),
+        7,
+        4,
+        cache_dtype="bfloat16",
+        custom_metadata={"model": "m", "seq_len": 7},
+        request_id="rq",
+    )
+    assert plan.metadata == {"block_size": 4, "num_layers": 3, "dtype": "bfloat16", "seq_len": 7, "model": "m"}
     assert list(plan.metadata) == ["block_size", "num_layers", "dtype", "seq_len", "model"]
     plan.metadata["block_size"] = 99  # a fresh dict each time
     assert plan.metadata["block_size"] == 4
@@ -248,10 +269,18 @@ def test_metadata_carries_the_required_keys_then_custom_ones():
     assert result.block_ids == (1, 2) and len(result.layer_blocks()["key_cache"]) == 3
 
 
-@pytest.mark.parametrize("kwargs", [
-    {"seq_len": -1}, {"block_size": 0}, {"block_size": 2.0}, {"block_ids": [1, "2"]},
-    {"block_ids": [1.0]}, {"block_ids": torch.tensor([1.0])}, {"custom_metadata": [("a", 1)]},
-])
+@pytest.mark.parametrize(
+    "kwargs",
+    [
+        {"seq_len": -1},
+        {"block_size": 0},
+        {"block_size": 2.0},
+        {"block_ids": [1, "2"]},
+        {"block_ids": [1.0]},
+        {"block_ids": torch.tensor([1.0])},
+        {"custom_metadata": [("a", 1)]},
+    ],
+)
 def test_bad_arguments_are_config_errors(kwargs):
     args = {"block_ids": [0], "seq_len": 4, "block_size": 4, **kwargs}
     with pytest.raises(ConfigError):
@@ -269,11 +298,11 @@ def test_gather_into_writes_in_place_into_a_slice_of_a_bigger_buffer(method, off
     plan = plan_extraction(layers, ids, seq_len, 4, cache_dtype="bfloat16")
     nbytes = plan.keys[1].nbytes
     pool = torch.full((offset + nbytes + 16,), 0xAB, dtype=torch.uint8)
-    view = pool[offset:offset + nbytes].view(torch.bfloat16).view(plan.keys[1].shape)
+    view = pool[offset : offset + nbytes].view(torch.bfloat16).view(plan.keys[1].shape)
     out = plan.gather_into(1, "key", view, method=method)
     assert out is view and out.data_ptr() == pool.data_ptr() + offset
     assert same_bits(view, naive(ks[1], ids, seq_len))
-    assert bool((pool[:offset] == 0xAB).all()) and bool((pool[offset + nbytes:] == 0xAB).all())
+    assert bool((pool[:offset] == 0xAB).all()) and bool((pool[offset + nbytes :] == 0xAB).all())
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -298,9 +327,11 @@ def test_gather_all_fills_views_and_checks_them_all_before_writing():
     plan.gather_all((keys, values))
     assert same_bits(keys[2], naive(ks[2], [3, 1], 6)) and same_bits(values[0], naive(vs[0], [3, 1], 6))
     fresh = [torch.zeros(6, 2, 8), None, torch.zeros(6, 2, 8)]
-    for bad in ([torch.zeros(6, 2, 8), None, torch.zeros(6, 2, 7)],   # wrong shape, last
-                [torch.zeros(6, 2, 8), torch.zeros(6, 2, 8), torch.zeros(6, 2, 8)],  # absent
-                [torch.zeros(6, 2, 8), None]):                         # too short
+    for bad in (
+        [torch.zeros(6, 2, 8), None, torch.zeros(6, 2, 7)],  # wrong shape, last
+        [torch.zeros(6, 2, 8), torch.zeros(6, 2, 8), torch.zeros(6, 2, 8)],  # absent
+        [torch.zeros(6, 2, 8), None],
+    ):  # too short
         with pytest.raises(ConfigError):
             plan.gather_all((fresh, bad))
         assert not fresh[0].any()  # nothing written before the check failed
@@ -313,9 +344,14 @@ def test_gather_into_misuse_is_a_config_error():
     layers[0] = None
     plan = plan_extraction(layers, [1, 2], 8, 4, cache_dtype="float32")
     good = torch.empty(8, 2, 8)
-    for args in [(0, "key", good), (2, "key", good), (1, "kv", good),
-                 (1, "key", torch.empty(8, 2, 8, dtype=torch.float16)),
-                 (1, "key", torch.empty(8, 8, 2).transpose(1, 2)), (1, "key", "not a tensor")]:
+    for args in [
+        (0, "key", good),
+        (2, "key", good),
+        (1, "kv", good),
+        (1, "key", torch.empty(8, 2, 8, dtype=torch.float16)),
+        (1, "key", torch.empty(8, 8, 2).transpose(1, 2)),
+        (1, "key", "not a tensor"),
+    ]:
         with pytest.raises(ConfigError):
             plan.gather_into(*args)
     with pytest.raises(ConfigError):
@@ -333,12 +369,16 @@ def test_auto_method_policy_by_device_and_fragmentation(torch_policy):
     """CPU: index. Another device: few runs copy run by run, many use one index kernel.
     Cross-device: few runs copy straight into the destination, many are staged."""
     meta = torch.empty(2, 40, 4, 2, 8, device="meta")  # stands in for an accelerator cache
-    few = list(range(0, 8)) + list(range(20, 28))        # 2 runs
-    many = list(range(0, 40, 2))                          # 20 runs
+    few = list(range(0, 8)) + list(range(20, 28))  # 2 runs
+    many = list(range(0, 40, 2))  # 20 runs
     cpu_plan = plan_extraction([torch.empty(meta.shape)], many, 80, 4, cache_dtype="x")
     assert cpu_plan.keys[0].choose_method(torch.device("cpu")) == "index"
-    cases = {(tuple(few), "meta"): "runs", (tuple(many), "meta"): "index",
-             (tuple(few), "cpu"): "runs", (tuple(many), "cpu"): "staged"}
+    cases = {
+        (tuple(few), "meta"): "runs",
+        (tuple(many), "meta"): "index",
+        (tuple(few), "cpu"): "runs",
+        (tuple(many), "cpu"): "staged",
+    }
     for (ids, out_device), expected in cases.items():
         gather = plan_extraction([meta], list(ids), 1000, 4, cache_dtype="x").keys[0]
         assert gather.choose_method(torch.device(out_device)) == expected
@@ -347,18 +387,19 @@ def test_auto_method_policy_by_device_and_fragmentation(torch_policy):
         gather.choose_method(torch.device("cpu"), "index")
 
 
-@pytest.mark.parametrize("layout, ids, expected", [
-    ("dim0", list(range(0, 16)), "index"),            # whole contiguous blocks: always index
-    ("packed", list(range(0, 16)), "runs"),           # strided blocks, 1 run
-    ("packed", [0, 1, 5, 6, 10, 11, 20, 21], "runs"),  # 4 runs
-    ("packed", list(range(0, 40, 2)), "index"),       # 20 runs
-    ("sliced", list(range(0, 16)), "runs"),           # head slice, 1 run
-    ("sliced", list(range(0, 40, 2)), "index"),
-])
-def test_auto_on_cpu_copies_few_runs_of_strided_blocks_run_by_run(layout, ids, expected,
-                                                                  torch_policy):
-    layers, _, _ = cache(layout="packed" if layout == "packed" else "dim0", layers=1,
-                         num_blocks=40, heads=4)
+@pytest.mark.parametrize(
+    "layout, ids, expected",
+    [
+        ("dim0", list(range(0, 16)), "index"),  # whole contiguous blocks: always index
+        ("packed", list(range(0, 16)), "runs"),  # strided blocks, 1 run
+        ("packed", [0, 1, 5, 6, 10, 11, 20, 21], "runs"),  # 4 runs
+        ("packed", list(range(0, 40, 2)), "index"),  # 20 runs
+        ("sliced", list(range(0, 16)), "runs"),  # head slice, 1 run
+        ("sliced", list(range(0, 40, 2)), "index"),
+    ],
+)
+def test_auto_on_cpu_copies_few_runs_of_strided_blocks_run_by_run(layout, ids, expected, torch_policy):
+    layers, _, _ = cache(layout="packed" if layout == "packed" else "dim0", layers=1, num_blocks=40, heads=4)
     gather = plan_extraction(layers, ids, 1000, 4, cache_dtype="x").keys[0]
     if layout == "sliced":
         gather = attrs.evolve(gather, blocks=gather.blocks.narrow(2, 2, 2))
@@ -395,8 +436,7 @@ def test_extraction_equals_naive_concatenation(method, geometry, offset_units):
     layout, num_blocks, block_size, heads, head_dim, dtype, ids, seq_len = geometry
     key = random_blocks(num_blocks, block_size, heads, head_dim, dtype, seed=1)
     value = random_blocks(num_blocks, block_size, heads, head_dim, dtype, seed=2)
-    plan = plan_extraction([make_layer(layout, key, value)], ids, seq_len, block_size,
-                           cache_dtype=str(dtype))
+    plan = plan_extraction([make_layer(layout, key, value)], ids, seq_len, block_size, cache_dtype=str(dtype))
     expected_k, expected_v = naive(key, ids, seq_len), naive(value, ids, seq_len)
     if expected_k is None or expected_k.shape[0] == 0:
         assert isinstance(plan, ExtractionSkipped) and plan.reason == "all_layers_empty"
@@ -407,10 +447,10 @@ def test_extraction_equals_naive_concatenation(method, geometry, offset_units):
         # a destination at an arbitrary element offset inside a shared buffer
         pool = torch.zeros((offset_units + expected.numel() + 3) * itemsize, dtype=torch.uint8)
         start = offset_units * itemsize
-        dest = pool[start:start + expected.numel() * itemsize].view(dtype).view(expected.shape)
+        dest = pool[start : start + expected.numel() * itemsize].view(dtype).view(expected.shape)
         plan.gather_into(0, which, dest, method=method)
         assert same_bits(dest, expected)
-        assert not pool[:start].any() and not pool[start + expected.numel() * itemsize:].any()
+        assert not pool[:start].any() and not pool[start + expected.numel() * itemsize :].any()
 
 
 @st.composite
@@ -431,8 +471,7 @@ def test_head_sliced_gathers_equal_naive_concatenation_of_the_slice(method, geom
     layout, num_blocks, block_size, heads, head_dim, dtype, ids, seq_len, start, stop = geometry
     key = random_blocks(num_blocks, block_size, heads, head_dim, dtype, seed=3)
     value = random_blocks(num_blocks, block_size, heads, head_dim, dtype, seed=4)
-    plan = plan_extraction([make_layer(layout, key, value)], ids, seq_len, block_size,
-                           cache_dtype=str(dtype))
+    plan = plan_extraction([make_layer(layout, key, value)], ids, seq_len, block_size, cache_dtype=str(dtype))
     if isinstance(plan, ExtractionSkipped):
         return
     for which, blocks in (("key", key), ("value", value)):
@@ -467,8 +506,7 @@ def test_cuda_cache_to_cuda_and_to_host_destinations(layout, method):
     key = random_blocks(40, 16, 4, 128, torch.bfloat16, seed=1, device="cuda")
     value = random_blocks(40, 16, 4, 128, torch.bfloat16, seed=2, device="cuda")
     ids, seq_len = [3, 4, 5, 6, 20, 21, 1, 39, 0], 137
-    plan = plan_extraction([make_layer(layout, key, value)], ids, seq_len, 16,
-                           cache_dtype="bfloat16")
+    plan = plan_extraction([make_layer(layout, key, value)], ids, seq_len, 16, cache_dtype="bfloat16")
     expected = naive(key.cpu(), ids, seq_len)
     on_device = torch.empty(expected.shape, dtype=torch.bfloat16, device="cuda")
     plan.gather_into(0, "key", on_device, method=method)

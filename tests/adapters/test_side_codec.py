@@ -21,7 +21,9 @@ def tensor(dtype_name: str, shape: tuple[int, ...], seed: int) -> torch.Tensor:
     gen = torch.Generator().manual_seed(seed)
     n = int(torch.tensor(shape, dtype=torch.int64).prod().item()) if shape else 1
     raw = torch.randint(0, 256, (n * TORCH_DTYPES[dtype_name].itemsize,), dtype=torch.uint8, generator=gen)
-    return raw.view(TORCH_DTYPES[dtype_name]).reshape(shape) if n else torch.empty(shape, dtype=TORCH_DTYPES[dtype_name])
+    return (
+        raw.view(TORCH_DTYPES[dtype_name]).reshape(shape) if n else torch.empty(shape, dtype=TORCH_DTYPES[dtype_name])
+    )
 
 
 def join(frames) -> bytes:
@@ -32,7 +34,9 @@ def same(a, b) -> bool:
     """Structural equality: tensors bit for bit, tuples read back as lists, KV objects by lists."""
     if isinstance(a, torch.Tensor):
         return (
-            isinstance(b, torch.Tensor) and a.dtype == b.dtype and a.shape == b.shape
+            isinstance(b, torch.Tensor)
+            and a.dtype == b.dtype
+            and a.shape == b.shape
             and torch.equal(a.contiguous().reshape(-1).view(torch.uint8), b.contiguous().reshape(-1).view(torch.uint8))
         )
     if isinstance(a, KVCacheLists):
@@ -52,10 +56,19 @@ kv_layers = st.lists(st.one_of(st.none(), tensors), max_size=4)
 _pair = lambda k, v: (k, (v + [None] * len(k))[: len(k)])  # noqa: E731
 kv_objects = st.builds(lambda k, v: KVCacheLists(*_pair(k, v)), kv_layers, kv_layers)
 kv_dicts = st.builds(lambda k, v: dict(zip(("key_cache", "value_cache"), _pair(k, v))), kv_layers, kv_layers)
-scalars = st.one_of(st.none(), st.booleans(), st.integers(-(2**63), 2**64 - 1), st.floats(allow_nan=False), st.text(max_size=8), st.binary(max_size=8))
+scalars = st.one_of(
+    st.none(),
+    st.booleans(),
+    st.integers(-(2**63), 2**64 - 1),
+    st.floats(allow_nan=False),
+    st.text(max_size=8),
+    st.binary(max_size=8),
+)
 values = st.recursive(
     st.one_of(scalars, tensors, kv_objects, kv_dicts, st.sampled_from(list(TORCH_DTYPES.values()))),
-    lambda inner: st.lists(inner, max_size=3) | st.tuples(inner, inner) | st.dictionaries(st.text(max_size=5), inner, max_size=3),
+    lambda inner: (
+        st.lists(inner, max_size=3) | st.tuples(inner, inner) | st.dictionaries(st.text(max_size=5), inner, max_size=3)
+    ),
     max_leaves=6,
 )
 
@@ -108,7 +121,9 @@ def test_inputs_and_zero_copy(kind: str) -> None:
         assert base <= k.data_ptr() < base + len(joined)  # a view of the received buffer
 
 
-@pytest.mark.parametrize("raw", [b"", SENDER_FAILED_MESSAGE, struct.pack(">i", -5) + b"xx", torch.empty(0, dtype=torch.uint8)])
+@pytest.mark.parametrize(
+    "raw", [b"", SENDER_FAILED_MESSAGE, struct.pack(">i", -5) + b"xx", torch.empty(0, dtype=torch.uint8)]
+)
 def test_sender_failed_unpacks_to_none(raw) -> None:
     assert unpack_request_kv(raw) is None
 

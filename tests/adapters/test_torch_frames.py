@@ -116,7 +116,9 @@ def test_every_dtype_round_trips_bit_exact(name: str, kind: str) -> None:
 
 layer = st.one_of(
     st.none(),
-    st.tuples(st.sampled_from(DTYPES), st.lists(st.integers(0, 4), min_size=1, max_size=3).map(tuple), st.integers(0, 99)),
+    st.tuples(
+        st.sampled_from(DTYPES), st.lists(st.integers(0, 4), min_size=1, max_size=3).map(tuple), st.integers(0, 99)
+    ),
 )
 
 
@@ -344,7 +346,14 @@ def test_checksum_mismatch_names_the_tensor_and_can_be_skipped() -> None:
 
 @pytest.mark.parametrize(
     "bad",
-    [torch.zeros(4, 4, dtype=torch.uint8), torch.zeros(8, dtype=torch.float32), torch.zeros(16, dtype=torch.uint8)[::2], 3, [b"\x00", 5], []],
+    [
+        torch.zeros(4, 4, dtype=torch.uint8),
+        torch.zeros(8, dtype=torch.float32),
+        torch.zeros(16, dtype=torch.uint8)[::2],
+        3,
+        [b"\x00", 5],
+        [],
+    ],
 )
 def test_bad_containers_raise_payload_error(bad) -> None:
     with pytest.raises(PayloadError):

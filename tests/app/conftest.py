@@ -20,7 +20,8 @@ from __future__ import annotations
 
 import threading
 import types
-from typing import Any, Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any
 
 import pytest
 import torch
@@ -75,8 +76,17 @@ class PagedModel:
     """A full-head paged KV cache: per layer key/value blocks ``[num_blocks, block_size, heads,
     head_dim]``. Sender rank ``r`` of a TP group of ``tp`` holds heads ``[r*h/tp, (r+1)*h/tp)``."""
 
-    def __init__(self, *, num_layers: int = 3, num_blocks: int = 12, block_size: int = 4, heads: int = 8,
-                 head_dim: int = 4, dtype: torch.dtype = torch.float32, seed: int = 0) -> None:
+    def __init__(
+        self,
+        *,
+        num_layers: int = 3,
+        num_blocks: int = 12,
+        block_size: int = 4,
+        heads: int = 8,
+        head_dim: int = 4,
+        dtype: torch.dtype = torch.float32,
+        seed: int = 0,
+    ) -> None:
         gen = torch.Generator().manual_seed(seed)
         shape = (num_blocks, block_size, heads, head_dim)
 
@@ -112,8 +122,9 @@ class PagedModel:
                 raise ValueError(layout)
         return out
 
-    def expected(self, block_ids: Sequence[int], seq_len: int, rank: int = 0,
-                 tp: int = 1) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    def expected(
+        self, block_ids: Sequence[int], seq_len: int, rank: int = 0, tp: int = 1
+    ) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
         """The ``[tokens, heads/tp, head_dim]`` tensors receiver rank ``rank`` of ``tp`` owns."""
         lo, hi = self.heads_of(rank, tp)
         ids = [b for b in block_ids if 0 <= b < self.num_blocks]
@@ -128,8 +139,11 @@ def bits_equal(a: Any, b: Any) -> bool:
     """Same dtype, shape and bytes (NaN-safe, -0.0-safe)."""
     if not (isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor)):
         return False
-    return a.dtype == b.dtype and a.shape == b.shape and torch.equal(
-        a.contiguous().view(torch.uint8), b.contiguous().view(torch.uint8))
+    return (
+        a.dtype == b.dtype
+        and a.shape == b.shape
+        and torch.equal(a.contiguous().view(torch.uint8), b.contiguous().view(torch.uint8))
+    )
 
 
 def assert_kv_equal(payload: dict[str, Any], keys: list[torch.Tensor], values: list[torch.Tensor]) -> None:
@@ -148,15 +162,17 @@ def paged_model() -> Callable[..., PagedModel]:
 
 
 # -------------------------------------------------------------------------------- requests
-def make_request(request_id: Any = "req-1", *, sender_info: Any = None, sampling_params: bool = True,
-                 cfg_kv_request_ids: Any = None) -> types.SimpleNamespace:
+def make_request(
+    request_id: Any = "req-1", *, sender_info: Any = None, sampling_params: bool = True, cfg_kv_request_ids: Any = None
+) -> types.SimpleNamespace:
     """A duck-typed engine request (and its sampling params)."""
     req = types.SimpleNamespace(request_id=request_id, past_key_values=None, kv_metadata=None)
     if sender_info is not None:
         req.kv_sender_info = sender_info
     if sampling_params:
-        req.sampling_params = types.SimpleNamespace(past_key_values=None, kv_metadata=None,
-                                                    cfg_kv_request_ids=cfg_kv_request_ids)
+        req.sampling_params = types.SimpleNamespace(
+            past_key_values=None, kv_metadata=None, cfg_kv_request_ids=cfg_kv_request_ids
+        )
     return req
 
 
@@ -228,8 +244,9 @@ class SpyConnector:
 class BlockingSpyConnector(SpyConnector):
     """:class:`SpyConnector` that also forwards the optional BlockingGet and Reservable abilities."""
 
-    def get_blocking(self, from_stage: Any, to_stage: Any, get_key: str, metadata: Any = None, *,
-                     timeout_s: float) -> Any:
+    def get_blocking(
+        self, from_stage: Any, to_stage: Any, get_key: str, metadata: Any = None, *, timeout_s: float
+    ) -> Any:
         if self._record_get(get_key, metadata) is None:
             return None
         return self.inner.get_blocking(from_stage, to_stage, get_key, metadata, timeout_s=timeout_s)
@@ -278,15 +295,29 @@ def memory_connector_factory() -> Iterator[Callable[..., Any]]:
 
 # --------------------------------------------------------------------------------- managers
 def sender_config(from_tp: int = 1, to_tp: int = 1, **overrides: Any) -> TransferConfig:
-    fields: dict[str, Any] = dict(connector_config={"type": "memory"}, from_stage=0, to_stage=1,
-                                  need_send_cache=True, from_tp=from_tp, to_tp=to_tp)
+    fields: dict[str, Any] = dict(
+        connector_config={"type": "memory"},
+        from_stage=0,
+        to_stage=1,
+        need_send_cache=True,
+        from_tp=from_tp,
+        to_tp=to_tp,
+    )
     fields.update(overrides)
     return TransferConfig(**fields)
 
 
 def receiver_config(from_tp: int = 1, to_tp: int = 1, **overrides: Any) -> TransferConfig:
-    fields: dict[str, Any] = dict(connector_config={"type": "memory"}, from_stage=0, to_stage=1, stage_id=1,
-                                  need_recv_cache=True, from_tp=from_tp, to_tp=to_tp, recv_timeout=5.0)
+    fields: dict[str, Any] = dict(
+        connector_config={"type": "memory"},
+        from_stage=0,
+        to_stage=1,
+        stage_id=1,
+        need_recv_cache=True,
+        from_tp=from_tp,
+        to_tp=to_tp,
+        recv_timeout=5.0,
+    )
     fields.update(overrides)
     return TransferConfig(**fields)
 
@@ -295,12 +326,19 @@ def receiver_config(from_tp: int = 1, to_tp: int = 1, **overrides: Any) -> Trans
 def make_sender(fake_time: FakeTime) -> Callable[..., KVTransferManager]:
     """``make_sender(connector, from_tp=1, to_tp=1, rank=0, config=None, **manager_kwargs)``."""
 
-    def make(connector: Any = None, from_tp: int = 1, to_tp: int = 1, rank: int = 0,
-             config: TransferConfig | None = None, **kwargs: Any) -> KVTransferManager:
+    def make(
+        connector: Any = None,
+        from_tp: int = 1,
+        to_tp: int = 1,
+        rank: int = 0,
+        config: TransferConfig | None = None,
+        **kwargs: Any,
+    ) -> KVTransferManager:
         kwargs.setdefault("clock", fake_time)
         kwargs.setdefault("sleep", fake_time.sleep)
-        return KVTransferManager(config or sender_config(from_tp, to_tp), tp_rank=rank, tp_size=from_tp,
-                                 connector=connector, **kwargs)
+        return KVTransferManager(
+            config or sender_config(from_tp, to_tp), tp_rank=rank, tp_size=from_tp, connector=connector, **kwargs
+        )
 
     return make
 
@@ -309,24 +347,44 @@ def make_sender(fake_time: FakeTime) -> Callable[..., KVTransferManager]:
 def make_receiver(fake_time: FakeTime) -> Callable[..., KVTransferManager]:
     """``make_receiver(connector, from_tp=1, to_tp=1, rank=0, config=None, **manager_kwargs)``."""
 
-    def make(connector: Any = None, from_tp: int = 1, to_tp: int = 1, rank: int = 0,
-             config: TransferConfig | None = None, **kwargs: Any) -> KVTransferManager:
+    def make(
+        connector: Any = None,
+        from_tp: int = 1,
+        to_tp: int = 1,
+        rank: int = 0,
+        config: TransferConfig | None = None,
+        **kwargs: Any,
+    ) -> KVTransferManager:
         kwargs.setdefault("clock", fake_time)
         kwargs.setdefault("sleep", fake_time.sleep)
-        return KVTransferManager(config or receiver_config(from_tp, to_tp), tp_rank=rank, tp_size=to_tp,
-                                 connector=connector, **kwargs)
+        return KVTransferManager(
+            config or receiver_config(from_tp, to_tp), tp_rank=rank, tp_size=to_tp, connector=connector, **kwargs
+        )
 
     return make
 
 
-def send_all(model: PagedModel, connector: Any, from_tp: int, to_tp: int, requests: dict[str, dict],
-             layout: str = "kv_dim0", fake: FakeTime | None = None) -> list[Any]:
+def send_all(
+    model: PagedModel,
+    connector: Any,
+    from_tp: int,
+    to_tp: int,
+    requests: dict[str, dict],
+    layout: str = "kv_dim0",
+    fake: FakeTime | None = None,
+) -> list[Any]:
     """Every sender rank sends ``requests`` through ``connector``; returns all outcomes."""
     fake = fake or FakeTime()
     outcomes: list[Any] = []
     for rank in range(from_tp):
-        m = KVTransferManager(sender_config(from_tp, to_tp), tp_rank=rank, tp_size=from_tp, connector=connector,
-                              clock=fake, sleep=fake.sleep)
+        m = KVTransferManager(
+            sender_config(from_tp, to_tp),
+            tp_rank=rank,
+            tp_size=from_tp,
+            connector=connector,
+            clock=fake,
+            sleep=fake.sleep,
+        )
         outcomes += m.send_requests(requests, model.rank_cache(rank, from_tp, layout), model.block_size, "float32")
     return outcomes
 
@@ -338,8 +396,7 @@ def stage_groups(world: InProcessWorld, rank: int, layout: GroupLayout) -> Stage
     return StageGroups(world=g.world, tp=g.tp, cfg=g.cfg, sp=g.sp)
 
 
-def run_ranks(layout: GroupLayout, fn: Callable[[int, StageGroups], Any],
-              join_s: float = THREAD_JOIN_S) -> list[Any]:
+def run_ranks(layout: GroupLayout, fn: Callable[[int, StageGroups], Any], join_s: float = THREAD_JOIN_S) -> list[Any]:
     """Run ``fn(rank, groups)`` on one thread per rank of ``layout``; results in rank order.
 
     Groups are built up front (in-process group creation does not block). A rank that does not
@@ -356,8 +413,7 @@ def run_ranks(layout: GroupLayout, fn: Callable[[int, StageGroups], Any],
         except BaseException as exc:  # handed to the test thread below
             errors[rank] = exc
 
-    threads = [threading.Thread(target=main, args=(r,), name=f"rank{r}", daemon=True)
-               for r in range(layout.world_size)]
+    threads = [threading.Thread(target=main, args=(r,), name=f"rank{r}", daemon=True) for r in range(layout.world_size)]
     for t in threads:
         t.start()
     for t in threads:
@@ -380,9 +436,20 @@ def in_process_world() -> Callable[..., list[Any]]:
 def kit() -> types.SimpleNamespace:
     """The helpers above, for test modules: ``kit.SpyConnector(inner)``, ``kit.make_request()``..."""
     return types.SimpleNamespace(
-        FakeTime=FakeTime, PagedModel=PagedModel, SpyConnector=SpyConnector,
-        BlockingSpyConnector=BlockingSpyConnector, SenderAwareSpy=SenderAwareSpy, bits_equal=bits_equal,
-        assert_kv_equal=assert_kv_equal, make_request=make_request, pool_is_empty=pool_is_empty,
-        sender_config=sender_config, receiver_config=receiver_config, send_all=send_all,
-        stage_groups=stage_groups, run_ranks=run_ranks, LAYOUTS=LAYOUTS, TOPOLOGIES=TOPOLOGIES,
+        FakeTime=FakeTime,
+        PagedModel=PagedModel,
+        SpyConnector=SpyConnector,
+        BlockingSpyConnector=BlockingSpyConnector,
+        SenderAwareSpy=SenderAwareSpy,
+        bits_equal=bits_equal,
+        assert_kv_equal=assert_kv_equal,
+        make_request=make_request,
+        pool_is_empty=pool_is_empty,
+        sender_config=sender_config,
+        receiver_config=receiver_config,
+        send_all=send_all,
+        stage_groups=stage_groups,
+        run_ranks=run_ranks,
+        LAYOUTS=LAYOUTS,
+        TOPOLOGIES=TOPOLOGIES,
     )

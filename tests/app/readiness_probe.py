@@ -29,9 +29,11 @@ WARMUP = 20
 
 def _omni(role: str, namespace: str, base_port: int) -> dict[str, Any]:
     raw: dict[str, Any] = {
-        "connector_config": {"type": "shm", "namespace": namespace, "pool_bytes": 64 << 20,
-                             "zmq_port": base_port},
-        "omni_from_stage": 0, "omni_to_stage": 1, "rank_mapping": {"from_tp": 1, "to_tp": 1}}
+        "connector_config": {"type": "shm", "namespace": namespace, "pool_bytes": 64 << 20, "zmq_port": base_port},
+        "omni_from_stage": 0,
+        "omni_to_stage": 1,
+        "rank_mapping": {"from_tp": 1, "to_tp": 1},
+    }
     if role == "sender":
         raw["need_send_cache"] = True
     else:
@@ -62,15 +64,13 @@ def _sender(conn: Any, namespace: str, base_port: int) -> None:
             if rid is None:
                 break
             t0 = time.monotonic()
-            outcome = manager.send_requests({rid: {"block_ids": [1], "seq_len": 16}}, cache, 16,
-                                            torch.bfloat16)[0]
+            outcome = manager.send_requests({rid: {"block_ids": [1], "seq_len": 16}}, cache, 16, torch.bfloat16)[0]
             conn.send((outcome.ok, t0))
     finally:
         manager.close()
 
 
-def _receiver(conn: Any, namespace: str, base_port: int, port: int, mode: str, zero_copy: bool,
-              n: int) -> None:
+def _receiver(conn: Any, namespace: str, base_port: int, port: int, mode: str, zero_copy: bool, n: int) -> None:
     manager = _manager("receiver", namespace, base_port)
     info = {"host": "127.0.0.1", "zmq_port": port}
     cpu: list[float] = []
@@ -109,8 +109,7 @@ def run(mode: str, zero_copy: bool, n: int) -> dict[str, float]:
         if not to_sender.poll(60):
             raise RuntimeError("the sender did not start within 60 s")
         port = to_sender.recv()
-        receiver = ctx.Process(target=_receiver, args=(receiver_end, namespace, base_port, port, mode,
-                                                       zero_copy, n))
+        receiver = ctx.Process(target=_receiver, args=(receiver_end, namespace, base_port, port, mode, zero_copy, n))
         receiver.start()
         for i in range(n + WARMUP):
             to_receiver.send("next")
@@ -133,8 +132,12 @@ def run(mode: str, zero_copy: bool, n: int) -> dict[str, float]:
         if receiver is not None:
             receiver.join(30)
     samples.sort()
-    return {"median_ms": statistics.median(samples) * 1e3, "p10_ms": samples[len(samples) // 10] * 1e3,
-            "p90_ms": samples[len(samples) * 9 // 10] * 1e3, "receiver_cpu_ms": cpu * 1e3}
+    return {
+        "median_ms": statistics.median(samples) * 1e3,
+        "p10_ms": samples[len(samples) // 10] * 1e3,
+        "p90_ms": samples[len(samples) * 9 // 10] * 1e3,
+        "receiver_cpu_ms": cpu * 1e3,
+    }
 
 
 def main() -> None:
@@ -144,9 +147,11 @@ def main() -> None:
     parser.add_argument("-n", type=int, default=200)
     args = parser.parse_args()
     out = run(args.mode, args.zero_copy, args.n)
-    print(f"{args.mode} zero_copy={args.zero_copy} n={args.n}: median {out['median_ms']:.3f} ms, "
-          f"p10 {out['p10_ms']:.3f}, p90 {out['p90_ms']:.3f}; receiver CPU per receive "
-          f"{out['receiver_cpu_ms']:.3f} ms")
+    print(
+        f"{args.mode} zero_copy={args.zero_copy} n={args.n}: median {out['median_ms']:.3f} ms, "
+        f"p10 {out['p10_ms']:.3f}, p90 {out['p90_ms']:.3f}; receiver CPU per receive "
+        f"{out['receiver_cpu_ms']:.3f} ms"
+    )
 
 
 if __name__ == "__main__":

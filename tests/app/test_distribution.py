@@ -15,7 +15,7 @@ from typing import Any
 import pytest
 
 from kvferry.adapters.collectives import InProcessWorld
-from kvferry.app.compat_manager import OmniKVTransferManager
+from kvferry.app.compat.manager import OmniKVTransferManager
 from kvferry.app.distribute import Distributor, kv_fields_of
 from kvferry.app.manager import KVCache
 from kvferry.core.roles import GroupLayout, ReceiveRole
@@ -27,8 +27,16 @@ BRANCH = {"block_ids": [7, 2], "seq_len": 6}
 
 
 def _manager(kit, spy: Any, groups: Any, fake: Any, from_tp: int, to_tp: int, **config: Any) -> OmniKVTransferManager:
-    return OmniKVTransferManager(kit.receiver_config(from_tp, to_tp, **config), connector=spy, tp_rank=groups.tp.rank,
-                                 tp_size=groups.tp.size, groups=groups, env={}, clock=fake, sleep=fake.sleep)
+    return OmniKVTransferManager(
+        kit.receiver_config(from_tp, to_tp, **config),
+        connector=spy,
+        tp_rank=groups.tp.rank,
+        tp_size=groups.tp.size,
+        groups=groups,
+        env={},
+        clock=fake,
+        sleep=fake.sleep,
+    )
 
 
 def _role(groups: Any, from_tp: int, to_tp: int) -> ReceiveRole:
@@ -64,8 +72,12 @@ def test_spec6_tp_cfg_followers_get_their_branch(kit, memory_connector, fake_tim
         return _role(groups, 2, 2), m.receive_multi_kv_cache_distributed(reqs[rank], _collector)
 
     results = kit.run_ranks(layout, rank_main)
-    assert [r[0] for r in results] == [ReceiveRole.LEADER, ReceiveRole.LEADER, ReceiveRole.FOLLOWER,
-                                       ReceiveRole.FOLLOWER]
+    assert [r[0] for r in results] == [
+        ReceiveRole.LEADER,
+        ReceiveRole.LEADER,
+        ReceiveRole.FOLLOWER,
+        ReceiveRole.FOLLOWER,
+    ]
     assert [r[1] for r in results] == [True] * 4
     for rank, req in enumerate(reqs):
         tp_rank, cfg_rank = rank % 2, rank // 2
@@ -87,8 +99,9 @@ def test_spec6_tp_cfg_without_branches_copies_the_primary_to_cfg_rank_1(kit, mem
     reqs = [kit.make_request("r1") for _ in range(4)]
 
     def rank_main(rank: int, groups: Any) -> bool:
-        return _manager(kit, kit.BlockingSpyConnector(memory_connector), groups, fake_time, 2, 2
-                        ).receive_multi_kv_cache_distributed(reqs[rank])
+        return _manager(
+            kit, kit.BlockingSpyConnector(memory_connector), groups, fake_time, 2, 2
+        ).receive_multi_kv_cache_distributed(reqs[rank])
 
     assert kit.run_ranks(GroupLayout(tp_size=2, cfg_size=2), rank_main) == [True] * 4
     for rank, req in enumerate(reqs):
@@ -124,7 +137,8 @@ def test_spec6_tp_cfg_sp_p2p_then_sp_broadcast(kit, memory_connector, fake_time)
 
     def rank_main(rank: int, groups: Any) -> bool:
         return _manager(kit, spies[rank], groups, fake_time, 2, 1).receive_multi_kv_cache_distributed(
-            reqs[rank], _collector)
+            reqs[rank], _collector
+        )
 
     assert kit.run_ranks(GroupLayout(tp_size=1, sp_size=2, cfg_size=2), rank_main) == [True] * 4
     assert [len(s.gets) for s in spies] == [4, 0, 0, 0]  # 2 shards x (primary + branch), leader only
@@ -152,14 +166,19 @@ def test_spec6_tp_inactive_rank_0_broadcasts_to_the_world(kit, memory_connector,
 
 
 # ----------------------------------------------------------------------- the leader misses
-@pytest.mark.parametrize("layout,from_tp,to_tp", [
-    (GroupLayout(tp_size=2, cfg_size=2), 2, 2),
-    (GroupLayout(tp_size=2, sp_size=2), 2, 2),
-    (GroupLayout(tp_size=1, sp_size=2, cfg_size=2), 2, 1),
-    (GroupLayout(sp_size=4), 1, 1),
-], ids=["tp-cfg", "tp-sp", "tp-cfg-sp", "world"])
-def test_spec6_leader_miss_completes_every_collective_and_all_return_false(kit, memory_connector, fake_time,
-                                                                            layout, from_tp, to_tp) -> None:
+@pytest.mark.parametrize(
+    "layout,from_tp,to_tp",
+    [
+        (GroupLayout(tp_size=2, cfg_size=2), 2, 2),
+        (GroupLayout(tp_size=2, sp_size=2), 2, 2),
+        (GroupLayout(tp_size=1, sp_size=2, cfg_size=2), 2, 1),
+        (GroupLayout(sp_size=4), 1, 1),
+    ],
+    ids=["tp-cfg", "tp-sp", "tp-cfg-sp", "world"],
+)
+def test_spec6_leader_miss_completes_every_collective_and_all_return_false(
+    kit, memory_connector, fake_time, layout, from_tp, to_tp
+) -> None:
     """Nothing was sent: leaders time out (injected clock), send the no-KV sentinel, and every
     rank returns False promptly; no rank keeps stale KV."""
     reqs = [kit.make_request("lost") for _ in range(4)]
@@ -237,8 +256,10 @@ def test_spec6_dummy_requests_skip_every_collective(kit, memory_connector, fake_
     spy = kit.SpyConnector(memory_connector)
     m = _manager(kit, spy, groups, fake_time, 2, 2, recv_timeout=30.0)
     done: list[bool] = []
-    thread = threading.Thread(target=lambda: done.append(
-        m.receive_multi_kv_cache_distributed(kit.make_request("dummy_req_id/3"))), daemon=True)
+    thread = threading.Thread(
+        target=lambda: done.append(m.receive_multi_kv_cache_distributed(kit.make_request("dummy_req_id/3"))),
+        daemon=True,
+    )
     thread.start()
     thread.join(5.0)
     assert done == [False] and spy.gets == [] and fake_time.elapsed == 0.0
@@ -251,8 +272,9 @@ def test_spec6_non_receiving_config_skips_every_collective(kit, memory_connector
     spy = kit.SpyConnector(memory_connector)
     m = _manager(kit, spy, groups, fake_time, 2, 2, need_recv_cache=False)
     done: list[bool] = []
-    thread = threading.Thread(target=lambda: done.append(
-        m.receive_multi_kv_cache_distributed(kit.make_request("r1"))), daemon=True)
+    thread = threading.Thread(
+        target=lambda: done.append(m.receive_multi_kv_cache_distributed(kit.make_request("r1"))), daemon=True
+    )
     thread.start()
     thread.join(5.0)
     assert done == [False] and spy.gets == []

@@ -47,8 +47,9 @@ def test_unpackable_fields_travel_through_the_object_fallback() -> None:
     world = InProcessWorld(3)
 
     def rank(r: int):
-        got = distribute.broadcast_fields(world.group(r), fields if r == 0 else None, 0, timeout_s=10,
-                                          request_id="req", kv_factory=KVCache)
+        got = distribute.broadcast_fields(
+            world.group(r), fields if r == 0 else None, 0, timeout_s=10, request_id="req", kv_factory=KVCache
+        )
         return got
 
     out = _run_ranks(3, rank)
@@ -64,20 +65,27 @@ def test_unpackable_fields_travel_through_the_object_fallback() -> None:
 def test_consensus_drop_is_counted_as_its_own_outcome() -> None:
     """A rank that received but whose TP peer missed reports DROPPED_BY_CONSENSUS (SPEC 9.1)."""
     conn = create_connector({"type": "memory"})
-    sender_cfg = OmniKVCacheConfig(connector_config={"type": "memory"}, from_stage=0, to_stage=1,
-                                   need_send_cache=True, from_tp=2, to_tp=2)
+    sender_cfg = OmniKVCacheConfig(
+        connector_config={"type": "memory"}, from_stage=0, to_stage=1, need_send_cache=True, from_tp=2, to_tp=2
+    )
     cache = [torch.randn(2, 8, 4, 2, 4)]
     # only sender rank 0 sends: receiver rank 1's key never arrives
     sender = OmniKVTransferManager(sender_cfg, connector=conn, tp_rank=0, tp_size=2)
     sender.handle_finished_requests_kv_transfer({"r": {"block_ids": [1, 2], "seq_len": 6}}, cache, 4, "float32")
     world = InProcessWorld(2)
-    recv_cfg = OmniKVCacheConfig(connector_config={"type": "memory"}, stage_id=1, engine_input_source=[0],
-                                 need_recv_cache=True, recv_timeout=0.3, from_tp=2, to_tp=2)
+    recv_cfg = OmniKVCacheConfig(
+        connector_config={"type": "memory"},
+        stage_id=1,
+        engine_input_source=[0],
+        need_recv_cache=True,
+        recv_timeout=0.3,
+        from_tp=2,
+        to_tp=2,
+    )
 
     def rank(r: int):
         g = world.group(r)
-        m = OmniKVTransferManager(recv_cfg, connector=conn, tp_rank=r, tp_size=2,
-                                  groups=StageGroups(world=g, tp=g))
+        m = OmniKVTransferManager(recv_cfg, connector=conn, tp_rank=r, tp_size=2, groups=StageGroups(world=g, tp=g))
         req = types.SimpleNamespace(request_id="r", sampling_params=types.SimpleNamespace())
         ok = m.receive_multi_kv_cache_distributed(req)
         return ok, m.last_receive_outcome.kind, m.counters.get("recv.dropped_by_consensus"), req.past_key_values

@@ -30,8 +30,9 @@ def _requests(n: int = 6) -> dict[str, dict[str, Any]]:
 # ----------------------------------------------------------------------------- bit-exact TP
 @pytest.mark.parametrize("storage", ["pool", "objects"])
 @pytest.mark.parametrize("from_tp,to_tp", [(1, 1), (1, 2), (2, 4), (4, 2), (2, 1), (4, 8)])
-def test_spec7_receive_is_bit_exact_for_every_topology(kit, memory_connector_factory, make_receiver,
-                                                       from_tp, to_tp, storage) -> None:
+def test_spec7_receive_is_bit_exact_for_every_topology(
+    kit, memory_connector_factory, make_receiver, from_tp, to_tp, storage
+) -> None:
     """Every receiver rank gets exactly its heads of every request (SPEC 2.4 invariant)."""
     model = kit.PagedModel(heads=16, dtype=torch.bfloat16)
     conn = memory_connector_factory(storage=storage)
@@ -59,13 +60,15 @@ def test_spec7_received_tensors_own_their_memory(kit, memory_connector, make_rec
     kit.send_all(model, memory_connector, 1, 1, {"a": {"block_ids": [1, 2], "seq_len": 8}})
     result = make_receiver(memory_connector).receive("a")
     before = [t.clone() for t in result.payload["layer_blocks"]["key_cache"]]
-    memory_connector.put(from_stage="0", to_stage="1", put_key="junk",
-                         data=torch.full((1 << 20,), 0x7F, dtype=torch.uint8))  # reuses the pool
+    memory_connector.put(
+        from_stage="0", to_stage="1", put_key="junk", data=torch.full((1 << 20,), 0x7F, dtype=torch.uint8)
+    )  # reuses the pool
     assert all(kit.bits_equal(a, b) for a, b in zip(result.payload["layer_blocks"]["key_cache"], before))
 
 
 def test_spec2_4_fan_in_layer_carried_by_one_shard_survives_pool_reuse(kit, memory_connector, make_receiver) -> None:
     """Merging copies (torch.cat), except a layer only one shard has: that one must be copied too."""
+
     def t(v: float) -> torch.Tensor:
         return torch.full((4, 2, 2), v)
 
@@ -76,8 +79,9 @@ def test_spec2_4_fan_in_layer_carried_by_one_shard_survives_pool_reuse(kit, memo
     assert result.ok
     layers = result.payload["layer_blocks"]["key_cache"]
     assert layers[0].shape == (4, 4, 2) and layers[1].shape == (4, 2, 2)
-    memory_connector.put(from_stage="0", to_stage="1", put_key="junk",
-                         data=torch.full((1 << 20,), 0x7F, dtype=torch.uint8))
+    memory_connector.put(
+        from_stage="0", to_stage="1", put_key="junk", data=torch.full((1 << 20,), 0x7F, dtype=torch.uint8)
+    )
     assert torch.equal(layers[1], t(3.0))
     assert torch.equal(layers[0], torch.cat([t(1.0), t(2.0)], dim=1))
 
@@ -94,8 +98,9 @@ def test_spec7_tensors_are_moved_to_the_target_device(kit, memory_connector, mak
 
 
 # -------------------------------------------------------------------------------- timeouts
-def test_spec7_timeout_at_deadline_polls_10ms_doubling_to_500ms(kit, memory_connector, make_receiver,
-                                                                 fake_time) -> None:
+def test_spec7_timeout_at_deadline_polls_10ms_doubling_to_500ms(
+    kit, memory_connector, make_receiver, fake_time
+) -> None:
     spy = kit.SpyConnector(memory_connector)  # no blocking get: the manager polls
     receiver = make_receiver(spy, config=kit.receiver_config(recv_timeout=2.0))
     result = receiver.receive("late")
@@ -109,14 +114,22 @@ def test_spec7_timeout_at_deadline_polls_10ms_doubling_to_500ms(kit, memory_conn
     assert receiver.counters.timeouts == 1 and receiver.counters.errors == 0
 
 
-def test_spec7_timeout_names_only_the_missing_keys_and_releases_what_came(kit, memory_connector,
-                                                                         make_receiver, fake_time) -> None:
+def test_spec7_timeout_names_only_the_missing_keys_and_releases_what_came(
+    kit, memory_connector, make_receiver, fake_time
+) -> None:
     model = kit.PagedModel()
-    sender = KVTransferManager(kit.sender_config(2, 1), tp_rank=0, tp_size=2, connector=memory_connector,
-                               clock=fake_time, sleep=fake_time.sleep)
+    sender = KVTransferManager(
+        kit.sender_config(2, 1),
+        tp_rank=0,
+        tp_size=2,
+        connector=memory_connector,
+        clock=fake_time,
+        sleep=fake_time.sleep,
+    )
     assert sender.send_requests({"r": {"block_ids": [1], "seq_len": 4}}, model.rank_cache(0, 2), 4, "f32")[0].ok
-    receiver = make_receiver(kit.SpyConnector(memory_connector), 2, 1,
-                             config=kit.receiver_config(2, 1, recv_timeout=1.0))
+    receiver = make_receiver(
+        kit.SpyConnector(memory_connector), 2, 1, config=kit.receiver_config(2, 1, recv_timeout=1.0)
+    )
     result = receiver.receive("r")
     assert result.outcome.kind is ReceiveKind.TIMED_OUT
     assert result.outcome.keys == ("r_0_0_0_0", "r_0_0_1_0") and result.outcome.missing_keys == ("r_0_0_1_0",)
@@ -160,8 +173,11 @@ def test_spec2_5_sender_info_keyed_by_stage_is_resolved(kit, memory_connector, m
     assert spy.gets[0][1] == {"source_host": "h0", "source_port": 6000}
 
 
-@pytest.mark.parametrize("info", [{"1": {"host": "a"}, "2": {"host": "b"}}, {"0": {"port": 1}}, "nonsense"],
-                         ids=["ambiguous", "no-host", "not-a-dict"])
+@pytest.mark.parametrize(
+    "info",
+    [{"1": {"host": "a"}, "2": {"host": "b"}}, {"0": {"port": 1}}, "nonsense"],
+    ids=["ambiguous", "no-host", "not-a-dict"],
+)
 def test_spec2_5_unresolved_sender_info_is_an_outcome(kit, memory_connector, make_receiver, fake_time, info) -> None:
     spy = kit.SpyConnector(memory_connector)
     receiver = make_receiver(spy)
@@ -171,16 +187,19 @@ def test_spec2_5_unresolved_sender_info_is_an_outcome(kit, memory_connector, mak
     assert receiver.counters.errors == 1 and receiver.counters.timeouts == 0
 
 
-def test_spec7_per_call_sender_info_overrides_but_does_not_replace_the_stored_one(kit, memory_connector,
-                                                                                 make_receiver) -> None:
+def test_spec7_per_call_sender_info_overrides_but_does_not_replace_the_stored_one(
+    kit, memory_connector, make_receiver
+) -> None:
     spy = kit.SenderAwareSpy(memory_connector)
     receiver = make_receiver(spy, config=kit.receiver_config(recv_timeout=0.0))
     stored = receiver.update_sender_info({"host": "stored", "zmq_port": 5000})
     assert stored is not None and spy.sender_updates == [("stored", 5000)]
     receiver.receive("a", sender_info={"host": "override", "zmq_port": 6000})
     receiver.receive("b")
-    assert [m for _, m, _ in spy.gets] == [{"source_host": "override", "source_port": 6000},
-                                          {"source_host": "stored", "source_port": 5000}]
+    assert [m for _, m, _ in spy.gets] == [
+        {"source_host": "override", "source_port": 6000},
+        {"source_host": "stored", "source_port": 5000},
+    ]
     assert receiver.sender_endpoint.host == "stored" and spy.sender_updates == [("stored", 5000)]
 
 
@@ -200,10 +219,14 @@ def test_spec2_5_update_sender_info_is_a_no_op_when_not_receiving(kit, memory_co
 
 
 # ---------------------------------------------------------------------- decode and release
-@pytest.mark.parametrize("garbage", [b"\x00\x00\x00\x05{bad}", b"\xff" * 64, b"\x00\x00\x00\x02{}"],
-                         ids=["not-json", "huge-header-length", "missing-keys"])
-def test_spec7_garbage_payload_is_a_decode_failure_and_is_released(kit, memory_connector, make_receiver,
-                                                                   garbage) -> None:
+@pytest.mark.parametrize(
+    "garbage",
+    [b"\x00\x00\x00\x05{bad}", b"\xff" * 64, b"\x00\x00\x00\x02{}"],
+    ids=["not-json", "huge-header-length", "missing-keys"],
+)
+def test_spec7_garbage_payload_is_a_decode_failure_and_is_released(
+    kit, memory_connector, make_receiver, garbage
+) -> None:
     memory_connector.put(from_stage="0", to_stage="1", put_key="omni_0_to_1_kv_cache_g", data=garbage)
     receiver = make_receiver(memory_connector)
     result = receiver.receive("g")
@@ -213,16 +236,22 @@ def test_spec7_garbage_payload_is_a_decode_failure_and_is_released(kit, memory_c
     assert kit.pool_is_empty(memory_connector)
 
 
-def test_spec7_pool_released_on_success_timeout_and_decode_failure(kit, memory_connector, make_receiver,
-                                                                  fake_time) -> None:
+def test_spec7_pool_released_on_success_timeout_and_decode_failure(
+    kit, memory_connector, make_receiver, fake_time
+) -> None:
     model = kit.PagedModel()
     kit.send_all(model, memory_connector, 2, 1, {"ok": {"block_ids": [1, 2], "seq_len": 8}})
     memory_connector.put(from_stage="0", to_stage="1", put_key="bad_0_0_0_0", data=b"\x00\x00\x00\x01x")
     memory_connector.put(from_stage="0", to_stage="1", put_key="bad_0_0_1_0", data=b"\x00\x00\x00\x01x")
-    memory_connector.put(from_stage="0", to_stage="1", put_key="half_0_0_0_0",
-                         data=encode_bytes("half", [torch.ones(2, 1, 1)], [torch.ones(2, 1, 1)], [0], {}))
-    receiver = make_receiver(kit.SpyConnector(memory_connector), 2, 1,
-                             config=kit.receiver_config(2, 1, recv_timeout=0.5))
+    memory_connector.put(
+        from_stage="0",
+        to_stage="1",
+        put_key="half_0_0_0_0",
+        data=encode_bytes("half", [torch.ones(2, 1, 1)], [torch.ones(2, 1, 1)], [0], {}),
+    )
+    receiver = make_receiver(
+        kit.SpyConnector(memory_connector), 2, 1, config=kit.receiver_config(2, 1, recv_timeout=0.5)
+    )
     kinds = [receiver.receive(rid).outcome.kind for rid in ("ok", "bad", "half")]
     assert kinds == [ReceiveKind.RECEIVED, ReceiveKind.DECODE_FAILED, ReceiveKind.TIMED_OUT]
     assert kit.pool_is_empty(memory_connector)
@@ -238,8 +267,8 @@ def test_spec2_4_untagged_fan_out_payload_is_sliced_on_the_receiver(kit, memory_
     for rank in (0, 1):
         result = make_receiver(memory_connector, 1, 2, rank=rank).receive("r")
         assert result.ok
-        assert kit.bits_equal(result.payload["layer_blocks"]["key_cache"][0], full[:, rank * 4:(rank + 1) * 4])
-        assert kit.bits_equal(result.payload["layer_blocks"]["value_cache"][0], full[:, rank * 4:(rank + 1) * 4] + 1)
+        assert kit.bits_equal(result.payload["layer_blocks"]["key_cache"][0], full[:, rank * 4 : (rank + 1) * 4])
+        assert kit.bits_equal(result.payload["layer_blocks"]["value_cache"][0], full[:, rank * 4 : (rank + 1) * 4] + 1)
         tag = result.payload["metadata"]["tp_head_slice"]
         assert tag["side"] == "receiver" and tag["target_rank"] == rank and tag["offset_in_shard"] == rank
         assert tag["num_slices"] == 2 and tag["applied"] is True
@@ -247,10 +276,22 @@ def test_spec2_4_untagged_fan_out_payload_is_sliced_on_the_receiver(kit, memory_
 
 def test_spec2_4_tagged_payload_is_never_sliced_twice(kit, memory_connector, make_receiver, caplog) -> None:
     shard = torch.randn(4, 2, 2)
-    tag = {"applied": True, "side": "sender", "target_rank": 0, "source_rank": 0, "from_tp": 1, "to_tp": 2,
-           "offset_in_shard": 0, "num_slices": 2}
-    memory_connector.put(from_stage="0", to_stage="1", put_key="r_0_0_0_1",
-                         data=encode_bytes("r", [shard], [shard], [0], {"tp_head_slice": tag}))
+    tag = {
+        "applied": True,
+        "side": "sender",
+        "target_rank": 0,
+        "source_rank": 0,
+        "from_tp": 1,
+        "to_tp": 2,
+        "offset_in_shard": 0,
+        "num_slices": 2,
+    }
+    memory_connector.put(
+        from_stage="0",
+        to_stage="1",
+        put_key="r_0_0_0_1",
+        data=encode_bytes("r", [shard], [shard], [0], {"tp_head_slice": tag}),
+    )
     with caplog.at_level("WARNING"):
         result = make_receiver(memory_connector, 1, 2, rank=1).receive("r")
     assert result.ok and kit.bits_equal(result.payload["layer_blocks"]["key_cache"][0], shard)
@@ -258,16 +299,18 @@ def test_spec2_4_tagged_payload_is_never_sliced_twice(kit, memory_connector, mak
 
 
 # ----------------------------------------------------------------------------------- hooks
-def test_spec2_2_custom_send_and_receive_key_hooks_round_trip(kit, memory_connector, make_sender,
-                                                              make_receiver) -> None:
+def test_spec2_2_custom_send_and_receive_key_hooks_round_trip(
+    kit, memory_connector, make_sender, make_receiver
+) -> None:
     model = kit.PagedModel()
     sender = make_sender(memory_connector, 2, 1, rank=1, kv_send_key_builder=lambda rid, f, t: [f"{rid}@{f}->{t}#1"])
     assert sender.send_requests({"r": {"block_ids": [2], "seq_len": 4}}, model.rank_cache(1, 2), 4, "f32")[0].ok
     sender0 = make_sender(memory_connector, 2, 1, rank=0, kv_send_key_builder=lambda rid, f, t: [f"{rid}@{f}->{t}#0"])
     assert sender0.send_requests({"r": {"block_ids": [2], "seq_len": 4}}, model.rank_cache(0, 2), 4, "f32")[0].ok
     spy = kit.SpyConnector(memory_connector)
-    receiver = make_receiver(spy, 2, 1, kv_recv_key_builder=lambda rid, f, t: [f"{rid}@{f}->{t}#0",
-                                                                               f"{rid}@{f}->{t}#1"])
+    receiver = make_receiver(
+        spy, 2, 1, kv_recv_key_builder=lambda rid, f, t: [f"{rid}@{f}->{t}#0", f"{rid}@{f}->{t}#1"]
+    )
     result = receiver.receive("r", sender_info={"host": "h", "zmq_port": 9000})
     assert result.ok
     kit.assert_kv_equal(result.payload, *model.expected([2], 4))
@@ -348,8 +391,9 @@ def test_spec7_receiver_connector_created_lazily_with_receiver_role(kit, make_re
         made.append(config)
         return kit.SpyConnector(types.SimpleNamespace(get=lambda **kw: None))
 
-    config = kit.receiver_config(connector_config={"type": "zmq", "zmq_port": 50051, "sender_host": "stale",
-                                                   "sender_port": 1}, recv_timeout=0.0)
+    config = kit.receiver_config(
+        connector_config={"type": "zmq", "zmq_port": 50051, "sender_host": "stale", "sender_port": 1}, recv_timeout=0.0
+    )
     receiver = make_receiver(None, config=config, connector_factory=factory)
     assert made == []  # created on first use
     receiver.receive("r")

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from kvferry.adapters.torch_frames import decode_payload
-from kvferry.app.compat_manager import OmniKVTransferManager
+from kvferry.app.compat.manager import OmniKVTransferManager
 from kvferry.core.errors import ConnectorUnavailable
 from kvferry.core.outcomes import SendKind, SendReason
 
@@ -36,14 +36,16 @@ def _raw(connector: Any, key: str) -> Any:
 # --------------------------------------------------------------------------------- layouts
 @pytest.mark.parametrize("path", ["reserved", "frames"])
 @pytest.mark.parametrize("layout", ["kv_dim0", "kv_dim1", "packed", "tuple"])
-def test_spec7_send_every_layout_delivers_bit_exact(kit, memory_connector, make_sender, make_receiver,
-                                                    layout, path) -> None:
+def test_spec7_send_every_layout_delivers_bit_exact(
+    kit, memory_connector, make_sender, make_receiver, layout, path
+) -> None:
     """Each SPEC 4 layout, through the pool (reserve + gather) and through zero-copy frames."""
     model = kit.PagedModel()
     conn = memory_connector if path == "reserved" else kit.SpyConnector(memory_connector)
     sender = make_sender(conn)
-    [outcome] = sender.send_requests({"r1": {**REQ, "custom_metadata": {"note": "x"}}},
-                                     model.rank_cache(layout=layout), model.block_size, "float32")
+    [outcome] = sender.send_requests(
+        {"r1": {**REQ, "custom_metadata": {"note": "x"}}}, model.rank_cache(layout=layout), model.block_size, "float32"
+    )
     assert outcome.kind is SendKind.SENT and outcome.ok
     assert outcome.keys == ("omni_0_to_1_kv_cache_r1",) and outcome.attempts == 1 and outcome.nbytes > 0
     if path == "frames":  # zero-copy frames: header + tensor views, never one joined object
@@ -75,13 +77,17 @@ def test_spec4_unusable_layers_skipped_others_sent(kit, memory_connector, make_s
 def test_spec4_request_without_block_ids_fails_no_blocks(kit, memory_connector, make_sender) -> None:
     model = kit.PagedModel()
     [outcome] = make_sender(memory_connector).send_requests(
-        {"r1": {"block_ids": [], "seq_len": 4}}, model.rank_cache(), 4, "float32")
+        {"r1": {"block_ids": [], "seq_len": 4}}, model.rank_cache(), 4, "float32"
+    )
     assert outcome.kind is SendKind.FAILED and outcome.reason is SendReason.NO_BLOCKS
     assert kit.pool_is_empty(memory_connector)
 
 
-@pytest.mark.parametrize("spec", [{"block_ids": [99, 100], "seq_len": 8}, {"block_ids": [1], "seq_len": 0}],
-                         ids=["blocks-out-of-range", "zero-tokens"])
+@pytest.mark.parametrize(
+    "spec",
+    [{"block_ids": [99, 100], "seq_len": 8}, {"block_ids": [1], "seq_len": 0}],
+    ids=["blocks-out-of-range", "zero-tokens"],
+)
 def test_spec4_all_layers_empty_fails_no_payload(kit, memory_connector, make_sender, spec) -> None:
     model = kit.PagedModel()
     [outcome] = make_sender(memory_connector).send_requests({"r1": spec}, model.rank_cache(), 4, "float32")
@@ -96,8 +102,9 @@ def test_spec4_no_usable_layout_fails_no_payload(memory_connector, make_sender) 
 
 
 @pytest.mark.parametrize("path", ["reserved", "frames"])
-def test_spec5_full_pool_fails_pool_full_after_retries(kit, memory_connector_factory, make_sender,
-                                                       fake_time, path) -> None:
+def test_spec5_full_pool_fails_pool_full_after_retries(
+    kit, memory_connector_factory, make_sender, fake_time, path
+) -> None:
     """A tiny pool holds one request; the next is ``pool_full`` after 3 attempts, not lost silently."""
     model = kit.PagedModel()
     inner = memory_connector_factory(pool_bytes=12288)  # one request fits
@@ -112,8 +119,9 @@ def test_spec5_full_pool_fails_pool_full_after_retries(kit, memory_connector_fac
 
 
 @pytest.mark.parametrize("path", ["reserved", "frames"])
-def test_spec5_payload_larger_than_pool_fails_at_once(kit, memory_connector_factory, make_sender,
-                                                      fake_time, path) -> None:
+def test_spec5_payload_larger_than_pool_fails_at_once(
+    kit, memory_connector_factory, make_sender, fake_time, path
+) -> None:
     """A payload that can never fit is not retried (retrying cannot help) and is not ``pool_full``."""
     model = kit.PagedModel()
     inner = memory_connector_factory(pool_bytes=1024)
@@ -134,10 +142,15 @@ class CountingFactory:
         raise self.error
 
 
-@pytest.mark.parametrize("error", [ConnectorUnavailable("connector 'x' could not be created"),
-                                   ImportError("No module named 'optional_pkg'"),
-                                   RuntimeError("constructor blew up")],
-                         ids=["unavailable", "import-error", "runtime-error"])
+@pytest.mark.parametrize(
+    "error",
+    [
+        ConnectorUnavailable("connector 'x' could not be created"),
+        ImportError("No module named 'optional_pkg'"),
+        RuntimeError("constructor blew up"),
+    ],
+    ids=["unavailable", "import-error", "runtime-error"],
+)
 def test_spec7_connector_unavailable_is_remembered_and_not_retried(kit, make_sender, error) -> None:
     model = kit.PagedModel()
     factory = CountingFactory(error)
@@ -162,8 +175,9 @@ def test_spec7_missing_connector_config_is_unavailable(kit, make_sender) -> None
 
 
 # --------------------------------------------------------------------------------- retries
-def test_spec7_put_retried_three_times_with_doubling_backoff(kit, memory_connector, make_sender,
-                                                             make_receiver, fake_time) -> None:
+def test_spec7_put_retried_three_times_with_doubling_backoff(
+    kit, memory_connector, make_sender, make_receiver, fake_time
+) -> None:
     model = kit.PagedModel()
     spy = kit.SpyConnector(memory_connector)
     spy.put_script = [(False, 0, {"reason": "error", "detail": "transient"})] * 2
@@ -198,8 +212,9 @@ def test_spec7_closed_connector_is_not_retried(kit, memory_connector, make_sende
 def test_spec7_request_id_resolver_names_the_keys(kit, memory_connector, make_sender, make_receiver) -> None:
     model = kit.PagedModel()
     sender = make_sender(memory_connector, 2, 2, rank=1)
-    [outcome] = sender.send_requests({"local-7": REQ}, model.rank_cache(1, 2), 4, "float32",
-                                     request_id_resolver=lambda rid: "global-" + rid)
+    [outcome] = sender.send_requests(
+        {"local-7": REQ}, model.rank_cache(1, 2), 4, "float32", request_id_resolver=lambda rid: "global-" + rid
+    )
     assert outcome.ok and outcome.request_id == "global-local-7"
     assert outcome.keys == ("global-local-7_0_0_1_1",)
     result = make_receiver(memory_connector, 2, 2, rank=1).receive("global-local-7")
@@ -210,8 +225,12 @@ def test_spec7_request_id_resolver_names_the_keys(kit, memory_connector, make_se
 def test_spec7_one_outcome_per_request_in_order_and_every_id_processed(kit, memory_connector, make_sender) -> None:
     """A bad request does not stop the others; compat returns every id (so blocks are freed)."""
     model = kit.PagedModel()
-    finished = {"ok-1": REQ, "no-blocks": {"block_ids": [], "seq_len": 3},
-                "bad-meta": {**REQ, "custom_metadata": ["not", "a", "mapping"]}, "ok-2": REQ}
+    finished = {
+        "ok-1": REQ,
+        "no-blocks": {"block_ids": [], "seq_len": 3},
+        "bad-meta": {**REQ, "custom_metadata": ["not", "a", "mapping"]},
+        "ok-2": REQ,
+    }
     outcomes = make_sender(memory_connector).send_requests(finished, model.rank_cache(), 4, "float32")
     assert [o.request_id for o in outcomes] == list(finished)
     assert [o.reason for o in outcomes] == [None, SendReason.NO_BLOCKS, SendReason.ERROR, None]
@@ -246,15 +265,24 @@ def test_spec2_4_fan_out_is_sliced_on_the_sender_and_tagged(kit, memory_connecto
     k = to_tp // from_tp
     for rank in range(from_tp):
         [outcome] = make_sender(memory_connector, from_tp, to_tp, rank=rank).send_requests(
-            {"r1": REQ}, model.rank_cache(rank, from_tp), 4, "float32")
+            {"r1": REQ}, model.rank_cache(rank, from_tp), 4, "float32"
+        )
         assert outcome.ok and len(outcome.keys) == k
         for i, key in enumerate(outcome.keys):
             target = rank * k + i
             assert key == f"r1_0_0_{rank}_{target}"
             decoded, keys, values = _raw(memory_connector, key)
             tag = decoded.metadata["tp_head_slice"]
-            assert tag == {"applied": True, "side": "sender", "target_rank": target, "source_rank": rank,
-                           "from_tp": from_tp, "to_tp": to_tp, "offset_in_shard": i, "num_slices": k}
+            assert tag == {
+                "applied": True,
+                "side": "sender",
+                "target_rank": target,
+                "source_rank": rank,
+                "from_tp": from_tp,
+                "to_tp": to_tp,
+                "offset_in_shard": i,
+                "num_slices": k,
+            }
             want_k, want_v = model.expected(REQ["block_ids"], 10, target, to_tp)
             assert all(kit.bits_equal(a, b) for a, b in zip(keys, want_k))
             assert all(kit.bits_equal(a, b) for a, b in zip(values, want_v))
@@ -299,8 +327,9 @@ class _Reserving:
 
 
 @pytest.mark.parametrize("fail", [(), (2,)], ids=["together", "second-reserve-fails"])
-def test_fan_out_reserves_every_key_before_gathering_and_falls_back_per_key(kit, memory_connector,
-                                                                            make_sender, fail) -> None:
+def test_fan_out_reserves_every_key_before_gathering_and_falls_back_per_key(
+    kit, memory_connector, make_sender, fail
+) -> None:
     """Fan-out into a reservable connector: every receiver's region is reserved, then all head
     slices are gathered (one pass), then each key is committed; when a reservation fails the
     ones taken are aborted and every key goes by the single path. Bits are exact both ways."""

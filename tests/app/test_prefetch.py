@@ -39,11 +39,26 @@ def prefetching(kit, fake_time):
     """``prefetching(connector, **config) -> OmniKVTransferManager`` with prefetch on; shut down after."""
     made: list[OmniKVTransferManager] = []
 
-    def make(connector: Any, *, async_prefetch: bool = True, tp_rank: int = 0, tp_size: int = 1,
-             groups: Any = None, **config: Any) -> OmniKVTransferManager:
-        m = OmniKVTransferManager(kit.receiver_config(**config), async_prefetch=async_prefetch, connector=connector,
-                                  tp_rank=tp_rank, tp_size=tp_size, groups=groups, env={}, clock=fake_time,
-                                  sleep=fake_time.sleep)
+    def make(
+        connector: Any,
+        *,
+        async_prefetch: bool = True,
+        tp_rank: int = 0,
+        tp_size: int = 1,
+        groups: Any = None,
+        **config: Any,
+    ) -> OmniKVTransferManager:
+        m = OmniKVTransferManager(
+            kit.receiver_config(**config),
+            async_prefetch=async_prefetch,
+            connector=connector,
+            tp_rank=tp_rank,
+            tp_size=tp_size,
+            groups=groups,
+            env={},
+            clock=fake_time,
+            sleep=fake_time.sleep,
+        )
         made.append(m)
         return m
 
@@ -79,9 +94,10 @@ def test_spec7_consume_and_distribute_applies_a_prefetched_payload(kit, memory_c
     m.start_prefetch(_job("r1"))
     req = kit.make_request("r1", sender_info=INFO)
     assert m.consume_and_distribute_kv_cache(req) is True
-    kit.assert_kv_equal({"layer_blocks": {"key_cache": req.past_key_values.key_cache,
-                                          "value_cache": req.past_key_values.value_cache}},
-                        *model.expected(SPEC["block_ids"], SPEC["seq_len"]))
+    kit.assert_kv_equal(
+        {"layer_blocks": {"key_cache": req.past_key_values.key_cache, "value_cache": req.past_key_values.value_cache}},
+        *model.expected(SPEC["block_ids"], SPEC["seq_len"]),
+    )
     assert req.sampling_params.past_key_values is req.past_key_values
     assert len(spy.gets) == 1 and _prefetch_threads(spy)  # no synchronous receive
 
@@ -134,8 +150,9 @@ def test_spec7_consumed_then_failed_raises_and_is_not_retried(kit, memory_connec
     assert len(spy.gets) == 1 and kit.pool_is_empty(memory_connector)
 
 
-def test_spec7_consume_and_distribute_does_not_retry_a_consumed_payload(kit, memory_connector, prefetching,
-                                                                        fake_time) -> None:
+def test_spec7_consume_and_distribute_does_not_retry_a_consumed_payload(
+    kit, memory_connector, prefetching, fake_time
+) -> None:
     memory_connector.put(from_stage="0", to_stage="1", put_key="omni_0_to_1_kv_cache_g", data=b"\x00\x00\x00\x03abc")
     spy = kit.BlockingSpyConnector(memory_connector)
     m = prefetching(spy, recv_timeout=30.0)
@@ -203,8 +220,9 @@ def test_spec7_shutdown_cancels_pending_work_and_stops_the_worker() -> None:
             assert gate.wait(10.0)
         return _result(rid)
 
-    p = Prefetcher(receive, enabled=True, role=lambda: ReceiveRole.LOCAL, free_ratio=lambda: None,
-                   min_free_ratio=0.0, wait_s=10.0)
+    p = Prefetcher(
+        receive, enabled=True, role=lambda: ReceiveRole.LOCAL, free_ratio=lambda: None, min_free_ratio=0.0, wait_s=10.0
+    )
     assert p.start(_job("a")) == (True, "ok")
     assert entered.wait(10.0)
     assert p.start(_job("b")) == (True, "ok")  # queued behind the running A
@@ -273,9 +291,17 @@ def test_spec7_prefetch_skipped_on_a_follower(kit, memory_connector, prefetching
 def test_spec7_prefetch_force_disabled_by_a_cfg_collector(kit, memory_connector) -> None:
     kit.send_all(kit.PagedModel(), memory_connector, 1, 1, {"a": SPEC})
     spy = kit.SpyConnector(memory_connector)
-    od = types.SimpleNamespace(omni_kv_config={
-        "connector_config": {"type": "memory"}, "omni_from_stage": 0, "omni_to_stage": 1, "stage_id": 1,
-        "need_recv_cache": True, "enable_kv_async_prefetch": True}, cfg_kv_collect_func=lambda *a: {})
+    od = types.SimpleNamespace(
+        omni_kv_config={
+            "connector_config": {"type": "memory"},
+            "omni_from_stage": 0,
+            "omni_to_stage": 1,
+            "stage_id": 1,
+            "need_recv_cache": True,
+            "enable_kv_async_prefetch": True,
+        },
+        cfg_kv_collect_func=lambda *a: {},
+    )
     with OmniKVTransferManager.from_od_config(od, connector=spy, tp_rank=0, tp_size=1, env={}) as m:
         _assert_not_prefetched(kit, m, spy, _job("a"))
 
@@ -290,7 +316,15 @@ def test_spec7_prefetch_force_disabled_by_a_device_pool(kit, memory_connector, p
 def test_spec7_prefetch_skipped_when_free_memory_is_low(kit, memory_connector, fake_time) -> None:
     kit.send_all(kit.PagedModel(), memory_connector, 1, 1, {"a": SPEC})
     spy = kit.SpyConnector(memory_connector)
-    with OmniKVTransferManager(kit.receiver_config(kv_prefetch_min_free_mem_ratio=0.5), async_prefetch=True,
-                               connector=spy, tp_rank=0, tp_size=1, env={}, clock=fake_time,
-                               sleep=fake_time.sleep, free_memory_ratio=lambda: 0.2) as m:
+    with OmniKVTransferManager(
+        kit.receiver_config(kv_prefetch_min_free_mem_ratio=0.5),
+        async_prefetch=True,
+        connector=spy,
+        tp_rank=0,
+        tp_size=1,
+        env={},
+        clock=fake_time,
+        sleep=fake_time.sleep,
+        free_memory_ratio=lambda: 0.2,
+    ) as m:
         _assert_not_prefetched(kit, m, spy, _job("a"))

@@ -23,12 +23,13 @@ from hypothesis import strategies as st
 
 from kvferry.adapters.connectors.pool_buffer import PooledBuffer, tie_release, wait_for_gc_releases
 from kvferry.app.manager import KVTransferManager
-from kvferry.app.registry import create_connector
 from kvferry.app.receive import ReceiveResult
+from kvferry.app.registry import create_connector
 from kvferry.core.outcomes import ReceiveKind, ReceiveOutcome
 
-settings.register_profile("kvferry-zero-copy", max_examples=12, deadline=None,
-                          suppress_health_check=[HealthCheck.function_scoped_fixture])
+settings.register_profile(
+    "kvferry-zero-copy", max_examples=12, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
 PROFILE = settings.get_profile("kvferry-zero-copy")
 _SPACES = itertools.count()
 
@@ -52,8 +53,10 @@ def settled() -> None:
 # ----------------------------------------------------------------------------- in-process
 
 
-@given(topology=st.sampled_from([(1, 1), (1, 2), (2, 4), (4, 2), (2, 1)]),
-       layout=st.sampled_from(["kv_dim0", "packed", "tuple"]))
+@given(
+    topology=st.sampled_from([(1, 1), (1, 2), (2, 4), (4, 2), (2, 1)]),
+    layout=st.sampled_from(["kv_dim0", "packed", "tuple"]),
+)
 @PROFILE
 def test_zero_copy_delivers_the_same_bits_as_copying_and_returns_every_region(kit, topology, layout) -> None:
     from_tp, to_tp = topology
@@ -64,8 +67,9 @@ def test_zero_copy_delivers_the_same_bits_as_copying_and_returns_every_region(ki
         assert all(o.ok for o in kit.send_all(model, conn, from_tp, to_tp, requests, layout))
         storage = conn.pool.storage
         for rank in range(to_tp):
-            receiver = KVTransferManager(kit.receiver_config(from_tp, to_tp), tp_rank=rank, tp_size=to_tp,
-                                         connector=conn)
+            receiver = KVTransferManager(
+                kit.receiver_config(from_tp, to_tp), tp_rank=rank, tp_size=to_tp, connector=conn
+            )
             for rid, spec in requests.items():
                 expected = model.expected(spec["block_ids"], spec["seq_len"], rank, to_tp)
                 copied = receiver.receive(rid, zero_copy=False)
@@ -103,8 +107,9 @@ def test_release_is_idempotent_and_the_region_is_reused_only_after_it(kit, memor
 
 def test_dropping_the_result_and_every_tensor_releases(kit, memory_connector, make_receiver) -> None:
     model = kit.PagedModel()
-    kit.send_all(model, memory_connector, 1, 1, {"a": {"block_ids": [1, 2], "seq_len": 8},
-                                                 "b": {"block_ids": [3], "seq_len": 4}})
+    kit.send_all(
+        model, memory_connector, 1, 1, {"a": {"block_ids": [1, 2], "seq_len": 8}, "b": {"block_ids": [3], "seq_len": 4}}
+    )
     receiver = make_receiver(memory_connector)
     result = receiver.receive("a", zero_copy=True)
     survivor = result.payload["layer_blocks"]["value_cache"][-1][2:]  # a view of a view
@@ -123,8 +128,9 @@ def test_dropping_the_result_and_every_tensor_releases(kit, memory_connector, ma
 
 
 def test_a_memory_reader_holding_past_hold_s_is_never_revoked(kit, make_receiver, fake_time) -> None:
-    conn = create_connector({"type": "memory", "pool_bytes": 1 << 20, "hold_s": 1.0, "lease_s": 5.0,
-                             "clock": fake_time})
+    conn = create_connector(
+        {"type": "memory", "pool_bytes": 1 << 20, "hold_s": 1.0, "lease_s": 5.0, "clock": fake_time}
+    )
     try:
         model = kit.PagedModel(num_blocks=64, block_size=16)
         kit.send_all(model, conn, 1, 1, {"a": {"block_ids": list(range(20)), "seq_len": 320}}, fake=fake_time)
@@ -151,8 +157,7 @@ def test_tensors_moved_to_another_device_hold_nothing(kit, memory_connector, mak
 
 
 @pytest.mark.parametrize("copy_unpooled", [False, True])
-def test_unpooled_data_is_copied_only_when_asked(kit, memory_connector_factory, make_receiver,
-                                                copy_unpooled) -> None:
+def test_unpooled_data_is_copied_only_when_asked(kit, memory_connector_factory, make_receiver, copy_unpooled) -> None:
     conn = memory_connector_factory(storage="objects")  # gets return bytes, not pool buffers
     model = kit.PagedModel()
     kit.send_all(model, conn, 1, 1, {"a": {"block_ids": [1, 2], "seq_len": 8}})
@@ -168,8 +173,9 @@ def test_unpooled_data_is_copied_only_when_asked(kit, memory_connector_factory, 
 
 def test_zero_copy_is_the_default_and_copying_is_asked_for(kit, memory_connector, make_receiver) -> None:
     model = kit.PagedModel()
-    kit.send_all(model, memory_connector, 1, 1, {"a": {"block_ids": [1, 2], "seq_len": 8},
-                                                 "b": {"block_ids": [3], "seq_len": 4}})
+    kit.send_all(
+        model, memory_connector, 1, 1, {"a": {"block_ids": [1, 2], "seq_len": 8}, "b": {"block_ids": [3], "seq_len": 4}}
+    )
     receiver = make_receiver(memory_connector)
     viewed = receiver.receive("a")
     assert viewed.ok and viewed.held
@@ -247,8 +253,9 @@ def test_tied_release_follows_the_last_view() -> None:
     del view
     settled()
     assert calls == ["released"]
-    buffer = PooledBuffer.tied(base, on_release=lambda: calls.append("sync"),
-                               on_release_soon=lambda: calls.append("soon"))
+    buffer = PooledBuffer.tied(
+        base, on_release=lambda: calls.append("sync"), on_release_soon=lambda: calls.append("soon")
+    )
     buffer.release_soon()
     buffer.release()
     del buffer

@@ -13,7 +13,8 @@ import contextlib
 import pickle
 import sys
 import time
-from typing import Any, Callable, Iterator
+from collections.abc import Callable, Iterator
+from typing import Any
 
 import torch
 
@@ -44,8 +45,11 @@ class NotData:
 
 def _describe(value: Any) -> Any:
     if isinstance(value, torch.Tensor):
-        return {"tensor": str(value.dtype), "shape": list(value.shape),
-                "values": value.to(torch.float64).reshape(-1).tolist()}
+        return {
+            "tensor": str(value.dtype),
+            "shape": list(value.shape),
+            "values": value.to(torch.float64).reshape(-1).tolist(),
+        }
     if isinstance(value, bytes):
         return {"bytes": value.hex()}
     if isinstance(value, tuple):
@@ -84,7 +88,11 @@ def broadcast_none_and_scalars(ctx: Ctx) -> Any:
 
 def broadcast_tensor(ctx: Ctx) -> Any:
     src = ctx.size - 1
-    buf = torch.arange(6, dtype=torch.int32).reshape(2, 3) * 7 if ctx.rank == src else torch.zeros(2, 3, dtype=torch.int32)
+    buf = (
+        torch.arange(6, dtype=torch.int32).reshape(2, 3) * 7
+        if ctx.rank == src
+        else torch.zeros(2, 3, dtype=torch.int32)
+    )
     got = ctx.world.broadcast_tensor(buf, src, timeout_s=OP_TIMEOUT_S)
     return {"same_object": got is buf, "value": _describe(got)}
 
@@ -102,8 +110,9 @@ def _pairs(ctx: Ctx, send: Callable[[int, int], None], recv: Callable[[int], Any
 
 def p2p_object(ctx: Ctx) -> Any:
     def send(dst: int, me: int) -> None:
-        ctx.world.send_object({"from": me, "roles": ("a", me), "t": torch.full((2,), float(me))}, dst,
-                              timeout_s=OP_TIMEOUT_S)
+        ctx.world.send_object(
+            {"from": me, "roles": ("a", me), "t": torch.full((2,), float(me))}, dst, timeout_s=OP_TIMEOUT_S
+        )
 
     return _describe(_pairs(ctx, send, lambda src: ctx.world.recv_object(src, timeout_s=OP_TIMEOUT_S)))
 
@@ -111,6 +120,7 @@ def p2p_object(ctx: Ctx) -> Any:
 def p2p_tensor(ctx: Ctx) -> Any:
     out = []
     for dtype in (torch.float32, torch.bfloat16, torch.int64, torch.uint8):
+
         def send(dst: int, me: int, dtype: torch.dtype = dtype) -> None:
             ctx.world.send_tensor((torch.arange(5) + 10 * me).to(dtype), dst, timeout_s=OP_TIMEOUT_S)
 
@@ -128,8 +138,7 @@ def sub_groups(ctx: Ctx) -> Any:
     layout = GroupLayout(tp_size=2, sp_size=1, cfg_size=2)
     groups = build_parallel_groups(layout, ctx.rank, ctx.world, ctx.new_group)
     tp, cfg, sp = groups.tp, groups.cfg, groups.sp
-    from_tp1 = tp.broadcast_object({"tp_src_world_rank": ctx.rank} if tp.rank == 1 else None, 1,
-                                   timeout_s=OP_TIMEOUT_S)
+    from_tp1 = tp.broadcast_object({"tp_src_world_rank": ctx.rank} if tp.rank == 1 else None, 1, timeout_s=OP_TIMEOUT_S)
     if cfg.rank == 1:
         cfg.send_object({"cfg_sender_world_rank": ctx.rank}, 0, timeout_s=OP_TIMEOUT_S)
         from_cfg = None
@@ -138,8 +147,15 @@ def sub_groups(ctx: Ctx) -> Any:
     t = torch.tensor([float(ctx.rank)]) if cfg.rank == 0 else torch.zeros(1)
     cfg.broadcast_tensor(t, 0, timeout_s=OP_TIMEOUT_S)
     solo = sp.broadcast_object("alone", 0, timeout_s=OP_TIMEOUT_S)
-    return {"tp": [tp.rank, tp.size], "cfg": [cfg.rank, cfg.size], "sp": [sp.rank, sp.size],
-            "from_tp1": from_tp1, "from_cfg": from_cfg, "cfg_tensor": t.item(), "solo": solo}
+    return {
+        "tp": [tp.rank, tp.size],
+        "cfg": [cfg.rank, cfg.size],
+        "sp": [sp.rank, sp.size],
+        "from_tp1": from_tp1,
+        "from_cfg": from_cfg,
+        "cfg_tensor": t.item(),
+        "solo": solo,
+    }
 
 
 def recv_from_absent_peer(ctx: Ctx) -> Any:
@@ -173,8 +189,7 @@ def source_cannot_encode(ctx: Ctx) -> Any:
     """The source holds a non-data object: it raises at once and the others are told (no hang)."""
     group = ctx.new_group(tuple(range(ctx.size)))
     ctx.mark()
-    return _describe(group.broadcast_object({"x": NotData()} if ctx.rank == 0 else None, 0,
-                                            timeout_s=OP_TIMEOUT_S))
+    return _describe(group.broadcast_object({"x": NotData()} if ctx.rank == 0 else None, 0, timeout_s=OP_TIMEOUT_S))
 
 
 def sender_cannot_encode(ctx: Ctx) -> Any:
@@ -193,10 +208,20 @@ def still_usable_after_failures(ctx: Ctx) -> Any:
 
 SCENARIOS: dict[str, Callable[[Ctx], Any]] = {
     fn.__name__: fn
-    for fn in (broadcast_object, broadcast_none_and_scalars, broadcast_tensor, p2p_object,
-               p2p_tensor, sub_groups, recv_from_absent_peer, broadcast_from_absent_source,
-               broadcast_to_absent_peer, source_cannot_encode, sender_cannot_encode,
-               still_usable_after_failures)
+    for fn in (
+        broadcast_object,
+        broadcast_none_and_scalars,
+        broadcast_tensor,
+        p2p_object,
+        p2p_tensor,
+        sub_groups,
+        recv_from_absent_peer,
+        broadcast_from_absent_source,
+        broadcast_to_absent_peer,
+        source_cannot_encode,
+        sender_cannot_encode,
+        still_usable_after_failures,
+    )
 }
 
 
@@ -228,6 +253,10 @@ def run_scenario(name: str, ctx: Ctx) -> dict[str, Any]:
     try:
         value = SCENARIOS[name](ctx)
     except Exception as exc:  # the contract compares what was raised on each rank
-        return {"raised": type(exc).__name__, "kvferry": isinstance(exc, KVFerryError),
-                "msg": str(exc)[:300], "elapsed": time.monotonic() - (ctx.started or start)}
+        return {
+            "raised": type(exc).__name__,
+            "kvferry": isinstance(exc, KVFerryError),
+            "msg": str(exc)[:300],
+            "elapsed": time.monotonic() - (ctx.started or start),
+        }
     return {"ok": value, "elapsed": time.monotonic() - (ctx.started or start)}

@@ -31,8 +31,9 @@ def main() -> None:
     from kvferry.adapters.collectives import TorchDistGroup
 
     store = dist.FileStore(store_file, size)
-    dist.init_process_group("gloo", store=store, rank=rank, world_size=size,
-                            timeout=datetime.timedelta(seconds=INIT_TIMEOUT_S))
+    dist.init_process_group(
+        "gloo", store=store, rank=rank, world_size=size, timeout=datetime.timedelta(seconds=INIT_TIMEOUT_S)
+    )
     ctx = Ctx(rank, size, TorchDistGroup(), lambda ranks: TorchDistGroup.new(ranks, timeout_s=INIT_TIMEOUT_S))
     print(json.dumps({"ready": rank}), flush=True)
     for line in sys.stdin:

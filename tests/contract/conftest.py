@@ -17,7 +17,8 @@ import itertools
 import os
 import shutil
 import tempfile
-from typing import Any, Callable, NamedTuple
+from collections.abc import Callable
+from typing import Any, NamedTuple
 
 import pytest
 
@@ -72,8 +73,10 @@ def mooncake_factory(config: dict[str, Any]) -> ConnectorPair:
     try:
         import mooncake.engine  # noqa: F401
     except (ImportError, OSError) as exc:
-        pytest.skip(f"mooncake transfer engine unavailable ({exc}); pip install 'kvferry[mooncake]' "
-                    "and apt-get install libibverbs1")
+        pytest.skip(
+            f"mooncake transfer engine unavailable ({exc}); pip install 'kvferry[mooncake]' "
+            "and apt-get install libibverbs1"
+        )
     common = {"type": "mooncake", "host": "127.0.0.1"}
     sender = create_connector({**common, **config, "role": "sender", "port": 0})
     try:

@@ -83,7 +83,11 @@ class GlooRunner:
         self.procs = [
             subprocess.Popen(
                 [sys.executable, str(HERE / "collective_worker.py"), str(r), str(WORLD_SIZE), str(store)],
-                stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self.logs[r], bufsize=0, env=env,
+                stdin=subprocess.PIPE,
+                stdout=subprocess.PIPE,
+                stderr=self.logs[r],
+                bufsize=0,
+                env=env,
             )
             for r in range(WORLD_SIZE)
         ]
@@ -170,11 +174,13 @@ def test_point_to_point_object(runner: Any) -> None:
     got = oks(runner.run("p2p_object"))
     for rank, value in enumerate(got):
         peer = rank + 1 if rank % 2 == 0 else rank - 1
-        assert value == {"dict": [
-            ["from", peer],
-            ["roles", {"tuple": ["a", peer]}],
-            ["t", {"tensor": "torch.float32", "shape": [2], "values": [float(peer)] * 2}],
-        ]}
+        assert value == {
+            "dict": [
+                ["from", peer],
+                ["roles", {"tuple": ["a", peer]}],
+                ["t", {"tensor": "torch.float32", "shape": [2], "values": [float(peer)] * 2}],
+            ]
+        }
 
 
 def test_point_to_point_tensor(runner: Any) -> None:
@@ -183,8 +189,10 @@ def test_point_to_point_tensor(runner: Any) -> None:
     for rank, per_dtype in enumerate(got):
         peer = rank + 1 if rank % 2 == 0 else rank - 1
         assert per_dtype == [
-            {"same_object": True, "value": {"tensor": d, "shape": [5],
-                                            "values": [float(i + 10 * peer) for i in range(5)]}}
+            {
+                "same_object": True,
+                "value": {"tensor": d, "shape": [5], "values": [float(i + 10 * peer) for i in range(5)]},
+            }
             for d in dtypes
         ]
 
@@ -244,10 +252,17 @@ def test_world_group_still_works_after_failures_elsewhere(runner: Any) -> None:
 # the data-only codec and argument checks (no peers needed)
 
 plain = st.recursive(
-    st.none() | st.booleans() | st.integers(-(2**63), 2**64 - 1) | st.floats(allow_nan=False)
-    | st.text(max_size=8) | st.binary(max_size=8),
-    lambda inner: st.lists(inner, max_size=4) | st.tuples(inner, inner)
-    | st.dictionaries(st.text(max_size=4) | st.integers(-5, 5), inner, max_size=4),
+    st.none()
+    | st.booleans()
+    | st.integers(-(2**63), 2**64 - 1)
+    | st.floats(allow_nan=False)
+    | st.text(max_size=8)
+    | st.binary(max_size=8),
+    lambda inner: (
+        st.lists(inner, max_size=4)
+        | st.tuples(inner, inner)
+        | st.dictionaries(st.text(max_size=4) | st.integers(-5, 5), inner, max_size=4)
+    ),
     max_leaves=20,
 )
 

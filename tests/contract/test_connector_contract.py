@@ -330,14 +330,18 @@ def test_large_payload_256_mib(make_pair) -> None:
     n = 256 * MiB
     pair = make_pair(pool_bytes=n + MiB)
     data = torch.empty(n, dtype=torch.uint8)
-    data[:: 4096] = torch.arange(n // 4096, dtype=torch.int64).to(torch.uint8)
+    data[::4096] = torch.arange(n // 4096, dtype=torch.int64).to(torch.uint8)
     data[-1] = 77
     ok, size, meta = pair.sender.put("0", "1", "big", data)
     assert ok and size == n
     got = pair.receiver.get_blocking("0", "1", "big", meta, timeout_s=30.0)
     assert got is not None and got[1] == n
     received, _ = got
-    tensor = received.tensor if isinstance(received, PoolBuffer) else torch.frombuffer(bytearray(as_bytes(received)), dtype=torch.uint8)
+    tensor = (
+        received.tensor
+        if isinstance(received, PoolBuffer)
+        else torch.frombuffer(bytearray(as_bytes(received)), dtype=torch.uint8)
+    )
     assert torch.equal(tensor, data)
     release(received)
 
@@ -386,7 +390,7 @@ def test_registry_registers_targets_lazily() -> None:
     from kvferry.core.errors import ConfigError, ConnectorUnavailable
 
     registry = ConnectorRegistry({})
-    registry.register("mem", "kvferry.adapters.connectors.memory:MemoryConnector")
+    registry.register("mem", "kvferry.adapters.connectors.memory.connector:MemoryConnector")
     with pytest.raises(ConfigError):
         registry.register("mem", "x:y", replace=False)
     with pytest.raises(ConfigError):

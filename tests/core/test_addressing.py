@@ -132,8 +132,13 @@ def test_bad_values_are_rejected_naming_the_field(kwargs: dict, field: str) -> N
 def test_sender_endpoint_port() -> None:
     assert sender_endpoint_port(50151, 0) == 50151
     assert sender_endpoint_port(50151, 3) == 50199
-    for args, field in (((50151, -1), "source_rank"), ((50151, 64), "source_rank"),
-                        ((0, 0), "advertised_port"), ((65530, 1), r"^port 65546 is outside"), ((True, 0), "advertised_port")):
+    for args, field in (
+        ((50151, -1), "source_rank"),
+        ((50151, 64), "source_rank"),
+        ((0, 0), "advertised_port"),
+        ((65530, 1), r"^port 65546 is outside"),
+        ((True, 0), "advertised_port"),
+    ):
         with pytest.raises(RoutingError, match=field):
             sender_endpoint_port(*args)
 

@@ -37,9 +37,17 @@ FULL = {
 def test_defaults_match_reference_dataclass() -> None:
     cfg = TransferConfig.from_omni_kv_config({})
     assert cfg.reference_fields() == {
-        "connector_config": None, "from_stage": None, "to_stage": None, "stage_id": None,
-        "engine_input_source": [], "need_recv_cache": False, "need_send_cache": False,
-        "recv_timeout": 30.0, "from_tp": 1, "to_tp": 1, "enable_kv_async_prefetch": False,
+        "connector_config": None,
+        "from_stage": None,
+        "to_stage": None,
+        "stage_id": None,
+        "engine_input_source": [],
+        "need_recv_cache": False,
+        "need_send_cache": False,
+        "recv_timeout": 30.0,
+        "from_tp": 1,
+        "to_tp": 1,
+        "enable_kv_async_prefetch": False,
         "kv_prefetch_min_free_mem_ratio": 0.0,
     }
     assert cfg.base_port == 50051 and cfg.replica_id == 0
@@ -126,11 +134,18 @@ def test_non_mapping_config_is_an_error() -> None:
 
 
 def test_lenient_forms_the_reference_accepted() -> None:
-    cfg = TransferConfig.from_omni_kv_config({
-        "rank_mapping": {"from_tp": "2", "to_tp": " 4 "}, "recv_timeout": 0,
-        "omni_from_stage": "llm", "omni_to_stage": "dit", "rank_mapping_extra": 1,
-        "need_send_cache": None, "recv_timeout_extra": None, "rank_mapping ": None,
-    })
+    cfg = TransferConfig.from_omni_kv_config(
+        {
+            "rank_mapping": {"from_tp": "2", "to_tp": " 4 "},
+            "recv_timeout": 0,
+            "omni_from_stage": "llm",
+            "omni_to_stage": "dit",
+            "rank_mapping_extra": 1,
+            "need_send_cache": None,
+            "recv_timeout_extra": None,
+            "rank_mapping ": None,
+        }
+    )
     assert (cfg.from_tp, cfg.to_tp, cfg.recv_timeout) == (2, 4, 0.0)
     assert cfg.send_stages == ("llm", "dit")
     assert TransferConfig.from_omni_kv_config({"rank_mapping": None}).from_tp == 1
@@ -139,9 +154,7 @@ def test_lenient_forms_the_reference_accepted() -> None:
 
 def test_base_port_and_replica_come_from_the_env_passed_in() -> None:
     env = {"KV_BASE_PORT": "46000", "VLLM_OMNI_REPLICA_ID": "3"}
-    cfg = TransferConfig.from_omni_kv_config(
-        {"connector_config": {"type": "zmq", "zmq_port": "${KV_BASE_PORT}"}}, env
-    )
+    cfg = TransferConfig.from_omni_kv_config({"connector_config": {"type": "zmq", "zmq_port": "${KV_BASE_PORT}"}}, env)
     assert (cfg.base_port, cfg.replica_id) == (46000, 3)
     for raw in ("-2", "x", ""):
         assert TransferConfig.from_omni_kv_config({}, {"VLLM_OMNI_REPLICA_ID": raw}).replica_id == 0
@@ -216,10 +229,14 @@ def test_direct_construction_validates() -> None:
     assert cfg == TransferConfig(from_stage=0, to_stage=1, from_tp=2, engine_input_source=(0,))
     hash(cfg)
     for kwargs, key in [
-        (dict(from_tp=0), "from_tp"), (dict(from_tp="2"), "from_tp"),
-        (dict(need_recv_cache=None), "need_recv_cache"), (dict(base_port=0), "base_port"),
-        (dict(base_port="50051"), "base_port"), (dict(replica_id=-1), "replica_id"),
-        (dict(stage_id=-3), "stage_id"), (dict(recv_timeout=-1.0), "recv_timeout"),
+        (dict(from_tp=0), "from_tp"),
+        (dict(from_tp="2"), "from_tp"),
+        (dict(need_recv_cache=None), "need_recv_cache"),
+        (dict(base_port=0), "base_port"),
+        (dict(base_port="50051"), "base_port"),
+        (dict(replica_id=-1), "replica_id"),
+        (dict(stage_id=-3), "stage_id"),
+        (dict(recv_timeout=-1.0), "recv_timeout"),
         (dict(connector_config={"x": 1}), "connector_config.type"),
     ]:
         with pytest.raises(ConfigError, match=key):
@@ -243,8 +260,7 @@ def test_from_model_config() -> None:
 
 def test_from_vllm_config_prefers_the_model_config() -> None:
     model = types.SimpleNamespace(omni_kv_config=FULL)
-    vllm = types.SimpleNamespace(kv_transfer_config=types.SimpleNamespace(
-        omni_connector_config={"type": "shm"}))
+    vllm = types.SimpleNamespace(kv_transfer_config=types.SimpleNamespace(omni_connector_config={"type": "shm"}))
     assert TransferConfig.from_vllm_config(vllm, model).connector_type == "zmq"
 
 
@@ -252,8 +268,9 @@ def test_from_vllm_config_prefers_the_model_config() -> None:
     "kv_transfer",
     [
         types.SimpleNamespace(omni_connector_config={"type": "shm", "size": 1}),
-        types.SimpleNamespace(omni_connector_config={},
-                              kv_connector_extra_config={"omni_connector_config": {"type": "shm", "size": 1}}),
+        types.SimpleNamespace(
+            omni_connector_config={}, kv_connector_extra_config={"omni_connector_config": {"type": "shm", "size": 1}}
+        ),
         types.SimpleNamespace(kv_connector_extra_config={"omni_connector_config": {"type": "shm", "size": 1}}),
         {"omni_connector_config": {"type": "shm", "size": 1}},
     ],
@@ -267,9 +284,13 @@ def test_from_vllm_config_kv_transfer_forms(kv_transfer: object) -> None:
 
 @pytest.mark.parametrize(
     "kv_transfer",
-    [None, types.SimpleNamespace(), types.SimpleNamespace(omni_connector_config={}),
-     types.SimpleNamespace(kv_connector_extra_config={"omni_connector_config": {}}),
-     types.SimpleNamespace(kv_connector_extra_config="x")],
+    [
+        None,
+        types.SimpleNamespace(),
+        types.SimpleNamespace(omni_connector_config={}),
+        types.SimpleNamespace(kv_connector_extra_config={"omni_connector_config": {}}),
+        types.SimpleNamespace(kv_connector_extra_config="x"),
+    ],
 )
 def test_from_vllm_config_nothing_configured(kv_transfer: object) -> None:
     cfg = TransferConfig.from_vllm_config(types.SimpleNamespace(kv_transfer_config=kv_transfer), None)

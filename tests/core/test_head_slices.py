@@ -84,7 +84,10 @@ def test_plan_is_consistent(plan_args: tuple[int, int, int]) -> None:
 def test_golden_fan_out_2_to_4_with_8_heads() -> None:
     plans = plan_heads(2, 4, 8)
     assert [(p.abs_head_start, p.abs_head_stop, p.merge_order) for p in plans] == [
-        (0, 2, (0,)), (2, 4, (0,)), (4, 6, (1,)), (6, 8, (1,)),
+        (0, 2, (0,)),
+        (2, 4, (0,)),
+        (4, 6, (1,)),
+        (6, 8, (1,)),
     ]
     sl = plans[3].slices[0]
     assert (sl.source_rank, sl.offset_in_shard, sl.num_slices, sl.head_start, sl.head_stop) == (1, 1, 2, 2, 4)
@@ -95,7 +98,8 @@ def test_golden_fan_in_4_to_2_with_8_heads() -> None:
     plans = plan_heads(4, 2, 8)
     assert plans[1].merge_order == (2, 3)
     assert [(sl.head_start, sl.head_stop, sl.recv_head_start, sl.recv_head_stop) for sl in plans[1].slices] == [
-        (0, 2, 0, 2), (0, 2, 2, 4),
+        (0, 2, 0, 2),
+        (0, 2, 2, 4),
     ]
     assert fan_out_slice(4, 2, 1) == (0, 1)
     assert fan_out_slice(2, 2, 1) == (0, 1)
@@ -156,8 +160,14 @@ def test_rank_errors() -> None:
 def test_tag_record() -> None:
     record = tp_head_slice_record("sender", 1, 3, 2, 4, 1, 2)
     assert record == {
-        "applied": True, "side": "sender", "target_rank": 3, "source_rank": 1,
-        "from_tp": 2, "to_tp": 4, "offset_in_shard": 1, "num_slices": 2,
+        "applied": True,
+        "side": "sender",
+        "target_rank": 3,
+        "source_rank": 1,
+        "from_tp": 2,
+        "to_tp": 4,
+        "offset_in_shard": 1,
+        "num_slices": 2,
     }
     assert json.loads(json.dumps(record)) == record
     assert applied_head_slice({TP_HEAD_SLICE_KEY: record}) == record
@@ -181,8 +191,15 @@ def test_tag_record_errors(args: tuple, needle: str) -> None:
 
 @pytest.mark.parametrize(
     "metadata",
-    [None, [], {}, {"tp_head_slice": None}, {"tp_head_slice": "x"}, {"tp_head_slice": {"applied": False}},
-     {"tp_head_slice": {}}],
+    [
+        None,
+        [],
+        {},
+        {"tp_head_slice": None},
+        {"tp_head_slice": "x"},
+        {"tp_head_slice": {"applied": False}},
+        {"tp_head_slice": {}},
+    ],
 )
 def test_untagged_metadata(metadata: object) -> None:
     assert applied_head_slice(metadata) is None

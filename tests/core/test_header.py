@@ -62,8 +62,14 @@ def payload_plans(draw: st.DrawFn) -> dict:
 def _layout(plan: dict):
     num_layers, specs = kv_tensor_specs(plan["keys"], plan["values"])
     layout = plan_layout(
-        plan["request_id"], plan["block_ids"], plan["metadata"], num_layers, specs,
-        align=plan["align"], version=plan["version"], checksums=plan["checksums"],
+        plan["request_id"],
+        plan["block_ids"],
+        plan["metadata"],
+        num_layers,
+        specs,
+        align=plan["align"],
+        version=plan["version"],
+        checksums=plan["checksums"],
     )
     if plan["checksums"]:
         layout = layout.with_checksums([(i * 2654435761) & 0xFFFFFFFF for i in range(len(layout.header.present))])
@@ -268,7 +274,7 @@ def test_each_malformed_header_raises_payload_error_with_reason(case: str) -> No
         (b"\x00\x00\x00\x02{}", "lacks"),
         (b"\x00\x00\x00\x02[]", "not a JSON object"),
         (b"\x00\x00\x00\x02\xff\xfe", "not UTF-8 JSON"),
-        (b"\x00\x00\x00\x03{\"a", "not UTF-8 JSON"),
+        (b'\x00\x00\x00\x03{"a', "not UTF-8 JSON"),
         (b"\x00\x00\x00\x03\xef\xbb\xbf", "not UTF-8 JSON"),
         (struct.pack(">I", 20000) + b"[" * 20000, "not UTF-8 JSON"),  # recursion
         (struct.pack(">I", 5000) + b"9" * 5000, "not UTF-8 JSON"),  # int too long to parse
@@ -294,12 +300,20 @@ def test_length_lies_fail_fast_without_allocating() -> None:
         with pytest.raises(PayloadError, match="exceeds the limit"):
             decode_header(claims_4gib)
     assert time.perf_counter() - started < 2.0  # microseconds each, far from 4 GiB of work
-    header = '{"rid":"r","bids":[],"meta":{},"td":[{"n":"key_cache_0","i":0,"d":"float32","s":[1073741824],"o":0,"b":4294967296}],"nl":1}'
+    header = (
+        '{"rid":"r","bids":[],"meta":{},"td":[{"n":"key_cache_0","i":0,"d":"float32",'
+        '"s":[1073741824],"o":0,"b":4294967296}],"nl":1}'
+    )
     with pytest.raises(PayloadError, match="outside"):
         decode_header(_golden(header, b"x" * 10))
     tracemalloc.start()
     try:
-        for lie in (claims_4gib, _golden(header, b"x" * 10), _with(nl=2**40), _with({**VALID_DESC, "s": [2**62], "b": 2**62})):
+        for lie in (
+            claims_4gib,
+            _golden(header, b"x" * 10),
+            _with(nl=2**40),
+            _with({**VALID_DESC, "s": [2**62], "b": 2**62}),
+        ):
             with pytest.raises(PayloadError):
                 decode_header(lie)
         _, peak = tracemalloc.get_traced_memory()

@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import random
 import struct
+from typing import Any
 
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -23,12 +24,21 @@ def _valid_payloads(rng: random.Random, count: int) -> list[bytes]:
     out = []
     for i in range(count):
         layers = rng.randrange(0, 6)
-        spec = lambda: None if rng.random() < 0.2 else (rng.choice(DTYPES), (rng.randrange(0, 5), rng.randrange(1, 3)))
+
+        def spec() -> Any:
+            return None if rng.random() < 0.2 else (rng.choice(DTYPES), (rng.randrange(0, 5), rng.randrange(1, 3)))
+
         n, specs = kv_tensor_specs([spec() for _ in range(layers)], [spec() for _ in range(layers)])
         checksums = "crc32" if i % 3 == 0 else None
         layout = plan_layout(
-            f"req-{i}", [rng.randrange(100) for _ in range(rng.randrange(4))], {"seq_len": i, "t": "é"},
-            n, specs, align=rng.choice([1, 8, 64]), version=bool(i % 2), checksums=checksums,
+            f"req-{i}",
+            [rng.randrange(100) for _ in range(rng.randrange(4))],
+            {"seq_len": i, "t": "é"},
+            n,
+            specs,
+            align=rng.choice([1, 8, 64]),
+            version=bool(i % 2),
+            checksums=checksums,
         )
         if checksums:
             layout = layout.with_checksums([rng.getrandbits(32) for _ in layout.header.present])

@@ -21,8 +21,17 @@ from hypothesis import strategies as st
 from kvferry.core import header_decode, header_json
 from kvferry.core.errors import ConfigError, PayloadError
 from kvferry.core.header import (
-    DTYPE_ITEMSIZE, DecodeLimits, PayloadHeader, TensorDescriptor, _header_object, decode_header,
-    encode_header, kv_layout_template, kv_tensor_specs, plan_layout, plan_template,
+    DTYPE_ITEMSIZE,
+    DecodeLimits,
+    PayloadHeader,
+    TensorDescriptor,
+    _header_object,
+    decode_header,
+    encode_header,
+    kv_layout_template,
+    kv_tensor_specs,
+    plan_layout,
+    plan_template,
 )
 from kvferry.core.header_values import _checked
 
@@ -83,8 +92,9 @@ def _fresh(raw: bytes, limits: DecodeLimits = DecodeLimits()) -> object:
 @PROPERTY
 @given(kv_plans())
 def test_rendering_equals_json_dumps_of_the_table_object(plan: dict) -> None:
-    layout = plan_layout(plan["rid"], plan["bids"], plan["meta"], *kv_tensor_specs(plan["keys"], plan["values"]),
-                         **_options(plan))
+    layout = plan_layout(
+        plan["rid"], plan["bids"], plan["meta"], *kv_tensor_specs(plan["keys"], plan["values"]), **_options(plan)
+    )
     header = layout.header
     expected = json.dumps(_header_object(header), separators=(",", ":")).encode()
     assert encode_header(header)[4:] == expected
@@ -98,7 +108,9 @@ def test_direct_kv_template_equals_the_spec_template(plan: dict) -> None:
     direct = kv_layout_template(plan["keys"], plan["values"], **_options(plan))
     via_specs = plan_template(*kv_tensor_specs(plan["keys"], plan["values"]), **_options(plan))
     assert direct == via_specs
-    assert direct.layout(plan["rid"], plan["bids"], plan["meta"]) == via_specs.layout(plan["rid"], plan["bids"], plan["meta"])
+    assert direct.layout(plan["rid"], plan["bids"], plan["meta"]) == via_specs.layout(
+        plan["rid"], plan["bids"], plan["meta"]
+    )
 
 
 def test_unusual_value_types_render_as_json_does() -> None:
@@ -129,8 +141,10 @@ def test_templates_are_reused_for_a_repeated_signature() -> None:
 # ----------------------------------------------------------------------- the JSON reader
 json_texts = st.one_of(
     json_values.map(json.dumps),
-    st.tuples(st.dictionaries(st.sampled_from(["rid", "td", "nl", "a"]), json_values, max_size=4),
-              st.sampled_from([None, 0, 2])).map(lambda p: json.dumps(p[0], indent=p[1])),
+    st.tuples(
+        st.dictionaries(st.sampled_from(["rid", "td", "nl", "a"]), json_values, max_size=4),
+        st.sampled_from([None, 0, 2]),
+    ).map(lambda p: json.dumps(p[0], indent=p[1])),
     st.text(alphabet='{}[]":,. \t\n\r0123456789tdnulrfae\\', max_size=30),
 )
 
@@ -167,7 +181,7 @@ def test_top_level_reader_edge_cases() -> None:
             assert obj == json.loads(text)
     finally:
         header_json._memo = saved
-    for text in ('{"a":1,}', '{"a" 1}', "{'a':1}", '{"a":1}}', '{"a":1} x', "", "[]", '{"a":01}', '\ufeff{}'):
+    for text in ('{"a":1,}', '{"a" 1}', "{'a':1}", '{"a":1}}', '{"a":1} x', "", "[]", '{"a":01}', "\ufeff{}"):
         assert header_json._read_object(text, DecodeLimits()) is None
 
 
@@ -194,18 +208,34 @@ def test_column_check_agrees_with_the_per_descriptor_check(plan: dict, data: st.
     if bulk is not None:
         assert plain != "refused" and tuple(bulk) == tuple(plain)
         assert (bulk.min_layers, bulk.checksummed, bulk.rel_spans, bulk.data_end) == (
-            plain.min_layers, plain.checksummed, plain.rel_spans, plain.data_end)
+            plain.min_layers,
+            plain.checksummed,
+            plain.rel_spans,
+            plain.data_end,
+        )
 
 
 GOOD = {"n": "key_cache_1", "i": 1, "d": "int16", "s": [2, 3], "o": 64, "b": 12}
 COLUMN_FAULTS = {
-    "float dim": {"s": [2.0, 3]}, "bool dim": {"s": [True, 12]}, "negative dim": {"s": [-2, -3]},
-    "float offset": {"o": 64.0}, "bool layer": {"i": True}, "negative layer": {"i": -1},
-    "huge offset": {"o": 2**63}, "unknown dtype": {"d": "float128"}, "dtype not str": {"d": 2},
-    "name/layer disagree": {"i": 0}, "name not a cache": {"n": "key_cache_x"},
-    "long name": {"n": "key_cache_0000000001"}, "nbytes mismatch": {"b": 13}, "shape not list": {"s": 6},
-    "too many dims": {"s": [1] * 65 + [6], "b": 12}, "checksum upper": {"c": "ABCDEF01"},
-    "checksum int": {"c": 1}, "absent flag": {"x": False}, "null checksum": {"c": None},
+    "float dim": {"s": [2.0, 3]},
+    "bool dim": {"s": [True, 12]},
+    "negative dim": {"s": [-2, -3]},
+    "float offset": {"o": 64.0},
+    "bool layer": {"i": True},
+    "negative layer": {"i": -1},
+    "huge offset": {"o": 2**63},
+    "unknown dtype": {"d": "float128"},
+    "dtype not str": {"d": 2},
+    "name/layer disagree": {"i": 0},
+    "name not a cache": {"n": "key_cache_x"},
+    "long name": {"n": "key_cache_0000000001"},
+    "nbytes mismatch": {"b": 13},
+    "shape not list": {"s": 6},
+    "too many dims": {"s": [1] * 65 + [6], "b": 12},
+    "checksum upper": {"c": "ABCDEF01"},
+    "checksum int": {"c": 1},
+    "absent flag": {"x": False},
+    "null checksum": {"c": None},
 }
 
 
@@ -237,7 +267,9 @@ def test_a_remembered_td_decodes_exactly_as_a_fresh_one(plan: dict, data: st.Dat
         mutated = bytearray(raw)
         pos = data.draw(st.integers(0, max(4, 4 + header_len - 1)))
         if pos < len(mutated):
-            mutated[pos] = data.draw(st.sampled_from([ord("0"), ord("1"), ord("."), ord("e"), ord(" "), ord("t"), 0x7F]))
+            mutated[pos] = data.draw(
+                st.sampled_from([ord("0"), ord("1"), ord("."), ord("e"), ord(" "), ord("t"), 0x7F])
+            )
         limits = data.draw(st.sampled_from([DecodeLimits(), DecodeLimits(max_ndim=1), DecodeLimits(max_tensors=1)]))
         assert _outcome(bytes(mutated), limits) == _fresh(bytes(mutated), limits)
 

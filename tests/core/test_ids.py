@@ -64,9 +64,7 @@ def test_golden_send_and_recv_keys() -> None:
 
 @PROPERTY
 @given(valid_sizes(), request_ids, stages, stages)
-def test_all_send_keys_equal_all_recv_keys(
-    sizes: tuple[int, int], rid: str, frm: object, to: object
-) -> None:
+def test_all_send_keys_equal_all_recv_keys(sizes: tuple[int, int], rid: str, frm: object, to: object) -> None:
     s, t = sizes
     sent: list[str] = []
     for sender in range(s):
@@ -138,7 +136,9 @@ def test_parse_rejects_malformed_keys(key: str) -> None:
         parse_connector_key(key)
 
 
-@pytest.mark.parametrize("key", ["", "omni__to_1_kv_cache_r", "omni_0_kv_cache_r", "x_0_to_1_kv_cache_r", "omni_0_to_1_r"])
+@pytest.mark.parametrize(
+    "key", ["", "omni__to_1_kv_cache_r", "omni_0_kv_cache_r", "x_0_to_1_kv_cache_r", "omni_0_to_1_r"]
+)
 def test_parse_legacy_rejects_malformed_keys(key: str) -> None:
     with pytest.raises(RoutingError):
         parse_legacy_key(key)
@@ -195,7 +195,9 @@ def test_recv_hook_strings_get_none_when_counts_differ() -> None:
     topo = TPTopology(4, 2, 1)
     assert recv_keys("r", 0, 1, topo, hook=lambda *a: ["a"]) == (("a", None),)
     assert recv_keys("r", 0, 1, topo, hook=lambda *a: ["a", "b", "c"]) == (
-        ("a", None), ("b", None), ("c", None),
+        ("a", None),
+        ("b", None),
+        ("c", None),
     )
 
 

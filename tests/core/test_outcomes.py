@@ -23,8 +23,7 @@ PROPERTY = settings(max_examples=100, deadline=None)
 def test_send_outcomes() -> None:
     ok = SendOutcome.sent("r1", keys=["r1_0_0_0_0", "r1_0_0_0_1"], nbytes=100, attempts=2, seconds=0.5)
     assert ok.ok and ok.kind is SendKind.SENT and ok.keys == ("r1_0_0_0_0", "r1_0_0_0_1")
-    bad = SendOutcome.failed("r2", SendReason.POOL_FULL, "pool has 0 bytes free",
-                             failed_keys=("k",), attempts=3)
+    bad = SendOutcome.failed("r2", SendReason.POOL_FULL, "pool has 0 bytes free", failed_keys=("k",), attempts=3)
     assert not bad.ok and bad.reason is SendReason.POOL_FULL and bad.failed_keys == ("k",)
     skip = SendOutcome.skipped("r3")
     assert skip.kind is SendKind.SKIPPED and skip.reason is SendReason.NOT_SENDING and not skip.ok
@@ -107,18 +106,24 @@ recv_kinds = st.sampled_from([k for k in ReceiveKind if k not in (ReceiveKind.RE
 
 
 @PROPERTY
-@given(st.lists(st.one_of(
-    st.builds(lambda k: ReceiveOutcome.failed("r", k), recv_kinds),
-    st.builds(lambda n: ReceiveOutcome.received("r", nbytes=n), st.integers(0, 1000)),
-    st.builds(lambda s: ReceiveOutcome.skipped("r", s), st.sampled_from(list(SkipReason))),
-), max_size=30))
+@given(
+    st.lists(
+        st.one_of(
+            st.builds(lambda k: ReceiveOutcome.failed("r", k), recv_kinds),
+            st.builds(lambda n: ReceiveOutcome.received("r", nbytes=n), st.integers(0, 1000)),
+            st.builds(lambda s: ReceiveOutcome.skipped("r", s), st.sampled_from(list(SkipReason))),
+        ),
+        max_size=30,
+    )
+)
 def test_counter_totals(outcomes: list[ReceiveOutcome]) -> None:
     c = Counters()
     for o in outcomes:
         c.record(o)
     snap = c.snapshot()
-    assert sum(v for k, v in snap.items() if k.startswith("recv.") and k.count(".") == 1
-               and k != "recv.bytes") == len(outcomes)
+    assert sum(v for k, v in snap.items() if k.startswith("recv.") and k.count(".") == 1 and k != "recv.bytes") == len(
+        outcomes
+    )
     assert c.timeouts == sum(o.is_timeout for o in outcomes)
     assert c.errors == sum(o.is_error for o in outcomes)
     assert c.get("recv.bytes") == sum(o.nbytes for o in outcomes)

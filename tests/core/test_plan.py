@@ -37,9 +37,15 @@ def plan_inputs(draw: st.DrawFn) -> dict:
 @given(plan_inputs())
 def test_plan_is_self_consistent(args: dict) -> None:
     plans = stage_plan(
-        args["from_stage"], args["to_stage"], args["from_tp"], args["to_tp"],
-        num_heads=args["num_heads"], base_port=args["base_port"], replica=args["replica"],
-        dp_rank=args["dp_rank"], request_id=args["request_id"],
+        args["from_stage"],
+        args["to_stage"],
+        args["from_tp"],
+        args["to_tp"],
+        num_heads=args["num_heads"],
+        base_port=args["base_port"],
+        replica=args["replica"],
+        dp_rank=args["dp_rank"],
+        request_id=args["request_id"],
     )
     senders = [p for p in plans if p.role == SENDER]
     receivers = [p for p in plans if p.role == RECEIVER]
@@ -48,7 +54,9 @@ def test_plan_is_self_consistent(args: dict) -> None:
     # who puts each key, on which port
     put_by = {}
     for p in senders:
-        assert p.port == kv_port(args["base_port"], args["from_stage"], p.tp_rank, args["replica"], args["dp_rank"], args["from_tp"])
+        assert p.port == kv_port(
+            args["base_port"], args["from_stage"], p.tp_rank, args["replica"], args["dp_rank"], args["from_tp"]
+        )
         for route in p.routes:
             assert route.key not in put_by
             put_by[route.key] = p
@@ -63,35 +71,71 @@ def test_plan_is_self_consistent(args: dict) -> None:
                 assert p.tp_rank in [r.peer_rank for r in sender.routes]
     assert len({p.port for p in senders}) == len(senders)
     if args["num_heads"] is not None:
-        delivered = sorted(h for p in receivers for r in p.routes for h in range(r.heads.abs_head_start, r.heads.abs_head_stop))
+        delivered = sorted(
+            h for p in receivers for r in p.routes for h in range(r.heads.abs_head_start, r.heads.abs_head_stop)
+        )
         assert delivered == list(range(args["num_heads"]))
         for p in receivers:
-            assert [h for r in p.routes for h in range(r.heads.abs_head_start, r.heads.abs_head_stop)] == list(range(p.head_start, p.head_stop))
+            assert [h for r in p.routes for h in range(r.heads.abs_head_start, r.heads.abs_head_stop)] == list(
+                range(p.head_start, p.head_stop)
+            )
     records = to_json_records(plans)
     assert json.loads(json.dumps(records)) == records
     assert len(records) == args["from_tp"] + args["to_tp"]
 
 
 def test_golden_plan_2_to_4() -> None:
-    records = to_json_records(
-        stage_plan(0, 1, 2, 4, num_heads=8, base_port=50051, request_id="req-7")
-    )
+    records = to_json_records(stage_plan(0, 1, 2, 4, num_heads=8, base_port=50051, request_id="req-7"))
     assert records[1] == {
-        "role": "sender", "stage": "0", "tp_rank": 1, "tp_size": 2, "replica": 0, "dp_rank": 0,
-        "port": 50167, "heads": [4, 8],
+        "role": "sender",
+        "stage": "0",
+        "tp_rank": 1,
+        "tp_size": 2,
+        "replica": 0,
+        "dp_rank": 0,
+        "port": 50167,
+        "heads": [4, 8],
         "keys": [
-            {"key": "req-7_0_0_1_2", "to_rank": 2, "port": 50167, "heads": [4, 6],
-             "shard_heads": [0, 2], "offset_in_shard": 0, "num_slices": 2},
-            {"key": "req-7_0_0_1_3", "to_rank": 3, "port": 50167, "heads": [6, 8],
-             "shard_heads": [2, 4], "offset_in_shard": 1, "num_slices": 2},
+            {
+                "key": "req-7_0_0_1_2",
+                "to_rank": 2,
+                "port": 50167,
+                "heads": [4, 6],
+                "shard_heads": [0, 2],
+                "offset_in_shard": 0,
+                "num_slices": 2,
+            },
+            {
+                "key": "req-7_0_0_1_3",
+                "to_rank": 3,
+                "port": 50167,
+                "heads": [6, 8],
+                "shard_heads": [2, 4],
+                "offset_in_shard": 1,
+                "num_slices": 2,
+            },
         ],
     }
     assert records[5] == {
-        "role": "receiver", "stage": "1", "tp_rank": 3, "tp_size": 4, "replica": 0, "dp_rank": 0,
-        "port": None, "heads": [6, 8], "merge_order": [1],
+        "role": "receiver",
+        "stage": "1",
+        "tp_rank": 3,
+        "tp_size": 4,
+        "replica": 0,
+        "dp_rank": 0,
+        "port": None,
+        "heads": [6, 8],
+        "merge_order": [1],
         "keys": [
-            {"key": "req-7_0_0_1_3", "from_rank": 1, "port": 50167, "heads": [6, 8],
-             "shard_heads": [2, 4], "offset_in_shard": 1, "num_slices": 2},
+            {
+                "key": "req-7_0_0_1_3",
+                "from_rank": 1,
+                "port": 50167,
+                "heads": [6, 8],
+                "shard_heads": [2, 4],
+                "offset_in_shard": 1,
+                "num_slices": 2,
+            },
         ],
     }
 
@@ -124,8 +168,16 @@ def test_fan_in_merge_order() -> None:
     ],
 )
 def test_plan_errors(kwargs: dict, needle: str) -> None:
-    args = {"from_stage": 0, "to_stage": 1, "from_tp": 2, "to_tp": 4, "num_heads": 8,
-            "base_port": 50051, "request_id": "r", **kwargs}
+    args = {
+        "from_stage": 0,
+        "to_stage": 1,
+        "from_tp": 2,
+        "to_tp": 4,
+        "num_heads": 8,
+        "base_port": 50051,
+        "request_id": "r",
+        **kwargs,
+    }
     frm, to, s, t = args.pop("from_stage"), args.pop("to_stage"), args.pop("from_tp"), args.pop("to_tp")
     with pytest.raises(RoutingError, match=needle):
         stage_plan(frm, to, s, t, **args)

@@ -59,8 +59,11 @@ def test_poll_defaults() -> None:
 
 @PROPERTY
 @given(
-    st.floats(1e-4, 1.0), st.floats(1.0, 4.0), st.floats(1e-4, 5.0),
-    st.integers(0, 200), st.floats(0.0, 10.0),
+    st.floats(1e-4, 1.0),
+    st.floats(1.0, 4.0),
+    st.floats(1e-4, 5.0),
+    st.integers(0, 200),
+    st.floats(0.0, 10.0),
 )
 def test_poll_schedule_invariants(first: float, factor: float, cap: float, n: int, left: float) -> None:
     if cap < first:
@@ -123,8 +126,9 @@ def test_lease_monotone(created: float, lease: float, now: float) -> None:
         assert lease_expired(created, lease, now + 1.0)
 
 
-GATE_OK = dict(enabled=True, role=ReceiveRole.LOCAL, has_sender_info=True, in_flight=False,
-               free_ratio=0.5, min_free_ratio=0.2)
+GATE_OK = dict(
+    enabled=True, role=ReceiveRole.LOCAL, has_sender_info=True, in_flight=False, free_ratio=0.5, min_free_ratio=0.2
+)
 
 
 @pytest.mark.parametrize(

@@ -289,8 +289,15 @@ def test_ledger_reserve_abort_publish() -> None:
     ticket = ledger.take("k", 0.5)
     assert ticket.handle == second and ledger.release(ticket.ticket_id)
     assert ledger.stats() | {} == {
-        "pool_bytes": 256, "used_bytes": 0, "free_bytes": 256, "largest_free": 256,
-        "live_regions": 0, "reserved": 0, "entries": 0, "readable": 0, "overdue": 0,
+        "pool_bytes": 256,
+        "used_bytes": 0,
+        "free_bytes": 256,
+        "largest_free": 256,
+        "live_regions": 0,
+        "reserved": 0,
+        "entries": 0,
+        "readable": 0,
+        "overdue": 0,
     }
 
 
@@ -332,7 +339,9 @@ def test_without_a_liveness_test_or_holder_an_overdue_ticket_is_revoked() -> Non
     table.take("a", 0.0)  # no holder
     report = table.expire(2.0, lambda holder: True)
     assert [(x.kind, x.freed, x.holders) for x in report] == [
-        (ExpiryKind.UNRELEASED, False, (None,)), (ExpiryKind.OVERDUE, False, ("someone",))]
+        (ExpiryKind.UNRELEASED, False, (None,)),
+        (ExpiryKind.OVERDUE, False, ("someone",)),
+    ]
     assert [(x.kind, x.freed) for x in table.expire(3.0)] == [(ExpiryKind.UNRELEASED, True)]
 
 

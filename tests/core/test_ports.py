@@ -11,8 +11,9 @@ from kvferry.core.ports import BlockingGet, Implements
 
 
 class _Blocking:
-    def get_blocking(self, from_stage: str, to_stage: str, get_key: str, metadata: Any = None, *,
-                     timeout_s: float) -> None:
+    def get_blocking(
+        self, from_stage: str, to_stage: str, get_key: str, metadata: Any = None, *, timeout_s: float
+    ) -> None:
         return None
 
 

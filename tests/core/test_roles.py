@@ -14,9 +14,9 @@ from kvferry.core.roles import (
     DistributionKind,
     GroupLayout,
     ReceiveRole,
+    cfg_payload_plan,
     consensus_signature,
     consensus_verdict,
-    cfg_payload_plan,
     distribution_plan,
     needs_consensus,
     order_branch_roles,
@@ -69,8 +69,15 @@ def test_role_table(args: tuple, expected: ReceiveRole) -> None:
 
 @pytest.mark.parametrize(
     ("from_tp", "to_tp", "tp_size", "active"),
-    [(1, 1, 1, False), (1, 1, 2, True), (2, 1, 1, True), (1, 2, 1, True), (2, 2, 1, True),
-     (1, 1, 8, True), (4, 2, 8, True)],
+    [
+        (1, 1, 1, False),
+        (1, 1, 2, True),
+        (2, 1, 1, True),
+        (1, 2, 1, True),
+        (2, 2, 1, True),
+        (1, 1, 8, True),
+        (4, 2, 8, True),
+    ],
 )
 def test_tp_active(from_tp: int, to_tp: int, tp_size: int, active: bool) -> None:
     assert tp_active(from_tp, to_tp, tp_size) is active
@@ -91,10 +98,20 @@ def _roles(layout: GroupLayout, from_tp: int, to_tp: int, groups: bool) -> list:
     out = []
     for r in range(layout.world_size):
         c, s, _ = layout.coords(r)
-        out.append(distribution_plan(
-            layout.world_size, r, groups, from_tp, to_tp, layout.tp_size,
-            layout.cfg_size, c, layout.sp_size, s,
-        ))
+        out.append(
+            distribution_plan(
+                layout.world_size,
+                r,
+                groups,
+                from_tp,
+                to_tp,
+                layout.tp_size,
+                layout.cfg_size,
+                c,
+                layout.sp_size,
+                s,
+            )
+        )
     return out
 
 
@@ -228,10 +245,14 @@ def test_cfg_plan_without_roles_larger_sizes_leave_none() -> None:
 
 def test_cfg_plan_more_ranks_than_roles_and_more_roles_than_ranks() -> None:
     assert cfg_payload_plan(4, ("a",)) == (
-        CfgAssignment(0, ("a",)), CfgAssignment(1, ("a",), active_branch="a"), None, None,
+        CfgAssignment(0, ("a",)),
+        CfgAssignment(1, ("a",), active_branch="a"),
+        None,
+        None,
     )
     assert cfg_payload_plan(2, ("a", "b")) == (
-        CfgAssignment(0, ("a", "b")), CfgAssignment(1, ("a", "b"), active_branch="a"),
+        CfgAssignment(0, ("a", "b")),
+        CfgAssignment(1, ("a", "b"), active_branch="a"),
     )
 
 
@@ -263,7 +284,10 @@ def test_cfg_plan_rejects_bad_size() -> None:
 
 def test_order_branch_roles() -> None:
     assert order_branch_roles(["zeta", "cfg_img"], ["cfg_text", "beta", "cfg_branch"]) == (
-        "cfg_text", "cfg_img", "zeta", "beta",
+        "cfg_text",
+        "cfg_img",
+        "zeta",
+        "beta",
     )
     assert order_branch_roles([], []) == ()
     assert order_branch_roles(["b", "a", "b"]) == ("b", "a")
@@ -275,7 +299,8 @@ def test_order_branch_roles() -> None:
 
 def test_signature_is_sorted_and_unique() -> None:
     assert consensus_signature(True, ["kv_metadata", "past_key_values", "kv_metadata"]) == (
-        True, ("kv_metadata", "past_key_values"),
+        True,
+        ("kv_metadata", "past_key_values"),
     )
     assert consensus_signature(False, []) == (False, ())
     with pytest.raises(ConfigError, match="received"):
@@ -284,9 +309,7 @@ def test_signature_is_sorted_and_unique() -> None:
         consensus_signature(True, [1])  # type: ignore[list-item]
 
 
-signatures = st.builds(
-    consensus_signature, st.booleans(), st.sets(st.sampled_from(["a", "b", "c"]), max_size=3)
-)
+signatures = st.builds(consensus_signature, st.booleans(), st.sets(st.sampled_from(["a", "b", "c"]), max_size=3))
 
 
 @PROPERTY
@@ -341,8 +364,9 @@ def test_needs_consensus_rejects_bad_input() -> None:
 
 def test_full_matrix_is_total() -> None:
     """Every combination in a small grid yields a role or a RoutingError, never anything else."""
-    grid = itertools.product([1, 2, 4], [0, 1, 3], [True, False], [1, 2], [1, 2], [1, 2],
-                             [1, 2], [0, 1], [1, 2], [0, 1])
+    grid = itertools.product(
+        [1, 2, 4], [0, 1, 3], [True, False], [1, 2], [1, 2], [1, 2], [1, 2], [0, 1], [1, 2], [0, 1]
+    )
     for args in grid:
         try:
             assert isinstance(receive_role(*args), ReceiveRole)

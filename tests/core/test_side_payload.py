@@ -33,7 +33,9 @@ def test_pack_then_split_round_trips_without_copying(side: bytes, blob_frames: l
     assert side_view[0] == joined[4] != side[0]
 
 
-@pytest.mark.parametrize("raw", [b"", SENDER_FAILED_MESSAGE, struct.pack(">i", -1) + b"junk", struct.pack(">i", -(2**31))])
+@pytest.mark.parametrize(
+    "raw", [b"", SENDER_FAILED_MESSAGE, struct.pack(">i", -1) + b"junk", struct.pack(">i", -(2**31))]
+)
 def test_sender_failed_is_a_miss_value_not_an_error(raw: bytes) -> None:
     result = split_side_payload(raw)
     assert result == SENDER_FAILED and isinstance(result, SenderFailed)

@@ -20,18 +20,8 @@ from kvferry.core.topology import (
 
 PROPERTY = settings(max_examples=150, deadline=None)
 MAX_TP = 64
-ALL_VALID = [
-    (s, t)
-    for s in range(1, MAX_TP + 1)
-    for t in range(1, MAX_TP + 1)
-    if max(s, t) % min(s, t) == 0
-]
-ALL_INVALID = [
-    (s, t)
-    for s in range(1, MAX_TP + 1)
-    for t in range(1, MAX_TP + 1)
-    if max(s, t) % min(s, t) != 0
-]
+ALL_VALID = [(s, t) for s in range(1, MAX_TP + 1) for t in range(1, MAX_TP + 1) if max(s, t) % min(s, t) == 0]
+ALL_INVALID = [(s, t) for s in range(1, MAX_TP + 1) for t in range(1, MAX_TP + 1) if max(s, t) % min(s, t) != 0]
 
 
 @st.composite

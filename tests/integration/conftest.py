@@ -9,14 +9,15 @@ from __future__ import annotations
 
 import json
 import os
-import types
 import pathlib
 import queue
 import signal
 import subprocess
 import sys
 import threading
-from typing import Any, Iterator
+import types
+from collections.abc import Iterator
+from typing import Any
 
 import pytest
 
@@ -45,8 +46,14 @@ class LineWorker:
     def __init__(self, args: list[str], log_path: pathlib.Path, script: pathlib.Path = WORKER) -> None:
         self.log_path = log_path
         self._log = open(log_path, "wb")
-        self.proc = subprocess.Popen([sys.executable, str(script), *args], stdin=subprocess.PIPE,
-                                     stdout=subprocess.PIPE, stderr=self._log, text=True, cwd=str(HERE))
+        self.proc = subprocess.Popen(
+            [sys.executable, str(script), *args],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=self._log,
+            text=True,
+            cwd=str(HERE),
+        )
         self.lines: queue.Queue[str | None] = queue.Queue()
         self._reader = threading.Thread(target=self._pump, name=f"worker-{self.proc.pid}-stdout", daemon=True)
         self._reader.start()
@@ -109,7 +116,9 @@ class LineWorker:
             except subprocess.TimeoutExpired:
                 self.proc.kill()
                 self.proc.wait(timeout=timeout_s)
-                raise AssertionError(f"worker {self.pid} did not exit within {timeout_s} s\n{self.log_tail()}")
+                raise AssertionError(
+                    f"worker {self.pid} did not exit within {timeout_s} s\n{self.log_tail()}"
+                ) from None
         finally:
             self.close_pipes()
 
@@ -168,5 +177,6 @@ def shm_namespace(request: pytest.FixtureRequest) -> Iterator[str]:
 def itkit() -> types.SimpleNamespace:
     """The helpers above for test modules: ``itkit.free_port()``, ``itkit.free_base_port(tp)``,
     ``itkit.shm_entries(namespace)``, ``itkit.LineWorker(args, log_path)``."""
-    return types.SimpleNamespace(free_port=free_port, free_base_port=free_base_port, shm_entries=shm_entries,
-                                 LineWorker=LineWorker)
+    return types.SimpleNamespace(
+        free_port=free_port, free_base_port=free_base_port, shm_entries=shm_entries, LineWorker=LineWorker
+    )

@@ -20,8 +20,13 @@ LAYERS, BLOCKS, BLOCK, HEADS, DIM = 3, 24, 16, 4, 8
 def blocks(seed: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """Per layer ``(key_blocks, value_blocks)`` of shape ``[BLOCKS, BLOCK, HEADS, DIM]``."""
     gen = torch.Generator().manual_seed(seed)
-    return [(torch.randn(BLOCKS, BLOCK, HEADS, DIM, generator=gen).to(torch.bfloat16),
-             torch.randn(BLOCKS, BLOCK, HEADS, DIM, generator=gen).to(torch.bfloat16)) for _ in range(LAYERS)]
+    return [
+        (
+            torch.randn(BLOCKS, BLOCK, HEADS, DIM, generator=gen).to(torch.bfloat16),
+            torch.randn(BLOCKS, BLOCK, HEADS, DIM, generator=gen).to(torch.bfloat16),
+        )
+        for _ in range(LAYERS)
+    ]
 
 
 def in_layout(layout: str, k: torch.Tensor, v: torch.Tensor):
@@ -42,16 +47,18 @@ def main() -> None:
     cfg = {"type": connector, "zmq_port": base_port}
     if connector == "shm":
         cfg["namespace"] = namespace
-    manager = build_manager({"connector_config": cfg, "omni_from_stage": 0, "omni_to_stage": 1,
-                             "need_send_cache": True}, env={})
+    manager = build_manager(
+        {"connector_config": cfg, "omni_from_stage": 0, "omni_to_stage": 1, "need_send_cache": True}, env={}
+    )
     caches = [in_layout(layout, k, v) for k, v in blocks(7)]
     print(json.dumps({"ready": manager.sender_port()}), flush=True)
     for line in sys.stdin:
         cmd = json.loads(line)
         if cmd["op"] == "exit":
             break
-        outcome = manager.send_requests({cmd["request_id"]: {"block_ids": cmd["block_ids"], "seq_len": cmd["seq_len"]}},
-                                        caches, BLOCK, "bfloat16")[0]
+        outcome = manager.send_requests(
+            {cmd["request_id"]: {"block_ids": cmd["block_ids"], "seq_len": cmd["seq_len"]}}, caches, BLOCK, "bfloat16"
+        )[0]
         print(json.dumps({"ok": outcome.ok, "detail": outcome.detail}), flush=True)
     manager.close()
 

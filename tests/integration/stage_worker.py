@@ -17,7 +17,7 @@ step of a test is synchronised by a message, never by a sleep:
   ``{"op": "exit"}`` (closes the manager, exit status 0).
 
 Request geometry (length and blocks) is a deterministic function of the request id and the
-spec, and caches come from :func:`kvferry.app.demo_worker.synthetic_cache`, so the test process
+spec, and caches come from :func:`kvferry.app.demo.worker.synthetic_cache`, so the test process
 and every worker agree on every byte without exchanging tensors.
 """
 
@@ -30,7 +30,8 @@ import random
 import sys
 import time
 import types
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
 os.environ.setdefault("OMP_NUM_THREADS", "1")
@@ -45,10 +46,22 @@ KV_SUFFIXES = ("past_key_values", "kv_metadata")
 # --------------------------------------------------------------------------- pure helpers
 def make_spec(**fields: Any) -> Any:
     """A :class:`DemoSpec` with the tests' tiny geometry (2 layers, 8 KV heads, head_dim 16)."""
-    from kvferry.app.demo_model import DemoSpec
+    from kvferry.app.demo.model import DemoSpec
 
-    base = dict(connector="zmq-tcp", model="tiny", layers=2, kv_heads=8, head_dim=16, dtype="bfloat16",
-                block_size=16, requests=6, min_tokens=8, max_tokens=64, timeout_s=30.0, pool_bytes=8 << 20)
+    base = dict(
+        connector="zmq-tcp",
+        model="tiny",
+        layers=2,
+        kv_heads=8,
+        head_dim=16,
+        dtype="bfloat16",
+        block_size=16,
+        requests=6,
+        min_tokens=8,
+        max_tokens=64,
+        timeout_s=30.0,
+        pool_bytes=8 << 20,
+    )
     base.update(fields)
     if isinstance(base.get("store_ports"), list):
         base["store_ports"] = tuple(base["store_ports"])
@@ -77,26 +90,28 @@ def finished_request(spec: Any, request_id: str) -> dict[str, dict[str, Any]]:
 
 def sender_caches(spec: Any) -> list[Any]:
     """Every sender rank's synthetic paged cache (rank order)."""
-    from kvferry.app.demo_worker import synthetic_cache
+    from kvferry.app.demo.worker import synthetic_cache
 
     return [synthetic_cache(spec, r) for r in range(spec.from_tp)]
 
 
-def expected_layers(spec: Any, caches: list[Any], request_id: str,
-                    heads: tuple[int, int]) -> tuple[list[Any], list[Any]]:
+def expected_layers(
+    spec: Any, caches: list[Any], request_id: str, heads: tuple[int, int]
+) -> tuple[list[Any], list[Any]]:
     """Key and value tensors ``[seq_len, hi-lo, head_dim]`` of the model's heads ``heads``."""
     import torch
 
-    from kvferry.app.demo_worker import expected_kv
+    from kvferry.app.demo.worker import expected_kv
 
     seq_len, blocks = request_geometry(spec, request_id)
     per = spec.kv_heads // spec.from_tp
     out: tuple[list[Any], list[Any]] = ([], [])
     for which in (0, 1):
         for layer in range(spec.layers):
-            full = torch.cat([expected_kv(caches[s], blocks, seq_len, (0, per), which, layer)
-                              for s in range(spec.from_tp)], dim=1)
-            out[which].append(full[:, heads[0]:heads[1]])
+            full = torch.cat(
+                [expected_kv(caches[s], blocks, seq_len, (0, per), which, layer) for s in range(spec.from_tp)], dim=1
+            )
+            out[which].append(full[:, heads[0] : heads[1]])
     return out
 
 
@@ -163,13 +178,18 @@ def _collector(request_id: str, cfg_ids: dict[str, str], manager: Any, target_de
 
 def _make_request(rid: str, sender_port: int, cfg_ids: dict[str, str] | None) -> Any:
     params = types.SimpleNamespace(past_key_values=None, kv_metadata=None, cfg_kv_request_ids=cfg_ids or None)
-    return types.SimpleNamespace(request_id=rid, past_key_values=None, kv_metadata=None, sampling_params=params,
-                                 kv_sender_info={"host": "127.0.0.1", "zmq_port": sender_port})
+    return types.SimpleNamespace(
+        request_id=rid,
+        past_key_values=None,
+        kv_metadata=None,
+        sampling_params=params,
+        kv_sender_info={"host": "127.0.0.1", "zmq_port": sender_port},
+    )
 
 
 def _run_scenario(rank: int, world: Any, scenario: dict[str, Any], group_cache: dict) -> None:
     from kvferry.adapters.collectives import TorchDistGroup, build_parallel_groups
-    from kvferry.app.compat_manager import OmniKVTransferManager
+    from kvferry.app.compat.manager import OmniKVTransferManager
     from kvferry.app.manager import StageGroups
     from kvferry.core.config import TransferConfig
     from kvferry.core.roles import GroupLayout
@@ -178,7 +198,8 @@ def _run_scenario(rank: int, world: Any, scenario: dict[str, Any], group_cache: 
     layout = GroupLayout(tp_size=lay["tp"], sp_size=lay["sp"], cfg_size=lay["cfg"])
     if layout not in group_cache:  # every rank creates every group, in the same order
         group_cache[layout] = build_parallel_groups(
-            layout, rank, world, lambda ranks: TorchDistGroup.new(ranks, timeout_s=INIT_TIMEOUT_S))
+            layout, rank, world, lambda ranks: TorchDistGroup.new(ranks, timeout_s=INIT_TIMEOUT_S)
+        )
     g = group_cache[layout]
     groups = StageGroups(world=world, tp=g.tp, cfg=g.cfg, sp=g.sp)
     _, _, tp_rank = layout.coords(rank)
@@ -190,18 +211,29 @@ def _run_scenario(rank: int, world: Any, scenario: dict[str, Any], group_cache: 
             if timeout not in managers:
                 omni = dict(spec.omni_kv_config("receiver"), recv_timeout=timeout)
                 managers[timeout] = OmniKVTransferManager(
-                    TransferConfig.from_omni_kv_config(omni, os.environ), tp_rank=tp_rank,
-                    tp_size=layout.tp_size, groups=groups)
+                    TransferConfig.from_omni_kv_config(omni, os.environ),
+                    tp_rank=tp_rank,
+                    tp_size=layout.tp_size,
+                    groups=groups,
+                )
             manager = managers[timeout]
             req = _make_request(item["rid"], item["sender_port"], item.get("cfg"))
             start = time.monotonic()
             ok = manager.receive_multi_kv_cache_distributed(req, cfg_kv_collect_func=_collector)
             seconds = time.monotonic() - start
             outcome = manager.last_receive_outcome
-            say({"scenario": scenario["name"], "rank": rank, "rid": item["rid"], "ok": bool(ok),
-                 "seconds": seconds, "outcome": outcome.kind.value if outcome is not None else None,
-                 "missing": list(outcome.missing_keys) if outcome is not None else [],
-                 "fields": _field_report(req)})
+            say(
+                {
+                    "scenario": scenario["name"],
+                    "rank": rank,
+                    "rid": item["rid"],
+                    "ok": bool(ok),
+                    "seconds": seconds,
+                    "outcome": outcome.kind.value if outcome is not None else None,
+                    "missing": list(outcome.missing_keys) if outcome is not None else [],
+                    "fields": _field_report(req),
+                }
+            )
     finally:
         for manager in managers.values():
             manager.close()
@@ -217,8 +249,9 @@ def receiver_main(rank: int, world_size: int, store_file: str, plan: list[dict[s
 
     torch.set_num_threads(1)
     store = dist.FileStore(store_file, world_size)
-    dist.init_process_group("gloo", store=store, rank=rank, world_size=world_size,
-                            timeout=datetime.timedelta(seconds=INIT_TIMEOUT_S))
+    dist.init_process_group(
+        "gloo", store=store, rank=rank, world_size=world_size, timeout=datetime.timedelta(seconds=INIT_TIMEOUT_S)
+    )
     world = TorchDistGroup()
     say({"ready": rank, "pid": os.getpid()})
     groups: dict = {}
@@ -260,7 +293,7 @@ def sender_main(rank: int, spec_json: dict[str, Any]) -> None:
     torch.set_num_threads(1)
     spec = make_spec(**spec_json)
     manager = build_manager(spec.omni_kv_config("sender"), tp_rank=rank, tp_size=spec.from_tp, env=os.environ)
-    from kvferry.app.demo_worker import synthetic_cache
+    from kvferry.app.demo.worker import synthetic_cache
 
     cache = synthetic_cache(spec, rank)
     say({"ready": rank, "pid": os.getpid(), "port": manager.sender_port()})
@@ -271,10 +304,17 @@ def sender_main(rank: int, spec_json: dict[str, Any]) -> None:
             if op == "exit":
                 break
             if op == "send":
-                outcome = manager.send_requests(finished_request(spec, command["rid"]), cache, spec.block_size,
-                                                spec.dtype)[0]
-                say({"sent": command["rid"], "ok": outcome.ok, "keys": list(outcome.keys),
-                     "reason": None if outcome.ok else f"{outcome.reason.value}: {outcome.detail}"})
+                outcome = manager.send_requests(
+                    finished_request(spec, command["rid"]), cache, spec.block_size, spec.dtype
+                )[0]
+                say(
+                    {
+                        "sent": command["rid"],
+                        "ok": outcome.ok,
+                        "keys": list(outcome.keys),
+                        "reason": None if outcome.ok else f"{outcome.reason.value}: {outcome.detail}",
+                    }
+                )
             elif op == "wait_parked":
                 reached = _wait_until(lambda: _parked(manager) >= command["n"], PARKED_WAIT_S)
                 say({"parked": _parked(manager), "reached": reached})

@@ -7,10 +7,9 @@ import pathlib
 
 import pytest
 import torch
+from layout_worker import blocks
 
 from kvferry.app.wiring import build_manager
-
-from layout_worker import blocks
 
 HERE = pathlib.Path(__file__).resolve().parent
 
@@ -24,15 +23,24 @@ def test_every_layout_arrives_bit_exact_in_another_process(connector, itkit, tmp
     requests = [("r-a", [5, 1, 9, 20], 61), ("r-b", [3], 7), ("r-c", [0, 1, 2, 23, 22], 80)]
     for layout in ("flash", "flashinfer", "packed", "tuple"):
         base = itkit.free_base_port(1)
-        worker = itkit.LineWorker([connector, str(base), layout, shm_namespace], tmp_path / f"{layout}.log",
-                                  script=HERE / "layout_worker.py")
+        worker = itkit.LineWorker(
+            [connector, str(base), layout, shm_namespace], tmp_path / f"{layout}.log", script=HERE / "layout_worker.py"
+        )
         try:
             port = worker.read()["ready"]
             cfg = {"type": connector, "zmq_port": base}
             if connector == "shm":
                 cfg["namespace"] = shm_namespace
-            receiver = build_manager({"connector_config": cfg, "stage_id": 1, "engine_input_source": [0],
-                                      "need_recv_cache": True, "recv_timeout": 30}, env={})
+            receiver = build_manager(
+                {
+                    "connector_config": cfg,
+                    "stage_id": 1,
+                    "engine_input_source": [0],
+                    "need_recv_cache": True,
+                    "recv_timeout": 30,
+                },
+                env={},
+            )
             try:
                 for rid, block_ids, seq_len in requests:
                     rid = f"{layout}-{rid}"

@@ -43,7 +43,7 @@ def _say(obj: dict) -> None:
 def sender_main(config: dict, nbytes: int) -> None:
     """Put one payload of ``nbytes`` (0: none), report metadata, then answer ``health`` or
     ``exit`` commands."""
-    from kvferry.adapters.connectors.mooncake import MooncakeConnector
+    from kvferry.adapters.connectors.mooncake.connector import MooncakeConnector
 
     with MooncakeConnector.from_config(config) as conn:
         meta = {"source_host": "127.0.0.1", "source_port": conn.port}
@@ -65,7 +65,7 @@ def receiver_main(config: dict, meta: dict) -> None:
     """Get the payload, compare it with the pattern bit for bit, report."""
     import torch
 
-    from kvferry.adapters.connectors.mooncake import MooncakeConnector
+    from kvferry.adapters.connectors.mooncake.connector import MooncakeConnector
 
     with MooncakeConnector.from_config(config) as conn:
         start = time.perf_counter()
@@ -87,7 +87,10 @@ class Worker:
         self._log = tempfile.TemporaryFile()  # stderr (engine logs): a file never fills up
         self.proc = subprocess.Popen(
             [sys.executable, __file__, role, *(json.dumps(a) for a in args)],
-            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self._log, text=True,
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=self._log,
+            text=True,
         )
         self._selector = selectors.DefaultSelector()
         self._selector.register(self.proc.stdout, selectors.EVENT_READ)
@@ -165,12 +168,13 @@ def test_256_mib_request_moves_bit_exact_between_processes(workers) -> None:
 
 @pytest.mark.slow
 def test_sender_killed_while_a_receiver_waits_is_reported_promptly(workers) -> None:
-    from kvferry.adapters.connectors.mooncake import MooncakeConnector
+    from kvferry.adapters.connectors.mooncake.connector import MooncakeConnector
 
     sender = workers("sender", {"role": "sender", "port": 0, "pool_bytes": MiB}, 0)
     endpoint = sender.read()["ready"]
     out: dict[str, Any] = {}
     with MooncakeConnector.from_config({"role": "receiver", "pool_bytes": MiB}) as receiver:
+
         def wait() -> None:
             start = time.monotonic()
             out["got"] = receiver.get_blocking("0", "1", "never_0_0_0_0", endpoint, timeout_s=60.0)

@@ -1,4 +1,4 @@
-"""Whole pipelines between real processes, through :func:`kvferry.app.demo.run_demo`.
+"""Whole pipelines between real processes, through :func:`kvferry.app.demo.command.run_demo`.
 
 A sender stage of ``from_tp`` processes and a receiver stage of ``to_tp`` processes (gloo
 groups inside each stage, TP consensus on the receivers) move every request over a real
@@ -16,7 +16,7 @@ from typing import Any
 import pytest
 from stage_worker import make_spec
 
-from kvferry.app.demo import DemoReport, run_demo
+from kvferry.app.demo.command import DemoReport, run_demo
 
 TOPOLOGIES = [(1, 1), (1, 2), (2, 4), (4, 2), (2, 1), (4, 8)]
 CONNECTORS = ["zmq-tcp", "zmq-ipc", "shm"]
@@ -31,18 +31,36 @@ def _cells() -> list[Any]:
     out = []
     for connector in CONNECTORS:
         for from_tp, to_tp in TOPOLOGIES:
-            marks = [] if FULL_MATRIX or (connector, (from_tp, to_tp)) in DEFAULT_CELLS else [
-                pytest.mark.skip(reason="connector-independent routing; set KVFERRY_IT_FULL_MATRIX=1")]
-            out.append(pytest.param(connector, from_tp, to_tp, marks=marks,
-                                    id=f"{connector}-tp{from_tp}to{to_tp}"))
+            marks = (
+                []
+                if FULL_MATRIX or (connector, (from_tp, to_tp)) in DEFAULT_CELLS
+                else [pytest.mark.skip(reason="connector-independent routing; set KVFERRY_IT_FULL_MATRIX=1")]
+            )
+            out.append(pytest.param(connector, from_tp, to_tp, marks=marks, id=f"{connector}-tp{from_tp}to{to_tp}"))
     return out
 
 
-def _spec(itkit: Any, tmp_path: pathlib.Path, connector: str, from_tp: int, to_tp: int, requests: int,
-          namespace: str, **extra: object) -> Any:
-    return make_spec(connector=connector, from_tp=from_tp, to_tp=to_tp, requests=requests,
-                     base_port=itkit.free_base_port(from_tp), store_ports=(itkit.free_port(), itkit.free_port()),
-                     namespace=namespace, done_file=str(tmp_path / "done"), **extra)
+def _spec(
+    itkit: Any,
+    tmp_path: pathlib.Path,
+    connector: str,
+    from_tp: int,
+    to_tp: int,
+    requests: int,
+    namespace: str,
+    **extra: object,
+) -> Any:
+    return make_spec(
+        connector=connector,
+        from_tp=from_tp,
+        to_tp=to_tp,
+        requests=requests,
+        base_port=itkit.free_base_port(from_tp),
+        store_ports=(itkit.free_port(), itkit.free_port()),
+        namespace=namespace,
+        done_file=str(tmp_path / "done"),
+        **extra,
+    )
 
 
 def _assert_all_exact(report: DemoReport, requests: int) -> None:
@@ -55,8 +73,9 @@ def _assert_all_exact(report: DemoReport, requests: int) -> None:
 @pytest.mark.slow
 @pytest.mark.timeout(150)
 @pytest.mark.parametrize("connector,from_tp,to_tp", _cells())
-def test_pipeline_is_bit_exact(connector: str, from_tp: int, to_tp: int, tmp_path: pathlib.Path,
-                               shm_namespace: str, itkit: Any) -> None:
+def test_pipeline_is_bit_exact(
+    connector: str, from_tp: int, to_tp: int, tmp_path: pathlib.Path, shm_namespace: str, itkit: Any
+) -> None:
     spec = _spec(itkit, tmp_path, connector, from_tp, to_tp, 6, shm_namespace)
     report = run_demo(spec)
     _assert_all_exact(report, 6)
@@ -68,8 +87,9 @@ def test_pipeline_is_bit_exact(connector: str, from_tp: int, to_tp: int, tmp_pat
 
 @pytest.mark.slow
 @pytest.mark.timeout(240)
-def test_acceptance_200_requests_two_senders_four_receivers(tmp_path: pathlib.Path, shm_namespace: str,
-                                                            itkit: Any) -> None:
+def test_acceptance_200_requests_two_senders_four_receivers(
+    tmp_path: pathlib.Path, shm_namespace: str, itkit: Any
+) -> None:
     """The issue's acceptance test: 2 sender processes, 4 receiver processes, 200 requests over
     zmq, zero mismatches and zero hangs (every receive ends before its deadline)."""
     spec = _spec(itkit, tmp_path, "zmq-tcp", 2, 4, 200, shm_namespace, min_tokens=4, max_tokens=48)
@@ -80,8 +100,9 @@ def test_acceptance_200_requests_two_senders_four_receivers(tmp_path: pathlib.Pa
 
 @pytest.mark.slow
 @pytest.mark.timeout(150)
-def test_the_demo_command_runs_and_reports_json(capsys: pytest.CaptureFixture[str], tmp_path: pathlib.Path,
-                                                itkit: Any) -> None:
+def test_the_demo_command_runs_and_reports_json(
+    capsys: pytest.CaptureFixture[str], tmp_path: pathlib.Path, itkit: Any
+) -> None:
     """``kvferry demo --json`` end to end (the README's first command, with a tiny geometry):
     it picks its own ports, runs both stages and prints one JSON object; exit 0."""
     import glob
@@ -92,9 +113,28 @@ def test_the_demo_command_runs_and_reports_json(capsys: pytest.CaptureFixture[st
 
     scratch = os.path.join(tempfile.gettempdir(), "kvferry-demo-*")
     before = set(glob.glob(scratch))
-    code = main(["demo", "--connector", "shm", "--requests", "4", "--layers", "2", "--kv-heads", "4",
-                 "--head-dim", "16", "--min-tokens", "8", "--max-tokens", "40", "--json",
-                 "--dump", str(tmp_path / "dump")])
+    code = main(
+        [
+            "demo",
+            "--connector",
+            "shm",
+            "--requests",
+            "4",
+            "--layers",
+            "2",
+            "--kv-heads",
+            "4",
+            "--head-dim",
+            "16",
+            "--min-tokens",
+            "8",
+            "--max-tokens",
+            "40",
+            "--json",
+            "--dump",
+            str(tmp_path / "dump"),
+        ]
+    )
     doc = json.loads(capsys.readouterr().out)
     assert code == 0, doc
     assert doc["requests"] == 4 and doc["bit_exact"] == 4 and doc["outcomes"] == {"received": 4}

@@ -86,8 +86,9 @@ class StageRun:
 
         itkit = self.itkit
         for name, (_, from_tp, to_tp, _) in SCENARIOS.items():
-            spec = make_spec(from_tp=from_tp, to_tp=to_tp, base_port=itkit.free_base_port(from_tp),
-                             seed=len(self.specs))
+            spec = make_spec(
+                from_tp=from_tp, to_tp=to_tp, base_port=itkit.free_base_port(from_tp), seed=len(self.specs)
+            )
             self.specs[name] = spec
             self.caches[name] = sender_caches(spec)
             managers = []
@@ -100,7 +101,8 @@ class StageRun:
                         if name == "tp_one_miss" and rid.endswith("miss3") and rank == 3:
                             continue  # receiver rank 3's only key is never sent
                         self.sender_outcomes += manager.send_requests(
-                            finished_request(spec, request), self.caches[name][rank], spec.block_size, spec.dtype)
+                            finished_request(spec, request), self.caches[name][rank], spec.block_size, spec.dtype
+                        )
         self.dead_port = itkit.free_base_port(4) + 100  # nobody listens on any rank's port here
 
     @staticmethod
@@ -123,16 +125,26 @@ class StageRun:
             if name == "tp_cfg":
                 requests.append(item("dummy_req_id", MISS_S))
             requests += [item(f"{name}-nosender", MISS_S, self.dead_port), item(last)]
-            out.append({"name": name, "layout": {"tp": tp, "sp": sp, "cfg": cfg}, "spec": spec_to_json(spec),
-                        "requests": requests})
+            out.append(
+                {
+                    "name": name,
+                    "layout": {"tp": tp, "sp": sp, "cfg": cfg},
+                    "spec": spec_to_json(spec),
+                    "requests": requests,
+                }
+            )
         return out
 
     def run(self) -> None:
         plan_file = self.workdir / "plan.json"
         plan_file.write_text(json.dumps(self.plan()))
         store = self.workdir / "store"
-        ranks = [self.itkit.LineWorker(["receiver", str(r), str(WORLD), str(store), str(plan_file)],
-                                       self.workdir / f"rank{r}.log") for r in range(WORLD)]
+        ranks = [
+            self.itkit.LineWorker(
+                ["receiver", str(r), str(WORLD), str(store), str(plan_file)], self.workdir / f"rank{r}.log"
+            )
+            for r in range(WORLD)
+        ]
         deadline = time.monotonic() + RUN_DEADLINE_S
         try:
             for rank, worker in enumerate(ranks):
@@ -199,8 +211,9 @@ def _assert_hit_everywhere(stage: StageRun, name: str, rid: str) -> list[dict[st
 
 def _assert_branch(stage: StageRun, name: str, rid: str, rank: int, row: dict[str, Any], role: str) -> None:
     companion = _cfg_ids(name, rid)[role]
-    assert row["fields"][f"{role}_past_key_values"] == stage.digest(name, companion, rank), \
+    assert row["fields"][f"{role}_past_key_values"] == stage.digest(name, companion, rank), (
         f"rank {rank}: branch {role} differs"
+    )
 
 
 # --------------------------------------------------------------------------------- tests

@@ -77,10 +77,15 @@ class Stage:
 @pytest.mark.slow
 @pytest.mark.timeout(180)
 @pytest.mark.parametrize("connector", CONNECTORS)
-def test_sender_killed_mid_request_then_restarted(connector: str, workers: Any, itkit: Any,
-                                                  shm_namespace: str) -> None:
-    spec = make_spec(connector=connector, from_tp=2, to_tp=1, base_port=itkit.free_base_port(2),
-                     namespace=shm_namespace, timeout_s=60.0)
+def test_sender_killed_mid_request_then_restarted(connector: str, workers: Any, itkit: Any, shm_namespace: str) -> None:
+    spec = make_spec(
+        connector=connector,
+        from_tp=2,
+        to_tp=1,
+        base_port=itkit.free_base_port(2),
+        namespace=shm_namespace,
+        timeout_s=60.0,
+    )
     stage = Stage(workers, spec)
     try:
         stage.send("crash-a")

@@ -18,7 +18,7 @@ import tempfile
 
 import pytest
 
-from kvferry.adapters.connectors.shm_segment import SHM_DIR, reap_namespace, runtime_dir
+from kvferry.adapters.connectors.shm.segment import SHM_DIR, reap_namespace, runtime_dir
 from kvferry.app.registry import create_connector
 
 pytestmark = [pytest.mark.timeout(120), pytest.mark.slow]
@@ -32,7 +32,9 @@ def payload(i):
     return np.random.default_rng(i).integers(0, 256, 1000 + 4099 * i, dtype=np.uint8).tobytes()
 """
 
-SENDER = PAYLOAD + """
+SENDER = (
+    PAYLOAD
+    + """
 import json, sys
 from kvferry.app.registry import create_connector
 ns, base, port, count = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4])
@@ -48,6 +50,7 @@ sys.stdin.readline()  # stay alive (serving) until the test says so, or until ki
 conn.close()
 print(json.dumps({"closed": True}), flush=True)
 """
+)
 
 RECEIVER = """
 import hashlib, json, sys
@@ -71,7 +74,9 @@ conn.close()
 def spawn(script: str, *args: object) -> subprocess.Popen:
     return subprocess.Popen(
         [sys.executable, "-c", script, *map(str, args)],
-        stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
     )
 
 
@@ -140,8 +145,9 @@ def test_killed_writer_leaves_nothing_after_the_reaper(space) -> None:
     sender.wait(timeout=30)
     assert segments(namespace) == [segment]  # a crash cannot clean up after itself...
     # ...the next start in the namespace does: here a receiver (reaper at start)
-    with create_connector({"type": "shm", "role": "receiver", "namespace": namespace,
-                           "runtime_dir": base, "sender_port": PORT}) as receiver:
+    with create_connector(
+        {"type": "shm", "role": "receiver", "namespace": namespace, "runtime_dir": base, "sender_port": PORT}
+    ) as receiver:
         assert segments(namespace) == []
         assert not os.path.exists(runtime_dir(namespace, base))
         assert receiver.get("0", "1", "req0_0_0_0_0") is None
@@ -157,9 +163,19 @@ def test_killed_reader_does_not_pin_the_pool(space) -> None:
             return self.now
 
     clock = Clock()
-    sender = create_connector({"type": "shm", "role": "sender", "namespace": namespace,
-                               "runtime_dir": base, "port": PORT, "pool_bytes": 1 << 20,
-                               "clock": clock, "lease_s": 30.0, "hold_s": 10.0})
+    sender = create_connector(
+        {
+            "type": "shm",
+            "role": "sender",
+            "namespace": namespace,
+            "runtime_dir": base,
+            "port": PORT,
+            "pool_bytes": 1 << 20,
+            "clock": clock,
+            "lease_s": 30.0,
+            "hold_s": 10.0,
+        }
+    )
     with sender:
         payload = {}
         exec(PAYLOAD, payload)
@@ -185,7 +201,9 @@ def test_killed_reader_does_not_pin_the_pool(space) -> None:
     assert segments(namespace) == []
 
 
-EXIT_WITHOUT_CLOSE = PAYLOAD + """
+EXIT_WITHOUT_CLOSE = (
+    PAYLOAD
+    + """
 import json, sys
 from kvferry.app.registry import create_connector
 ns, base, port = sys.argv[1], sys.argv[2], int(sys.argv[3])
@@ -198,6 +216,7 @@ assert held is not None
 print(json.dumps({"segment": sender.health()["segment"]}), flush=True)
 # no close(): the finalizers run at interpreter exit
 """
+)
 
 
 def test_exit_without_close_leaves_nothing(space) -> None:

@@ -84,7 +84,7 @@ def _wait_for(predicate, timeout_s: float) -> bool:
 def sender_main(config: dict) -> None:
     """Bind, report metadata, then on each command: ``put`` (after ``parked`` receivers wait)
     or ``exit``."""
-    from kvferry.adapters.connectors.zmq_connector import ZmqConnector
+    from kvferry.adapters.connectors.zmq.connector import ZmqConnector
 
     with ZmqConnector(config) as conn:
         _say({"ready": conn.sender_metadata()})
@@ -96,10 +96,7 @@ def sender_main(config: dict) -> None:
                 _say(put_big(conn, command["count"], command["nbytes"]))
                 continue
             parked = _wait_for(lambda: conn.health()["sender"]["parked"] >= command["parked"], WAIT)
-            results = [
-                conn.put("0", "1", f"req{i}_0_0_0_0", expected_frames(i))[0]
-                for i in range(command["count"])
-            ]
+            results = [conn.put("0", "1", f"req{i}_0_0_0_0", expected_frames(i))[0] for i in range(command["count"])]
             _say({"put": sum(results), "parked_first": parked})
 
 
@@ -129,7 +126,7 @@ def big_receiver_main(config: dict, metadata: dict, count: int, nbytes: int) -> 
 
     import numpy as np
 
-    from kvferry.adapters.connectors.zmq_connector import ZmqConnector
+    from kvferry.adapters.connectors.zmq.connector import ZmqConnector
 
     mismatches, addresses, faults = [], set(), 0
     with ZmqConnector(config) as conn:
@@ -148,8 +145,14 @@ def big_receiver_main(config: dict, metadata: dict, count: int, nbytes: int) -> 
             addresses.add(int(np.frombuffer(view, dtype=np.uint8).ctypes.data))
             del got, view  # the region goes back to the pool
         health = conn.health()["receiver"]
-        _say({"mismatches": mismatches, "regions": len(addresses), "streams": health["streams"],
-              "faults_per_mb": faults / ((count - 1) * nbytes / 1e6)})
+        _say(
+            {
+                "mismatches": mismatches,
+                "regions": len(addresses),
+                "streams": health["streams"],
+                "faults_per_mb": faults / ((count - 1) * nbytes / 1e6),
+            }
+        )
 
 
 def receiver_main(config: dict, metadata: dict, count: int) -> None:
@@ -157,7 +160,7 @@ def receiver_main(config: dict, metadata: dict, count: int) -> None:
     import numpy as np
     import torch
 
-    from kvferry.adapters.connectors.zmq_connector import ZmqConnector
+    from kvferry.adapters.connectors.zmq.connector import ZmqConnector
 
     mismatches, zero_copy = [], True
     with ZmqConnector(config) as conn:
@@ -173,8 +176,7 @@ def receiver_main(config: dict, metadata: dict, count: int) -> None:
             view = torch.frombuffer(frames[1], dtype=torch.float32)
             start = np.frombuffer(frames[1], dtype=np.uint8).ctypes.data
             zero_copy &= start <= view.data_ptr() < start + frames[1].nbytes
-        _say({"mismatches": mismatches, "zero_copy": bool(zero_copy),
-              "hits": conn.health()["hits"]})
+        _say({"mismatches": mismatches, "zero_copy": bool(zero_copy), "hits": conn.health()["hits"]})
 
 
 # ----------------------------------------------------------------------------- harness
@@ -185,8 +187,11 @@ class Worker:
 
     def __init__(self, *args: str) -> None:
         self.proc = subprocess.Popen(
-            [sys.executable, __file__, *args], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-            text=True, cwd=os.path.dirname(__file__),
+            [sys.executable, __file__, *args],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            text=True,
+            cwd=os.path.dirname(__file__),
         )
         self._selector = selectors.DefaultSelector()
         self._selector.register(self.proc.stdout, selectors.EVENT_READ)
@@ -276,7 +281,7 @@ def test_payloads_cross_processes_bit_exact(transport, ipc_dir):
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("transport", ["tcp", "ipc"])
 def test_sender_crash_then_restart_on_the_same_endpoint(transport, ipc_dir):
-    from kvferry.adapters.connectors.zmq_connector import ZmqConnector
+    from kvferry.adapters.connectors.zmq.connector import ZmqConnector
 
     port = free_port()
     config = sender_config(transport, ipc_dir, port)

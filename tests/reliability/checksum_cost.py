@@ -45,27 +45,31 @@ def main() -> None:
     dest.fill_(0)  # fault the pages in once, as a warm pool would be
     nbytes = sum(t.numel() * t.element_size() for t in tensors)
 
-    encode = _best(lambda: write_payload_into(dest[:plain.total_nbytes], plain, tensors), args.repeat)
-    encode_crc = _best(lambda: write_payload_into(dest[:summed.total_nbytes], summed, tensors), args.repeat)
+    encode = _best(lambda: write_payload_into(dest[: plain.total_nbytes], plain, tensors), args.repeat)
+    encode_crc = _best(lambda: write_payload_into(dest[: summed.total_nbytes], summed, tensors), args.repeat)
     views = [host_byte_view(t) for t in tensors]
     crc_only = _best(lambda: [zlib.crc32(v) for v in views], args.repeat)
-    written = dest[:summed.total_nbytes]
+    written = dest[: summed.total_nbytes]
     write_payload_into(written, summed, tensors)
     verify = _best(lambda: decode_payload(written, verify=True), args.repeat)
     no_verify = _best(lambda: decode_payload(written, verify=False), args.repeat)
-    print(json.dumps({
-        "payload_mb": round(nbytes / 1e6, 1),
-        "encode_s": round(encode, 4),
-        "encode_with_crc32_s": round(encode_crc, 4),
-        "crc32_alone_s": round(crc_only, 4),
-        "crc32_gb_per_s": round(nbytes / crc_only / 1e9, 2),
-        "encode_gb_per_s": round(nbytes / encode / 1e9, 2),
-        "decode_verify_s": round(verify, 4),
-        "decode_no_verify_s": round(no_verify, 4),
-        "crc32_over_encode": round(crc_only / encode, 2),
-        "torch_threads": torch.get_num_threads(),
-        "repeats": args.repeat,
-    }))
+    print(
+        json.dumps(
+            {
+                "payload_mb": round(nbytes / 1e6, 1),
+                "encode_s": round(encode, 4),
+                "encode_with_crc32_s": round(encode_crc, 4),
+                "crc32_alone_s": round(crc_only, 4),
+                "crc32_gb_per_s": round(nbytes / crc_only / 1e9, 2),
+                "encode_gb_per_s": round(nbytes / encode / 1e9, 2),
+                "decode_verify_s": round(verify, 4),
+                "decode_no_verify_s": round(no_verify, 4),
+                "crc32_over_encode": round(crc_only / encode, 2),
+                "torch_threads": torch.get_num_threads(),
+                "repeats": args.repeat,
+            }
+        )
+    )
 
 
 if __name__ == "__main__":

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import os
 import shutil
-from typing import Iterator
+from collections.abc import Iterator
 
 import pytest
 from rel_util import SHM_DIR, ShmSpace

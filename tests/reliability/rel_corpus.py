@@ -14,7 +14,8 @@ import functools
 import json
 import random
 import struct
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import torch
 
@@ -41,8 +42,11 @@ def _tensor(rng: random.Random, dtype: torch.dtype, shape: tuple[int, ...]) -> t
     for d in shape:
         n *= d
     raw = bytes(rng.getrandbits(8) for _ in range(n * dtype.itemsize))
-    return torch.frombuffer(bytearray(raw), dtype=torch.uint8).view(dtype).reshape(shape) if n else \
-        torch.empty(shape, dtype=dtype)
+    return (
+        torch.frombuffer(bytearray(raw), dtype=torch.uint8).view(dtype).reshape(shape)
+        if n
+        else torch.empty(shape, dtype=dtype)
+    )
 
 
 def _kv(rng: random.Random, layers: int, dtype: torch.dtype, absent: float) -> tuple[list, list]:
@@ -66,8 +70,7 @@ def build_seeds(count: int = 48, seed: int = 7) -> list[Seed]:
             out.append(Seed(raw, "reference"))
         else:
             checksums = "crc32" if i % 3 == 1 else None
-            raw = encode_bytes(f"req-{i}", keys, values, bids, meta, align=rng.choice((8, 64)),
-                               checksums=checksums)
+            raw = encode_bytes(f"req-{i}", keys, values, bids, meta, align=rng.choice((8, 64)), checksums=checksums)
             out.append(Seed(raw, "kvferry+crc32" if checksums else "kvferry"))
     return out
 
@@ -98,8 +101,22 @@ def header_end(raw: bytes) -> int:
 
 
 # ----------------------------------------------------------------------------------- mutators
-_INTERESTING = (0, 1, -1, 2**31 - 1, 2**31, 2**32 - 1, 2**32, 2**63 - 1, 2**63, 2**64, -(2**63),
-                10**30, 1.5, float("1e308"))
+_INTERESTING = (
+    0,
+    1,
+    -1,
+    2**31 - 1,
+    2**31,
+    2**32 - 1,
+    2**32,
+    2**63 - 1,
+    2**63,
+    2**64,
+    -(2**63),
+    10**30,
+    1.5,
+    float("1e308"),
+)
 _JUNK_VALUES = (None, True, "x", [], {}, [[[]]], {"n": 1}, "key_cache_0", "float128", 1e400)
 
 
@@ -131,19 +148,21 @@ def _insert_delete(rng: random.Random, raw: bytes, peers: list[bytes]) -> bytes:
     pos = rng.randrange(len(raw) + 1)
     if rng.random() < 0.5:
         return raw[:pos] + bytes(rng.getrandbits(8) for _ in range(rng.randrange(1, 9))) + raw[pos:]
-    return raw[:pos] + raw[pos + rng.randrange(1, 9):]
+    return raw[:pos] + raw[pos + rng.randrange(1, 9) :]
 
 
 def _prefix_lie(rng: random.Random, raw: bytes, peers: list[bytes]) -> bytes:
-    claim = rng.choice((0, 1, 3, header_end(raw) - 5, header_end(raw), len(raw), 2**31, 2**32 - 1,
-                        rng.getrandbits(32)))
+    claim = rng.choice((0, 1, 3, header_end(raw) - 5, header_end(raw), len(raw), 2**31, 2**32 - 1, rng.getrandbits(32)))
     return struct.pack(">I", claim % 2**32) + raw[4:]
 
 
 def _splice(rng: random.Random, raw: bytes, peers: list[bytes]) -> bytes:
     other = rng.choice(peers)
-    return raw[: header_end(raw)] + other[header_end(other):] if rng.random() < 0.5 else \
-        other[: header_end(other)] + raw[header_end(raw):]
+    return (
+        raw[: header_end(raw)] + other[header_end(other) :]
+        if rng.random() < 0.5
+        else other[: header_end(other)] + raw[header_end(raw) :]
+    )
 
 
 @functools.lru_cache(maxsize=512)
@@ -196,8 +215,18 @@ def _deep(rng: random.Random, raw: bytes, peers: list[bytes]) -> bytes:
 
 
 MUTATORS: tuple[Callable[[random.Random, bytes, list[bytes]], bytes], ...] = (
-    _flip, _flip, _set_byte, _set_byte, _truncate, _insert_delete, _prefix_lie, _splice,
-    _json_edit, _json_edit, _json_edit, _deep,
+    _flip,
+    _flip,
+    _set_byte,
+    _set_byte,
+    _truncate,
+    _insert_delete,
+    _prefix_lie,
+    _splice,
+    _json_edit,
+    _json_edit,
+    _json_edit,
+    _deep,
 )
 
 

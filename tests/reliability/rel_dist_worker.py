@@ -26,10 +26,10 @@ def main(argv: list[str]) -> int:
     from kvferry.adapters.collectives import TorchDistGroup, build_parallel_groups
     from kvferry.app.manager import StageGroups
 
-    store = dist.TCPStore("127.0.0.1", store_port, world_size, is_master=False,
-                          timeout=datetime.timedelta(seconds=120))
-    dist.init_process_group("gloo", store=store, rank=rank, world_size=world_size,
-                            timeout=datetime.timedelta(seconds=120))
+    store = dist.TCPStore("127.0.0.1", store_port, world_size, is_master=False, timeout=datetime.timedelta(seconds=120))
+    dist.init_process_group(
+        "gloo", store=store, rank=rank, world_size=world_size, timeout=datetime.timedelta(seconds=120)
+    )
     print(json.dumps({"ready": rank}), flush=True)
     for i, scenario in enumerate(scenarios):
         world = TorchDistGroup.new(range(world_size))

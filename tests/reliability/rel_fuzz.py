@@ -36,8 +36,7 @@ class Verdict:
         self.inputs = 0
 
     def as_dict(self) -> dict[str, int]:
-        return {"inputs": self.inputs, "accepted": self.accepted, "rejected": self.rejected,
-                "misses": self.misses}
+        return {"inputs": self.inputs, "accepted": self.accepted, "rejected": self.rejected, "misses": self.misses}
 
 
 def _tensors(kv: DecodedKV) -> list[torch.Tensor]:
@@ -121,8 +120,9 @@ def main(argv: list[str]) -> int:
         import atheris  # optional coverage-guided fuzzing
     except ImportError:
         verdict, seconds = run_loop(count)
-        print(f"{verdict.as_dict()} in {seconds:.1f} s (deterministic loop; install atheris for "
-              "coverage-guided fuzzing)")
+        print(
+            f"{verdict.as_dict()} in {seconds:.1f} s (deterministic loop; install atheris for coverage-guided fuzzing)"
+        )
         return 0
     atheris.Setup(argv, lambda data: fuzz_one(bytes(data)))
     atheris.Fuzz()

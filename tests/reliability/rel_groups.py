@@ -17,7 +17,8 @@ from __future__ import annotations
 import os
 import signal
 import time
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import attrs
 import torch
@@ -27,8 +28,17 @@ from kvferry.app.manager import KVCache, StageGroups
 from kvferry.core.errors import TransferError
 from kvferry.core.roles import GroupLayout
 
-__all__ = ["LAYOUT", "FROM_TP", "TO_TP", "LEADER_STEPS", "SCENARIOS", "FaultyGroup", "Script",
-           "run_rank", "expected_kv"]
+__all__ = [
+    "LAYOUT",
+    "FROM_TP",
+    "TO_TP",
+    "LEADER_STEPS",
+    "SCENARIOS",
+    "FaultyGroup",
+    "Script",
+    "run_rank",
+    "expected_kv",
+]
 
 LAYOUT = GroupLayout(tp_size=1, sp_size=2, cfg_size=2)
 FROM_TP, TO_TP = 2, 1
@@ -128,9 +138,11 @@ def _leader_receive(behaviour: str) -> Callable[[Any], bool]:
 def _exact(req: Any) -> bool:
     keys, values = expected_kv(req.request_id)
     kv = req.past_key_values
-    return (len(kv.key_cache) == len(keys)
-            and all(torch.equal(a, b) for a, b in zip(kv.key_cache, keys))
-            and all(torch.equal(a, b) for a, b in zip(kv.value_cache, values)))
+    return (
+        len(kv.key_cache) == len(keys)
+        and all(torch.equal(a, b) for a, b in zip(kv.key_cache, keys))
+        and all(torch.equal(a, b) for a, b in zip(kv.value_cache, values))
+    )
 
 
 def run_rank(world_rank: int, groups: StageGroups, scenario: str, rid: str, timeout_s: float) -> dict[str, Any]:
@@ -139,8 +151,9 @@ def run_rank(world_rank: int, groups: StageGroups, scenario: str, rid: str, time
     req = _Request(rid, sampling_params=_Params())
     if world_rank == 0 and fail_at is not None:
         script = Script(fail_at, mode)
-        groups = StageGroups(*(None if g is None else FaultyGroup(g, script)
-                               for g in (groups.world, groups.tp, groups.cfg, groups.sp)))
+        groups = StageGroups(
+            *(None if g is None else FaultyGroup(g, script) for g in (groups.world, groups.tp, groups.cfg, groups.sp))
+        )
     distributor = Distributor(groups, FROM_TP, TO_TP, timeout_s=timeout_s, kv_factory=KVCache)
     started = time.monotonic()
     try:
@@ -151,5 +164,11 @@ def run_rank(world_rank: int, groups: StageGroups, scenario: str, rid: str, time
         ok = False
     seconds = time.monotonic() - started
     holds = kv_fields_of(req) is not None
-    return {"rank": world_rank, "scenario": scenario, "result": result, "seconds": seconds,
-            "holds_kv": holds, "exact": bool(ok and holds and _exact(req))}
+    return {
+        "rank": world_rank,
+        "scenario": scenario,
+        "result": result,
+        "seconds": seconds,
+        "holds_kv": holds,
+        "exact": bool(ok and holds and _exact(req)),
+    }

@@ -52,9 +52,12 @@ def _sender(rank: int, setup: dict[str, Any]) -> None:
     from kvferry.core.policy import RetryPolicy
 
     geom = Geometry(**setup["geom"])
-    managers = {name: build_manager(omni, tp_rank=rank, tp_size=2, env={},
-                                    retry=RetryPolicy(attempts=200, first_backoff_s=0.01, factor=1.0))
-                for name, omni in setup["senders"].items()}
+    managers = {
+        name: build_manager(
+            omni, tp_rank=rank, tp_size=2, env={}, retry=RetryPolicy(attempts=200, first_backoff_s=0.01, factor=1.0)
+        )
+        for name, omni in setup["senders"].items()
+    }
     cache = sender_cache(geom, setup["seed"], rank, 2)
     _reply({"ready": "sender", "rank": rank})
     for line in sys.stdin:
@@ -73,9 +76,11 @@ def _sender(rank: int, setup: dict[str, Any]) -> None:
         connector = manager.send_connector()
         layer = torch.zeros(4, 2, 2, dtype=torch.float16)
         for job in manager.send_path().jobs(rid):
-            bad = {"corrupt": b"\x00\x00\x00\x20" + os.urandom(64),
-                   "wrong_rid": encode_bytes("other-" + rid, [layer], [layer], [0], {}),
-                   "truncate": encode_bytes(rid, [layer], [layer], [0], {})[:-9]}.get(fail)
+            bad = {
+                "corrupt": b"\x00\x00\x00\x20" + os.urandom(64),
+                "wrong_rid": encode_bytes("other-" + rid, [layer], [layer], [0], {}),
+                "truncate": encode_bytes(rid, [layer], [layer], [0], {})[:-9],
+            }.get(fail)
             if bad is not None:
                 connector.put("0", "1", job.key, bad)
         _reply({"sent": rid, "ok": False, "detail": f"injected {fail}"})
@@ -95,26 +100,27 @@ def _receiver(rank: int, setup: dict[str, Any]) -> None:
     from kvferry.app.manager import KVCache, StageGroups
     from kvferry.app.wiring import build_manager
 
-    store = dist.TCPStore("127.0.0.1", setup["store_port"], 4, is_master=False,
-                          timeout=datetime.timedelta(seconds=120))
+    store = dist.TCPStore("127.0.0.1", setup["store_port"], 4, is_master=False, timeout=datetime.timedelta(seconds=120))
     dist.init_process_group("gloo", store=store, rank=rank, world_size=4, timeout=datetime.timedelta(seconds=120))
     world = TorchDistGroup()
     groups = StageGroups(world=world, tp=world)
     geom = Geometry(**setup["geom"])
     caches = {s: sender_cache(geom, setup["seed"], s, 2) for s in (0, 1)}
-    managers = {name: build_manager(omni, tp_rank=rank, tp_size=4, groups=groups, env={})
-                for name, omni in setup["receivers"].items()}
+    managers = {
+        name: build_manager(omni, tp_rank=rank, tp_size=4, groups=groups, env={})
+        for name, omni in setup["receivers"].items()
+    }
     _reply({"ready": "receiver", "rank": rank})
     for line in sys.stdin:
         cmd = json.loads(line)
         manager = managers[cmd["conn"]]
-        distributor = Distributor(groups, 2, 4, timeout_s=cmd["timeout_s"] + 20, kv_factory=KVCache,
-                                  on_drop=manager.record_consensus_drop)
+        distributor = Distributor(
+            groups, 2, 4, timeout_s=cmd["timeout_s"] + 20, kv_factory=KVCache, on_drop=manager.record_consensus_drop
+        )
         box: dict[str, Any] = {}
 
         def receive(req: Any) -> bool:
-            result = manager.receive(req.request_id, sender_info=setup["info"][cmd["conn"]],
-                                     timeout_s=cmd["timeout_s"])
+            result = manager.receive(req.request_id, sender_info=setup["info"][cmd["conn"]], timeout_s=cmd["timeout_s"])
             box["result"] = result
             return manager.apply_to_request(req, result.payload) if result.ok else False
 
@@ -129,8 +135,17 @@ def _receiver(rank: int, setup: dict[str, Any]) -> None:
             payload = {"layer_blocks": {"key_cache": kv.key_cache, "value_cache": kv.value_cache}}
             exact = received_exactly(payload, expected_layers(geom, caches, cmd["blocks"], cmd["seq_len"], 2, 4, rank))
         req.past_key_values = None
-        _reply({"rid": cmd["rid"], "rank": rank, "kind": result.outcome.kind.value, "kept": kept, "exact": exact,
-                "seconds": result.outcome.seconds, "total_seconds": seconds})
+        _reply(
+            {
+                "rid": cmd["rid"],
+                "rank": rank,
+                "kind": result.outcome.kind.value,
+                "kept": kept,
+                "exact": exact,
+                "seconds": result.outcome.seconds,
+                "total_seconds": seconds,
+            }
+        )
     counters = {name: m.counters.snapshot() for name, m in managers.items()}
     for manager in managers.values():
         manager.close()

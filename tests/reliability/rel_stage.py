@@ -15,8 +15,15 @@ import torch
 
 from kvferry.core.head_slices import plan_heads
 
-__all__ = ["Geometry", "omni_config", "sender_cache", "expected_layers", "bits_equal", "request_blocks",
-           "received_exactly"]
+__all__ = [
+    "Geometry",
+    "omni_config",
+    "sender_cache",
+    "expected_layers",
+    "bits_equal",
+    "request_blocks",
+    "received_exactly",
+]
 
 
 @attrs.frozen
@@ -36,11 +43,21 @@ class Geometry:
         return 2 * self.layers * self.heads * self.head_dim * torch.finfo(getattr(torch, self.dtype)).bits // 8
 
 
-def omni_config(role: str, connector: dict[str, Any], *, from_tp: int = 1, to_tp: int = 1,
-                recv_timeout: float = 5.0, base_port: int = 50051) -> dict[str, Any]:
+def omni_config(
+    role: str,
+    connector: dict[str, Any],
+    *,
+    from_tp: int = 1,
+    to_tp: int = 1,
+    recv_timeout: float = 5.0,
+    base_port: int = 50051,
+) -> dict[str, Any]:
     """The ``omni_kv_config`` an engine would pass for one side of a stage-0 -> stage-1 link."""
-    common = {"connector_config": {**connector, "zmq_port": base_port},
-              "rank_mapping": {"from_tp": from_tp, "to_tp": to_tp}, "recv_timeout": recv_timeout}
+    common = {
+        "connector_config": {**connector, "zmq_port": base_port},
+        "rank_mapping": {"from_tp": from_tp, "to_tp": to_tp},
+        "recv_timeout": recv_timeout,
+    }
     if role == "sender":
         return {**common, "omni_from_stage": 0, "omni_to_stage": 1, "stage_id": 0, "need_send_cache": True}
     return {**common, "stage_id": 1, "engine_input_source": [0], "need_recv_cache": True}
@@ -51,8 +68,9 @@ def sender_cache(geom: Geometry, seed: int, rank: int, from_tp: int) -> list[tor
     gen = torch.Generator().manual_seed(seed * 1000 + rank)
     shape = (2, geom.num_blocks, geom.block_size, geom.heads // from_tp, geom.head_dim)
     dtype = getattr(torch, geom.dtype)
-    return [torch.randint(-(2**15), 2**15, shape, generator=gen, dtype=torch.int16).view(dtype)
-            for _ in range(geom.layers)]
+    return [
+        torch.randint(-(2**15), 2**15, shape, generator=gen, dtype=torch.int16).view(dtype) for _ in range(geom.layers)
+    ]
 
 
 def request_blocks(geom: Geometry, rng: random.Random, seq_len: int) -> list[int]:
@@ -60,8 +78,15 @@ def request_blocks(geom: Geometry, rng: random.Random, seq_len: int) -> list[int
     return rng.sample(range(geom.num_blocks), -(-seq_len // geom.block_size))
 
 
-def expected_layers(geom: Geometry, caches: dict[int, list[torch.Tensor]], block_ids: list[int], seq_len: int,
-                    from_tp: int, to_tp: int, receiver_rank: int) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+def expected_layers(
+    geom: Geometry,
+    caches: dict[int, list[torch.Tensor]],
+    block_ids: list[int],
+    seq_len: int,
+    from_tp: int,
+    to_tp: int,
+    receiver_rank: int,
+) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
     """What receiver rank ``receiver_rank`` must hold: its heads of every sender's shard."""
     plan = plan_heads(from_tp, to_tp, geom.heads)[receiver_rank]
     per_sender = geom.heads // from_tp
@@ -74,7 +99,7 @@ def expected_layers(geom: Geometry, caches: dict[int, list[torch.Tensor]], block
                 lo, hi = s * per_sender, (s + 1) * per_sender
                 a, b = max(lo, plan.abs_head_start), min(hi, plan.abs_head_stop)
                 if a < b:
-                    blocks = caches[s][layer][which][:, :, a - lo:b - lo][ids]
+                    blocks = caches[s][layer][which][:, :, a - lo : b - lo][ids]
                     parts.append(blocks.reshape(-1, *blocks.shape[2:])[:seq_len])
             out[which].append(parts[0] if len(parts) == 1 else torch.cat(parts, dim=1))
     return out
@@ -92,6 +117,9 @@ def received_exactly(payload: dict[str, Any], expected: tuple[list[torch.Tensor]
     """True when a receive result's layers equal ``expected`` bit for bit."""
     blocks = payload["layer_blocks"]
     keys, values = blocks["key_cache"], blocks["value_cache"]
-    return (len(keys) == len(expected[0]) and len(values) == len(expected[1])
-            and all(bits_equal(a, b) for a, b in zip(keys, expected[0]))
-            and all(bits_equal(a, b) for a, b in zip(values, expected[1])))
+    return (
+        len(keys) == len(expected[0])
+        and len(values) == len(expected[1])
+        and all(bits_equal(a, b) for a, b in zip(keys, expected[0]))
+        and all(bits_equal(a, b) for a, b in zip(values, expected[1]))
+    )

@@ -13,8 +13,9 @@ import sys
 import tempfile
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 from kvferry.adapters.platform import free_base_port, free_port  # noqa: F401 (re-exported to the tests)
 
@@ -50,8 +51,14 @@ class ShmSpace:
         self.namespace = f"r{os.getpid()}n{next(_COUNTER)}"
 
     def config(self, role: str, **extra: Any) -> dict[str, Any]:
-        cfg = {"type": "shm", "role": role, "namespace": self.namespace, "runtime_dir": self.base,
-               "pool_bytes": 1 << 20, **extra}
+        cfg = {
+            "type": "shm",
+            "role": role,
+            "namespace": self.namespace,
+            "runtime_dir": self.base,
+            "pool_bytes": 1 << 20,
+            **extra,
+        }
         return cfg
 
     def leftovers(self) -> tuple[list[str], list[str]]:
@@ -59,8 +66,6 @@ class ShmSpace:
         for root, _, names in os.walk(self.base):
             files.extend(os.path.join(root, n) for n in names)
         return shm_entries(self.namespace), files
-
-
 
 
 class LineProc:
@@ -75,9 +80,15 @@ class LineProc:
         self.name = name
         self.log_path = Path(log_dir) / f"{name}.log"
         self._log = open(self.log_path, "wb")
-        self.proc = subprocess.Popen([sys.executable, *args], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                                     stderr=self._log, text=True, cwd=str(HERE),
-                                     env={**os.environ, **(env or {})})
+        self.proc = subprocess.Popen(
+            [sys.executable, *args],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=self._log,
+            text=True,
+            cwd=str(HERE),
+            env={**os.environ, **(env or {})},
+        )
         self.lines: queue.Queue[str | None] = queue.Queue()
         self._reader = threading.Thread(target=self._pump, name=f"{name}-stdout", daemon=True)
         self._reader.start()
@@ -131,5 +142,3 @@ class LineProc:
             self.proc.kill()
             self.proc.wait(timeout=WAIT_S)
         self._log.close()
-
-

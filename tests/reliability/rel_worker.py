@@ -46,16 +46,22 @@ def main() -> int:
         if op == "open":
             geom = Geometry(**cmd.get("geom", {}))
             retry = RetryPolicy(**cmd["retry"]) if cmd.get("retry") else RetryPolicy()
-            manager = build_manager(cmd["omni"], tp_rank=cmd.get("tp_rank", 0), tp_size=cmd.get("tp_size", 1),
-                                    env={}, retry=retry)
+            manager = build_manager(
+                cmd["omni"], tp_rank=cmd.get("tp_rank", 0), tp_size=cmd.get("tp_size", 1), env={}, retry=retry
+            )
             if cmd["role"] == "sender":
                 cache = sender_cache(geom, cmd.get("seed", 1), cmd.get("tp_rank", 0), cmd.get("from_tp", 1))
             _reply({"ready": cmd["role"], "pid": __import__("os").getpid()})
         elif op == "send":
             finished = {cmd["rid"]: {"block_ids": cmd["block_ids"], "seq_len": cmd["seq_len"]}}
             outcome = manager.send_requests(finished, cache, geom.block_size, geom.dtype)[0]
-            _reply({"sent": cmd["rid"], "ok": outcome.ok,
-                    "reason": None if outcome.ok else f"{outcome.reason.value}: {outcome.detail}"})
+            _reply(
+                {
+                    "sent": cmd["rid"],
+                    "ok": outcome.ok,
+                    "reason": None if outcome.ok else f"{outcome.reason.value}: {outcome.detail}",
+                }
+            )
         elif op == "hang_mid_put":
             connector = manager.send_connector()
             reservation = connector.reserve("0", "1", cmd["key"], cmd["nbytes"])
@@ -65,9 +71,13 @@ def main() -> int:
             threading.Event().wait()  # never commits: killed here
         elif op == "hold":
             connector = manager.recv_connector()
-            got = connector.get_blocking("0", "1", cmd["key"], {"source_host": "127.0.0.1",
-                                                               "source_port": cmd["port"]},
-                                         timeout_s=cmd["timeout_s"])
+            got = connector.get_blocking(
+                "0",
+                "1",
+                cmd["key"],
+                {"source_host": "127.0.0.1", "source_port": cmd["port"]},
+                timeout_s=cmd["timeout_s"],
+            )
             if got is not None:
                 held.append(got[0])  # never released: the process dies holding it
             _reply({"holding": None if got is None else got[1]})

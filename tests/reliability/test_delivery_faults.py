@@ -13,15 +13,16 @@ import random
 import socket
 import threading
 import time
-from typing import Any, Iterator
+from collections.abc import Iterator
+from typing import Any
 
 import pytest
 import zmq
 from rel_stage import Geometry, expected_layers, omni_config, received_exactly, request_blocks, sender_cache
 from rel_util import WAIT_S, eventually, free_base_port
 
-from kvferry.adapters.connectors.memory import MemoryConnector
-from kvferry.adapters.connectors.zmq_protocol import Reply, decode_request, encode_reply
+from kvferry.adapters.connectors.memory.connector import MemoryConnector
+from kvferry.adapters.connectors.zmq.protocol import Reply, decode_request, encode_reply
 from kvferry.adapters.torch_frames import encode_bytes
 from kvferry.app.wiring import build_manager
 from kvferry.core.ids import legacy_key
@@ -39,14 +40,25 @@ SLACK_S = 3.0
 class Link:
     """A TP 1 -> 1 sender manager and receiver manager over one connector config."""
 
-    def __init__(self, connector: dict[str, Any], *, recv_timeout: float = 5.0, retry: RetryPolicy | None = None,
-                 shared: Any = None) -> None:
+    def __init__(
+        self,
+        connector: dict[str, Any],
+        *,
+        recv_timeout: float = 5.0,
+        retry: RetryPolicy | None = None,
+        shared: Any = None,
+    ) -> None:
         self.base = free_base_port()
         extra = {"retry": retry} if retry is not None else {}
-        self.sender = build_manager(omni_config("sender", connector, recv_timeout=recv_timeout, base_port=self.base),
-                                    env={}, connector=shared, **extra)
-        self.receiver = build_manager(omni_config("receiver", connector, recv_timeout=recv_timeout,
-                                                  base_port=self.base), env={}, connector=shared)
+        self.sender = build_manager(
+            omni_config("sender", connector, recv_timeout=recv_timeout, base_port=self.base),
+            env={},
+            connector=shared,
+            **extra,
+        )
+        self.receiver = build_manager(
+            omni_config("receiver", connector, recv_timeout=recv_timeout, base_port=self.base), env={}, connector=shared
+        )
         self.info = {"host": "127.0.0.1", "zmq_port": self.base + 100}
         self.cache = sender_cache(GEOM, 1, 0, 1)
         self.rng = random.Random(5)
@@ -65,8 +77,9 @@ class Link:
 
     def exact(self, result: Any, rid: str) -> bool:
         blocks, seq_len = self.sent[rid]
-        return result.ok and received_exactly(result.payload, expected_layers(
-            GEOM, {0: self.cache}, blocks, seq_len, 1, 1, 0))
+        return result.ok and received_exactly(
+            result.payload, expected_layers(GEOM, {0: self.cache}, blocks, seq_len, 1, 1, 0)
+        )
 
     def close(self) -> None:
         self.receiver.close()
@@ -264,8 +277,9 @@ def _expired_at_sender(link: Link, kind: str) -> bool:
 
 
 @pytest.mark.parametrize("kind", ["zmq", "shm", "memory"])
-def test_lease_expiry_while_the_receiver_is_queued_is_reported_as_expiry(kind: str, shm_space: Any,
-                                                                          links: list) -> None:
+def test_lease_expiry_while_the_receiver_is_queued_is_reported_as_expiry(
+    kind: str, shm_space: Any, links: list
+) -> None:
     connector, shared = _connector(kind, shm_space, lease_s=0.3)
     link = Link(connector, recv_timeout=10.0, shared=shared)
     links.append(link)

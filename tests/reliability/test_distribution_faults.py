@@ -43,7 +43,7 @@ def _check(scenario: str, reports: dict[int, dict[str, Any]], timeout_s: float) 
     behaviour, fail_at, mode = SCENARIOS[scenario]
     alive = {r: rep for r, rep in reports.items() if not (mode == "die" and r == 0)}
     assert len(alive) == (WORLD - 1 if mode == "die" else WORLD), reports
-    for rank, rep in alive.items():
+    for rep in alive.values():
         assert rep["seconds"] <= 2 * timeout_s + SLACK_S, (scenario, rep)  # nobody waits forever
         if rep["result"] == "kv":
             assert rep["exact"], (scenario, rep)  # KV is whole and bit-exact, or absent
@@ -94,10 +94,17 @@ def test_leader_failure_on_threads(scenario: str) -> None:
 def _run_gloo(scenarios: list[str], tmp_path: Any) -> list[dict[int, dict[str, Any]]]:
     import torch.distributed as dist
 
-    store = dist.TCPStore("127.0.0.1", 0, WORLD, is_master=True, wait_for_workers=False,
-                          timeout=datetime.timedelta(seconds=120))
-    procs = [LineProc(["rel_dist_worker.py", str(r), str(WORLD), str(store.port), str(GLOO_T),
-                       ",".join(scenarios)], tmp_path, f"rank{r}") for r in range(WORLD)]
+    store = dist.TCPStore(
+        "127.0.0.1", 0, WORLD, is_master=True, wait_for_workers=False, timeout=datetime.timedelta(seconds=120)
+    )
+    procs = [
+        LineProc(
+            ["rel_dist_worker.py", str(r), str(WORLD), str(store.port), str(GLOO_T), ",".join(scenarios)],
+            tmp_path,
+            f"rank{r}",
+        )
+        for r in range(WORLD)
+    ]
     try:
         for p in procs:
             assert "ready" in p.read(120.0)
@@ -126,8 +133,14 @@ def _run_gloo(scenarios: list[str], tmp_path: Any) -> list[dict[int, dict[str, A
 def test_leader_failure_on_gloo_processes(tmp_path: Any) -> None:
     """One set of 4 processes runs the receive faults and a group failure at every step (fresh
     groups each time: a failed collective leaves a gloo group broken), then a clean request."""
-    scenarios = ["ok", "receive_raises", "receive_misses", "object_fallback",
-                 *(f"step{k}_raises" for k in range(LEADER_STEPS)), "ok"]
+    scenarios = [
+        "ok",
+        "receive_raises",
+        "receive_misses",
+        "object_fallback",
+        *(f"step{k}_raises" for k in range(LEADER_STEPS)),
+        "ok",
+    ]
     for scenario, reports in zip(scenarios, _run_gloo(scenarios, tmp_path)):
         _check(scenario, reports, GLOO_T)
 

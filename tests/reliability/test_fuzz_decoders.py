@@ -6,7 +6,8 @@
   ``unpack_request_kv``: only PayloadError escapes; accepted payloads hand out only bytes of the
   input; the run is bounded by a pytest timeout (a hang fails it);
 - allocation: a tracemalloc sample of the mutated inputs stays within a small multiple of the
-  input's size (the header is copied to text once for the JSON parser); length claims (header length, shapes, offsets, side lengths, blob tables) far
+  input's size (the header is copied to text once for the JSON parser);
+  length claims (header length, shapes, offsets, side lengths, blob tables) far
   beyond the input allocate nothing; the JSON parse of a header is bounded by the header limit;
 - hypothesis builds structurally odd headers (any JSON values in any field).
 """
@@ -65,8 +66,7 @@ def test_seed_corpus_is_valid_in_both_layouts(seeds: list[bytes], side_seeds: li
 @pytest.mark.timeout(120)
 def test_100k_mutated_inputs_raise_only_payload_error() -> None:
     verdict, seconds = run_loop(FUZZ_INPUTS, seed=20240601)
-    print(f"\ndecoder fuzz: {verdict.as_dict()} in {seconds:.1f} s "
-          f"({verdict.inputs / seconds:,.0f} inputs/s)")
+    print(f"\ndecoder fuzz: {verdict.as_dict()} in {seconds:.1f} s ({verdict.inputs / seconds:,.0f} inputs/s)")
     assert verdict.inputs >= FUZZ_INPUTS
     assert verdict.rejected > verdict.inputs // 2  # the mutations do hit the validation
     assert verdict.accepted > verdict.inputs // 50  # and some mutated payloads stay valid
@@ -80,8 +80,7 @@ def _peak_alloc(fn: Any) -> int:
     return tracemalloc.get_traced_memory()[1] - before
 
 
-def test_allocation_of_a_mutated_sample_is_bounded_by_the_input(seeds: list[bytes],
-                                                               side_seeds: list[bytes]) -> None:
+def test_allocation_of_a_mutated_sample_is_bounded_by_the_input(seeds: list[bytes], side_seeds: list[bytes]) -> None:
     rng = random.Random(99)
     worst = 0.0
     tracemalloc.start()
@@ -90,8 +89,11 @@ def test_allocation_of_a_mutated_sample_is_bounded_by_the_input(seeds: list[byte
             pool = side_seeds if i % 4 == 3 else seeds
             data = mutate(rng, rng.choice(pool), pool)
             verdict = Verdict()
-            run = (lambda: decode_side(data, verdict, i % 3)) if pool is side_seeds else \
-                (lambda: decode_kv(data, verdict, i % 3))
+            run = (
+                (lambda: decode_side(data, verdict, i % 3))
+                if pool is side_seeds
+                else (lambda: decode_kv(data, verdict, i % 3))
+            )
             peak = _peak_alloc(run)
             # a header is copied up to three times (joined from frames, bytes, str for the JSON
             # parser); a tensor input is copied once into a bytearray by the harness itself
@@ -148,8 +150,7 @@ def test_length_claims_beyond_the_input_allocate_nothing(name: str) -> None:
     verdict = Verdict()
     tracemalloc.start()
     try:
-        peak = _peak_alloc(lambda: (decode_kv(data, verdict), decode_side(data, verdict),
-                                    decode_kv(data, verdict, 1)))
+        peak = _peak_alloc(lambda: (decode_kv(data, verdict), decode_side(data, verdict), decode_kv(data, verdict, 1)))
     finally:
         tracemalloc.stop()
     assert verdict.accepted <= 2  # "64 dims" is a valid one-float payload; everything else fails
@@ -162,6 +163,7 @@ def test_json_header_expansion_is_bounded_by_the_header_limit() -> None:
     """JSON objects cost more than their text (``[]`` is 2 bytes, an empty list ~60): the
     limit on the header's length is what bounds the parse. Headers over it are not read."""
     limit = 256 * 1024
+
     def lists(n: int) -> bytes:
         body = b'{"rid":"r","bids":[],"meta":{"x":[' + b"[]," * n + b'[]]},"td":[],"nl":0}'
         return struct.pack(">I", len(body)) + body
@@ -223,17 +225,29 @@ json_values = st.recursive(
     max_leaves=12,
 )
 descriptor = st.fixed_dictionaries(
-    {}, optional={"n": st.sampled_from(["key_cache_0", "value_cache_1", "key_cache_x", ""]) | json_values,
-                  "i": st.integers(-2, 3) | json_values, "d": st.sampled_from(["float16", "int8", "bool"]) | json_values,
-                  "s": st.lists(st.integers(-1, 5), max_size=4) | json_values,
-                  "o": st.integers(-1, 64) | json_values, "b": st.integers(-1, 64) | json_values,
-                  "x": st.booleans() | json_values, "c": st.text(max_size=9) | json_values},
+    {},
+    optional={
+        "n": st.sampled_from(["key_cache_0", "value_cache_1", "key_cache_x", ""]) | json_values,
+        "i": st.integers(-2, 3) | json_values,
+        "d": st.sampled_from(["float16", "int8", "bool"]) | json_values,
+        "s": st.lists(st.integers(-1, 5), max_size=4) | json_values,
+        "o": st.integers(-1, 64) | json_values,
+        "b": st.integers(-1, 64) | json_values,
+        "x": st.booleans() | json_values,
+        "c": st.text(max_size=9) | json_values,
+    },
 )
 header = st.fixed_dictionaries(
-    {}, optional={"rid": st.text(max_size=5) | json_values, "bids": st.lists(st.integers(), max_size=3) | json_values,
-                  "meta": st.dictionaries(st.text(max_size=3), json_values, max_size=3) | json_values,
-                  "td": st.lists(descriptor, max_size=4) | json_values, "nl": st.integers(-1, 4) | json_values,
-                  "v": st.integers(0, 2) | json_values, "ck": st.sampled_from(["crc32", "md5"]) | json_values},
+    {},
+    optional={
+        "rid": st.text(max_size=5) | json_values,
+        "bids": st.lists(st.integers(), max_size=3) | json_values,
+        "meta": st.dictionaries(st.text(max_size=3), json_values, max_size=3) | json_values,
+        "td": st.lists(descriptor, max_size=4) | json_values,
+        "nl": st.integers(-1, 4) | json_values,
+        "v": st.integers(0, 2) | json_values,
+        "ck": st.sampled_from(["crc32", "md5"]) | json_values,
+    },
 )
 
 

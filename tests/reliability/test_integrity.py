@@ -22,8 +22,8 @@ from hypothesis import strategies as st
 from rel_stage import Geometry, expected_layers, omni_config, received_exactly, request_blocks, sender_cache
 from rel_util import free_base_port
 
-from kvferry.adapters.connectors.memory import MemoryConnector
-from kvferry.adapters.connectors.zmq_connector import ZmqConnector
+from kvferry.adapters.connectors.memory.connector import MemoryConnector
+from kvferry.adapters.connectors.zmq.connector import ZmqConnector
 from kvferry.adapters.torch_frames import TORCH_DTYPES, decode_payload, encode_bytes
 from kvferry.app.manager import KVTransferManager
 from kvferry.app.wiring import build_manager
@@ -44,10 +44,17 @@ def _tensor(dtype: str, shape: tuple[int, ...], seed: int) -> torch.Tensor:
 
 
 @settings(max_examples=150, deadline=None)
-@given(layers=st.integers(1, 4), dtype=st.sampled_from(sorted(TORCH_DTYPES)), tokens=st.integers(1, 5),
-       align=st.sampled_from([1, 8, 64]), pick=st.randoms(use_true_random=False), split=st.booleans())
-def test_any_flipped_tensor_byte_is_rejected_naming_that_tensor(layers: int, dtype: str, tokens: int, align: int,
-                                                               pick: random.Random, split: bool) -> None:
+@given(
+    layers=st.integers(1, 4),
+    dtype=st.sampled_from(sorted(TORCH_DTYPES)),
+    tokens=st.integers(1, 5),
+    align=st.sampled_from([1, 8, 64]),
+    pick=st.randoms(use_true_random=False),
+    split=st.booleans(),
+)
+def test_any_flipped_tensor_byte_is_rejected_naming_that_tensor(
+    layers: int, dtype: str, tokens: int, align: int, pick: random.Random, split: bool
+) -> None:
     keys = [_tensor(dtype, (tokens, 2, 2), i) for i in range(layers)]
     values = [_tensor(dtype, (tokens, 2, 2), 100 + i) for i in range(layers)]
     raw = encode_bytes("r", keys, values, [0], {}, align=align, checksums="crc32")
@@ -57,7 +64,7 @@ def test_any_flipped_tensor_byte_is_rejected_naming_that_tensor(layers: int, dty
     victim = decoded.header.tensors[index].name
     data = bytearray(raw)
     data[start + pick.randrange(nbytes)] ^= 1 << pick.randrange(8)
-    container: Any = [bytes(data[:start + 1]), bytes(data[start + 1:])] if split else bytes(data)
+    container: Any = [bytes(data[: start + 1]), bytes(data[start + 1 :])] if split else bytes(data)
     with pytest.raises(PayloadError, match=rf"tensor '{victim}'.*crc32 mismatch"):
         decode_payload(container)
     assert decode_payload(raw).key_cache[0] is not None  # the untouched payload decodes
@@ -133,8 +140,9 @@ def test_a_payload_corrupted_in_transit_is_decode_failed_and_never_delivered(kin
     rng = random.Random(8)
     shared = MemoryConnector.from_config({"pool_bytes": 1 << 20}) if kind == "memory" else None
     connector = {"type": kind}
-    sender = build_manager(omni_config("sender", connector, base_port=base), env={}, connector=shared,
-                           checksums="crc32")
+    sender = build_manager(
+        omni_config("sender", connector, base_port=base), env={}, connector=shared, checksums="crc32"
+    )
     inner = shared if shared is not None else ZmqConnector({"role": "receiver"})
     link = CorruptingLink(inner, "value_cache_1")
     receiver = build_manager(omni_config("receiver", connector, base_port=base), env={}, connector=link)
@@ -144,8 +152,9 @@ def test_a_payload_corrupted_in_transit_is_decode_failed_and_never_delivered(kin
         for rid in ("corrupted", "clean"):
             blocks = request_blocks(GEOM, rng, 20)
             requests[rid] = blocks
-            assert sender.send_requests({rid: {"block_ids": blocks, "seq_len": 20}}, cache, GEOM.block_size,
-                                        GEOM.dtype)[0].ok
+            assert sender.send_requests(
+                {rid: {"block_ids": blocks, "seq_len": 20}}, cache, GEOM.block_size, GEOM.dtype
+            )[0].ok
         result = receiver.receive("corrupted", sender_info=info)
         assert link.flipped == 1
         assert result.outcome.kind is ReceiveKind.DECODE_FAILED and result.payload is None, result.outcome
@@ -154,8 +163,9 @@ def test_a_payload_corrupted_in_transit_is_decode_failed_and_never_delivered(kin
             assert shared.pool.ledger.stats()["entries"] == 1
         link.enabled = False
         clean = receiver.receive("clean", sender_info=info)
-        assert clean.ok and received_exactly(clean.payload, expected_layers(GEOM, {0: cache}, requests["clean"],
-                                                                             20, 1, 1, 0))
+        assert clean.ok and received_exactly(
+            clean.payload, expected_layers(GEOM, {0: cache}, requests["clean"], 20, 1, 1, 0)
+        )
         clean.release()  # a zero-copy result holds its buffer until released
         if shared is not None:
             assert shared.pool.ledger.stats()["used_bytes"] == 0  # every buffer went back
@@ -174,8 +184,9 @@ def test_checksums_are_off_by_default_so_a_flip_without_them_is_delivered() -> N
     sender = build_manager(omni_config("sender", {"type": "memory"}), env={}, connector=shared)
     receiver = build_manager(omni_config("receiver", {"type": "memory"}), env={}, connector=link)
     try:
-        assert sender.send_requests({"plain": {"block_ids": [3, 4], "seq_len": 8}}, cache, GEOM.block_size,
-                                    GEOM.dtype)[0].ok
+        assert sender.send_requests({"plain": {"block_ids": [3, 4], "seq_len": 8}}, cache, GEOM.block_size, GEOM.dtype)[
+            0
+        ].ok
         result = receiver.receive("plain")
         assert result.ok and link.flipped == 1
         assert not received_exactly(result.payload, expected_layers(GEOM, {0: cache}, [3, 4], 8, 1, 1, 0))

@@ -67,7 +67,8 @@ class Senders:
     def exact(self, result: Any, rid: str) -> bool:
         blocks, seq_len = self.requests[rid]
         return result.ok and received_exactly(
-            result.payload, expected_layers(GEOM, {0: self.cache}, blocks, seq_len, 1, 1, 0))
+            result.payload, expected_layers(GEOM, {0: self.cache}, blocks, seq_len, 1, 1, 0)
+        )
 
     def close(self) -> None:
         for worker in self.workers:
@@ -144,8 +145,9 @@ def test_receiver_killed_while_holding_shm_pool_buffers(shm_space: Any, tmp_path
     pool = request_tokens * GEOM.token_bytes * 3 // 2  # room for one request at a time
     connector = _connector("shm", shm_space, pool_bytes=pool, hold_s=1.0)
     reader = LineProc(["rel_worker.py"], tmp_path, "reader")
-    sender = build_manager(omni_config("sender", connector, base_port=base), env={},
-                           retry=RetryPolicy(attempts=2, first_backoff_s=0.05))
+    sender = build_manager(
+        omni_config("sender", connector, base_port=base), env={}, retry=RetryPolicy(attempts=2, first_backoff_s=0.05)
+    )
     rng = random.Random(2)
     cache = sender_cache(GEOM, 1, 0, 1)
     sent: dict[str, tuple[list[int], int]] = {}
@@ -168,13 +170,17 @@ def test_receiver_killed_while_holding_shm_pool_buffers(shm_space: Any, tmp_path
         blocked = send("next")  # the dead reader pins the pool: typed, prompt
         assert blocked.kind is SendKind.FAILED and blocked.reason is SendReason.POOL_FULL, blocked
         assert time.monotonic() - started <= 1.0 + SLACK_S
-        health = eventually(lambda: (h := sender.health()["sender"]).get("expired_unreleased", 0) >= 1 and h,
-                            what="the dead reader's hold expired")
+        health = eventually(
+            lambda: (h := sender.health()["sender"]).get("expired_unreleased", 0) >= 1 and h,
+            what="the dead reader's hold expired",
+        )
         assert send("next").kind is SendKind.SENT  # the space came back
         receiver = build_manager(omni_config("receiver", connector, base_port=base), env={})
         result = receiver.receive("next", sender_info={"host": "127.0.0.1", "zmq_port": base + 100})
         blocks, seq_len = sent["next"]
-        assert result.ok and received_exactly(result.payload, expected_layers(GEOM, {0: cache}, blocks, seq_len, 1, 1, 0))
+        assert result.ok and received_exactly(
+            result.payload, expected_layers(GEOM, {0: cache}, blocks, seq_len, 1, 1, 0)
+        )
         assert health["ok"] and health["control_thread"]
     finally:
         if receiver is not None:

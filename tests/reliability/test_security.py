@@ -2,7 +2,7 @@
 what a header may claim, and who can touch shared memory.
 
 CURVE authentication of the zmq connector (an unauthenticated or unknown client gets nothing,
-the sender counts no request) is tested in ``tests/adapters/test_zmq_connector.py``
+the sender counts no request) is tested in ``tests/adapters/connectors/test_zmq.py``
 (``test_curve_admits_only_configured_clients``, ``test_curve_without_allow_list_...``); here
 it is exercised once more end to end, through managers built from an engine's config.
 The import-level "no pickle, no eval" scan lives in ``tests/test_layers.py``; this file adds
@@ -26,11 +26,11 @@ from rel_stage import Geometry, omni_config, sender_cache
 from rel_util import SHM_DIR, free_base_port
 
 from kvferry.adapters.collectives import MAX_OBJECT_BYTES, decode_object
-from kvferry.adapters.connectors.shm_control import decode as shm_decode
-from kvferry.adapters.connectors.shm_segment import open_segment, runtime_dir
-from kvferry.adapters.connectors.zmq_config import generate_curve_config
-from kvferry.adapters.connectors.zmq_connector import ZmqConnector
-from kvferry.adapters.connectors.zmq_protocol import Rejection, decode_reply, decode_request
+from kvferry.adapters.connectors.shm.control import decode as shm_decode
+from kvferry.adapters.connectors.shm.segment import open_segment, runtime_dir
+from kvferry.adapters.connectors.zmq.config import generate_curve_config
+from kvferry.adapters.connectors.zmq.connector import ZmqConnector
+from kvferry.adapters.connectors.zmq.protocol import Rejection, decode_reply, decode_request
 from kvferry.adapters.side_codec import unpack_request_kv
 from kvferry.adapters.torch_frames import decode_payload, encode_bytes
 from kvferry.app.registry import create_connector
@@ -120,9 +120,14 @@ def test_curve_end_to_end_through_managers() -> None:
     server = {"type": "zmq", "curve": {k: keys[k] for k in ("server_public", "server_secret", "client_public")}}
     client = {"type": "zmq", "curve": {k: keys[k] for k in ("server_public", "client_public", "client_secret")}}
     stranger_keys = generate_curve_config()
-    stranger = {"type": "zmq", "curve": {"server_public": keys["server_public"],
-                                         "client_public": stranger_keys["client_public"],
-                                         "client_secret": stranger_keys["client_secret"]}}
+    stranger = {
+        "type": "zmq",
+        "curve": {
+            "server_public": keys["server_public"],
+            "client_public": stranger_keys["client_public"],
+            "client_secret": stranger_keys["client_secret"],
+        },
+    }
     sender = build_manager(omni_config("sender", server, base_port=base), env={})
     info = {"host": "127.0.0.1", "zmq_port": base + 100}
     cache = sender_cache(GEOM, 1, 0, 1)
@@ -145,8 +150,13 @@ _FORBIDDEN_CALLS = {
     "load": ("torch", "numpy", "np", "yaml", "pickle", "marshal", "dill", "shelve"),
     "loads": ("pickle", "marshal", "dill", "cPickle", "_pickle"),
     "Unpickler": ("pickle", "_pickle"),
-    "recv_pyobj": "any", "send_pyobj": "any", "recv_serialized": "any", "send_serialized": "any",
-    "eval": (None,), "exec": (None,), "compile": (None,),  # the builtins
+    "recv_pyobj": "any",
+    "send_pyobj": "any",
+    "recv_serialized": "any",
+    "send_serialized": "any",
+    "eval": (None,),
+    "exec": (None,),
+    "compile": (None,),  # the builtins
 }
 
 
@@ -218,9 +228,13 @@ def test_decode_limits_have_safe_defaults_and_reach_the_receive_path() -> None:
     assert MAX_OBJECT_BYTES <= 8 << 30  # the collectives' object codec refuses bigger claims
     layer = torch.zeros(2, 2, 2, dtype=torch.float16)
     payload = encode_bytes("limited", [layer] * 4, [layer] * 4, list(range(200)), {"pad": "x" * 500})
-    tight = build_manager(omni_config("receiver", {"type": "memory"}), env={}, start=False,
-                          decode_limits=DecodeLimits(max_header_bytes=256))
-    from kvferry.adapters.connectors.memory import MemoryConnector
+    tight = build_manager(
+        omni_config("receiver", {"type": "memory"}),
+        env={},
+        start=False,
+        decode_limits=DecodeLimits(max_header_bytes=256),
+    )
+    from kvferry.adapters.connectors.memory.connector import MemoryConnector
 
     with MemoryConnector.from_config({}) as conn:
         tight.connector = conn
@@ -236,9 +250,14 @@ def test_decode_limits_have_safe_defaults_and_reach_the_receive_path() -> None:
 def test_a_live_segment_is_owner_only_even_under_a_permissive_umask(shm_space: Any) -> None:
     old = os.umask(0)
     try:
-        sender = build_manager(omni_config("sender", {"type": "shm", "namespace": shm_space.namespace,
-                                                      "runtime_dir": shm_space.base},
-                                           base_port=free_base_port()), env={})
+        sender = build_manager(
+            omni_config(
+                "sender",
+                {"type": "shm", "namespace": shm_space.namespace, "runtime_dir": shm_space.base},
+                base_port=free_base_port(),
+            ),
+            env={},
+        )
     finally:
         os.umask(old)
     try:

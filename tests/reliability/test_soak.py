@@ -42,8 +42,15 @@ def _plan(rng: random.Random) -> list[dict[str, Any]]:
     no_put = {REQUESTS // 3, 2 * REQUESTS // 3 + 1}  # a sender rank that never puts: one per connector
     for i in range(REQUESTS):
         seq_len = rng.randint(8, 512)
-        item = {"rid": f"soak-{i:05d}", "conn": "zmq" if i % 2 == 0 else "shm", "seq_len": seq_len,
-                "blocks": request_blocks(GEOM, rng, seq_len), "fate": "normal", "fail_rank": None, "fail": None}
+        item = {
+            "rid": f"soak-{i:05d}",
+            "conn": "zmq" if i % 2 == 0 else "shm",
+            "seq_len": seq_len,
+            "blocks": request_blocks(GEOM, rng, seq_len),
+            "fate": "normal",
+            "fail_rank": None,
+            "fail": None,
+        }
         roll = rng.random()
         if i in no_put:
             item.update(fate="fail", fail_rank=rng.randrange(2), fail="no_put")
@@ -76,26 +83,47 @@ def test_soak_two_senders_four_receivers_over_zmq_and_shm(shm_space: Any, tmp_pa
 
     rng = random.Random(20241129)
     plan = _plan(rng)
-    store = dist.TCPStore("127.0.0.1", 0, 4, is_master=True, wait_for_workers=False,
-                          timeout=datetime.timedelta(seconds=120))
+    store = dist.TCPStore(
+        "127.0.0.1", 0, 4, is_master=True, wait_for_workers=False, timeout=datetime.timedelta(seconds=120)
+    )
     zmq_base, shm_base = free_base_port(2), free_base_port(2)
-    conns = {"zmq": ({"type": "zmq", "pool_bytes": 64 << 20, "lease_s": LEASE_S}, zmq_base),
-             "shm": ({"type": "shm", "namespace": shm_space.namespace, "runtime_dir": shm_space.base,
-                      "pool_bytes": 16 << 20, "lease_s": LEASE_S}, shm_base)}
+    conns = {
+        "zmq": ({"type": "zmq", "pool_bytes": 64 << 20, "lease_s": LEASE_S}, zmq_base),
+        "shm": (
+            {
+                "type": "shm",
+                "namespace": shm_space.namespace,
+                "runtime_dir": shm_space.base,
+                "pool_bytes": 16 << 20,
+                "lease_s": LEASE_S,
+            },
+            shm_base,
+        ),
+    }
     setup = {
-        "geom": {"layers": GEOM.layers, "heads": GEOM.heads, "head_dim": GEOM.head_dim,
-                 "block_size": GEOM.block_size, "num_blocks": GEOM.num_blocks, "dtype": GEOM.dtype},
-        "seed": 3, "store_port": store.port,
-        "senders": {n: omni_config("sender", c, from_tp=2, to_tp=4, recv_timeout=DEADLINE_S, base_port=b)
-                    for n, (c, b) in conns.items()},
-        "receivers": {n: omni_config("receiver", c, from_tp=2, to_tp=4, recv_timeout=DEADLINE_S, base_port=b)
-                      for n, (c, b) in conns.items()},
+        "geom": {
+            "layers": GEOM.layers,
+            "heads": GEOM.heads,
+            "head_dim": GEOM.head_dim,
+            "block_size": GEOM.block_size,
+            "num_blocks": GEOM.num_blocks,
+            "dtype": GEOM.dtype,
+        },
+        "seed": 3,
+        "store_port": store.port,
+        "senders": {
+            n: omni_config("sender", c, from_tp=2, to_tp=4, recv_timeout=DEADLINE_S, base_port=b)
+            for n, (c, b) in conns.items()
+        },
+        "receivers": {
+            n: omni_config("receiver", c, from_tp=2, to_tp=4, recv_timeout=DEADLINE_S, base_port=b)
+            for n, (c, b) in conns.items()
+        },
         "info": {n: {"host": "127.0.0.1", "zmq_port": b + 100} for n, (_, b) in conns.items()},
     }
     spec = json.dumps(setup)
     senders = [LineProc(["rel_soak_worker.py", "sender", str(r), spec], tmp_path, f"sender{r}") for r in range(2)]
-    receivers = [LineProc(["rel_soak_worker.py", "receiver", str(r), spec], tmp_path, f"receiver{r}")
-                 for r in range(4)]
+    receivers = [LineProc(["rel_soak_worker.py", "receiver", str(r), spec], tmp_path, f"receiver{r}") for r in range(4)]
     procs = senders + receivers
     rss: dict[str, list[int]] = {p.name: [] for p in procs}
     outcomes: dict[str, dict[int, dict[str, Any]]] = {}
@@ -115,13 +143,29 @@ def test_soak_two_senders_four_receivers_over_zmq_and_shm(shm_space: Any, tmp_pa
         def send_all(item: dict[str, Any]) -> None:
             for rank, p in enumerate(senders):
                 fail = item["fail"] if rank == item["fail_rank"] else None
-                p.send({"op": "send", "rid": item["rid"], "conn": item["conn"], "blocks": item["blocks"],
-                        "seq_len": item["seq_len"], "fail": fail})
+                p.send(
+                    {
+                        "op": "send",
+                        "rid": item["rid"],
+                        "conn": item["conn"],
+                        "blocks": item["blocks"],
+                        "seq_len": item["seq_len"],
+                        "fail": fail,
+                    }
+                )
 
         def recv_all(item: dict[str, Any], timeout_s: float) -> None:
             for p in receivers:
-                p.send({"op": "recv", "rid": item["rid"], "conn": item["conn"], "blocks": item["blocks"],
-                        "seq_len": item["seq_len"], "timeout_s": timeout_s})
+                p.send(
+                    {
+                        "op": "recv",
+                        "rid": item["rid"],
+                        "conn": item["conn"],
+                        "blocks": item["blocks"],
+                        "seq_len": item["seq_len"],
+                        "timeout_s": timeout_s,
+                    }
+                )
 
         for index, item in enumerate(plan):
             if item["fate"] == "cancel":  # the receivers give up first; the senders put anyway
@@ -169,16 +213,23 @@ def test_soak_two_senders_four_receivers_over_zmq_and_shm(shm_space: Any, tmp_pa
     assert wrong == [], wrong[:5]
     delivered = sum(rep["exact"] for per in outcomes.values() for rep in per.values())
     # ---- counters agree: one counted outcome per receive (plus consensus drops)
-    counted = sum(sum(v for k, v in c.items() if k.count(".") == 1 and k.startswith("recv.") and k not in
-                      ("recv.bytes", "recv.dropped_by_consensus")) for rep in closed for c in rep["counters"].values())
+    counted = sum(
+        sum(
+            v
+            for k, v in c.items()
+            if k.count(".") == 1 and k.startswith("recv.") and k not in ("recv.bytes", "recv.dropped_by_consensus")
+        )
+        for rep in closed
+        for c in rep["counters"].values()
+    )
     assert counted == 4 * REQUESTS
     # ---- memory flat after warm-up
     warm = REQUESTS // 4
     growth = {}
     for name, series in rss.items():
         per_request = len(series) / REQUESTS
-        base = max(series[int(warm * 0.8 * per_request):int(warm * per_request) + 1])
-        final = max(series[-max(1, int(REQUESTS * 0.1 * per_request)):])
+        base = max(series[int(warm * 0.8 * per_request) : int(warm * per_request) + 1])
+        final = max(series[-max(1, int(REQUESTS * 0.1 * per_request)) :])
         growth[name] = (base, final)
     assert all(final <= base * 1.10 for base, final in growth.values()), growth
     assert shm_usage[0] == shm_usage[-1], shm_usage  # same segments, same bytes
@@ -186,11 +237,20 @@ def test_soak_two_senders_four_receivers_over_zmq_and_shm(shm_space: Any, tmp_pa
     p99 = latencies[min(len(latencies) - 1, int(len(latencies) * 0.99))]
     injected = sum(faults.values()) - faults["cancel_cleanup"]
     report = {
-        "requests": REQUESTS, "receiver_ranks": 4, "sender_ranks": 2, "connectors": ["zmq-tcp", "shm"],
-        "seconds": round(seconds, 1), "requests_per_s": round(REQUESTS / seconds, 1),
-        "p50_receive_ms": round(statistics.median(latencies) * 1e3, 2), "p99_receive_ms": round(p99 * 1e3, 2),
-        "delivered_bit_exact": delivered, "faults_injected": injected, "faults": faults, "lost": len(lost),
-        "rss_kib_warm_final": growth, "shm_files_bytes": shm_usage,
+        "requests": REQUESTS,
+        "receiver_ranks": 4,
+        "sender_ranks": 2,
+        "connectors": ["zmq-tcp", "shm"],
+        "seconds": round(seconds, 1),
+        "requests_per_s": round(REQUESTS / seconds, 1),
+        "p50_receive_ms": round(statistics.median(latencies) * 1e3, 2),
+        "p99_receive_ms": round(p99 * 1e3, 2),
+        "delivered_bit_exact": delivered,
+        "faults_injected": injected,
+        "faults": faults,
+        "lost": len(lost),
+        "rss_kib_warm_final": growth,
+        "shm_files_bytes": shm_usage,
     }
     print("\nsoak:", json.dumps(report))
     if os.environ.get("KVFERRY_SOAK_REPORT"):

@@ -1,0 +1,1 @@
+"""The optional ``mooncake`` connector: payloads through Mooncake's transfer engine."""

@@ -1,0 +1,143 @@
+"""Receiver side of the mooncake control channel: one DEALER per sender endpoint.
+
+:class:`PeerChannel` sends a :class:`~.wire.Lookup` and waits for the reply with the
+same id, watching the socket's monitor at the same time: a refused connection or a dropped one
+(the sender process died) ends the wait at once with ``sender_unavailable`` instead of waiting
+out the deadline. ZMQ heartbeats detect a silent host within :data:`HEARTBEAT_TIMEOUT_MS`.
+After any failure the channel is closed and the caller opens a new one (no stale replies).
+"""
+
+from __future__ import annotations
+
+import itertools
+import threading
+import time
+from typing import Any
+
+import attrs
+import zmq
+from zmq.utils.monitor import recv_monitor_message
+
+from kvferry.adapters.connectors.mooncake import wire
+from kvferry.core.errors import PayloadError
+
+__all__ = ["HEARTBEAT_IVL_MS", "HEARTBEAT_TIMEOUT_MS", "Failure", "PeerChannel"]
+
+HEARTBEAT_IVL_MS = 1000
+HEARTBEAT_TIMEOUT_MS = 3000
+_DEAD_EVENTS = (zmq.EVENT_DISCONNECTED, zmq.EVENT_CONNECT_RETRIED, zmq.EVENT_CLOSED)
+_ids = itertools.count(1)
+
+
+@attrs.frozen
+class Failure:
+    """Why a lookup got no reply: ``reason`` is ``sender_unavailable``, ``timeout``,
+    ``bad_reply`` or ``closed``; ``detail`` is human text."""
+
+    reason: str
+    detail: str
+
+
+@attrs.define(eq=False)
+class PeerChannel:
+    """Control channel to the sender at ``tcp://host:port``. One request at a time (locked)."""
+
+    ctx: zmq.Context
+    host: str
+    port: int
+    _sock: zmq.Socket = attrs.field(init=False)
+    _monitor: zmq.Socket = attrs.field(init=False)
+    _lock: threading.Lock = attrs.field(init=False, factory=threading.Lock)
+    _connected: bool = attrs.field(init=False, default=False)
+    closed: bool = attrs.field(init=False, default=False)
+
+    def __attrs_post_init__(self) -> None:
+        sock = self.ctx.socket(zmq.DEALER)
+        sock.linger = 0
+        sock.setsockopt(zmq.HEARTBEAT_IVL, HEARTBEAT_IVL_MS)
+        sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, HEARTBEAT_TIMEOUT_MS)
+        if ":" in self.host:
+            sock.setsockopt(zmq.IPV6, 1)
+        self._monitor = sock.get_monitor_socket()
+        where = f"[{self.host}]" if ":" in self.host else self.host
+        sock.connect(f"tcp://{where}:{self.port}")
+        self._sock = sock
+
+    def lookup(self, key: str, room: int, wait_s: float, grace_s: float) -> wire.LookupReply | Failure:
+        """Ask for ``key`` (long-poll ``wait_s`` s on the sender); give up after ``wait_s +
+        grace_s`` seconds or as soon as the connection is seen to fail."""
+        with self._lock:
+            if self.closed:
+                return Failure("sender_unavailable", "channel closed")
+            request = wire.Lookup(next(_ids), key, room, wait_s)
+            return self._ask(request, time.monotonic() + wait_s + grace_s, wire.LookupReply)
+
+    def done(self, key: str, claim: int, ok: bool, grace_s: float) -> wire.Ack | Failure:
+        """Tell the sender the claim is over and wait up to ``grace_s`` s for its Ack. Without
+        an Ack the sender still frees the region when the claim's pin time passes."""
+        with self._lock:
+            if self.closed:
+                return Failure("sender_unavailable", "channel closed")
+            request = wire.Done(next(_ids), key, claim, ok)
+            return self._ask(request, time.monotonic() + grace_s, wire.Ack)
+
+    def _ask(self, request: wire.Lookup | wire.Done, deadline: float, kind: type) -> Any:
+        """Send ``request`` and wait for its answer of type ``kind``; the context being
+        terminated (connector closing) ends the wait with ``closed``."""
+        try:
+            self._sock.send(wire.encode(request), zmq.NOBLOCK)
+            return self._await(request.id, deadline, kind)
+        except zmq.ZMQError as exc:
+            if exc.errno == zmq.ETERM:
+                return Failure("closed", "connector closing")
+            return Failure("sender_unavailable", f"control socket error: {exc}")
+
+    def _await(self, request_id: int, deadline: float, kind: type) -> Any:
+        poller = zmq.Poller()
+        poller.register(self._sock, zmq.POLLIN)
+        poller.register(self._monitor, zmq.POLLIN)
+        while True:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                return Failure("timeout", f"no reply from {self.host}:{self.port} in time")
+            events = dict(poller.poll(max(1, int(left * 1000))))
+            if self._monitor in events:
+                failure = self._check_monitor()
+                if failure is not None:
+                    return failure
+            if self._sock in events:
+                raw = self._sock.recv(zmq.NOBLOCK)
+                try:
+                    reply = wire.decode(raw)
+                except PayloadError as exc:
+                    return Failure("bad_reply", str(exc))
+                if reply.id != request_id:
+                    continue  # a reply to an earlier, abandoned request: ignore it
+                if not isinstance(reply, kind):
+                    return Failure("bad_reply", f"unexpected {type(reply).__name__}")
+                return reply
+
+    def _check_monitor(self) -> Failure | None:
+        while True:
+            try:
+                event = recv_monitor_message(self._monitor, zmq.NOBLOCK)
+            except zmq.Again:
+                return None
+            kind = event["event"]
+            if kind == zmq.EVENT_HANDSHAKE_SUCCEEDED:
+                self._connected = True
+            elif kind in _DEAD_EVENTS:
+                what = "lost" if self._connected else "refused"
+                return Failure(
+                    "sender_unavailable",
+                    f"connection to {self.host}:{self.port} {what} ({zmq.Event(kind).name})",
+                )
+
+    def close(self) -> None:
+        """Close the socket and its monitor. Idempotent."""
+        with self._lock:
+            if self.closed:
+                return
+            self.closed = True
+            self._monitor.close()
+            self._sock.close()

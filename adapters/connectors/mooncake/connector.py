@@ -1,0 +1,404 @@
+"""The ``mooncake`` connector: payload bytes move through Mooncake's transfer engine (TCP/RDMA).
+
+Both sides own ONE registered pool (``pool_bytes``), allocated once at start and reused. The
+sender copies each put into its pool (or the caller gathers straight into it via
+:meth:`MooncakeConnector.reserve`) and publishes it in a lease table (``readers`` reads within
+``lease_s`` seconds). A receiver asks the sender over a small ZMQ control channel (msgpack,
+see :mod:`.wire`) where the payload is and how large; it reserves that many bytes in
+its own pool and the engine *reads* them from the sender's pool (receiver pull: the sender never
+needs to know the receiver's pool, a put never waits on a peer, and each receiver spends only
+its own pool space). The result is a :class:`MooncakePoolBuffer` (``.tensor`` 1-D ``uint8``
+view, ``.release()`` idempotent) that the caller decodes zero-copy and then releases.
+
+Failures are values: ``put`` returns ``(False, 0, {"reason", "detail"})``; ``get`` returns None
+and :meth:`MooncakeConnector.last_failure` says why (``sender_unavailable``, ``timeout``,
+``expired``, ``no_room``, ``size_mismatch``, ``transfer_failed``, ...). A missing package or
+system library makes construction raise ConnectorUnavailable with what to install.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import attrs
+
+from kvferry.adapters.connectors.mooncake.config import MooncakeConfig
+from kvferry.adapters.connectors.mooncake.engine import EnginePool
+from kvferry.adapters.connectors.mooncake.receive import AllocatorSpace, ReceiveSide, resolve_endpoint
+from kvferry.core.errors import ConfigError, PoolFullError
+from kvferry.core.pool import PoolLedger, Region, RegionAllocator, request_id_of_key
+
+__all__ = ["MooncakeConnector", "MooncakePoolBuffer", "MooncakeReservation"]
+
+logger = logging.getLogger(__name__)
+_FAILURE_MEMORY = 1024
+
+
+@attrs.define(eq=False)
+class MooncakePoolBuffer:
+    """A received payload in the receiver's pool. ``tensor``: 1-D ``uint8`` view of ``size``
+    bytes. ``release()`` (idempotent) gives the space back; call it after the decoded tensors
+    were moved or cloned."""
+
+    tensor: Any
+    _free: Callable[[], None]
+    released: bool = False
+
+    def release(self) -> None:
+        if not self.released:
+            self.released = True
+            self._free()
+
+    def __enter__(self) -> MooncakePoolBuffer:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.release()
+
+
+@attrs.define(eq=False)
+class MooncakeReservation:
+    """A sender-pool region reserved for ``put_key``: write ``buffer`` then ``commit()`` (or
+    ``abort()``). Exactly one of the two takes effect; both are idempotent."""
+
+    buffer: Any
+    _connector: MooncakeConnector
+    _key: str
+    _region: Region
+    _result: Any = None
+    _aborted: bool = False
+
+    def commit(self) -> Any:
+        if self._result is None:
+            if self._aborted:
+                self._result = (False, 0, {"reason": "error", "detail": "reservation was aborted"})
+            else:
+                self._result = self._connector._publish(self._key, self._region)
+        return self._result
+
+    def abort(self) -> None:
+        if self._result is None and not self._aborted:
+            self._aborted = True
+            self._connector._abort(self._region)
+
+
+def _payload_views(data: Any) -> list[Any]:
+    """``data`` as a list of flat uint8 pieces (tensors or memoryviews), no copy."""
+    import torch
+
+    if isinstance(data, torch.Tensor):
+        return [data.reshape(-1).view(torch.uint8)] if data.numel() else []
+    if isinstance(data, (bytes, bytearray, memoryview)):
+        return [memoryview(data).cast("B")]
+    if hasattr(data, "tensor") and hasattr(data, "release"):  # a PoolBuffer from elsewhere
+        return _payload_views(data.tensor)
+    if isinstance(data, (list, tuple)):
+        return [view for item in data for view in _payload_views(item)]
+    raise TypeError(f"cannot send {type(data).__name__}: bytes-like, uint8 tensor or frames")
+
+
+def _nbytes(view: Any) -> int:
+    return int(view.numel()) if hasattr(view, "numel") else view.nbytes
+
+
+def _as_clock(clock: Any) -> Callable[[], float]:
+    """A monotonic-seconds callable from None (the real clock), a Clock or a callable."""
+    if clock is None:
+        return time.monotonic
+    if hasattr(clock, "monotonic"):
+        return clock.monotonic
+    if callable(clock):
+        return clock
+    raise ConfigError(f"mooncake config 'clock' must be a Clock or a callable, got {clock!r}")
+
+
+@attrs.define(eq=False)
+class MooncakeConnector:
+    """Connector over Mooncake's transfer engine. Build with :meth:`from_config`.
+
+    Sender role: binds the control channel on ``host:port`` (``port`` 0: OS-chosen, see
+    :attr:`port`) at construction; a bind failure raises BindError. Receiver role: binds
+    nothing; it reads from the sender given by ``get`` metadata or ``update_sender_info``.
+    """
+
+    config: MooncakeConfig
+    _pool: EnginePool
+    _ctx: Any
+    _sender: Any = None  # SenderState (sender role)
+    _server: Any = None  # ControlServer (sender role)
+    port: int = 0
+    clock: Callable[[], float] = time.monotonic
+    _receive: ReceiveSide = attrs.field(init=False)
+    _lock: threading.Lock = attrs.field(init=False, factory=threading.Lock)
+    _default_sender: tuple[str, int] | None = attrs.field(init=False, default=None)
+    _failures: dict[str, str] = attrs.field(init=False, factory=dict)
+    _counters: dict[str, int] = attrs.field(init=False, factory=dict)
+    _closed: bool = attrs.field(init=False, default=False)
+
+    def __attrs_post_init__(self) -> None:
+        from kvferry.adapters.connectors.mooncake.server import SenderSpace
+
+        space: Any = (
+            SenderSpace(self._sender)
+            if self._sender is not None
+            else AllocatorSpace(RegionAllocator(self._pool.pool_bytes, self.config.alignment))
+        )
+        self._receive = ReceiveSide(
+            self._ctx,
+            self._pool,
+            space,
+            self.config.control_timeout_s,
+            self.clock,
+            MooncakePoolBuffer,
+        )
+
+    @classmethod
+    def from_config(
+        cls,
+        config: Mapping[str, Any] | MooncakeConfig,
+        *,
+        clock: Callable[[], float] | None = None,
+        engine_factory: Callable[[], Any] | None = None,
+    ) -> MooncakeConnector:
+        """Create from a config dict (``{"type": "mooncake", "role": ..., ...}``).
+
+        Raises ConfigError for bad values (naming the key), ConnectorUnavailable when the
+        engine package or its system library is missing or the engine fails to start,
+        BindError when the sender's control port cannot be bound.
+        """
+        import zmq
+
+        from kvferry.adapters.connectors.mooncake.server import ControlServer, SenderState, bind_router
+
+        cfg = config if isinstance(config, MooncakeConfig) else MooncakeConfig.from_mapping(config)
+        if clock is None and not isinstance(config, MooncakeConfig):
+            clock = config.get("clock")
+        now = _as_clock(clock)
+        pool = EnginePool.create(
+            host=cfg.host,
+            pool_bytes=cfg.pool_bytes,
+            protocol=cfg.protocol,
+            device_name=cfg.device_name,
+            device=cfg.pool_device,
+            chunk_bytes=cfg.chunk_bytes,
+            shared=cfg.shared_engine,
+            engine_factory=engine_factory,
+        )
+        ctx = zmq.Context()
+        sender = server = None
+        port = 0
+        try:
+            if cfg.role == "sender":
+                router, port = bind_router(ctx, cfg.host, cfg.port)
+                ledger = PoolLedger.create(pool.pool_bytes, alignment=cfg.alignment, hold_s=cfg.hold_s)
+                sender = SenderState(ledger, pool.base, pool.rpc_port, cfg.hold_s, now)
+                server = ControlServer(ctx, router, sender)
+                server.start()
+        except BaseException:
+            pool.close()
+            ctx.destroy(linger=0)
+            raise
+        conn = cls(cfg, pool, ctx, sender, server, port, now)
+        logger.info(
+            "mooncake %s up: control %s:%d, engine rpc port %d, pool %d bytes (%s)",
+            cfg.role,
+            cfg.host,
+            port,
+            pool.rpc_port,
+            pool.pool_bytes,
+            cfg.protocol,
+        )
+        return conn
+
+    # -- sender ---------------------------------------------------------------------------
+
+    def put(self, from_stage: Any, to_stage: Any, put_key: str, data: Any) -> tuple[bool, int, Any]:
+        """Copy ``data`` into the sender pool and publish it under ``put_key``. Never raises for
+        pool or state faults: ``(False, 0, {"reason", "detail"})``."""
+        try:
+            views = _payload_views(data)
+        except TypeError as exc:
+            return self._put_failed("error", str(exc))
+        nbytes = sum(_nbytes(v) for v in views)
+        region = self._reserve_region(put_key, nbytes)
+        if not isinstance(region, Region):
+            return region
+        self._fill(region, views)
+        return self._publish(put_key, region)
+
+    def reserve(self, from_stage: Any, to_stage: Any, put_key: str, nbytes: int) -> MooncakeReservation:
+        """Reserve ``nbytes`` of the sender pool for ``put_key``; PoolFullError when no room."""
+        region = self._reserve_region(put_key, nbytes)
+        if not isinstance(region, Region):
+            info = region[2]
+            raise PoolFullError(f"{info['reason']}: {info['detail']}")
+        view = self._pool.tensor[region.offset : region.offset + nbytes]
+        return MooncakeReservation(view, self, put_key, region)
+
+    def _reserve_region(self, key: str, nbytes: int) -> Region | tuple[bool, int, Any]:
+        if self._closed:
+            return self._put_failed("closed", "connector is closed")
+        if self._sender is None:
+            return self._put_failed("error", "put on a receiver-role mooncake connector")
+        self._sender.sweep()
+        with self._sender.lock:
+            got = self._sender.ledger.reserve(nbytes)
+        if isinstance(got, Region):
+            return got
+        return self._put_failed(got.reason, got.detail)
+
+    def _fill(self, region: Region, views: list[Any]) -> None:
+        """Copy the payload pieces back to back into the pool at ``region.offset`` (one copy)."""
+        import numpy as np
+        import torch
+
+        offset = region.offset
+        pool = self._pool.tensor
+        host_pool = pool.numpy() if pool.device.type == "cpu" else None
+        for view in views:
+            size = _nbytes(view)
+            if size and isinstance(view, torch.Tensor):
+                if host_pool is not None and view.device.type == "cpu":
+                    host_pool[offset : offset + size] = view.numpy()  # faster than copy_ here
+                else:
+                    pool[offset : offset + size].copy_(view)
+            elif size and host_pool is not None:
+                host_pool[offset : offset + size] = np.frombuffer(view, dtype=np.uint8)
+            elif size:  # bytes into a device pool: stage through a writable host copy
+                pool[offset : offset + size].copy_(torch.frombuffer(bytearray(view), dtype=torch.uint8))
+            offset += size
+
+    def _publish(self, key: str, region: Region) -> tuple[bool, int, Any]:
+        if self._closed:
+            self._abort(region)
+            return self._put_failed("closed", "connector is closed")
+        with self._sender.lock:
+            self._sender.ledger.publish(
+                key,
+                region,
+                readers=self.config.readers,
+                now_s=self.clock(),
+                lease_s=self.config.lease_s,
+                request_id=request_id_of_key(key),
+            )
+        self._server.notify(key)
+        self._count("puts")
+        meta = {"source_host": self.config.host, "source_port": self.port, "size": region.nbytes}
+        return True, region.nbytes, meta
+
+    def _abort(self, region: Region) -> None:
+        with self._sender.lock:
+            self._sender.ledger.abort(region)
+
+    def _put_failed(self, reason: str, detail: str) -> tuple[bool, int, Any]:
+        self._count("put_failed")
+        logger.warning("mooncake put failed (%s): %s", reason, detail)
+        return False, 0, {"reason": reason, "detail": detail}
+
+    # -- receiver ---------------------------------------------------------------------------
+
+    def update_sender_info(self, host: str, port: int) -> None:
+        """Default sender endpoint for gets whose metadata names none."""
+        self._default_sender = (str(host), int(port))
+
+    def get(self, from_stage: Any, to_stage: Any, get_key: str, metadata: Mapping[str, Any] | None = None) -> Any:
+        """``(MooncakePoolBuffer, size)`` if the sender holds ``get_key`` now, else None."""
+        return self._get(get_key, metadata, 0.0)
+
+    def get_blocking(
+        self,
+        from_stage: Any,
+        to_stage: Any,
+        get_key: str,
+        metadata: Mapping[str, Any] | None = None,
+        *,
+        timeout_s: float,
+    ) -> Any:
+        """Like :meth:`get`, but the sender answers on arrival, up to ``timeout_s`` seconds.
+        Returns None sooner when the sender is found dead (see :meth:`last_failure`)."""
+        return self._get(get_key, metadata, max(0.0, float(timeout_s)))
+
+    def last_failure(self, get_key: str) -> str | None:
+        """Why the last get of ``get_key`` returned None (None after a success or never)."""
+        return self._failures.get(get_key)
+
+    def _get(self, key: str, metadata: Mapping[str, Any] | None, wait_s: float) -> Any:
+        self._count("gets")
+        if self._closed:
+            return self._miss(key, "closed")
+        where = resolve_endpoint(metadata, self._default_sender)
+        if where is None:
+            return self._miss(key, "no_sender")
+        outcome = self._receive.fetch(key, where, wait_s)
+        if isinstance(outcome, str):
+            return self._miss(key, outcome)
+        self._failures.pop(key, None)
+        self._count("hits")
+        return outcome
+
+    def _miss(self, key: str, reason: str) -> None:
+        self._count(f"miss_{reason}")
+        self._failures.pop(key, None)
+        self._failures[key] = reason
+        while len(self._failures) > _FAILURE_MEMORY:
+            del self._failures[next(iter(self._failures))]
+        return None
+
+    def _count(self, name: str, by: int = 1) -> None:
+        with self._lock:
+            self._counters[name] = self._counters.get(name, 0) + by
+
+    # -- both ------------------------------------------------------------------------------
+
+    def cleanup(self, request_id: str) -> None:
+        """Drop every payload of ``request_id`` this sender still holds. Idempotent."""
+        if self._sender is not None and not self._closed:
+            with self._sender.lock:
+                self._sender.ledger.drop_request(request_id)
+
+    def health(self) -> dict[str, Any]:
+        """JSON-able snapshot: role, endpoints, pool usage and counters."""
+        with self._lock:
+            counters = dict(self._counters)
+        out: dict[str, Any] = {
+            "ok": not self._closed,
+            "type": "mooncake",
+            "role": self.config.role,
+            "host": self.config.host,
+            "port": self.port,
+            "rpc_port": self._pool.rpc_port,
+            "protocol": self.config.protocol,
+            "pool_bytes": self._pool.pool_bytes,
+            "room": self._receive.space.room(),
+            **counters,
+        }
+        if self._sender is not None:
+            out["parked_lookups"] = self._server.parked
+            with self._sender.lock:
+                out.update(self._sender.ledger.stats())
+                out.update(self._sender.counters)
+        return out
+
+    def close(self) -> None:
+        """Stop the control thread, close channels, unregister the pool. Idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        if self._server is not None:
+            self._server.close()
+        self._receive.close()
+        if self._server is not None and self._server.running:
+            self._ctx.destroy(linger=0)  # the control thread is stuck: force its sockets shut
+        else:
+            self._ctx.term()  # waits for busy gets in other threads to see ETERM and close
+        self._pool.close()
+
+    def __enter__(self) -> MooncakeConnector:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

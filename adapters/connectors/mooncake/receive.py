@@ -1,0 +1,199 @@
+"""Receiver side of the mooncake connector: find the sender, claim, reserve, read, hand over.
+
+One :meth:`ReceiveSide.fetch` is: resolve the sender's control endpoint (get metadata, else the
+default from ``update_sender_info``) -> ask it for the key with the room left in the local pool
+-> check the announced size (against the put's ``size`` when the metadata has it, and the room)
+-> reserve that many bytes in the local pool -> the engine reads them from the sender's pool ->
+tell the sender the claim is over -> return a pool buffer. Every failure releases what it took
+and comes back as a reason word; nothing here raises for a remote fault.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Callable, Mapping
+from typing import Any, Protocol
+
+import attrs
+
+from kvferry.adapters.connectors.mooncake.client import Failure, PeerChannel
+from kvferry.adapters.connectors.mooncake.engine import EnginePool
+from kvferry.core.errors import ConfigError
+from kvferry.core.pool import Region, RegionAllocator
+
+__all__ = ["Endpoint", "resolve_endpoint", "pin_margin_s", "Space", "AllocatorSpace", "ReceiveSide"]
+
+logger = logging.getLogger(__name__)
+
+
+@attrs.frozen
+class Endpoint:
+    """Where to ask for a key: the sender's control ``host``/``port``; ``size`` in bytes when
+    the put's metadata announced it (then the sender's answer must match), else None."""
+
+    host: str
+    port: int
+    size: int | None = None
+
+
+def resolve_endpoint(metadata: Mapping[str, Any] | None, default: tuple[str, int] | None) -> Endpoint | None:
+    """The endpoint named by ``metadata`` (``source_host``/``source_port``, optional ``size``),
+    else ``default`` (also when the metadata names only the default's host); None when neither
+    names one (unresolved: the get misses with ``no_sender``). Wrongly typed metadata is a
+    ConfigError."""
+    if metadata is not None and not isinstance(metadata, Mapping):
+        raise ConfigError(f"get metadata must be a mapping or None, got {type(metadata).__name__}")
+    meta = metadata or {}
+    size = meta.get("size")
+    if size is not None and (isinstance(size, bool) or not isinstance(size, int) or size < 0):
+        raise ConfigError(f"get metadata 'size' must be a non-negative int, got {size!r}")
+    host, port = meta.get("source_host"), meta.get("source_port")
+    if port is None:  # no endpoint (or a host alone): the default sender, if any
+        if default is None or (host is not None and host != default[0]):
+            return None
+        host, port = default
+    if not isinstance(host, str) or not host:
+        raise ConfigError(f"get metadata 'source_host' must be a non-empty str, got {host!r}")
+    if isinstance(port, bool) or not isinstance(port, int) or not 1 <= port <= 65535:
+        raise ConfigError(f"get metadata 'source_port' must be an int in [1, 65535], got {port!r}")
+    return Endpoint(host, port, size)
+
+
+def pin_margin_s(pin_s: float) -> float:
+    """Safety margin (seconds) kept below a claim's pin time: the receiver starts timing when
+    the reply arrives, a little after the sender started the pin. ``0 < margin <= pin_s/10``."""
+    return min(1.0, pin_s / 10.0)
+
+
+class Space(Protocol):
+    """Local pool space for incoming payloads (byte offsets into the engine pool)."""
+
+    def take(self, nbytes: int) -> Region | None: ...
+
+    def give(self, region: Region) -> None: ...
+
+    def room(self) -> int: ...
+
+
+@attrs.define(eq=False)
+class AllocatorSpace:
+    """A receiver's own allocator over the whole pool, behind a lock."""
+
+    allocator: RegionAllocator
+    lock: threading.Lock = attrs.Factory(threading.Lock)
+
+    def take(self, nbytes: int) -> Region | None:
+        with self.lock:
+            return self.allocator.allocate(nbytes)
+
+    def give(self, region: Region) -> None:
+        with self.lock:
+            self.allocator.free(region)
+
+    def room(self) -> int:
+        with self.lock:
+            return self.allocator.largest_free
+
+
+@attrs.define(eq=False)
+class ReceiveSide:
+    """Peers and local space of one connector. ``make_buffer(view, free)`` wraps a result."""
+
+    ctx: Any
+    pool: EnginePool
+    space: Space
+    control_timeout_s: float
+    clock: Callable[[], float]
+    make_buffer: Callable[[Any, Callable[[], None]], Any]
+    _idle: dict[tuple[str, int], list[PeerChannel]] = attrs.field(init=False, factory=dict)
+    _busy: set[PeerChannel] = attrs.field(init=False, factory=set)
+    _lock: threading.Lock = attrs.field(init=False, factory=threading.Lock)
+    _closed: bool = attrs.field(init=False, default=False)
+
+    def _checkout(self, host: str, port: int) -> PeerChannel | None:
+        """An idle channel to ``host:port`` or a new one: concurrent gets (threads) each use
+        their own channel, so one long-poll never blocks another get."""
+        with self._lock:
+            if self._closed:
+                return None
+            idle = self._idle.get((host, port))
+            peer = idle.pop() if idle else PeerChannel(self.ctx, host, port)
+            self._busy.add(peer)
+            return peer
+
+    def _checkin(self, peer: PeerChannel) -> None:
+        with self._lock:
+            self._busy.discard(peer)
+            if not self._closed and not peer.closed:
+                self._idle.setdefault((peer.host, peer.port), []).append(peer)
+                return
+        peer.close()
+
+    def _drop_peer(self, peer: PeerChannel) -> None:
+        """Close a failed channel (its queue may hold stale messages); the next get opens anew."""
+        peer.close()
+
+    def _finish(self, peer: PeerChannel, key: str, claim: int, ok: bool) -> None:
+        """End the claim; without an Ack the channel is dropped (the bytes read stay valid:
+        the claim pinned them for the whole read)."""
+        ack = peer.done(key, claim, ok, self.control_timeout_s)
+        if isinstance(ack, Failure):
+            logger.warning(
+                "mooncake get %r: sender did not confirm the claim end: %s (%s)", key, ack.reason, ack.detail
+            )
+            self._drop_peer(peer)
+
+    def fetch(self, key: str, where: Endpoint, wait_s: float) -> tuple[Any, int] | str:
+        """``(pool buffer, size)`` or a reason word (see the module doc)."""
+        peer = self._checkout(where.host, where.port)
+        if peer is None:
+            return "closed"
+        try:
+            return self._fetch(peer, key, where, wait_s)
+        finally:
+            self._checkin(peer)
+
+    def _fetch(self, peer: PeerChannel, key: str, where: Endpoint, wait_s: float) -> tuple[Any, int] | str:
+        reply = peer.lookup(key, self.space.room(), wait_s, self.control_timeout_s)
+        if isinstance(reply, Failure):
+            logger.warning(
+                "mooncake get %r from %s:%d: %s (%s)", key, where.host, where.port, reply.reason, reply.detail
+            )
+            self._drop_peer(peer)
+            return reply.reason
+        if not reply.found:
+            return reply.reason
+        got_at = self.clock()
+        size = reply.size
+        if where.size is not None and where.size != size:
+            logger.warning("mooncake get %r: sender announces %d bytes, put said %d", key, size, where.size)
+            self._finish(peer, key, reply.claim, False)
+            return "size_mismatch"
+        region = self.space.take(size)
+        if region is None:
+            self._finish(peer, key, reply.claim, False)
+            return "no_room"
+        ok = self.pool.read(f"{where.host}:{reply.rpc_port}", region.offset, reply.addr, size)
+        failure = "" if ok else "transfer_failed"
+        if ok and self.clock() - got_at > reply.pin_s - pin_margin_s(reply.pin_s):
+            # the sender may have revoked the claim and reused the region meanwhile
+            failure = "expired"
+        self._finish(peer, key, reply.claim, not failure)
+        if failure:
+            self.space.give(region)
+            logger.warning("mooncake get %r of %d bytes from %s: %s", key, size, where.host, failure)
+            return failure
+        view = self.pool.tensor[region.offset : region.offset + size]
+        return self.make_buffer(view, lambda: self.space.give(region)), size
+
+    def close(self) -> None:
+        """Close every peer channel. Idempotent."""
+        """Close idle channels; busy ones are closed by their own thread once the context
+        is terminated (their wait ends with ``closed``). Idempotent."""
+        with self._lock:
+            self._closed = True
+            peers = [p for group in self._idle.values() for p in group]
+            self._idle = {}
+        for peer in peers:
+            peer.close()

@@ -1,0 +1,351 @@
+"""Sender side of the mooncake connector: the pool ledger and the control-channel server.
+
+:class:`SenderState` owns the sender's :class:`~kvferry.core.pool.PoolLedger` behind one lock
+(callers: ``put``/``reserve`` on the caller's thread, lookups on the server thread).
+:class:`ControlServer` is one thread with a ROUTER socket bound on ``tcp://host:port``:
+
+- a :class:`~.wire.Lookup` for a readable key claims it (a ledger ticket) and answers
+  with its pool address; the region stays pinned until the matching ``Done`` or ``pin_s``;
+- a lookup for a key not published yet with ``wait_s > 0`` is parked and answered when a put
+  publishes the key (arrival notification through an inproc socket) or when ``wait_s`` passes;
+- a lookup for a key already consumed or expired is answered "not found"/"expired" at once.
+
+Leases are swept on every wake-up (at the latest every :data:`SWEEP_S` seconds): an unread
+payload past ``lease_s`` and a claim not finished within ``pin_s`` are logged and counted.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+import attrs
+import zmq
+
+from kvferry.adapters.connectors.mooncake import wire
+from kvferry.core.errors import BindError, PayloadError
+from kvferry.core.pool import EntryState, PoolLedger, Region
+
+__all__ = ["SWEEP_S", "SenderState", "SenderSpace", "ControlServer", "bind_router"]
+
+logger = logging.getLogger(__name__)
+
+#: Longest sleep of the server loop between lease sweeps, in seconds.
+SWEEP_S = 0.5
+_STOP = b"\x00stop"
+
+
+@attrs.define(eq=False)
+class SenderState:
+    """The sender's ledger, base address and counters; every method takes the lock itself.
+
+    ``clock`` returns monotonic seconds. Invariant: a region returns to the allocator only when
+    its entry is freed (all readers finished or the lease/pin passed), never while claimed.
+    """
+
+    ledger: PoolLedger
+    base: int
+    rpc_port: int
+    pin_s: float
+    clock: Callable[[], float]
+    lock: threading.Lock = attrs.Factory(threading.Lock)
+    counters: dict[str, int] = attrs.Factory(
+        lambda: dict.fromkeys(
+            (
+                "claims",
+                "delivered",
+                "read_failed",
+                "expired_unread",
+                "revoked_claims",
+                "bad_requests",
+                "no_room_replies",
+            ),
+            0,
+        )
+    )
+
+    def sweep(self) -> None:
+        """Expire leases and stale claims now; report each as such (log + counter)."""
+        with self.lock:
+            report = self.ledger.expire(self.clock())
+            for item in report:
+                self.counters["expired_unread" if item.kind == "unread" else "revoked_claims"] += 1
+        for item in report:
+            if item.kind == "unread":
+                logger.warning(
+                    "mooncake lease expired for %r: %d of %d readers never came (%d bytes)",
+                    item.entry.key,
+                    item.entry.readers_left,
+                    item.entry.readers,
+                    item.entry.size,
+                )
+            else:
+                logger.warning("mooncake claim on %r not finished in %.1f s; revoked", item.entry.key, self.pin_s)
+
+    def answer(self, lookup: wire.Lookup) -> wire.LookupReply | None:
+        """A reply for ``lookup``, or None when the key is not published yet (park it)."""
+        self.sweep()
+        with self.lock:
+            leases = self.ledger.leases
+            entry = leases.entry(lookup.key)
+            if entry is None:
+                status = leases.status(lookup.key)
+                if status == "unknown":
+                    return None
+                reason = "expired" if status == EntryState.EXPIRED else "not_found"
+                return wire.LookupReply(lookup.id, False, reason=reason)
+            if entry.size > lookup.room:
+                self.counters["no_room_replies"] += 1
+                return wire.LookupReply(lookup.id, False, size=entry.size, reason="no_room")
+            ticket = self.ledger.take(lookup.key, self.clock())
+            if ticket is None:  # lease passed between entry() and take()
+                return wire.LookupReply(lookup.id, False, reason="expired")
+            self.counters["claims"] += 1
+            region: Region = ticket.handle
+            return wire.LookupReply(
+                lookup.id,
+                True,
+                claim=ticket.ticket_id,
+                addr=self.base + region.offset,
+                size=ticket.size,
+                rpc_port=self.rpc_port,
+                pin_s=self.pin_s,
+            )
+
+    def finish(self, done: wire.Done) -> None:
+        """The reader finished its claim: release the ticket (idempotent). A failed read gives
+        its reader slot back, so the receiver's retry can read the payload while its lease
+        lasts."""
+        with self.lock:
+            if done.ok:
+                self.ledger.release(done.claim)
+            else:
+                self.ledger.give_back(done.claim, self.clock())
+            self.counters["delivered" if done.ok else "read_failed"] += 1
+
+    def count(self, name: str) -> None:
+        """Add one to counter ``name`` (under the lock)."""
+        with self.lock:
+            self.counters[name] = self.counters.get(name, 0) + 1
+
+
+@attrs.define(eq=False)
+class SenderSpace:
+    """Receive space of a sender-role connector: its gets allocate from the ledger's allocator
+    (one pool, one allocator), as reserved-but-unpublished regions."""
+
+    state: SenderState
+
+    def take(self, nbytes: int) -> Region | None:
+        with self.state.lock:
+            got = self.state.ledger.reserve(nbytes)
+        return got if isinstance(got, Region) else None
+
+    def give(self, region: Region) -> None:
+        with self.state.lock:
+            self.state.ledger.abort(region)
+
+    def room(self) -> int:
+        with self.state.lock:
+            return self.state.ledger.allocator.largest_free
+
+
+def bind_router(ctx: zmq.Context, host: str, port: int) -> tuple[zmq.Socket, int]:
+    """A ROUTER bound on ``tcp://host:port`` (port 0: OS-chosen); returns it and the real port.
+
+    A bind failure is fatal and raises BindError naming host and port.
+    """
+    sock = ctx.socket(zmq.ROUTER)
+    sock.linger = 0
+    sock.setsockopt(zmq.ROUTER_MANDATORY, 0)
+    if ":" in host:
+        sock.setsockopt(zmq.IPV6, 1)
+    where = f"[{host}]" if ":" in host else host
+    endpoint = f"tcp://{where}:{port if port else '*'}"
+    try:
+        sock.bind(endpoint)
+    except zmq.ZMQError as exc:
+        sock.close()
+        raise BindError(f"mooncake control channel cannot bind {host}:{port}: {exc}") from exc
+    bound = sock.getsockopt(zmq.LAST_ENDPOINT).decode()
+    return sock, int(bound.rsplit(":", 1)[1])
+
+
+@attrs.define(eq=False)
+class _Parked:
+    ident: bytes
+    lookup: wire.Lookup
+    deadline_s: float  # time.monotonic() seconds
+
+
+@attrs.define(eq=False)
+class ControlServer:
+    """The sender's control thread. ``notify(key)`` after a publish; ``close()`` to stop."""
+
+    ctx: zmq.Context
+    router: zmq.Socket
+    state: SenderState
+    _wake_endpoint: str = attrs.field(init=False, default="")
+    _wake_tx: Any = attrs.field(init=False, default=None)
+    _wake_lock: threading.Lock = attrs.field(init=False, factory=threading.Lock)
+    _thread: threading.Thread | None = attrs.field(init=False, default=None)
+    _parked: dict[str, list[_Parked]] = attrs.field(init=False, factory=dict)
+    _parked_count: int = attrs.field(init=False, default=0)
+
+    def start(self) -> None:
+        self._wake_endpoint = f"inproc://kvferry-mooncake-wake-{id(self)}"
+        wake_rx = self.ctx.socket(zmq.PULL)
+        wake_rx.linger = 0
+        wake_rx.bind(self._wake_endpoint)
+        self._wake_tx = self.ctx.socket(zmq.PUSH)
+        self._wake_tx.linger = 0
+        self._wake_tx.connect(self._wake_endpoint)
+        self._thread = threading.Thread(target=self._run, args=(wake_rx,), name="kvferry-mooncake-control", daemon=True)
+        self._thread.start()
+
+    @property
+    def parked(self) -> int:
+        """Lookups waiting for their key right now (a snapshot written by the thread)."""
+        return self._parked_count
+
+    @property
+    def running(self) -> bool:
+        """True while the control thread is alive."""
+        return self._thread is not None and self._thread.is_alive()
+
+    def notify(self, key: str) -> None:
+        """Wake the server: ``key`` was published (serve parked lookups for it)."""
+        with self._wake_lock:
+            if self._wake_tx is not None:
+                self._wake_tx.send(key.encode())
+
+    def close(self, timeout_s: float = 5.0) -> None:
+        """Stop the thread (parked lookups get ``closed``) and close the sockets. Idempotent."""
+        with self._wake_lock:
+            if self._wake_tx is None:
+                return
+            self._wake_tx.send(_STOP)
+            self._wake_tx.close()
+            self._wake_tx = None
+        if self._thread is not None:
+            self._thread.join(timeout_s)
+            if self._thread.is_alive():
+                logger.error("mooncake control thread did not stop within %.1f s", timeout_s)
+
+    # -- the thread -----------------------------------------------------------------------
+
+    def _run(self, wake_rx: zmq.Socket) -> None:
+        poller = zmq.Poller()
+        poller.register(self.router, zmq.POLLIN)
+        poller.register(wake_rx, zmq.POLLIN)
+        try:
+            while True:
+                events = dict(poller.poll(int(self._sleep_s() * 1000)))
+                if wake_rx in events and self._drain_wake(wake_rx):
+                    break
+                if self.router in events:
+                    self._drain_router()
+                self.state.sweep()
+                self._expire_parked()
+                self._parked_count = sum(len(group) for group in self._parked.values())
+        finally:
+            self._answer_all_parked("closed")
+            wake_rx.close()
+            self.router.close()
+
+    def _sleep_s(self) -> float:
+        """Seconds until the next parked deadline or lease event, at most SWEEP_S. Parked
+        lookups run on the real clock (a receiver is waiting); leases on the injected one."""
+        waits = [SWEEP_S]
+        wall = time.monotonic()
+        waits.extend(p.deadline_s - wall for group in self._parked.values() for p in group)
+        with self.state.lock:
+            lease_deadline = self.state.ledger.leases.next_deadline()
+        if lease_deadline is not None:
+            waits.append(lease_deadline - self.state.clock())
+        return max(0.0, min(waits))
+
+    def _drain_wake(self, wake_rx: zmq.Socket) -> bool:
+        while True:
+            try:
+                key = wake_rx.recv(zmq.NOBLOCK)
+            except zmq.Again:
+                return False
+            if key == _STOP:
+                return True
+            self._serve_parked(key.decode())
+
+    def _drain_router(self) -> None:
+        while True:
+            try:
+                frames = self.router.recv_multipart(zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            if len(frames) != 2:
+                self.state.count("bad_requests")
+                continue
+            ident, raw = frames
+            try:
+                message = wire.decode(raw)
+            except PayloadError as exc:
+                self.state.count("bad_requests")
+                logger.warning("mooncake control: dropped a malformed message: %s", exc)
+                continue
+            if isinstance(message, wire.Lookup):
+                self._lookup(ident, message)
+            elif isinstance(message, wire.Done):
+                self.state.finish(message)
+                self._send(ident, wire.Ack(message.id))
+            else:
+                self.state.count("bad_requests")
+
+    def _lookup(self, ident: bytes, lookup: wire.Lookup) -> None:
+        reply = self.state.answer(lookup)
+        if reply is not None:
+            self._send(ident, reply)
+        elif lookup.wait_s > 0:
+            deadline = time.monotonic() + lookup.wait_s
+            self._parked.setdefault(lookup.key, []).append(_Parked(ident, lookup, deadline))
+        else:
+            self._send(ident, wire.LookupReply(lookup.id, False, reason="not_found"))
+
+    def _serve_parked(self, key: str) -> None:
+        waiting = self._parked.pop(key, [])
+        still = []
+        for parked in waiting:
+            reply = self.state.answer(parked.lookup)
+            if reply is None:
+                still.append(parked)
+            else:
+                self._send(parked.ident, reply)
+        if still:
+            self._parked[key] = still
+
+    def _expire_parked(self) -> None:
+        now = time.monotonic()
+        for key in list(self._parked):
+            keep = []
+            for parked in self._parked[key]:
+                if now >= parked.deadline_s:
+                    self._send(parked.ident, wire.LookupReply(parked.lookup.id, False, reason="timeout"))
+                else:
+                    keep.append(parked)
+            if keep:
+                self._parked[key] = keep
+            else:
+                del self._parked[key]
+
+    def _answer_all_parked(self, reason: str) -> None:
+        for group in self._parked.values():
+            for parked in group:
+                self._send(parked.ident, wire.LookupReply(parked.lookup.id, False, reason=reason))
+        self._parked.clear()
+
+    def _send(self, ident: bytes, reply: wire.LookupReply | wire.Ack) -> None:
+        try:
+            self.router.send_multipart([ident, wire.encode(reply)], zmq.NOBLOCK)
+        except zmq.ZMQError as exc:  # peer gone or its queue full: it will time out on its side
+            logger.warning("mooncake control: reply to a receiver failed: %s", exc)

@@ -1,0 +1,178 @@
+"""Control-channel messages of the mooncake connector (msgpack maps, data only, never pickle).
+
+The control channel is a ZMQ DEALER (receiver) -> ROUTER (sender) pair. The bytes themselves
+never travel on it: the receiver learns where a payload lies in the sender's registered pool and
+reads it with the transfer engine. Four messages exist:
+
+- :class:`Lookup` (receiver -> sender): "give me ``key``; wait up to ``wait_s`` seconds for it;
+  I can take at most ``room`` bytes now". A payload larger than ``room`` is not claimed (reply
+  ``no_room`` with its ``size``), so a receiver with a full pool never consumes a reader slot it
+  cannot use. A found payload is *claimed* for this reader: its region stays pinned (never freed or reused)
+  for ``pin_s`` seconds or until the matching :class:`Done` arrives.
+- :class:`LookupReply` (sender -> receiver): either ``found`` with ``claim``, ``addr`` (absolute
+  address in the sender's registered pool), ``size`` (bytes), ``rpc_port`` (the sender engine's
+  handshake port) and ``pin_s``; or not found with a ``reason`` word (:data:`MISS_REASONS`).
+- :class:`Done` (receiver -> sender): the claim is over; ``ok`` says whether the read succeeded.
+  The sender releases the claim (the region is freed once every expected reader finished) and
+  answers :class:`Ack`, so when a receiver's get returns, the sender's accounting is final.
+
+Every message carries ``v`` (:data:`WIRE_VERSION`). Decoding validates types and ranges before
+anything is used; any malformed input raises :class:`~kvferry.core.errors.PayloadError` and
+nothing else.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import attrs
+import msgpack
+
+from kvferry.core.errors import PayloadError
+
+__all__ = [
+    "WIRE_VERSION",
+    "MAX_MESSAGE_BYTES",
+    "MAX_KEY_CHARS",
+    "MISS_REASONS",
+    "Lookup",
+    "LookupReply",
+    "Done",
+    "Ack",
+    "Message",
+    "encode",
+    "decode",
+]
+
+WIRE_VERSION = 1
+#: Control messages are tiny; anything larger is rejected before msgpack parses it.
+MAX_MESSAGE_BYTES = 64 * 1024
+MAX_KEY_CHARS = 4096
+_MAX_U64 = 2**64 - 1
+_MAX_ID = 2**63 - 1
+#: Why a lookup found nothing: never published / already consumed, lease passed, payload larger
+#: than the receiver's ``room``, long-poll ended without the key, sender closing, malformed
+#: request.
+MISS_REASONS = ("not_found", "expired", "no_room", "timeout", "closed", "bad_request")
+
+
+def _u64(name: str, limit: int = _MAX_U64):
+    def check(instance: Any, attribute: attrs.Attribute, value: Any) -> None:
+        if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= limit:
+            raise PayloadError(f"control message field {name!r} must be an int in [0, {limit}]")
+
+    return check
+
+
+def _seconds(instance: Any, attribute: attrs.Attribute, value: Any) -> None:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise PayloadError(f"control message field {attribute.name!r} must be a number")
+    if not math.isfinite(value) or value < 0 or value > 86400 * 365:
+        raise PayloadError(f"control message field {attribute.name!r} out of range: {value!r}")
+
+
+def _key(instance: Any, attribute: attrs.Attribute, value: Any) -> None:
+    if not isinstance(value, str) or not value or len(value) > MAX_KEY_CHARS:
+        raise PayloadError(f"control message key must be a non-empty str of <= {MAX_KEY_CHARS} chars")
+
+
+def _bool(instance: Any, attribute: attrs.Attribute, value: Any) -> None:
+    if not isinstance(value, bool):
+        raise PayloadError(f"control message field {attribute.name!r} must be a bool")
+
+
+@attrs.frozen
+class Lookup:
+    """Receiver asks for ``key``; ``wait_s`` >= 0 seconds of long-poll (0: answer at once);
+    ``room``: the largest payload (bytes) the receiver can take now."""
+
+    id: int = attrs.field(validator=_u64("id", _MAX_ID))
+    key: str = attrs.field(validator=_key)
+    room: int = attrs.field(validator=_u64("room"))
+    wait_s: float = attrs.field(default=0.0, validator=_seconds)
+
+
+@attrs.frozen
+class LookupReply:
+    """Answer to the :class:`Lookup` with the same ``id``.
+
+    Found: ``claim`` > 0, ``addr`` + ``size`` span the payload in the sender's pool (bytes),
+    ``rpc_port`` is the sender engine's handshake port, the claim is pinned ``pin_s`` seconds.
+    Not found: ``claim`` == 0, ``reason`` in :data:`MISS_REASONS` (``no_room`` sets ``size``).
+    """
+
+    id: int = attrs.field(validator=_u64("id", _MAX_ID))
+    found: bool = attrs.field(validator=_bool)
+    claim: int = attrs.field(default=0, validator=_u64("claim", _MAX_ID))
+    addr: int = attrs.field(default=0, validator=_u64("addr"))
+    size: int = attrs.field(default=0, validator=_u64("size"))
+    rpc_port: int = attrs.field(default=0, validator=_u64("rpc_port", 65535))
+    pin_s: float = attrs.field(default=0.0, validator=_seconds)
+    reason: str = attrs.field(default="")
+
+    def __attrs_post_init__(self) -> None:
+        if self.found:
+            if self.claim == 0 or self.rpc_port == 0 or self.addr == 0:
+                raise PayloadError("a found reply needs claim, addr and rpc_port")
+            if self.addr + self.size > _MAX_U64:
+                raise PayloadError("reply span overflows the address space")
+        elif self.claim != 0 or self.reason not in MISS_REASONS:
+            raise PayloadError(f"a miss needs claim 0 and a known reason, got {self.reason!r}")
+
+
+@attrs.frozen
+class Done:
+    """The reader's claim ``claim`` on ``key`` is over; ``ok``: the bytes were read intact."""
+
+    id: int = attrs.field(validator=_u64("id", _MAX_ID))
+    key: str = attrs.field(validator=_key)
+    claim: int = attrs.field(validator=_u64("claim", _MAX_ID))
+    ok: bool = attrs.field(validator=_bool)
+
+
+@attrs.frozen
+class Ack:
+    """The sender processed the :class:`Done` with the same ``id``."""
+
+    id: int = attrs.field(validator=_u64("id", _MAX_ID))
+
+
+Message = Lookup | LookupReply | Done | Ack
+_OPS: dict[str, type] = {"lookup": Lookup, "reply": LookupReply, "done": Done, "ack": Ack}
+_OP_OF: dict[type, str] = {cls: op for op, cls in _OPS.items()}
+
+
+def encode(message: Message) -> bytes:
+    """The msgpack bytes of ``message`` (a map with ``v``, ``op`` and the message's fields)."""
+    body = attrs.asdict(message)
+    body["v"] = WIRE_VERSION
+    body["op"] = _OP_OF[type(message)]
+    return msgpack.packb(body, use_bin_type=True)
+
+
+def decode(raw: bytes) -> Message:
+    """Parse and validate one control message; raises PayloadError (only) when malformed."""
+    if not isinstance(raw, (bytes, bytearray, memoryview)):
+        raise PayloadError("control message must be bytes")
+    if len(raw) > MAX_MESSAGE_BYTES:
+        raise PayloadError(f"control message of {len(raw)} bytes exceeds {MAX_MESSAGE_BYTES}")
+    try:
+        body = msgpack.unpackb(bytes(raw), raw=False, strict_map_key=True)
+    except (ValueError, TypeError, msgpack.UnpackException) as exc:
+        # ValueError covers ExtraData, FormatError, StackError and bad UTF-8
+        raise PayloadError(f"control message is not msgpack: {exc}") from exc
+    if not isinstance(body, dict):
+        raise PayloadError("control message must be a map")
+    if body.get("v") != WIRE_VERSION:
+        raise PayloadError(f"control message version {body.get('v')!r} is not {WIRE_VERSION}")
+    op = body.get("op")
+    cls = _OPS.get(op) if isinstance(op, str) else None
+    if cls is None:
+        raise PayloadError(f"unknown control op {op!r}")
+    names = {field.name for field in attrs.fields(cls)}
+    fields = {name: value for name, value in body.items() if name in names}
+    try:
+        return cls(**fields)
+    except TypeError as exc:  # missing required field
+        raise PayloadError(f"control message {op!r} is incomplete: {exc}") from exc

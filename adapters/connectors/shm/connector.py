@@ -1,0 +1,359 @@
+"""The shared-memory connector: one host, separate processes, zero-copy reads.
+
+Sender role (``role: "sender"``, ``port``): at start it reaps leftovers of dead owners in its
+namespace, creates ONE segment of ``pool_bytes`` (0600, pre-faulted) and serves it through a
+control thread (:mod:`.server`) at ``ipc://{runtime dir}/ctl-{port}.sock``. ``put`` copies
+the payload into a pool region (or the caller writes it there through ``reserve``) and
+publishes it; nothing is sent until a receiver asks.
+
+Receiver role (``role: "receiver"``): ``get`` asks the sender's control endpoint for a key
+(immediately, or ``get_blocking`` parks the request at the sender until the key is published
+or the deadline passes), naming its pid, receives ``(segment, offset, size, ticket)``, maps the
+segment once and returns a tied :class:`~.pool_buffer.PooledBuffer` whose tensor is a view
+into it. ``release()`` tells the sender and waits for its acknowledgement; ``release_soon()``
+(and dropping the buffer with every view of it) sends the release without waiting. The sender
+frees the region when every reader released it; a reader holding it past ``hold_s`` loses it
+only once its process is gone (see :mod:`.server`).
+
+Endpoints: ``put`` metadata carries ``endpoint``; partial metadata ``{"source_host",
+"source_port"}``, ``update_sender_info(host, port)`` and config ``sender_port`` map to the
+endpoint derived from (namespace, port) (the host is not used: shm is same-host by nature).
+Configuration and the sender's parts: :mod:`.config`; names and cleanup rules:
+:mod:`.segment` and docs/connectors.md.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import weakref
+from collections.abc import Mapping
+from typing import Any
+
+import attrs
+import zmq
+
+from kvferry.adapters.connectors.memory.pool import PoolReservation, put_failure
+from kvferry.adapters.connectors.pool_buffer import PooledBuffer
+from kvferry.adapters.connectors.shm.config import (
+    SHM_DEFAULT_POOL_BYTES,
+    SenderSide,
+    ShmConfig,
+    start_sender,
+)
+from kvferry.adapters.connectors.shm.control import ControlClient, check_grant
+from kvferry.adapters.connectors.shm.segment import (
+    Segment,
+    control_endpoint,
+    open_segment,
+    reap_namespace,
+)
+from kvferry.core.errors import ConfigError, LeaseExpired
+from kvferry.core.ports import PutResult
+
+__all__ = ["SHM_DEFAULT_POOL_BYTES", "ShmConfig", "ShmConnector"]
+
+logger = logging.getLogger(__name__)
+
+
+def _release_message(grant: dict[str, Any]) -> dict[str, Any]:
+    """The release of a grant's ticket, naming its segment (a restarted sender ignores it)."""
+    message: dict[str, Any] = {"op": "release", "ticket": grant["ticket"]}
+    if isinstance(grant.get("seg"), str):
+        message["seg"] = grant["seg"]
+    return message
+
+
+@attrs.define(eq=False)
+class ShmConnector:
+    """Shared-memory connector; see the module docstring. Build with :meth:`from_config`."""
+
+    config: ShmConfig
+    _sender: SenderSide | None = attrs.field(default=None, alias="sender")
+    _default_endpoint: str | None = attrs.field(init=False, default=None)
+    _context: zmq.Context | None = attrs.field(init=False, default=None)
+    _clients: dict[str, ControlClient] = attrs.field(init=False, factory=dict)
+    _segments: dict[str, Segment] = attrs.field(init=False, factory=dict)
+    _current: dict[str, str] = attrs.field(init=False, factory=dict)  # endpoint -> segment
+    _endpoints: dict[int, str] = attrs.field(init=False, factory=dict)  # port -> endpoint
+    _lock: threading.Lock = attrs.field(init=False, factory=threading.Lock)
+    _closed: bool = attrs.field(init=False, default=False)
+    counters: dict[str, int] = attrs.field(init=False, factory=dict)
+
+    @classmethod
+    def from_config(cls, config: Mapping[str, Any]) -> ShmConnector:
+        cfg = ShmConfig.from_config(config)
+        reap_namespace(cfg.namespace, cfg.runtime_base, cfg.shm_dir)
+        sender = start_sender(cfg) if cfg.role == "sender" else None
+        connector = cls(cfg, sender=sender)
+        if sender is not None:
+            weakref.finalize(connector, sender.close)
+        if cfg.sender_port is not None:
+            connector.update_sender_info("127.0.0.1", cfg.sender_port)
+        return connector
+
+    # ------------------------------------------------------------------------- common
+    @property
+    def role(self) -> str:
+        return self.config.role
+
+    @property
+    def port(self) -> int | None:
+        return self.config.port
+
+    @property
+    def endpoint(self) -> str | None:
+        """This sender's control endpoint (None for a receiver)."""
+        return self._sender.server.endpoint if self._sender is not None else None
+
+    def _count(self, name: str) -> None:
+        self.counters[name] = self.counters.get(name, 0) + 1
+
+    def update_sender_info(self, host: str, port: int) -> None:
+        """Set the default sender: the one bound with ``port`` in this namespace."""
+        if isinstance(port, bool) or not isinstance(port, int) or not 0 < port < 65536:
+            raise ConfigError(f"sender port must be 1..65535, got {port!r}")
+        self._default_endpoint = control_endpoint(self.config.namespace, port, self.config.runtime_base)
+
+    # ------------------------------------------------------------------------- sender side
+    def _metadata(self, key: str, size: int) -> dict[str, Any]:
+        return {
+            "endpoint": self.endpoint,
+            "namespace": self.config.namespace,
+            "source_port": self.config.port,
+            "segment": self._sender.segment.name,
+            "key": key,
+            "size": size,
+        }
+
+    def put(self, from_stage: Any, to_stage: Any, put_key: str, data: Any) -> PutResult:
+        if self._closed:
+            return put_failure("closed", "shm connector is closed")
+        if self._sender is None:
+            return put_failure("error", "a receiver-role shm connector cannot put")
+        ok, size, meta = self._sender.pool.put(put_key, data)
+        return (True, size, self._metadata(put_key, size)) if ok else (ok, size, meta)
+
+    def reserve(self, from_stage: Any, to_stage: Any, put_key: str, nbytes: int) -> PoolReservation:
+        """A writable view of the segment for ``put_key``; raises PoolFullError when full."""
+        if self._sender is None:
+            raise ConfigError("a receiver-role shm connector cannot reserve")
+        reservation = self._sender.pool.reserve(put_key, nbytes)
+        inner = reservation.commit
+
+        def commit() -> PutResult:
+            ok, size, meta = inner()
+            return (True, size, self._metadata(put_key, size)) if ok else (ok, size, meta)
+
+        return PoolReservation(reservation.buffer, commit=commit, abort=reservation.abort)
+
+    # ------------------------------------------------------------------------- receiver side
+    def _resolve(self, metadata: Mapping[str, Any] | None) -> str | None:
+        if metadata:
+            endpoint = metadata.get("endpoint")
+            if isinstance(endpoint, str) and endpoint.startswith("ipc://"):
+                return endpoint
+            port = metadata.get("source_port")
+            if isinstance(port, int) and not isinstance(port, bool) and 0 < port < 65536:
+                endpoint = self._endpoints.get(port)
+                if endpoint is None:  # derived once per port (path joins on every get add up)
+                    endpoint = control_endpoint(self.config.namespace, port, self.config.runtime_base)
+                    if len(self._endpoints) < 4096:
+                        self._endpoints[port] = endpoint
+                return endpoint
+        return self._default_endpoint
+
+    def _client(self, endpoint: str) -> ControlClient | None:
+        with self._lock:
+            if self._closed:
+                return None
+            client = self._clients.get(endpoint)
+            if client is None:
+                if self._context is None:
+                    self._context = zmq.Context()
+                client = ControlClient(self._context, endpoint, self._on_stale(endpoint))
+                self._clients[endpoint] = client
+            return client
+
+    def _on_stale(self, endpoint: str) -> Any:
+        def release_stale(reply: dict[str, Any]) -> None:
+            if reply.get("ok") and isinstance(reply.get("ticket"), int):
+                self._count("stale_grants_released")
+                client = self._clients.get(endpoint)
+                if client is not None:
+                    client.notify(_release_message(reply))
+
+        return release_stale
+
+    def _segment(self, endpoint: str, name: str) -> Segment | None:
+        """The mapping of segment ``name`` (mapped once). A sender serves one segment: when
+        its endpoint names a new one (the sender restarted), the old mapping is dropped (its
+        memory goes when the last view of it does)."""
+        with self._lock:
+            segment = self._segments.get(name)
+            if segment is None and not self._closed:
+                try:
+                    segment = open_segment(name, self.config.shm_dir)
+                except (OSError, ValueError) as exc:
+                    logger.warning("shm segment %s cannot be mapped: %s", name, exc)
+                    return None
+                self._segments[name] = segment
+                previous = self._current.get(endpoint)
+                self._current[endpoint] = name
+                old = self._segments.pop(previous, None) if previous != name else None
+                if old is not None:
+                    old.unmap()
+            return segment
+
+    def _fetch(self, metadata: Mapping[str, Any] | None, key: str, wait_s: float) -> tuple[Any, int] | None:
+        if self._closed:
+            return None
+        if self._sender is not None and metadata is None and self._default_endpoint is None:
+            pool = self._sender.pool  # a sender reading its own pool: no round trip
+            ticket = pool.take_blocking(key, wait_s) if wait_s > 0 else pool.take(key)
+            if ticket is None and wait_s > 0 and pool.status(key) == "expired":
+                raise LeaseExpired(f"{key!r} was dropped unread when its lease passed")
+            return None if ticket is None else pool.read(ticket)
+        endpoint = self._resolve(metadata)
+        if endpoint is None:
+            self._count("miss_no_sender")
+            return None
+        if wait_s <= 0 and not os.path.exists(endpoint[len("ipc://") :]):
+            self._count("miss_sender_absent")
+            return None
+        client = self._client(endpoint)
+        if client is None:
+            return None
+        margin = self.config.rpc_timeout_s if wait_s <= 0 else min(self.config.rpc_timeout_s, 0.25)
+        reply = client.request({"op": "get", "key": key, "wait_s": wait_s, "pid": os.getpid()}, wait_s + margin)
+        if reply is None:
+            self._count("miss_no_reply")
+            return None
+        if not reply.get("ok"):
+            self._count(f"miss_{reply.get('reason', 'unknown')}")
+            if wait_s > 0 and reply.get("reason") == "expired":
+                raise LeaseExpired(f"the sender at {endpoint} dropped {key!r} unread when its lease passed")
+            return None
+        return self._view(endpoint, client, reply)
+
+    def _view(self, endpoint: str, client: ControlClient, grant: dict[str, Any]) -> tuple[Any, int] | None:
+        ticket = grant.get("ticket")
+        problem = check_grant(grant)
+        segment = self._segment(endpoint, grant["seg"]) if problem is None else None
+        if segment is not None and grant["off"] + grant["size"] > segment.nbytes:
+            problem = "grant outside the mapped segment"
+        if problem is not None or segment is None:
+            self._count("bad_grants")
+            logger.warning("shm grant unusable (%s): %s", problem or "segment not mappable", grant)
+            if isinstance(ticket, int):
+                client.notify(_release_message(grant))
+            return None
+        view = segment.tensor[grant["off"] : grant["off"] + grant["size"]]
+        self._count("gets_hit")
+        client.prepare_releases()
+        message = _release_message(grant)
+        rpc = self.config.rpc_timeout_s
+
+        def release() -> None:  # synchronous: once it returns, the sender may reuse the region
+            if client.request(message, rpc) is None:
+                self._count("release_unacknowledged")
+                logger.warning(
+                    "shm release of ticket %s not acknowledged; the sender reclaims it once this process is gone",
+                    ticket,
+                )
+
+        def release_soon() -> None:  # fire-and-forget: the sender frees it when this arrives
+            if not client.send_release(ticket, grant["seg"], rpc):
+                self._count("release_unsent")
+                logger.warning(
+                    "shm release of ticket %s could not be sent; the sender reclaims it once this process is gone",
+                    ticket,
+                )
+
+        return PooledBuffer.tied(view, on_release=release, on_release_soon=release_soon), grant["size"]
+
+    def flush_releases(self, timeout_s: float | None = None) -> bool:
+        """Wait until every sender this receiver talks to processed the releases sent so far
+        without waiting (``release_soon``, dropped buffers). True when all confirmed in time."""
+        timeout = self.config.rpc_timeout_s if timeout_s is None else float(timeout_s)
+        with self._lock:
+            clients = list(self._clients.values())
+        return all([client.flush_releases(timeout) for client in clients])
+
+    def get(
+        self, from_stage: Any, to_stage: Any, get_key: str, metadata: Mapping[str, Any] | None = None
+    ) -> tuple[Any, int] | None:
+        """Non-blocking: one round trip to the sender (None: not there, or no sender)."""
+        return self._fetch(metadata, get_key, 0.0)
+
+    def get_blocking(
+        self,
+        from_stage: Any,
+        to_stage: Any,
+        get_key: str,
+        metadata: Mapping[str, Any] | None = None,
+        *,
+        timeout_s: float,
+    ) -> tuple[Any, int] | None:
+        """Wait up to ``timeout_s`` seconds; the sender answers when the key is published.
+        Raises LeaseExpired at once when the sender says the key expired unread."""
+        return self._fetch(metadata, get_key, max(0.0, float(timeout_s)))
+
+    def mapped_range(self, segment_name: str) -> tuple[int, int] | None:
+        """Addresses ``[start, end)`` of a segment this receiver mapped (for zero-copy checks)."""
+        segment = self._segments.get(segment_name)
+        return None if segment is None else segment.address_range
+
+    # ------------------------------------------------------------------------- lifecycle
+    def cleanup(self, request_id: str) -> None:
+        """Sender: drop every readable key of ``request_id``. Receiver: nothing to drop (a
+        receiver never drops payloads meant for other ranks)."""
+        if self._sender is not None and not self._closed:
+            self._sender.pool.cleanup(request_id)
+
+    def health(self) -> dict[str, Any]:
+        out: dict[str, Any] = {
+            "ok": not self._closed,
+            "type": "shm",
+            "role": self.role,
+            "namespace": self.config.namespace,
+            **self.counters,
+        }
+        if self._sender is not None:
+            out.update(
+                endpoint=self.endpoint,
+                segment=self._sender.segment.name,
+                control_thread=self._sender.server.alive,
+                parked=self._sender.server.parked(),
+            )
+            out["ok"] = out["ok"] and self._sender.server.alive
+            if not self._closed:
+                out.update(self._sender.pool.stats())
+                out.update({k: v for k, v in self._sender.server.counters.items()})
+        else:
+            out.update(sender_endpoint=self._default_endpoint, mapped_segments=len(self._segments))
+        return out
+
+    def close(self) -> None:
+        """Sender: remove segment and socket files, stop serving. Receiver: close sockets and
+        mappings (views still held stay valid until dropped). Idempotent."""
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+            clients, self._clients = list(self._clients.values()), {}
+            segments, self._segments = list(self._segments.values()), {}
+        idle = all([client.close() for client in clients])
+        if self._context is not None and idle:
+            self._context.term()  # waits up to LINGER for queued releases to reach the sender
+        for segment in segments:
+            segment.unmap()
+        if self._sender is not None:
+            self._sender.close()
+
+    def __enter__(self) -> ShmConnector:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

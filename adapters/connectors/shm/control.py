@@ -1,0 +1,308 @@
+"""The shm connector's control channel: data-only messages and the receiver's client.
+
+Receiver -> sender (a DEALER sends one msgpack frame; the sender's ROUTER adds the identity)::
+
+    {"v": 1, "op": "get", "id": int, "key": str, "wait_s": float >= 0, "pid": int}
+                                                                          -> one reply
+    {"v": 1, "op": "ping", "id": int}                                     -> one reply
+    {"v": 1, "op": "release", "ticket": int, "seg": str, "id": int}       -> one reply
+    {"v": 1, "op": "release", "ticket": int, "seg": str}                  (no reply)
+
+``pid`` (optional) is the reader's process id: the sender revokes a ticket held past
+``hold_s`` only once that process is gone (without it, the ticket is revoked at ``hold_s``).
+``seg`` (optional) names the segment the ticket was granted in: a sender serving another
+segment (a restarted sender at the same endpoint) ignores the release.
+
+Sender -> receiver::
+
+    {"v": 1, "id": int, "ok": true, "seg": str, "seg_bytes": int, "off": int, "size": int,
+     "ticket": int}                                          (a granted read)
+    {"v": 1, "id": int, "ok": false, "reason": "not_found" | "drained" | "expired" |
+     "dropped" | "timeout" | "closing" | "bad_request"}
+    {"v": 1, "id": int, "ok": true, "health": {...}}         (ping)
+    {"v": 1, "id": int, "ok": true, "released": bool}       (release with an id; True when
+                                                             this freed the region)
+
+A "get" with ``wait_s > 0`` is parked by the sender until the key is published (it answers at
+once then) or ``wait_s`` passes on the sender's clock. Decoding never raises: a malformed
+message decodes to None and costs one counter.
+"""
+
+from __future__ import annotations
+
+import itertools
+import os
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+import attrs
+import msgpack
+import zmq
+
+__all__ = [
+    "VERSION",
+    "MAX_MESSAGE_BYTES",
+    "encode",
+    "decode",
+    "check_request",
+    "check_grant",
+    "ControlClient",
+]
+
+VERSION = 1
+MAX_MESSAGE_BYTES = 64 * 1024
+_MAX_KEY = 4096
+
+
+def encode(message: dict[str, Any]) -> bytes:
+    return msgpack.packb({"v": VERSION, **message}, use_bin_type=True)
+
+
+def decode(frame: bytes) -> dict[str, Any] | None:
+    """A message map, or None when ``frame`` is not a valid version-1 message."""
+    if len(frame) > MAX_MESSAGE_BYTES:
+        return None
+    try:
+        message = msgpack.unpackb(frame, raw=False, strict_map_key=True)
+    except (ValueError, msgpack.UnpackException, TypeError):
+        return None
+    if not isinstance(message, dict) or message.get("v") != VERSION:
+        return None
+    return message
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+
+
+def check_request(message: dict[str, Any]) -> str | None:
+    """Why a request is malformed, or None when it is well formed."""
+    op = message.get("op")
+    if op == "release":
+        if "id" in message and not _is_int(message["id"]):
+            return "bad id"
+        if "seg" in message and not isinstance(message["seg"], str):
+            return "release seg must be a segment name"
+        return None if _is_int(message.get("ticket")) else "release needs an integer ticket"
+    if not _is_int(message.get("id")):
+        return "missing id"
+    if op == "ping":
+        return None
+    if op != "get":
+        return f"unknown op {op!r}"
+    if "pid" in message and not (_is_int(message["pid"]) and message["pid"] > 0):
+        return "pid must be a positive integer"
+    key, wait = message.get("key"), message.get("wait_s", 0.0)
+    if not isinstance(key, str) or len(key) > _MAX_KEY:
+        return "key must be a string of at most 4096 characters"
+    if isinstance(wait, bool) or not isinstance(wait, (int, float)) or not 0 <= wait < 1e7:
+        return "wait_s must be a number of seconds >= 0"
+    return None
+
+
+def check_grant(message: dict[str, Any]) -> str | None:
+    """Why a granted-read reply is unusable, or None."""
+    for field in ("seg_bytes", "off", "size", "ticket"):
+        if not _is_int(message.get(field)):
+            return f"grant field {field!r} is not a non-negative integer"
+    if not isinstance(message.get("seg"), str):
+        return "grant without a segment name"
+    if message["off"] + message["size"] > message["seg_bytes"]:
+        return "grant outside its segment"
+    return None
+
+
+@attrs.define(eq=False)
+class ControlClient:
+    """Requests to one sender's control endpoint from any number of threads.
+
+    Each call checks a DEALER socket out of a small pool (sockets are not thread-safe), so
+    concurrent calls never share one. A reply that arrives after its caller gave up is handed
+    to ``on_stale`` (the caller releases a stale grant so the sender can free its region).
+    ``close()`` wakes every waiting call (it returns None) through a pipe, then closes all
+    sockets; no socket is ever used by two threads or closed while in use.
+
+    Fire-and-forget releases (:meth:`send_release`) leave on one dedicated socket, in call
+    order, so :meth:`flush_releases` (a ping on that socket) returns once the sender processed
+    every release sent before it.
+    """
+
+    context: zmq.Context
+    endpoint: str
+    on_stale: Callable[[dict[str, Any]], None]
+    _idle: list[zmq.Socket] = attrs.field(init=False, factory=list)
+    _busy: int = attrs.field(init=False, default=0)
+    _cond: threading.Condition = attrs.field(init=False, factory=threading.Condition)
+    _ids: Any = attrs.field(init=False, factory=lambda: itertools.count(1))
+    _closed: bool = attrs.field(init=False, default=False)
+    _wake: tuple[int, int] = attrs.field(init=False, factory=os.pipe)
+    _release_sock: zmq.Socket | None = attrs.field(init=False, default=None)
+    _release_lock: threading.Lock = attrs.field(init=False, factory=threading.Lock)
+
+    def _checkout(self) -> zmq.Socket | None:
+        with self._cond:
+            if self._closed:
+                return None
+            self._busy += 1
+            if self._idle:
+                return self._idle.pop()
+        try:
+            sock = self.context.socket(zmq.DEALER)
+            sock.setsockopt(zmq.LINGER, 1000)
+            sock.setsockopt(zmq.IMMEDIATE, 1)  # never queue for a peer that is not there
+            sock.connect(self.endpoint)
+        except zmq.ZMQError:
+            self._checkin(None)
+            return None
+        return sock
+
+    def _checkin(self, sock: zmq.Socket | None) -> None:
+        with self._cond:
+            self._busy -= 1
+            if sock is not None:
+                if self._closed:
+                    sock.close()
+                else:
+                    self._idle.append(sock)
+            self._cond.notify_all()
+
+    def _wait(self, sock: zmq.Socket, event: int, deadline: float) -> bool:
+        """Wait for ``event`` on ``sock`` until ``deadline``; False on timeout or close."""
+        poller = zmq.Poller()
+        poller.register(sock, event)
+        poller.register(self._wake[0], zmq.POLLIN)
+        while not self._closed:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                return False
+            ready = dict(poller.poll(int(remaining * 1000) + 1))
+            if ready.get(sock, 0) & event:
+                return True
+            if self._wake[0] in ready:
+                return False
+        return False
+
+    def _send(self, sock: zmq.Socket, frame: bytes, deadline: float) -> bool:
+        while True:
+            try:
+                sock.send(frame, zmq.NOBLOCK)
+                return True
+            except zmq.Again:
+                if not self._wait(sock, zmq.POLLOUT, deadline):
+                    return False
+
+    def request(self, message: dict[str, Any], timeout_s: float) -> dict[str, Any] | None:
+        """Send ``message`` (an ``id`` is added) and wait up to ``timeout_s`` seconds for its
+        reply. None when the sender is unreachable or silent, or the client closes."""
+        sock = self._checkout()
+        if sock is None:
+            return None
+        request_id = next(self._ids)
+        deadline = time.monotonic() + timeout_s
+        try:
+            if not self._send(sock, encode({**message, "id": request_id}), deadline):
+                return None
+            while self._wait(sock, zmq.POLLIN, deadline):
+                reply = decode(sock.recv())
+                if reply is None:
+                    continue
+                if reply.get("id") == request_id:
+                    return reply
+                self.on_stale(reply)
+            return None
+        except zmq.ZMQError:
+            return None
+        finally:
+            self._checkin(sock)
+
+    def notify(self, message: dict[str, Any], timeout_s: float = 1.0) -> bool:
+        """Send a message that has no reply (``release``). False when it could not be sent."""
+        sock = self._checkout()
+        if sock is None:
+            return False
+        try:
+            return self._send(sock, encode(message), time.monotonic() + timeout_s)
+        except zmq.ZMQError:
+            return False
+        finally:
+            self._checkin(sock)
+
+    def _release_socket(self) -> zmq.Socket | None:
+        """The release socket (caller holds ``_release_lock``); None once closed."""
+        if self._closed:
+            return None
+        if self._release_sock is None:
+            try:
+                sock = self.context.socket(zmq.DEALER)
+                sock.setsockopt(zmq.LINGER, 1000)  # queued releases get a second to leave at close
+                sock.setsockopt(zmq.IMMEDIATE, 1)  # never queue for a sender that is not there
+                sock.connect(self.endpoint)
+            except zmq.ZMQError:
+                return None
+            self._release_sock = sock
+        return self._release_sock
+
+    def prepare_releases(self) -> None:
+        """Open the release socket now (its connection is then up before the first release)."""
+        with self._release_lock:
+            self._release_socket()
+
+    def send_release(self, ticket: int, segment: str, timeout_s: float) -> bool:
+        """Send a release of ``ticket`` (granted in ``segment``) without waiting for the
+        sender (fire-and-forget). zmq queues it, bounded by the socket's high-water mark: a
+        full queue, or a connection not up yet, waits up to ``timeout_s``. False when it could
+        not be sent (the sender is gone or stuck, or the client closed)."""
+        frame = encode({"op": "release", "ticket": ticket, "seg": segment})
+        with self._release_lock:
+            sock = self._release_socket()
+            if sock is None:
+                return False
+            try:
+                return self._send(sock, frame, time.monotonic() + timeout_s)
+            except zmq.ZMQError:
+                return False
+
+    def flush_releases(self, timeout_s: float) -> bool:
+        """Return True once the sender processed every release :meth:`send_release` sent
+        before this call (one ping round trip on the release socket); False on timeout."""
+        with self._release_lock:
+            sock = self._release_socket()
+            if sock is None:
+                return False
+            request_id = next(self._ids)
+            deadline = time.monotonic() + timeout_s
+            try:
+                if not self._send(sock, encode({"op": "ping", "id": request_id}), deadline):
+                    return False
+                while self._wait(sock, zmq.POLLIN, deadline):
+                    reply = decode(sock.recv())
+                    if reply is not None and reply.get("id") == request_id:
+                        return True
+            except zmq.ZMQError:
+                return False
+            return False
+
+    def close(self, timeout_s: float = 5.0) -> bool:
+        """Wake waiting calls, wait (bounded) for them to return, close every socket.
+        Pending notifications get up to ``LINGER`` to flush. Idempotent. False when a call
+        was still running (its socket closes when it returns)."""
+        with self._cond:
+            if self._closed:
+                return self._busy == 0
+            self._closed = True
+            os.write(self._wake[1], b"x")
+            self._cond.wait_for(lambda: self._busy == 0, timeout_s)
+            sockets, self._idle = self._idle, []
+            idle = self._busy == 0
+        for sock in sockets:
+            sock.close()
+        with self._release_lock:  # a release in progress saw the wake-up and returned
+            if self._release_sock is not None:
+                self._release_sock.close()
+                self._release_sock = None
+        if idle:  # a call still running past the wait keeps polling the pipe: leave it open
+            for fd in self._wake:
+                os.close(fd)
+        return idle

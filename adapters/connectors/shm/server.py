@@ -1,0 +1,344 @@
+"""The shm sender's control thread: answers receivers' gets from its pool, frees on release.
+
+One thread owns one ROUTER socket bound at the sender's ``ipc://`` endpoint. It sleeps in
+``poll`` on that socket and on a wake pipe; ``put`` (any thread) writes to the pipe after
+publishing, so a parked "get" is answered the moment its key arrives, and the only timer is
+the earliest deadline of a parked get. Grants carry a ticket; the receiver's ``release``
+returns it and the pool frees the region when the last ticket of an entry is back.
+
+A receiver reads granted bytes in place (it may keep tensors viewing them as long as it
+likes), so a ticket held past ``hold_s`` is revoked only when the reader's process is gone:
+each get names its pid, and :class:`ReaderRegistry` watches that process through a pidfd
+(``os.pidfd_open``; else ``kill(pid, 0)`` plus the zombie check). A live reader keeps its
+tickets; the pool reports them (``overdue``, ``held_overdue``). A get without a pid (an older
+receiver) gets a ticket revoked at ``hold_s``, as before.
+"""
+
+from __future__ import annotations
+
+import collections
+import errno
+import heapq
+import itertools
+import logging
+import os
+import select
+import threading
+import time
+from typing import Any
+
+import attrs
+import zmq
+
+from kvferry.adapters.connectors.memory.pool import LocalPool
+from kvferry.adapters.connectors.shm.control import check_request, decode, encode
+from kvferry.adapters.connectors.shm.segment import pid_alive
+from kvferry.core.errors import BindError
+from kvferry.core.pool import Ticket
+
+__all__ = ["ControlServer", "Reader", "ReaderRegistry"]
+
+logger = logging.getLogger(__name__)
+
+_MISS = {"unknown": "not_found", "published": "not_found"}
+
+
+@attrs.define(eq=False)
+class Reader:
+    """A reader process, the holder of the tickets it was granted. ``alive()`` is thread-safe;
+    once it reports the process gone it stays False (and the pidfd is closed)."""
+
+    pid: int
+    _fd: int | None = attrs.field(default=None, alias="fd")
+    _gone: bool = attrs.field(default=False, alias="gone")
+    _lock: threading.Lock = attrs.field(init=False, factory=threading.Lock)
+
+    @classmethod
+    def watch(cls, pid: int) -> Reader:
+        """Watch ``pid`` through a pidfd when the system has them (immune to pid reuse)."""
+        try:
+            return cls(pid, fd=os.pidfd_open(pid))
+        except ProcessLookupError:
+            return cls(pid, gone=True)
+        except (AttributeError, OSError):  # no pidfd here: probe the pid instead
+            return cls(pid)
+
+    def alive(self) -> bool:
+        with self._lock:
+            if self._gone:
+                return False
+            if self._fd is not None:
+                poller = select.poll()
+                poller.register(self._fd, select.POLLIN)
+                gone = bool(poller.poll(0))  # a pidfd turns readable when its process exits
+            else:
+                gone = not pid_alive(self.pid)
+            if gone:
+                self._gone = True
+                self.close_locked()
+            return not gone
+
+    def close_locked(self) -> None:
+        if self._fd is not None:
+            os.close(self._fd)
+            self._fd = None
+
+    def close(self) -> None:
+        with self._lock:
+            self.close_locked()
+
+    def __str__(self) -> str:
+        return f"reader pid {self.pid}"
+
+
+@attrs.define(eq=False)
+class ReaderRegistry:
+    """Readers by pid. A pid whose process is gone gets a new :class:`Reader` when it asks
+    again (a reused pid is a new process). Gone readers are swept when more than ``sweep_at``
+    are known; every pidfd is closed by :meth:`close`."""
+
+    sweep_at: int = 32
+    _by_pid: dict[int, Reader] = attrs.field(init=False, factory=dict)
+
+    def __len__(self) -> int:
+        return len(self._by_pid)
+
+    def holder(self, pid: Any) -> Reader | None:
+        """The holder for a get naming ``pid`` (None when it names none: no liveness test)."""
+        if not isinstance(pid, int) or isinstance(pid, bool) or pid <= 0:
+            return None
+        reader = self._by_pid.get(pid)
+        if reader is not None and reader.alive():
+            return reader
+        if len(self._by_pid) >= self.sweep_at:
+            self._by_pid = {p: r for p, r in self._by_pid.items() if r.alive()}
+        reader = Reader.watch(pid)
+        self._by_pid[pid] = reader
+        return reader
+
+    def close(self) -> None:
+        readers, self._by_pid = list(self._by_pid.values()), {}
+        for reader in readers:
+            reader.close()
+
+
+@attrs.define(eq=False)
+class _Waiter:
+    identity: bytes
+    request_id: int
+    key: str
+    deadline: float
+    holder: Reader | None = None
+    done: bool = False
+
+
+@attrs.define(eq=False)
+class ControlServer:
+    """Serve ``pool`` (living in segment ``segment_name`` of ``segment_bytes``) at ``endpoint``."""
+
+    pool: LocalPool
+    segment_name: str
+    segment_bytes: int
+    endpoint: str
+    context: zmq.Context = attrs.field(factory=zmq.Context)
+    counters: collections.Counter = attrs.field(init=False, factory=collections.Counter)
+    _router: Any = attrs.field(init=False, default=None)
+    _wake: tuple[int, int] = attrs.field(init=False, default=(-1, -1))
+    _published: collections.deque = attrs.field(init=False, factory=collections.deque)
+    _waiters: dict[str, collections.deque] = attrs.field(init=False, factory=dict)
+    _deadlines: list[tuple[float, int, _Waiter]] = attrs.field(init=False, factory=list)
+    _seq: Any = attrs.field(init=False, factory=itertools.count)
+    _stopping: bool = attrs.field(init=False, default=False)
+    _thread: threading.Thread | None = attrs.field(init=False, default=None)
+    readers: ReaderRegistry = attrs.field(init=False, factory=ReaderRegistry)
+
+    def start(self) -> None:
+        """Bind (in the caller's thread, so a failure is raised here) and start serving."""
+        router = self.context.socket(zmq.ROUTER)
+        router.setsockopt(zmq.LINGER, 0)
+        router.setsockopt(zmq.ROUTER_MANDATORY, 1)
+        try:
+            router.bind(self.endpoint)
+        except zmq.ZMQError as exc:
+            router.close()
+            raise BindError(f"shm control endpoint {self.endpoint} cannot bind: {exc}") from exc
+        self._router = router
+        read_fd, write_fd = os.pipe()
+        os.set_blocking(read_fd, False)
+        os.set_blocking(write_fd, False)
+        self._wake = (read_fd, write_fd)
+        self.pool.on_publish.append(self.notify_published)
+        self._thread = threading.Thread(target=self._run, name=f"kvferry-shm-{self.segment_name}", daemon=True)
+        self._thread.start()
+
+    def _poke(self) -> None:
+        try:
+            os.write(self._wake[1], b"\0")
+        except BlockingIOError:
+            pass  # the pipe is full: a wake-up is already pending
+        except OSError as exc:
+            if exc.errno != errno.EBADF:
+                raise
+
+    def notify_published(self, key: str) -> None:
+        """Called (any thread) after ``key`` was published in the pool."""
+        self._published.append(key)
+        self._poke()
+
+    def stop(self, timeout_s: float = 5.0) -> None:
+        """Answer parked gets with "closing", stop the thread, close the socket. Idempotent."""
+        if self._thread is None or self._stopping:
+            return
+        self._stopping = True
+        self._poke()
+        self._thread.join(timeout_s)
+        if self._thread.is_alive():
+            logger.error("shm control thread of %s did not stop within %.1f s", self.endpoint, timeout_s)
+            return
+        for fd in self._wake:
+            os.close(fd)
+        self.context.term()
+        self.readers.close()
+
+    # ------------------------------------------------------------------ thread side only
+    def _reply(self, identity: bytes, message: dict[str, Any], ticket: Ticket | None = None) -> None:
+        try:
+            self._router.send_multipart([identity, encode(message)], zmq.NOBLOCK)
+        except zmq.ZMQError as exc:  # receiver gone (EHOSTUNREACH) or its queue is full
+            self.counters["replies_undeliverable"] += 1
+            logger.debug("shm reply to a gone receiver dropped: %s", exc)
+            if ticket is not None:
+                self.pool.release(ticket.ticket_id)
+
+    def _grant(self, identity: bytes, request_id: int, ticket: Ticket) -> None:
+        self.counters["grants"] += 1
+        self._reply(
+            identity,
+            {
+                "id": request_id,
+                "ok": True,
+                "seg": self.segment_name,
+                "seg_bytes": self.segment_bytes,
+                "off": ticket.handle.offset,
+                "size": ticket.size,
+                "ticket": ticket.ticket_id,
+            },
+            ticket,
+        )
+
+    def _miss(self, identity: bytes, request_id: int, reason: str) -> None:
+        self.counters["miss_" + reason] += 1
+        self._reply(identity, {"id": request_id, "ok": False, "reason": reason})
+
+    def _handle(self, identity: bytes, frame: bytes) -> None:
+        message = decode(frame)
+        problem = "not a control message" if message is None else check_request(message)
+        if problem is not None:
+            self.counters["bad_requests"] += 1
+            request_id = message.get("id") if message else None
+            if isinstance(request_id, int):
+                self._reply(identity, {"id": request_id, "ok": False, "reason": "bad_request", "detail": problem})
+            return
+        op = message["op"]
+        if op == "release":
+            freed = False
+            if message.get("seg", self.segment_name) == self.segment_name:
+                self.counters["releases"] += 1
+                freed = self.pool.release(message["ticket"])
+            else:  # granted by another incarnation of this endpoint: not ours to free
+                self.counters["releases_foreign"] += 1
+            if "id" in message:
+                self._reply(identity, {"id": message["id"], "ok": True, "released": freed})
+        elif op == "ping":
+            self._reply(identity, {"id": message["id"], "ok": True, "health": self.pool.stats()})
+        else:
+            holder = self.readers.holder(message.get("pid"))
+            self._get(identity, message["id"], message["key"], float(message.get("wait_s", 0.0)), holder)
+
+    def _get(self, identity: bytes, request_id: int, key: str, wait_s: float, holder: Reader | None = None) -> None:
+        ticket = self.pool.take(key, holder)
+        if ticket is not None:
+            self._grant(identity, request_id, ticket)
+        elif wait_s > 0 and not self._stopping and self.pool.status(key) != "expired":
+            waiter = _Waiter(identity, request_id, key, time.monotonic() + wait_s, holder)
+            self._waiters.setdefault(key, collections.deque()).append(waiter)
+            heapq.heappush(self._deadlines, (waiter.deadline, next(self._seq), waiter))
+        else:
+            status = self.pool.status(key)
+            self._miss(identity, request_id, _MISS.get(status, status))
+
+    def _serve_published(self) -> None:
+        while self._published:
+            key = self._published.popleft()
+            queue = self._waiters.get(key)
+            now = time.monotonic()
+            while queue:
+                waiter = queue[0]
+                if waiter.deadline > now:
+                    ticket = self.pool.take(key, waiter.holder)
+                    if ticket is None:
+                        break
+                    self._grant(waiter.identity, waiter.request_id, ticket)
+                else:
+                    self._miss(waiter.identity, waiter.request_id, "timeout")
+                waiter.done = True
+                queue.popleft()
+            if queue is not None and not queue:
+                del self._waiters[key]
+
+    def _expire_waiters(self, everyone: bool = False) -> float | None:
+        """Answer parked gets past their deadline; returns seconds to the next deadline."""
+        now = time.monotonic()
+        while self._deadlines and (everyone or self._deadlines[0][0] <= now):
+            _, _, waiter = heapq.heappop(self._deadlines)
+            if waiter.done:
+                continue
+            waiter.done = True
+            queue = self._waiters.get(waiter.key)
+            if queue is not None:
+                queue.remove(waiter)
+                if not queue:
+                    del self._waiters[waiter.key]
+            self._miss(waiter.identity, waiter.request_id, "closing" if everyone else "timeout")
+        return self._deadlines[0][0] - now if self._deadlines else None
+
+    def _run(self) -> None:
+        poller = zmq.Poller()
+        poller.register(self._router, zmq.POLLIN)
+        poller.register(self._wake[0], zmq.POLLIN)
+        try:
+            while not self._stopping:
+                wait = self._expire_waiters()
+                ready = dict(poller.poll(None if wait is None else max(1, int(wait * 1000) + 1)))
+                if self._wake[0] in ready:
+                    while True:
+                        try:
+                            if not os.read(self._wake[0], 4096):
+                                break
+                        except BlockingIOError:
+                            break
+                    self._serve_published()
+                if self._router in ready:
+                    for _ in range(256):  # bounded batch, then look at the pipe again
+                        try:
+                            identity, frame = self._router.recv_multipart(zmq.NOBLOCK)
+                        except zmq.Again:
+                            break
+                        except ValueError:  # not [identity, frame]
+                            self.counters["bad_requests"] += 1
+                            continue
+                        self._handle(identity, frame)
+            self._expire_waiters(everyone=True)
+        except Exception:  # the thread must never die silently: log, count, stop serving
+            self.counters["thread_errors"] += 1
+            logger.exception("shm control thread of %s failed; receivers will time out", self.endpoint)
+        finally:
+            self._router.close(0)
+
+    @property
+    def alive(self) -> bool:
+        return self._thread is not None and self._thread.is_alive()
+
+    def parked(self) -> int:
+        """Parked gets (approximate when read from another thread; for health only)."""
+        return len(self._deadlines)

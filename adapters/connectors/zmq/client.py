@@ -1,0 +1,327 @@
+"""The zmq connector's receiver side: one I/O thread, one DEALER per sender endpoint.
+
+Callers (any thread, several at once) hand a request to the I/O thread and wait on their own
+``threading.Event`` with their own deadline: arrival wakes them, nothing sleep-polls. Only the
+I/O thread touches the DEALER sockets. Each request has a correlation id unique in this
+connector; a reply is handed only to the waiting request with the same id *and* endpoint.
+
+A data reply that arrives after its caller gave up (its deadline passed) is not lost: it is
+kept in a bounded stash (``late_stash_bytes``, ``late_stash_s``) and handed to the next get of
+the same key from the same endpoint. It never answers any other key.
+
+DEALERs use ``IMMEDIATE``: a request is queued only to a live connection, so a request made
+while the sender is away is never delivered later to a restarted sender; it just times out.
+
+Every request accepts a streamed reply (:mod:`.stream`): the I/O thread receives each chunk
+into a region of the reused receive pool (:class:`.buffers.RecvPool`, ``recv_pool_bytes``)
+as it arrives, and hands the caller that region as one memoryview once the last chunk is in;
+the region returns to the pool when the caller's views of it are garbage. Small payloads come
+in one message, as zmq frames. ``RCVHWM`` (``recv_hwm``, default 1) bounds how many messages
+libzmq buffers per sender: its transient chunk buffers then stay one or two chunks of heap that
+glibc reuses, instead of fresh mappings that fault.
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+import threading
+import time
+from collections.abc import Callable
+
+import attrs
+import zmq
+
+from kvferry.adapters.connectors.zmq.buffers import RecvPool
+from kvferry.adapters.connectors.zmq.config import ZmqConfig
+from kvferry.adapters.connectors.zmq.inbound import Outcome, ReplyReader
+from kvferry.adapters.connectors.zmq.protocol import Request, encode_request
+from kvferry.adapters.connectors.zmq.stash import LateStash
+from kvferry.adapters.connectors.zmq.wake import Waker
+
+__all__ = ["ZmqClient", "Outcome"]
+
+logger = logging.getLogger(__name__)
+_MAX_ENDPOINTS = 256
+COUNTERS = (
+    "requests",
+    "hits",
+    "bytes_received",
+    "misses_not_found",
+    "misses_expired",
+    "misses_timeout",
+    "misses_closing",
+    "errors",
+    "timeouts",
+    "late_replies",
+    "stash_hits",
+    "stash_evicted",
+    "bad_replies",
+    "connect_failures",
+    "loop_failures",
+    "streams",
+    "stream_aborts",
+)
+
+
+@attrs.define(eq=False)
+class _Slot:
+    corr_id: int
+    endpoint: str
+    key: str
+    event: threading.Event = attrs.Factory(threading.Event)
+    outcome: Outcome | None = None
+
+
+@attrs.define(eq=False)
+class _Outgoing:
+    endpoint: str
+    body: bytes
+    deadline: float
+
+
+@attrs.define(eq=False)
+class ZmqClient:
+    """Pulls payloads from senders. Thread-safe; the I/O thread starts on first use.
+
+    ``clock`` (monotonic seconds) times real waits: request deadlines and the stash's TTL.
+    """
+
+    config: ZmqConfig
+    context: zmq.Context
+    clock: Callable[[], float] = time.monotonic
+    _lock: threading.Lock = attrs.field(init=False, factory=threading.Lock)
+    _waker: Waker | None = attrs.field(init=False, default=None)
+    _thread: threading.Thread | None = attrs.field(init=False, default=None)
+    _next_id: int = attrs.field(init=False, default=1)
+    _pending: dict[int, _Slot] = attrs.field(init=False, factory=dict)
+    _submits: collections.deque = attrs.field(init=False, factory=collections.deque)
+    _stash: LateStash = attrs.field(init=False)
+    _counters: dict[str, int] = attrs.field(init=False, factory=lambda: dict.fromkeys(COUNTERS, 0))
+    _endpoints: int = attrs.field(init=False, default=0)
+    _closed: bool = attrs.field(init=False, default=False)
+    _pool: RecvPool = attrs.field(init=False)
+    _reader: ReplyReader = attrs.field(init=False)
+
+    def __attrs_post_init__(self) -> None:
+        cfg = self.config
+        self._stash = LateStash(cfg.late_stash_bytes, cfg.late_stash_s)
+        self._pool = RecvPool(cfg.recv_pool_bytes)
+        self._reader = ReplyReader(self._deliver, self._count, self._pool.lend, cfg.stream_idle_s, self.clock)
+
+    # ---------------------------------------------------------------- callers
+
+    def request(self, endpoint: str, key: str, mode: str, wait_s: float, timeout_s: float) -> Outcome:
+        """Ask ``endpoint`` for ``key`` and wait up to ``timeout_s`` seconds for the answer."""
+        with self._lock:
+            if self._closed:
+                return Outcome("closed")
+            stashed = self._stash.take(endpoint, key, self.clock())
+            self._counters["requests"] += 1
+            if stashed is not None:
+                self._counters["stash_hits"] += 1
+                self._count_outcome_locked(stashed)
+                return stashed
+            self._ensure_thread_locked()
+            corr_id = self._next_id
+            body = encode_request(Request(corr_id, key, mode, wait_s, True))  # ConfigError if bad
+            self._next_id += 1
+            slot = _Slot(corr_id, endpoint, key)
+            self._pending[corr_id] = slot
+            self._submits.append(_Outgoing(endpoint, body, self.clock() + timeout_s))
+        self._waker.poke()
+        slot.event.wait(max(0.0, timeout_s))
+        with self._lock:
+            self._pending.pop(corr_id, None)
+            outcome = slot.outcome if slot.outcome is not None else Outcome("timeout")
+            self._count_outcome_locked(outcome)
+        return outcome
+
+    def drop_request(self, request_id: str) -> None:
+        """Forget stashed late payloads of ``request_id``."""
+        with self._lock:
+            self._stash.drop_request(request_id)
+
+    def stats(self) -> dict[str, int]:
+        with self._lock:
+            out = dict(self._counters)
+            out["stash_bytes"] = self._stash.nbytes
+            out["stash_payloads"] = len(self._stash)
+            out["in_flight"] = len(self._pending)
+            out["endpoints"] = self._endpoints
+        out.update(self._pool.stats())
+        return out
+
+    def close(self, timeout_s: float = 5.0) -> bool:
+        """Stop the I/O thread (waiting callers get ``closed``). Idempotent."""
+        with self._lock:
+            self._closed = True
+            for slot in self._pending.values():
+                if slot.outcome is None:
+                    slot.outcome = Outcome("closed")
+                    slot.event.set()
+            self._stash.clear()
+            thread, waker = self._thread, self._waker
+        if thread is None:
+            if waker is not None:
+                waker.close()
+            self._pool.close()
+            return True
+        waker.poke()
+        thread.join(timeout_s)
+        if thread.is_alive():
+            logger.error("zmq receive thread did not stop in %.1fs", timeout_s)
+            return False
+        waker.close()
+        self._pool.close()
+        return True
+
+    # ---------------------------------------------------------------- bookkeeping
+
+    def _ensure_thread_locked(self) -> None:
+        if self._thread is None:
+            if self._waker is None:
+                self._waker = Waker.create()
+            self._thread = threading.Thread(target=self._run, name="kvferry-zmq-recv", daemon=True)
+            self._thread.start()
+
+    def _count_outcome_locked(self, outcome: Outcome) -> None:
+        if outcome.kind == "data":
+            self._counters["hits"] += 1
+            self._counters["bytes_received"] += outcome.size
+        elif outcome.kind == "miss":
+            self._counters["misses_" + outcome.reason] += 1
+        elif outcome.kind == "error":
+            self._counters["errors"] += 1
+        elif outcome.kind == "timeout":
+            self._counters["timeouts"] += 1
+
+    def _count(self, name: str) -> None:
+        with self._lock:
+            self._counters[name] += 1
+
+    def _deliver(self, endpoint: str, corr_id: int | None, outcome: Outcome, key: str) -> None:
+        with self._lock:
+            slot = self._pending.get(corr_id) if corr_id is not None else None
+            if slot is not None and slot.endpoint == endpoint and slot.outcome is None:
+                slot.outcome = outcome
+                slot.event.set()
+                return
+            if outcome.kind != "data":
+                return  # e.g. the sender's own "timeout" answer, just after our deadline
+            self._counters["late_replies"] += 1
+            if not self._closed:
+                evicted = self._stash.put(endpoint, key, outcome, self.clock())
+                self._counters["stash_evicted"] += evicted
+
+    # ---------------------------------------------------------------- I/O thread
+
+    def _connect(self, endpoint: str) -> zmq.Socket | None:
+        cfg = self.config
+        sock = self.context.socket(zmq.DEALER)
+        sock.linger = 0
+        sock.setsockopt(zmq.IMMEDIATE, 1)
+        sock.setsockopt(zmq.RCVHWM, cfg.recv_hwm)
+        sock.setsockopt(zmq.RECONNECT_IVL, 100)
+        sock.setsockopt(zmq.RECONNECT_IVL_MAX, 1000)
+        sock.setsockopt(zmq.HEARTBEAT_IVL, 1000)
+        sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, 5000)
+        if cfg.max_frame_bytes > 0:
+            sock.setsockopt(zmq.MAXMSGSIZE, cfg.max_frame_bytes)
+        if cfg.curve is not None:
+            server_public, client_public, client_secret = cfg.curve.require_client()
+            sock.curve_serverkey = server_public.encode("ascii")
+            sock.curve_publickey = client_public.encode("ascii")
+            sock.curve_secretkey = client_secret.encode("ascii")
+        if endpoint.startswith("tcp://["):
+            sock.ipv6 = True
+        try:
+            sock.connect(endpoint)
+        except zmq.ZMQError as exc:
+            logger.warning("zmq receiver cannot connect to %s: %s", endpoint, exc)
+            sock.close(linger=0)
+            return None
+        return sock
+
+    def _run(self) -> None:
+        sockets: collections.OrderedDict[str, zmq.Socket] = collections.OrderedDict()
+        outbox: dict[str, collections.deque] = {}
+        poller = zmq.Poller()
+        poller.register(self._waker.fileno, zmq.POLLIN)
+        try:
+            while not self._closed:
+                events = dict(poller.poll(self._timeout_ms(outbox)))
+                self._waker.drain()
+                if self._closed:
+                    break
+                self._route_submits(sockets, outbox, poller)
+                for endpoint, sock in list(sockets.items()):
+                    if events.get(sock, 0) & zmq.POLLIN:
+                        self._reader.read(endpoint, sock)
+                self._reader.expire()
+                self._flush(sockets, outbox, poller)
+        except Exception:  # a bug or a zmq fault: fail the waiting callers, not silently
+            logger.exception("zmq receive loop failed; it restarts on the next request")
+            with self._lock:
+                self._counters["loop_failures"] += 1
+        finally:
+            for sock in sockets.values():
+                sock.close(linger=0)
+            self._reader.close()
+            with self._lock:
+                self._endpoints = 0
+                if not self._closed:  # failed: answer every waiter, let a new thread start
+                    for slot in self._pending.values():
+                        if slot.outcome is None:
+                            slot.outcome = Outcome("error", reason="loop_failed")
+                            slot.event.set()
+                    self._submits.clear()
+                    self._thread = None
+
+    def _timeout_ms(self, outbox: dict[str, collections.deque]) -> int | None:
+        deadlines = [q[0].deadline for q in outbox.values() if q]
+        deadlines += self._reader.deadlines()
+        if not deadlines:
+            return None
+        return max(0, int((min(deadlines) - self.clock()) * 1000) + 1)
+
+    def _route_submits(self, sockets, outbox, poller) -> None:
+        with self._lock:
+            submits = list(self._submits)
+            self._submits.clear()
+        for item in submits:
+            if item.endpoint not in sockets:
+                while len(sockets) >= _MAX_ENDPOINTS:
+                    old_endpoint, old = sockets.popitem(last=False)
+                    poller.unregister(old)
+                    old.close(linger=0)
+                    outbox.pop(old_endpoint, None)
+                    self._reader.drop(old_endpoint, "connection closed (too many senders)")
+                sock = self._connect(item.endpoint)
+                if sock is None:
+                    with self._lock:
+                        self._counters["connect_failures"] += 1
+                    continue  # its caller times out; the endpoint text was unusable
+                sockets[item.endpoint] = sock
+                poller.register(sock, zmq.POLLIN)
+                with self._lock:
+                    self._endpoints = len(sockets)
+            sockets.move_to_end(item.endpoint)
+            outbox.setdefault(item.endpoint, collections.deque()).append(item)
+
+    def _flush(self, sockets, outbox, poller) -> None:
+        now = self.clock()
+        for endpoint, queue in outbox.items():
+            sock = sockets.get(endpoint)
+            while queue and sock is not None:
+                item = queue[0]
+                if item.deadline <= now:
+                    queue.popleft()  # its caller has given up; never deliver it later
+                    continue
+                try:
+                    sock.send(item.body, flags=zmq.NOBLOCK)
+                except zmq.Again:
+                    break  # no live connection yet: wait for POLLOUT (or the deadline)
+                queue.popleft()
+            if sock is not None:
+                poller.modify(sock, zmq.POLLIN | (zmq.POLLOUT if queue else 0))

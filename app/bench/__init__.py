@@ -1,0 +1,1 @@
+"""``kvferry bench``: kvferry against the machine's limits and a naive baseline."""

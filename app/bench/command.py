@@ -1,0 +1,130 @@
+"""``kvferry bench``: measure kvferry against the machine's limits and a naive baseline.
+
+Prints the table, writes the JSON report (``bench.json`` or ``--json FILE``) and a PNG plot
+(``bench.png`` or ``--plot FILE``). Exit status: 0 when the run completed (targets are
+reported, never enforced), 1 when received data did not match what was sent, 2 for wrong
+options (one line on stderr).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Callable
+from typing import Any, TextIO
+
+from kvferry.app.bench.model import BenchSettings, Geometry
+from kvferry.core.errors import ConfigError
+
+__all__ = ["configure", "run", "settings_from_args", "EXTRA_CONNECTORS"]
+
+#: Connectors ``--connector`` may add beside shm and zmq (which always run).
+EXTRA_CONNECTORS = ("mooncake",)
+
+
+def configure(parser: argparse.ArgumentParser) -> Callable[[argparse.Namespace], int]:
+    """Add ``kvferry bench``'s options to ``parser``; return the runner."""
+    add = parser.add_argument
+    add("--quick", action="store_true", help="reduced run: 8 layers x [1024, 4, 128] bf16 (17 MB), 3 repetitions")
+    add("--json", default="bench.json", metavar="FILE", help="JSON report path (default bench.json)")
+    add("--plot", default="bench.png", metavar="FILE", help="PNG plot path (default bench.png)")
+    add(
+        "--connector",
+        action="append",
+        default=[],
+        metavar="NAME",
+        help="also measure this connector beside shm and zmq (mooncake); repeatable",
+    )
+    add("--reps", type=int, default=None, help="timed repetitions per figure (default 5; quick 3)")
+    add("--warmup", type=int, default=None, help="untimed warm-up repetitions (default 1)")
+    add("--requests", type=int, default=None, help="requests of the many-request cases (default 8)")
+    add("--layers", type=int, default=None, help="layers per request (default 28; quick 8)")
+    add("--tokens", type=int, default=None, help="tokens per request (default 4096; quick 1024)")
+    add("--heads", type=int, default=None, help="KV heads per rank (default 4)")
+    add("--head-dim", type=int, default=None, help="head dimension (default 128)")
+    add("--block-size", type=int, default=None, help="tokens per cache block (default 16)")
+    add("--readiness-reps", type=int, default=None, help="samples of the small request's latency")
+    add("--threads", type=int, default=1, help="torch intra-op threads in every process (default 1)")
+    add("--timeout", type=float, default=None, help="seconds to wait for a peer process (default 120)")
+    add("--seed", type=int, default=0, help="seed of the synthetic cache (default 0)")
+    add("--quiet", action="store_true", help="no progress lines on stderr")
+    return run
+
+
+def settings_from_args(args: argparse.Namespace) -> BenchSettings:
+    """The settings the options ask for; ConfigError names a wrong option."""
+    base = BenchSettings.quick() if args.quick else BenchSettings.full()
+    g = base.geometry
+    geometry = Geometry(
+        layers=args.layers or g.layers,
+        tokens=args.tokens or g.tokens,
+        heads=args.heads or g.heads,
+        head_dim=args.head_dim or g.head_dim,
+        block_size=args.block_size or g.block_size,
+    )
+    if geometry.heads % 2:
+        raise ConfigError(f"--heads must be even (the TP 2->4 case halves them), got {geometry.heads}")
+    extras = []
+    for name in args.connector:
+        if name in ("shm", "zmq"):
+            continue
+        if name not in EXTRA_CONNECTORS:
+            raise ConfigError(
+                f"--connector must be one of {', '.join(('shm', 'zmq', *EXTRA_CONNECTORS))}, got {name!r}"
+            )
+        if name not in extras:
+            extras.append(name)
+    if args.threads < 1:
+        raise ConfigError(f"--threads must be >= 1, got {args.threads}")
+    chosen: dict[str, Any] = {
+        "reps": args.reps,
+        "warmup": args.warmup,
+        "requests": args.requests,
+        "readiness_reps": args.readiness_reps,
+        "timeout_s": args.timeout,
+    }
+    overrides = {k: v for k, v in chosen.items() if v is not None}
+    return BenchSettings(
+        geometry, **{**_fields(base), **overrides, "extra_connectors": tuple(extras), "seed": args.seed}
+    )
+
+
+def _fields(settings: BenchSettings) -> dict[str, Any]:
+    return {
+        "reps": settings.reps,
+        "warmup": settings.warmup,
+        "requests": settings.requests,
+        "readiness_reps": settings.readiness_reps,
+        "timeout_s": settings.timeout_s,
+    }
+
+
+def run(args: argparse.Namespace, *, out: TextIO | None = None, err: TextIO | None = None) -> int:
+    """Run the benchmark for ``args``; see the module docstring for the exit status."""
+    from kvferry.app.bench.plot import write_plot
+    from kvferry.app.bench.report import render_bars, render_table, write_json
+    from kvferry.app.bench.runner import run_bench
+
+    out = sys.stdout if out is None else out
+    err = sys.stderr if err is None else err
+    try:
+        settings = settings_from_args(args)
+    except ConfigError as exc:
+        print(f"kvferry bench: error: {' '.join(str(exc).split())}", file=err)
+        return 2
+
+    def progress(line: str) -> None:
+        if not args.quiet:
+            print(f"  {line}", file=err, flush=True)
+
+    report = run_bench(settings, threads=args.threads, progress=progress)
+    out.write(render_table(report))
+    out.write("\n" + render_bars(report))
+    try:
+        write_json(report, args.json)
+        drawer = write_plot(report, args.plot)
+    except OSError as exc:
+        print(f"kvferry bench: error: cannot write the report: {exc}", file=err)
+        return 2
+    print(f"wrote {args.json} and {args.plot} (drawn by {drawer})", file=out)
+    return 1 if not all(report["data_checks"].values()) else 0

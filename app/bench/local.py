@@ -1,0 +1,114 @@
+"""In-process measurements of ``kvferry bench``: memcpy, extraction, codecs, checksums.
+
+Each function returns :class:`~kvferry.app.bench.model.Stat` values in seconds: ``reps`` timed
+repetitions after ``warmup`` untimed ones, ``time.perf_counter`` around exactly the work named.
+Destination buffers are allocated and touched once, before timing, and reused.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from kvferry.adapters.torch_frames import decode_payload, encode_frames
+from kvferry.app.bench.model import Stat
+from kvferry.app.bench.payload import (
+    PagedCache,
+    baseline_decode,
+    baseline_encode,
+    baseline_extract,
+    gather_payload_into,
+    kv_crc,
+    layout_for,
+    payload_crc,
+    plan_request,
+)
+from kvferry.core.errors import TransferError
+
+__all__ = ["timed", "measure_memcpy", "measure_local"]
+
+
+def timed(fn: Callable[[], Any], reps: int, warmup: int) -> Stat:
+    """Run ``fn`` ``warmup`` times untimed, then ``reps`` times timed."""
+    for _ in range(warmup):
+        fn()
+    samples = []
+    for _ in range(reps):
+        start = time.perf_counter()
+        fn()
+        samples.append(time.perf_counter() - start)
+    return Stat.of(samples)
+
+
+def measure_memcpy(nbytes: int, reps: int, warmup: int) -> Stat:
+    """Single-thread ``memcpy`` (``ctypes.memmove``) of ``nbytes`` into a reused, touched buffer."""
+    src = torch.full((nbytes,), 3, dtype=torch.uint8)
+    dst = torch.zeros(nbytes, dtype=torch.uint8)
+    s, d = src.data_ptr(), dst.data_ptr()
+    stat = timed(lambda: ctypes.memmove(d, s, nbytes), reps, warmup)
+    if not torch.equal(src[-4096:], dst[-4096:]):
+        raise TransferError("memcpy check failed")
+    return stat
+
+
+def measure_local(cache: PagedCache, reps: int, warmup: int) -> dict[str, Any]:
+    """Extraction, kvferry encode/decode (with and without crc32 checksums) and the baseline's
+    encode/decode, all for request 0 of ``cache``. Returns ``{"stats": {...}, "checks": {...},
+    "payload_nbytes": int}``; the checks compare crc32s of what each path produced."""
+    stats: dict[str, Stat] = {}
+    checks: dict[str, bool] = {}
+    plan = plan_request(cache, 0, request_id="bench-local")
+    layout = layout_for(plan)
+    dest = torch.zeros(layout.total_nbytes, dtype=torch.uint8)
+
+    def extract() -> None:  # planning included: it is part of every request's extraction
+        p = plan_request(cache, 0, request_id="bench-local")
+        gather_payload_into(p, layout, dest)
+
+    stats["extraction"] = timed(extract, reps, warmup)
+    keys, values = plan.materialize()
+    expected = kv_crc(keys, values)
+    base_keys, base_values = baseline_extract(cache, 0)
+    checks["extraction"] = payload_crc(decode_payload(dest)) == expected
+    checks["baseline_extraction"] = kv_crc(base_keys, base_values) == expected
+
+    meta, bids = plan.metadata, plan.block_ids
+
+    def encode() -> Any:
+        return encode_frames("bench-local", keys, values, bids, meta)
+
+    def decode() -> Any:
+        return decode_payload(dest)
+
+    stats["kvferry_encode"] = timed(encode, reps, warmup)
+    stats["kvferry_decode"] = timed(decode, reps, warmup)
+    frames = list(encode().frames)
+    stats["kvferry_decode_frames"] = timed(lambda: decode_payload(frames), reps, warmup)
+    stats["kvferry_codec"] = timed(lambda: (encode(), decode()), reps, warmup)
+    checks["codec"] = payload_crc(decode_payload(frames)) == expected
+
+    def encode_ck() -> Any:
+        return encode_frames("bench-local", keys, values, bids, meta, checksums="crc32")
+
+    ck_frames = list(encode_ck().frames)
+    ck_layout = layout_for(plan, checksums="crc32")
+    ck_dest = torch.zeros(ck_layout.total_nbytes, dtype=torch.uint8)
+    gather_payload_into(plan, ck_layout, ck_dest)
+    stats["checksum_encode"] = timed(encode_ck, reps, warmup)
+    stats["checksum_decode"] = timed(lambda: decode_payload(ck_dest, verify=True), reps, warmup)
+    stats["checksum_gather_finish"] = timed(lambda: gather_payload_into(plan, ck_layout, ck_dest), reps, warmup)
+    checks["checksum"] = payload_crc(decode_payload(ck_frames, verify=True)) == expected
+
+    def base_encode() -> bytes:
+        return baseline_encode("bench-local", base_keys, base_values, bids, meta)
+
+    stats["baseline_encode"] = timed(base_encode, reps, warmup)
+    blob = base_encode()
+    stats["baseline_decode"] = timed(lambda: baseline_decode(blob), reps, warmup)
+    stats["baseline_extract"] = timed(lambda: baseline_extract(cache, 0), reps, warmup)
+    checks["baseline_codec"] = kv_crc(*baseline_decode(blob)) == expected
+    return {"stats": stats, "checks": checks, "payload_nbytes": layout.total_nbytes}

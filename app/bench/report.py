@@ -1,0 +1,202 @@
+"""The benchmark's text table and its JSON file (non-finite numbers written as ``null``)."""
+
+from __future__ import annotations
+
+import json
+import math
+from typing import Any
+
+from kvferry.app.bench.model import RATIO_NAMES
+
+__all__ = ["render_table", "render_bars", "write_json", "json_safe"]
+
+#: Figures in table order with their labels.
+_FIGURE_LABELS: tuple[tuple[str, str], ...] = (
+    ("memcpy", "limit: memcpy, 1 thread, reused buffer"),
+    ("raw_zmq", "limit: raw zmq tcp PUSH/PULL copy=False"),
+    ("mooncake_raw", "limit: raw mooncake batched write"),
+    ("extraction", "kvferry extraction (gather into buffer)"),
+    ("kvferry_encode", "kvferry encode (frames)"),
+    ("kvferry_decode", "kvferry decode (views, one buffer)"),
+    ("kvferry_decode_frames", "kvferry decode (views, frames)"),
+    ("kvferry_codec", "kvferry encode + decode"),
+    ("checksum_encode", "kvferry encode with crc32"),
+    ("checksum_decode", "kvferry decode verifying crc32"),
+    ("checksum_gather_finish", "kvferry gather + header with crc32"),
+    ("shm_direct_1", "kvferry shm primitives e2e, 1 request"),
+    ("shm_e2e_1", "kvferry shm e2e, 1 request"),
+    ("shm_e2e_n", "kvferry shm e2e, N requests"),
+    ("homo_2_2", "kvferry shm TP 2->2 (2 payloads)"),
+    ("hetero_2_4", "kvferry shm TP 2->4 (4 half payloads)"),
+    ("zmq_direct_1", "kvferry zmq tcp primitives e2e, 1 request"),
+    ("zmq_e2e_1", "kvferry zmq tcp e2e, 1 request"),
+    ("zmq_e2e_n", "kvferry zmq tcp e2e, N requests"),
+    ("mooncake_direct_1", "kvferry mooncake primitives e2e, 1 request"),
+    ("mooncake_e2e_1", "kvferry mooncake e2e, 1 request"),
+    ("mooncake_e2e_n", "kvferry mooncake e2e, N requests"),
+    ("shm_e2e_1_copy", "copying receive: shm e2e, 1 request"),
+    ("zmq_e2e_1_copy", "copying receive: zmq tcp e2e, 1 request"),
+    ("readiness_shm", "readiness, small request, shm (from the put)"),
+    ("readiness_shm_from_call", "readiness, small request, shm (from the send call)"),
+    ("readiness_shm_copy", "readiness, small request, shm, copying receive"),
+    ("readiness_shm_direct", "readiness, small request, shm primitives"),
+    ("readiness_zmq", "readiness, small request, zmq (from the put)"),
+    ("readiness_zmq_from_call", "readiness, small request, zmq (from the send call)"),
+    ("readiness_zmq_direct", "readiness, small request, zmq primitives"),
+    ("readiness_mooncake", "readiness, small request, mooncake"),
+    ("readiness_baseline", "readiness, small request, baseline"),
+    ("baseline_extract", "baseline extraction (index + cat)"),
+    ("baseline_encode", "baseline encode (tobytes + join)"),
+    ("baseline_decode", "baseline decode (frombuffer)"),
+    ("baseline_e2e", "baseline e2e (zmq tcp, sleep-poll)"),
+)
+
+
+def json_safe(value: Any) -> Any:
+    """``value`` with every non-finite float replaced by None (strict JSON)."""
+    if isinstance(value, float):
+        return value if math.isfinite(value) else None
+    if isinstance(value, dict):
+        return {str(k): json_safe(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [json_safe(v) for v in value]
+    return value
+
+
+def write_json(report: dict[str, Any], path: str) -> None:
+    with open(path, "w") as handle:
+        json.dump(json_safe(report), handle, indent=2, allow_nan=False)
+        handle.write("\n")
+
+
+def _time(seconds: float) -> str:
+    if seconds >= 1:
+        return f"{seconds:.2f} s"
+    if seconds >= 1e-3:
+        return f"{seconds * 1e3:.2f} ms"
+    return f"{seconds * 1e6:.1f} us"
+
+
+def _rows(header: list[str], rows: list[list[str]]) -> list[str]:
+    widths = [max(len(r[i]) for r in [header, *rows]) for i in range(len(header))]
+    line = lambda r: "  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(r, widths)))  # noqa: E731
+    return [line(header), "  ".join("-" * w for w in widths), *[line(r) for r in rows]]
+
+
+def _value(v: Any) -> str:
+    if not isinstance(v, (int, float)) or not math.isfinite(v):
+        return "n/a"
+    return f"{v:.3g}" if abs(v) < 1000 else f"{v:.0f}"
+
+
+def render_bars(report: dict[str, Any], width: int = 50) -> str:
+    """The PNG's chart as text: median GB/s by path, ``#`` kvferry, ``=`` limit, ``-`` baseline."""
+    from kvferry.app.bench.plot import bars_from_report
+
+    bars = bars_from_report(report)
+    if not bars:
+        return ""
+    peak = max(b.value for b in bars) or 1.0
+    pad = max(len(b.label) for b in bars)
+    mark = {"kvferry": "#", "limit": "=", "baseline": "-"}
+    lines = [
+        f"{b.label.ljust(pad)}  {mark.get(b.kind, '?') * max(1, round(width * b.value / peak))} {b.value:.2f}"
+        for b in bars
+    ]
+    return "\n".join(["GB/s by path (median; # kvferry, = limit, - baseline)", *lines]) + "\n"
+
+
+def render_table(report: dict[str, Any]) -> str:
+    """Every figure (median, min, max, GB/s) and every ratio with its target."""
+    settings, machine = report["settings"], report["machine"]
+    g = settings["geometry"]
+    n_req = settings["requests"]
+    lines = [
+        f"kvferry bench: {g['layers']} layers x K,V x [{g['tokens']}, {g['heads']}, {g['head_dim']}] "
+        f"{g['dtype']} = {g['nbytes'] / 1e6:.1f} MB per request ({g['block_size']}-token blocks); "
+        f"N = {n_req} requests",
+        f"medians of {settings['reps']} runs after {settings['warmup']} warm-up "
+        f"(readiness: {settings['readiness_reps']} runs); min..max beside",
+        f"machine: {machine['cpu_model']}, {machine['cores']} cores, {machine['memory_gb']} GB, "
+        f"load {machine['load_avg_at_start']}; torch {machine['torch']} ({machine['torch_threads']} "
+        f"thread(s)), pyzmq {machine['pyzmq']} / libzmq {machine['libzmq']}",
+        "",
+    ]
+    figures = report["figures"]
+    rows = []
+    for name, label in _FIGURE_LABELS:
+        f = figures.get(name)
+        if not f or f.get("unit") != "s":
+            continue
+        gbps = f.get("gbps") or {}
+        speed = f"{gbps['median']:.2f}" if "median" in gbps else ""
+        rows.append([label, _time(f["median"]), _time(f["min"]), _time(f["max"]), speed])
+    lines += _rows(["figure", "median", "min", "max", "GB/s"], rows)
+    lines.append("")
+    rows = []
+    for name in RATIO_NAMES:
+        value = report["ratios"].get(name)
+        met = report["meets_target"].get(name)
+        rows.append(
+            [
+                name,
+                _value(value),
+                report["targets"][name],
+                "n/a" if value is None else ("yes" if met else "NO"),
+                ", ".join(report["ratio_inputs"].get(name, ())),
+            ]
+        )
+    lines += _rows(["ratio", "value", "target", "met", "from"], rows)
+    paths = report.get("paths") or {}
+    if paths:
+        rows = []
+        for label, p in paths.items():
+            busy, after = p.get("sender_busy_s"), p.get("receiver_after_sender_s")
+            rows.append(
+                [
+                    label.removeprefix("kvferry "),
+                    _time(p["time_s"]["median"]),
+                    _time(busy["median"]) if busy else "",
+                    _time(after["median"]) if after else "",
+                    f"{p['sender_faults_per_mb']['median']:.1f}",
+                    f"{p['receiver_faults_per_mb']['median']:.1f}",
+                    f"{p['receiver_peak_rss_delta_mb']:.0f}",
+                    f"{p['held_mb']:.0f}",
+                ]
+            )
+        lines.append("")
+        lines += _rows(
+            ["path (medians)", "total", "send call", "recv after", "faults/MB s", "r", "recv RSS+ MB", "held MB"], rows
+        )
+        lines.append(
+            "(send call: the sender's command; recv after: receiver done - send call done, "
+            "negative when the data was in before the call returned)"
+        )
+    extra = report.get("extra_ratios") or {}
+    if extra:
+        lines.append("")
+        lines += _rows(["more ratios", "value"], [[k, _value(v)] for k, v in extra.items()])
+    notes = report.get("notes", {})
+    worst = [f"{k.removesuffix('_path')}: {v}" for k, v in notes.items() if k.endswith("_path")]
+    if worst:
+        lines += ["", "worst kvferry path per memory figure: " + "; ".join(worst)]
+    ck = report.get("checksum_cost") or {}
+    if ck:
+        lines.append(
+            f"crc32 checksums: +{ck['encode_extra_ms']:.1f} ms to encode, "
+            f"{ck['decode_verify_ms']:.1f} ms to verify per request "
+            f"({ck['crc32_gbps']:.2f} GB/s)"
+        )
+    checks = report.get("data_checks", {})
+    bad = [k for k, ok in checks.items() if not ok]
+    lines.append(
+        "(e2e: sender's send call -> receiver holds every payload decoded; 'primitives' "
+        "= extraction into the connector + views, without the manager)"
+    )
+    lines.append(
+        f"data checks (crc32 of what arrived vs what was sent): "
+        f"{'all ' + str(len(checks)) + ' ok' if not bad else 'MISMATCH in ' + ', '.join(bad)}"
+    )
+    for what, why in report.get("failures", {}).items():
+        lines.append(f"FAILED {what}: {why[:300]}")
+    return "\n".join(lines) + "\n"

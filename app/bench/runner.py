@@ -1,0 +1,328 @@
+"""``kvferry bench``: kvferry's paths against the machine's limits and a naive baseline.
+
+:func:`run_bench` measures, in one run on one machine and one payload (see
+:class:`~kvferry.app.bench.model.BenchSettings`):
+
+- limits: single-thread ``memcpy`` into a reused buffer; raw ZMQ tcp PUSH/PULL of the same
+  bytes (``copy=False``, sender in another process);
+- the baseline (:mod:`kvferry.app.bench.payload`): naive extraction, ``tobytes`` + join,
+  copying send, sleep-polling receiver, ``frombuffer`` decode;
+- kvferry: extraction, encode, decode, end-to-end transfers over shm (same host) and zmq tcp
+  of 1 and ``requests`` requests through the transfer manager's default (zero-copy) receive,
+  and, beside them, the copying receive (``zero_copy=False``, the compat layer's),
+  heterogeneous TP 2->4 against 2->2 for the same bytes,
+  readiness latency of a small request, page faults per MB and peak RSS of both sides, the
+  cost of crc32 checksums; optional connectors (``mooncake``) beside them.
+
+It returns the report (a JSON-able dict with ``ratios`` under the names of
+:data:`~kvferry.app.bench.model.RATIO_NAMES`, every figure's median/min/max, the machine,
+failures and data checks). A path that fails is recorded under ``failures`` and its ratios are
+NaN (``null`` in JSON): the run goes on. Targets are reported, never asserted.
+
+Torch runs ``threads`` intra-op threads (default 1) in every process, so the single-thread
+``memcpy`` limit and each path compare like with like.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+import platform
+import sys
+import time
+from collections.abc import Callable
+from typing import Any
+
+import attrs
+import torch
+
+from kvferry.app.bench.model import (
+    RATIO_NAMES,
+    TARGETS,
+    BenchSettings,
+    Stat,
+    compute_ratios,
+    ratio_of,
+)
+from kvferry.app.bench.paths import COPYING, RunState, connector_paths, mooncake_raw
+from kvferry.app.bench.scenarios import Scenario
+
+__all__ = ["run_bench", "machine_info", "RATIO_INPUTS", "SMALL"]
+
+logger = logging.getLogger(__name__)
+
+#: The small request of the readiness measurement: 1 layer, 16 tokens.
+SMALL = {"layers": 1, "tokens": 16}
+#: Which figures each ratio is computed from (for the report).
+RATIO_INPUTS: dict[str, tuple[str, ...]] = {
+    "codec_ms": ("kvferry_codec",),
+    "encode_speedup_vs_baseline": ("baseline_encode", "kvferry_encode"),
+    "extraction_vs_memcpy": ("memcpy", "extraction"),
+    "shm_e2e_vs_memcpy": ("memcpy", "shm_e2e_1"),
+    "shm_e2e_speedup_vs_baseline": ("baseline_e2e", "shm_e2e_1"),
+    "zmq_1req_vs_raw": ("raw_zmq", "zmq_e2e_1"),
+    "zmq_8req_vs_raw": ("raw_zmq", "zmq_e2e_n"),
+    "zmq_speedup_vs_baseline": ("baseline_e2e", "zmq_e2e_1"),
+    "hetero_vs_homo": ("homo_2_2", "hetero_2_4"),
+    "readiness_p50_ms": ("readiness_shm",),
+    "faults_per_mb_sender": ("faults_per_mb_sender",),
+    "faults_per_mb_receiver": ("faults_per_mb_receiver",),
+    "rss_ratio_receiver": ("rss_ratio_receiver",),
+}
+
+
+def _read(path: str) -> str:
+    try:
+        with open(path) as handle:
+            return handle.read()
+    except OSError:
+        return ""
+
+
+def machine_info(threads: int) -> dict[str, Any]:
+    """CPU model, cores, memory, load and the versions that matter."""
+    import zmq
+
+    cpu = next(
+        (
+            line.split(":", 1)[1].strip()
+            for line in _read("/proc/cpuinfo").splitlines()
+            if line.startswith("model name")
+        ),
+        platform.processor() or "unknown",
+    )
+    mem_kb = next(
+        (int(line.split()[1]) for line in _read("/proc/meminfo").splitlines() if line.startswith("MemTotal:")), 0
+    )
+    try:
+        load = os.getloadavg()
+    except OSError:
+        load = (math.nan,) * 3
+    return {
+        "cpu_model": cpu,
+        "cores": os.cpu_count(),
+        "memory_gb": round(mem_kb / 1e6, 1),
+        "load_avg_at_start": [round(x, 2) for x in load],
+        "platform": platform.platform(),
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "torch_threads": threads,
+        "pyzmq": zmq.__version__,
+        "libzmq": zmq.zmq_version(),
+        "numpy": _version("numpy"),
+        "cuda": torch.cuda.is_available(),
+    }
+
+
+def _version(module: str) -> str:
+    try:
+        return str(__import__(module).__version__)
+    except (ImportError, AttributeError):
+        return "missing"
+
+
+def run_bench(
+    settings: BenchSettings, *, threads: int = 1, progress: Callable[[str], None] | None = None
+) -> dict[str, Any]:
+    """Run every measurement; return the report (see the module docstring)."""
+    say = progress or (lambda line: None)
+    previous_threads = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    run = RunState(settings, threads, say)
+    started = time.monotonic()
+    machine = machine_info(threads)
+    try:
+        _measure(run)
+    finally:
+        for peer in list(run.peers):
+            run.close_peer(peer)
+        torch.set_num_threads(previous_threads)
+    return _report(run, machine, time.monotonic() - started)
+
+
+def _measure(run: RunState) -> None:
+    from kvferry.app.bench.local import measure_local, measure_memcpy
+    from kvferry.app.bench.payload import make_paged_cache
+
+    s = run.settings
+    g = s.geometry
+    t = s.timeout_s
+    run.progress(f"payload: {g.describe()}; {s.reps} reps after {s.warmup} warm-up")
+    sender = run.peer("sender")
+    receiver = run.peer("receiver")
+    small = attrs.evolve(g, **SMALL)
+    # a sender cache for `requests` requests (>= 2: the TP cases read one request per rank)
+    sender.call("setup", t + 120, name="main", geometry=g.to_json(), requests=max(s.requests, 2), seed=s.seed)
+    sender.call("setup", t, name="small", geometry=small.to_json(), requests=1, seed=s.seed + 1)
+    receiver.call("rss_peak", t)
+
+    run.progress("memcpy and in-process paths ...")
+    run.record("memcpy", measure_memcpy(g.nbytes, s.reps, s.warmup), g.nbytes)
+    local = measure_local(make_paged_cache(g, 1, seed=s.seed), s.reps, s.warmup)
+    for name, stat in local["stats"].items():
+        run.record(name, stat, g.nbytes)
+    run.checks.update({f"local_{k}": v for k, v in local["checks"].items()})
+
+    endpoint = sender.call("push_bind", t, nbytes=g.nbytes)["endpoint"]
+    receiver.call("pull_connect", t, endpoint=endpoint)
+    run.scenario(
+        sender,
+        receiver,
+        Scenario("raw zmq tcp (PUSH/PULL, copy=False)", "raw_send", "raw_recv", lambda i: {}, lambda i: {}, g.nbytes),
+        "raw_zmq",
+    )
+    run.scenario(
+        sender,
+        receiver,
+        Scenario(
+            "baseline e2e (tobytes+join, copying send, sleep-poll)",
+            "base_send",
+            "base_recv",
+            lambda i: {"cache": "main", "request": 0},
+            lambda i: {},
+            g.nbytes,
+            expected=(("main", 0, None),),
+        ),
+        "baseline_e2e",
+    )
+    res = run.scenario(
+        sender,
+        receiver,
+        Scenario(
+            "baseline readiness (small request)",
+            "base_send",
+            "base_recv",
+            lambda i: {"cache": "small", "request": 0},
+            lambda i: {},
+            small.nbytes,
+            reps=s.readiness_reps,
+        ),
+        "baseline_readiness_e2e",
+    )
+    if res is not None:
+        run.record("readiness_baseline", res.latency, small.nbytes)
+    run.close_peer(receiver)
+
+    pool = max(s.requests, 4) * (g.nbytes + (1 << 20)) + (64 << 20)
+    for name in ("shm", "zmq", *s.extra_connectors):
+        if name == "mooncake":
+            mooncake_raw(run)
+        connector_paths(run, sender, name, pool, small)
+
+
+def _gbps(stat: Stat, nbytes: int) -> dict[str, float]:
+    if stat.unit != "s" or not nbytes or stat.min <= 0:
+        return {}
+    return {"median": nbytes / stat.median / 1e9, "min": nbytes / stat.max / 1e9, "max": nbytes / stat.min / 1e9}
+
+
+def _worst(run: RunState) -> None:
+    """faults per MB and receiver RSS ratio: the worst kvferry path at full payload size, among
+    the default paths (figures ``faults_per_mb_*``, ``rss_ratio_receiver``) and among the
+    copying-receive rows (the same names with ``_copying``)."""
+    full = [
+        r for label, r in run.scenarios.items() if label.startswith(("kvferry", COPYING)) and "readiness" not in label
+    ]
+    for suffix, rows in (
+        ("", [r for r in full if r.label.startswith("kvferry")]),
+        ("_copying", [r for r in full if r.label.startswith(COPYING)]),
+    ):
+        if not rows:
+            continue
+        for side in ("sender", "receiver"):
+            worst = max(rows, key=lambda r: getattr(r, f"{side}_faults_per_mb").median)
+            run.stats[f"faults_per_mb_{side}{suffix}"] = getattr(worst, f"{side}_faults_per_mb")
+            run.extra[f"faults_per_mb_{side}{suffix}_path"] = worst.label
+        ratios = {r.label: r.receiver_rss_delta_kb * 1024 / r.held_nbytes for r in rows}
+        worst_label = max(ratios, key=ratios.get)  # type: ignore[arg-type]
+        run.stats[f"rss_ratio_receiver{suffix}"] = Stat.of([ratios[worst_label]], "ratio")
+        run.extra[f"rss_ratio_receiver{suffix}_path"] = worst_label
+
+
+def _extra_ratios(run: RunState) -> dict[str, float]:
+    """Ratios beyond the required set: what the manager adds over the primitives, the other
+    readiness figures, and optional connectors against their own raw limits."""
+    m = {name: stat.median for name, stat in run.stats.items()}
+    get = lambda name: m.get(name, math.nan)  # noqa: E731
+    n = run.settings.requests
+    out = {
+        "shm_primitives_vs_memcpy": ratio_of(get("memcpy"), get("shm_direct_1")),
+        "shm_manager_vs_primitives": ratio_of(get("shm_direct_1"), get("shm_e2e_1")),
+        "zmq_primitives_vs_raw": ratio_of(get("raw_zmq"), get("zmq_direct_1")),
+        "zmq_manager_vs_primitives": ratio_of(get("zmq_direct_1"), get("zmq_e2e_1")),
+        "readiness_zmq_p50_ms": get("readiness_zmq") * 1e3,
+        "readiness_shm_from_send_call_p50_ms": get("readiness_shm_from_call") * 1e3,
+        "readiness_zmq_from_send_call_p50_ms": get("readiness_zmq_from_call") * 1e3,
+        "readiness_shm_primitives_p50_ms": get("readiness_shm_direct") * 1e3,
+        "readiness_zmq_primitives_p50_ms": get("readiness_zmq_direct") * 1e3,
+        "readiness_baseline_p50_ms": get("readiness_baseline") * 1e3,
+        "shm_copying_e2e_vs_memcpy": ratio_of(get("memcpy"), get("shm_e2e_1_copy")),
+        "zmq_copying_1req_vs_raw": ratio_of(get("raw_zmq"), get("zmq_e2e_1_copy")),
+        "readiness_shm_copying_p50_ms": get("readiness_shm_copy") * 1e3,
+        "readiness_zmq_copying_p50_ms": get("readiness_zmq_copy") * 1e3,
+        "faults_per_mb_receiver_copying": get("faults_per_mb_receiver_copying"),
+        "rss_ratio_receiver_copying": get("rss_ratio_receiver_copying"),
+        "checksum_encode_extra_ms": (get("checksum_encode") - get("kvferry_encode")) * 1e3,
+        "checksum_verify_ms": get("checksum_decode") * 1e3,
+    }
+    for name in run.settings.extra_connectors:
+        out[f"{name}_1req_vs_raw"] = ratio_of(get(f"{name}_raw"), get(f"{name}_e2e_1"))
+        out[f"{name}_{n}req_vs_raw"] = ratio_of(n * get(f"{name}_raw"), get(f"{name}_e2e_n"))
+        out[f"readiness_{name}_p50_ms"] = get(f"readiness_{name}") * 1e3
+    return out
+
+
+def _finite(value: float) -> float | None:
+    return value if isinstance(value, (int, float)) and math.isfinite(value) else None
+
+
+def _report(run: RunState, machine: dict[str, Any], seconds: float) -> dict[str, Any]:
+    _worst(run)
+    ratios = compute_ratios(run.stats, run.settings.requests)
+    extra = _extra_ratios(run)
+    figures = {
+        name: {**stat.to_json(), "nbytes": run.nbytes.get(name), "gbps": _gbps(stat, run.nbytes.get(name, 0))}
+        for name, stat in run.stats.items()
+    }
+    per_path = {
+        label: {
+            "time_s": r.time.to_json(),
+            "latency_s": r.latency.to_json(),
+            "sender_faults_per_mb": r.sender_faults_per_mb.to_json(),
+            "receiver_faults_per_mb": r.receiver_faults_per_mb.to_json(),
+            "sender_peak_rss_delta_mb": r.sender_rss_delta_kb * 1024 / 1e6,
+            "receiver_peak_rss_delta_mb": r.receiver_rss_delta_kb * 1024 / 1e6,
+            "held_mb": r.held_nbytes / 1e6,
+            "data_checked": r.checked,
+            "sender_busy_s": None if r.sender_busy is None else r.sender_busy.to_json(),
+            "receiver_after_sender_s": None if r.receiver_tail is None else r.receiver_tail.to_json(),
+        }
+        for label, r in run.scenarios.items()
+    }
+    ck = run.stats.get("checksum_encode"), run.stats.get("kvferry_encode")
+    checksum = {}
+    if ck[0] is not None and ck[1] is not None:
+        checksum = {
+            "encode_extra_ms": (ck[0].median - ck[1].median) * 1e3,
+            "decode_verify_ms": run.stats["checksum_decode"].median * 1e3,
+            "crc32_gbps": run.settings.geometry.nbytes / ck[0].median / 1e9,
+        }
+    return {
+        "kvferry_bench": 1,
+        "ratios": {name: _finite(ratios[name]) for name in RATIO_NAMES},
+        "extra_ratios": {name: _finite(value) for name, value in extra.items()},
+        "targets": {name: str(TARGETS[name]) for name in RATIO_NAMES},
+        "meets_target": {name: TARGETS[name].met(ratios[name]) for name in RATIO_NAMES},
+        "ratio_inputs": {name: list(v) for name, v in RATIO_INPUTS.items()},
+        "figures": figures,
+        "paths": per_path,
+        "checksum_cost": checksum,
+        "notes": run.extra,
+        "failures": run.failures,
+        "data_checks": run.checks,
+        "settings": run.settings.to_json(),
+        "machine": machine,
+        "seconds": round(seconds, 1),
+        "argv": sys.argv[1:],
+    }

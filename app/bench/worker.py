@@ -1,0 +1,194 @@
+"""A benchmark peer process: sender or receiver side of every cross-process measurement.
+
+Run as ``python -m kvferry.app.bench.worker``; the channel is described in
+:mod:`kvferry.app.bench.proc`. Commands are the ``cmd_*`` methods of :class:`Worker`; each
+takes JSON-able keyword arguments and returns a JSON-able dict. Receive commands announce
+``ready`` right before they start waiting, so the orchestrator starts the sender only once the
+receiver waits.
+
+Timestamps are ``time.monotonic()`` seconds (CLOCK_MONOTONIC on Linux: one clock for every
+process of the machine, so a sender's and a receiver's stamps can be subtracted). Page faults
+are ``getrusage`` minor + major fault deltas of the whole process (all threads).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+import time
+import traceback
+from collections.abc import Callable
+from typing import Any
+
+import attrs
+
+from kvferry.app.bench.worker_kv import KvCommands, faults, memory_kb, reset_peak_rss
+
+__all__ = ["Worker", "main", "faults", "memory_kb", "reset_peak_rss"]
+
+logger = logging.getLogger(__name__)
+
+
+@attrs.define(eq=False)
+class Worker(KvCommands):
+    """State of one peer: caches, sockets, connectors and managers by name."""
+
+    announce: Callable[[], None] = lambda: None
+    caches: dict[str, Any] = attrs.field(factory=dict)
+    connectors: dict[str, Any] = attrs.field(factory=dict)
+    managers: dict[str, dict[int, Any]] = attrs.field(factory=dict)
+    put_stamps: list = attrs.field(factory=list)
+    kinds: dict[str, str] = attrs.field(factory=dict)
+    socket: Any = None
+    context: Any = None
+    raw_buffer: Any = None
+
+    # ------------------------------------------------------------------ setup and memory
+    def cmd_setup(self, name: str, geometry: dict, requests: int, seed: int) -> dict[str, Any]:
+        from kvferry.app.bench.model import Geometry
+        from kvferry.app.bench.payload import make_paged_cache
+
+        fields = {k: geometry[k] for k in ("layers", "tokens", "heads", "head_dim", "dtype", "block_size")}
+        cache = make_paged_cache(Geometry(**fields), requests, seed=seed)
+        self.caches[name] = cache
+        return {"blocks": cache.num_blocks, **memory_kb()}
+
+    def cmd_rss_reset(self) -> dict[str, Any]:
+        return {"reset": reset_peak_rss(), **memory_kb()}
+
+    def cmd_rss_peak(self) -> dict[str, Any]:
+        return memory_kb()
+
+    def cmd_expected_crc(self, cache: str, request: int, heads: list[int] | None = None) -> dict[str, Any]:
+        """crc32 of what kvferry should deliver for ``request`` (optionally a head range)."""
+        from kvferry.app.bench.payload import kv_crc, plan_request
+
+        plan = plan_request(
+            self.caches[cache], request, request_id="crc", heads=None if heads is None else (heads[0], heads[1])
+        )
+        keys, values = plan.materialize()
+        return {"crc": kv_crc(keys, values)}
+
+    # ------------------------------------------------------------------ PUSH/PULL pair
+    def _zmq(self) -> Any:
+        import zmq
+
+        if self.context is None:
+            self.context = zmq.Context()
+        return zmq
+
+    def cmd_push_bind(self, nbytes: int) -> dict[str, Any]:
+        """Bind a PUSH socket on loopback (OS-chosen port); hold a touched ``nbytes`` buffer."""
+        import torch
+
+        zmq = self._zmq()
+        self.socket = self.context.socket(zmq.PUSH)
+        self.socket.setsockopt(zmq.LINGER, 0)
+        self.socket.bind("tcp://127.0.0.1:0")
+        self.raw_buffer = torch.full((nbytes,), 7, dtype=torch.uint8)
+        return {"endpoint": self.socket.getsockopt(zmq.LAST_ENDPOINT).decode()}
+
+    def cmd_pull_connect(self, endpoint: str) -> dict[str, Any]:
+        zmq = self._zmq()
+        self.socket = self.context.socket(zmq.PULL)
+        self.socket.setsockopt(zmq.LINGER, 0)
+        self.socket.connect(endpoint)
+        return {}
+
+    def cmd_raw_send(self) -> dict[str, Any]:
+        t_go = time.monotonic()
+        self.socket.send(memoryview(self.raw_buffer.numpy()), copy=False)
+        return {"t_go": t_go, "t_end": time.monotonic()}
+
+    def cmd_raw_recv(self, timeout_s: float) -> dict[str, Any]:
+        from kvferry.core.errors import TransferTimeout
+
+        self.announce()
+        if not self.socket.poll(int(timeout_s * 1000)):
+            raise TransferTimeout(f"raw zmq: nothing within {timeout_s} s")
+        frame = self.socket.recv(copy=False)
+        t_done = time.monotonic()
+        return {"t_done": t_done, "nbytes": len(frame.buffer)}
+
+    def cmd_base_send(self, cache: str, request: int) -> dict[str, Any]:
+        """The baseline sender: naive extraction, tobytes + join, default (copying) send."""
+        from kvferry.app.bench.payload import baseline_encode, baseline_extract
+
+        c = self.caches[cache]
+        f0 = faults()
+        t_go = time.monotonic()
+        keys, values = baseline_extract(c, request)
+        blob = baseline_encode(f"base-{request}", keys, values, c.block_ids[request], {"seq_len": c.geometry.tokens})
+        t_put = time.monotonic()
+        self.socket.send(blob)
+        return {"t_go": t_go, "t_put": [t_put], "t_end": time.monotonic(), "faults": faults() - f0, "nbytes": len(blob)}
+
+    def cmd_base_recv(self, timeout_s: float) -> dict[str, Any]:
+        """The baseline receiver: sleep-polling (10 ms doubling to 500 ms), frombuffer views."""
+        from kvferry.app.bench.payload import baseline_decode, baseline_poll_recv, kv_crc
+
+        f0 = faults()
+        blob = baseline_poll_recv(self.socket, time.monotonic() + timeout_s, self.announce)
+        keys, values = baseline_decode(blob)
+        t_done = time.monotonic()
+        crc = kv_crc(keys, values)
+        return {"t_done": t_done, "t_have": [t_done], "crc": [crc], "faults": faults() - f0, "nbytes": len(blob)}
+
+    def close(self) -> None:
+        for name in list(self.connectors):
+            self.cmd_kv_close(name)
+        if self.socket is not None:
+            self.socket.close(0)
+        if self.context is not None:
+            self.context.term()
+
+
+def _serve(channel_in: Any, channel_out: Any) -> int:
+    import json
+
+    def send(message: dict[str, Any]) -> None:
+        channel_out.write((json.dumps(message, separators=(",", ":")) + "\n").encode())
+        channel_out.flush()
+
+    worker = Worker()
+    try:
+        for raw in channel_in:
+            try:
+                message = json.loads(raw)
+                ident, cmd, args = message["id"], message["cmd"], message.get("args") or {}
+            except (ValueError, KeyError, TypeError):
+                logger.error("bench worker: malformed command line %r", raw[:200])
+                return 2
+            method = getattr(worker, f"cmd_{cmd}", None)
+            if method is None:
+                send({"id": ident, "ok": False, "error": f"unknown command {cmd!r}"})
+                continue
+            worker.announce = lambda ident=ident: send({"id": ident, "event": "ready"})
+            try:
+                result = method(**args)
+            except Exception as exc:  # the failure travels back as a value; the trace to stderr
+                traceback.print_exc(file=sys.stderr)
+                send({"id": ident, "ok": False, "error": f"{type(exc).__name__}: {exc}"})
+            else:
+                send({"id": ident, "ok": True, "result": result})
+    finally:
+        worker.close()
+    return 0
+
+
+def main() -> int:
+    """Reserve the real stdout for the channel; anything else printed goes to stderr."""
+    channel_out = os.fdopen(os.dup(sys.stdout.fileno()), "wb", buffering=0)
+    os.dup2(sys.stderr.fileno(), sys.stdout.fileno())
+    logging.basicConfig(level=logging.WARNING, stream=sys.stderr)
+    threads = os.environ.get("KVFERRY_BENCH_THREADS", "")
+    if threads.isdigit() and int(threads) > 0:
+        import torch
+
+        torch.set_num_threads(int(threads))
+    return _serve(sys.stdin.buffer, channel_out)
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())

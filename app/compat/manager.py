@@ -1,0 +1,330 @@
+"""``OmniKVTransferManager``: the reference's manager API on top of :class:`KVTransferManager`.
+
+An engine written against the reference switches by changing imports. Where the reference read
+global parallel state, this class takes ``tp_rank`` / ``tp_size`` / ``groups`` as keyword
+arguments, else :func:`kvferry.app.compat.kv_utils.get_local_tp_rank` /
+:func:`~kvferry.app.compat.kv_utils.get_tp_world_size`. Typed outcomes of the last calls stay
+readable (``last_send_outcomes``, ``last_receive_outcome``, ``counters``).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Callable, Mapping
+from typing import Any
+
+from kvferry.app.compat.codec import KVPrefetchConsumeError, OmniKVCacheConfig
+from kvferry.app.compat.kv_utils import KVTPTopology, get_local_tp_rank, get_tp_world_size
+from kvferry.app.distribute import Distributor, kv_fields_of
+from kvferry.app.manager import KVCache, KVTransferManager, StageGroups
+from kvferry.app.prefetch import CONSUMED_KINDS, Prefetcher
+from kvferry.app.receive import ReceiveResult
+from kvferry.core.config import TransferConfig, extract_omni_kv_config
+from kvferry.core.errors import ConfigError
+from kvferry.core.ids import is_dummy_request
+from kvferry.core.outcomes import ReceiveOutcome, SendOutcome
+
+__all__ = ["OmniKVTransferManager", "COLLECTIVE_MARGIN_S"]
+
+logger = logging.getLogger(__name__)
+
+#: Followers wait for the leader's receive (up to ``recv_timeout``) plus this margin.
+COLLECTIVE_MARGIN_S = 30.0
+
+
+class OmniKVTransferManager:
+    """The reference's manager (REFERENCE_API.md) backed by kvferry's typed manager."""
+
+    def __init__(
+        self,
+        config: OmniKVCacheConfig | TransferConfig | None,
+        *,
+        async_prefetch: bool = False,
+        connector: Any = None,
+        tp_rank: int | None = None,
+        tp_size: int | None = None,
+        dp_rank: int = 0,
+        groups: StageGroups | None = None,
+        env: Mapping[str, str] | None = None,
+        has_cfg_collector: bool = False,
+        **manager_kwargs: Any,
+    ) -> None:
+        env = os.environ if env is None else env
+        if config is None:
+            config = OmniKVCacheConfig()
+        if isinstance(config, TransferConfig):
+            typed, config = config, OmniKVCacheConfig.from_transfer_config(config)
+        else:
+            typed = config.to_transfer_config(env)
+        self.config = config
+        self._manager = KVTransferManager(
+            typed,
+            tp_rank=get_local_tp_rank() if tp_rank is None else tp_rank,
+            tp_size=get_tp_world_size() if tp_size is None else tp_size,
+            dp_rank=dp_rank,
+            groups=groups or StageGroups(),
+            connector=connector,
+            **manager_kwargs,
+        )
+        m = self._manager
+        self.last_send_outcomes: list[SendOutcome] = []
+        self.last_receive_outcome: ReceiveOutcome | None = None
+        enabled = (
+            typed.need_recv_cache
+            and (async_prefetch or typed.enable_kv_async_prefetch)
+            and not has_cfg_collector
+            and not typed.receiver_pool_on_device
+        )
+        self._prefetcher = Prefetcher(
+            self._prefetch_receive,
+            enabled=enabled,
+            role=lambda: self._distributor().plan().role,
+            free_ratio=m.free_memory_ratio,
+            min_free_ratio=typed.kv_prefetch_min_free_mem_ratio,
+            wait_s=typed.recv_timeout + COLLECTIVE_MARGIN_S,
+        )
+        if m.sending and m.send_connector() is None:
+            logger.error(
+                "KV sending is configured but no connector could be created: %s", m.connector_failure("sender")
+            )
+
+    # ------------------------------------------------------------------------ constructors
+    @classmethod
+    def from_od_config(cls, config: Any, **kwargs: Any) -> OmniKVTransferManager:
+        omni = extract_omni_kv_config(config)
+        collector = getattr(config, "cfg_kv_collect_func", None)
+        if omni is None:
+            return cls(OmniKVCacheConfig(), has_cfg_collector=collector is not None, **kwargs)
+        env = kwargs.pop("env", None)
+        typed = TransferConfig.from_omni_kv_config(omni, os.environ if env is None else env)
+        return cls(typed, has_cfg_collector=collector is not None, env=env, **kwargs)
+
+    from_model_config = from_od_config
+
+    @classmethod
+    def from_vllm_config(cls, vllm_config: Any, model_config: Any = None, **kwargs: Any) -> OmniKVTransferManager:
+        env = kwargs.pop("env", None)
+        typed = TransferConfig.from_vllm_config(vllm_config, model_config, os.environ if env is None else env)
+        collector = getattr(model_config, "cfg_kv_collect_func", None) if model_config is not None else None
+        return cls(typed, has_cfg_collector=collector is not None, env=env, **kwargs)
+
+    # --------------------------------------------------------------------------- attributes
+    @property
+    def manager(self) -> KVTransferManager:
+        """The typed manager underneath."""
+        return self._manager
+
+    @property
+    def counters(self) -> Any:
+        return self._manager.counters
+
+    @property
+    def send_stages(self) -> tuple[Any, Any]:
+        return self._manager.config.send_stages
+
+    @property
+    def recv_stages(self) -> tuple[Any, Any]:
+        return self._manager.config.recv_stages
+
+    @property
+    def tp_topology(self) -> KVTPTopology:
+        from_tp, to_tp = self._manager.tp_sizes
+        return KVTPTopology(from_tp, to_tp, self._manager.tp_rank)
+
+    @property
+    def connector(self) -> Any:
+        """The connector (lazy; None when creation failed, which is not retried)."""
+        m = self._manager
+        return m.send_connector() if m.sending else m.recv_connector()
+
+    def _hook(name: str) -> property:  # type: ignore[misc]
+        def get(self: OmniKVTransferManager) -> Any:
+            return getattr(self._manager, name)
+
+        def set_(self: OmniKVTransferManager, value: Any) -> None:
+            if value is not None and not callable(value):
+                raise ConfigError(f"{name} must be callable or None")
+            setattr(self._manager, name, value)
+
+        return property(get, set_)
+
+    kv_send_key_builder = _hook("kv_send_key_builder")
+    kv_recv_key_builder = _hook("kv_recv_key_builder")
+    kv_payload_merger = _hook("kv_payload_merger")
+    kv_payload_slicer = _hook("kv_payload_slicer")
+    del _hook
+
+    # ------------------------------------------------------------------------------ sending
+    def update_sender_info(self, sender_info: Any, sender_stage_id: Any = None) -> None:
+        endpoint = self._manager.update_sender_info(sender_info, sender_stage_id)
+        if endpoint is None:
+            return
+        cc = self.config.connector_config
+        if isinstance(cc, dict):
+            cc["sender_host"] = endpoint.host
+            if endpoint.port is not None:
+                cc["sender_zmq_port"] = endpoint.port + self._manager.tp_rank * 16
+
+    def handle_finished_requests_kv_transfer(
+        self,
+        finished_reqs: Mapping[str, Any],
+        kv_caches: Any,
+        block_size: int,
+        cache_dtype: str,
+        request_id_resolver: Callable[[str], str] | None = None,
+    ) -> list[str]:
+        """Send every finished request; returns every processed id (sent or not).
+
+        The typed outcome of each is in :attr:`last_send_outcomes`.
+        """
+        if not finished_reqs:
+            self.last_send_outcomes = []
+            return []
+        self.last_send_outcomes = self._manager.send_requests(
+            finished_reqs, kv_caches, block_size, cache_dtype, request_id_resolver
+        )
+        return [str(rid) for rid in finished_reqs]
+
+    # ---------------------------------------------------------------------------- receiving
+    def _receive(self, request_id: str, target_device: Any = None, sender_info: Any = None) -> ReceiveResult:
+        result = self._manager.receive(
+            request_id, sender_info=sender_info, target_device=target_device, zero_copy=False
+        )  # the reference hands out tensors of their own
+        self.last_receive_outcome = result.outcome
+        return result
+
+    def receive_kv_cache_for_request(
+        self, request_id: str, target_device: Any = None, *, sender_info: Any = None
+    ) -> tuple[dict | None, int]:
+        result = self._receive(request_id, target_device, sender_info)
+        return (result.payload, result.nbytes) if result.ok else (None, 0)
+
+    @staticmethod
+    def apply_kv_cache_to_request(req: Any, data: Any) -> None:
+        KVTransferManager.apply_to_request(req, data)
+
+    def _apply_sender_info(self, req: Any) -> None:
+        info = getattr(req, "kv_sender_info", None)
+        if info is not None:
+            self.update_sender_info(info)
+
+    def receive_kv_cache(self, req: Any, target_device: Any = None) -> bool:
+        request_id = getattr(req, "request_id", None)
+        if not request_id:
+            return False
+        self._apply_sender_info(req)
+        data, _ = self.receive_kv_cache_for_request(request_id, target_device)
+        if data is None:
+            return False
+        self.apply_kv_cache_to_request(req, data)
+        return True
+
+    def _collect_cfg(self, req: Any, collector: Callable[..., Any] | None, target_device: Any) -> None:
+        params = getattr(req, "sampling_params", None)
+        cfg_ids = getattr(params, "cfg_kv_request_ids", None) if params is not None else None
+        if not cfg_ids or collector is None:
+            return
+        try:
+            extra = collector(req.request_id, cfg_ids, self, target_device)
+        except Exception:
+            logger.exception("request %s: the CFG KV collector failed; the primary KV stands", req.request_id)
+            return
+        for name, value in (extra or {}).items():
+            setattr(params, name, value)
+
+    def receive_multi_kv_cache(
+        self, req: Any, cfg_kv_collect_func: Callable[..., Any] | None = None, target_device: Any = None
+    ) -> bool:
+        ok = self.receive_kv_cache(req, target_device)
+        if ok:
+            self._collect_cfg(req, cfg_kv_collect_func, target_device)
+        return ok
+
+    def _distributor(self) -> Distributor:
+        m = self._manager
+        from_tp, to_tp = m.tp_sizes
+        return Distributor(
+            m.groups,
+            from_tp,
+            to_tp,
+            timeout_s=m.config.recv_timeout + COLLECTIVE_MARGIN_S,
+            kv_factory=KVCache,
+            on_drop=self._dropped,
+        )
+
+    def _dropped(self, request_id: str) -> None:
+        """This rank received, but a TP peer did not: every rank dropped the KV (SPEC 9.1)."""
+        self.last_receive_outcome = self._manager.record_consensus_drop(request_id)
+
+    def _active(self, req: Any) -> bool:
+        rid = getattr(req, "request_id", None)
+        return bool(rid) and not is_dummy_request(rid) and self._manager.receiving
+
+    def receive_multi_kv_cache_distributed(
+        self, req: Any, cfg_kv_collect_func: Callable[..., Any] | None = None, target_device: Any = None
+    ) -> bool:
+        """Receive by role (LOCAL / LEADER pull; FOLLOWER waits) and distribute (SPEC 6)."""
+        return self._distributor().run(
+            req, lambda r: self.receive_multi_kv_cache(r, cfg_kv_collect_func, target_device), active=self._active(req)
+        )
+
+    def distribute_kv_cache(self, req: Any, target_device: Any = None, *, received: bool = False) -> dict | None:
+        """Distribute what the leader already applied to ``req``; the fields this rank ends with."""
+        ok = self._distributor().run(req, lambda r: received and kv_fields_of(r) is not None, active=self._active(req))
+        return kv_fields_of(req) if ok else None
+
+    # ------------------------------------------------------------------------------ prefetch
+    def _prefetch_receive(self, request_id: str, sender_info: Any, target_device: Any) -> ReceiveResult:
+        return self._manager.receive(request_id, sender_info=sender_info, target_device=target_device, zero_copy=False)
+
+    def start_prefetch(self, kv_prefetch_job: Mapping[str, Any], target_device: Any = None) -> None:
+        started, reason = self._prefetcher.start(kv_prefetch_job, target_device)
+        if not started:
+            logger.debug("prefetch not started: %s", reason)
+
+    def consume_prefetched_kv(self, req: Any) -> tuple[dict | None, int]:
+        """The prefetched payload for ``req`` or ``(None, 0)`` (then receive synchronously).
+
+        Raises KVPrefetchConsumeError when the payload was taken but post-processing failed.
+        """
+        rid = getattr(req, "request_id", None)
+        result = self._prefetcher.take(str(rid)) if rid else None
+        if result is None:
+            return None, 0
+        self.last_receive_outcome = result.outcome
+        if result.outcome.kind in CONSUMED_KINDS:
+            raise KVPrefetchConsumeError(
+                f"request {rid}: prefetched KV was consumed but could not be used: {result.outcome.detail}",
+                request_id=str(rid),
+            )
+        return (result.payload, result.nbytes) if result.ok else (None, 0)
+
+    def consume_and_distribute_kv_cache(self, req: Any, target_device: Any = None) -> bool:
+        """Use a prefetched payload when there is one, else receive; then distribute."""
+
+        def receive(r: Any) -> bool:
+            try:
+                data, _ = self.consume_prefetched_kv(r)
+            except KVPrefetchConsumeError as exc:  # the payload is gone: no synchronous retry
+                logger.error("%s; the request runs without KV", exc)
+                return False
+            if data is not None:
+                self.apply_kv_cache_to_request(r, data)
+                return True
+            return self.receive_kv_cache(r, target_device)
+
+        return self._distributor().run(req, receive, active=self._active(req))
+
+    def shutdown_prefetch(self) -> None:
+        self._prefetcher.shutdown()
+
+    def close(self) -> None:
+        self.shutdown_prefetch()
+        self._manager.close()
+
+    def __enter__(self) -> OmniKVTransferManager:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()

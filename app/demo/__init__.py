@@ -1,0 +1,1 @@
+"""``kvferry demo``: a real two-stage pipeline on this machine, verified bit for bit."""

@@ -1,0 +1,119 @@
+"""The demo's pure description: geometry presets, the request list, every rank's config.
+
+Everything here is a deterministic function of :class:`DemoSpec`, so the parent, every
+sender rank and every receiver rank agree on the requests without talking to each other.
+"""
+
+from __future__ import annotations
+
+import random
+from typing import Any
+
+import attrs
+
+from kvferry.core.addressing import kv_port
+from kvferry.core.head_slices import plan_heads
+
+__all__ = ["PRESETS", "DemoSpec", "DemoRequest", "request_plan", "CONNECTOR_CHOICES"]
+
+#: name -> (model, layers, kv heads, head dim, dtype, block size)
+PRESETS: dict[str, tuple[str, int, int, int, str, int]] = {
+    "qwen2.5-7b": ("Qwen2.5-7B-Instruct", 28, 4, 128, "bfloat16", 16),
+    "llama-3.1-8b": ("Llama-3.1-8B", 32, 8, 128, "bfloat16", 16),
+    "qwen2.5-0.5b": ("Qwen2.5-0.5B", 24, 2, 64, "bfloat16", 16),
+    "tiny": ("tiny test model", 2, 8, 16, "bfloat16", 16),
+}
+
+#: CLI connector name -> connector_config dict (without ports, which the manager derives)
+CONNECTOR_CHOICES: dict[str, dict[str, Any]] = {
+    "shm": {"type": "shm"},
+    "zmq-tcp": {"type": "zmq", "transport": "tcp"},
+    "zmq-ipc": {"type": "zmq", "transport": "ipc"},
+    "memory": {"type": "memory"},
+    "mooncake": {"type": "mooncake"},
+}
+
+
+@attrs.frozen
+class DemoRequest:
+    request_id: str
+    seq_len: int
+    block_ids: tuple[int, ...]
+
+
+@attrs.frozen
+class DemoSpec:
+    """Everything a demo worker needs; plain values so it crosses process boundaries."""
+
+    connector: str = "shm"
+    from_tp: int = 2
+    to_tp: int = 4
+    model: str = "Qwen2.5-7B-Instruct"
+    layers: int = 28
+    kv_heads: int = 4
+    head_dim: int = 128
+    dtype: str = "bfloat16"
+    block_size: int = 16
+    requests: int = 64
+    min_tokens: int = 256
+    max_tokens: int = 4096
+    seed: int = 0
+    base_port: int = 50051
+    store_ports: tuple[int, int] = (0, 0)
+    timeout_s: float = 60.0
+    pool_bytes: int = 1 << 30
+    namespace: str = "demo"
+    done_file: str = ""
+    dump_dir: str | None = None
+
+    @property
+    def num_blocks(self) -> int:
+        """Blocks in each sender rank's synthetic cache: room for the longest request, twice."""
+        return 2 * -(-self.max_tokens // self.block_size) + 8
+
+    @property
+    def advertised_port(self) -> int:
+        """Sender rank 0's port (what the orchestrator advertises as sender info)."""
+        return kv_port(self.base_port, 0, 0, 0, tp_size=self.from_tp)
+
+    def head_range(self, receiver_rank: int) -> tuple[int, int]:
+        """The receiver rank's KV heads in the full model (start, stop)."""
+        plan = plan_heads(self.from_tp, self.to_tp, self.kv_heads)[receiver_rank]
+        return plan.abs_head_start, plan.abs_head_stop
+
+    def request_bytes(self, req: DemoRequest) -> int:
+        itemsize = 4 if self.dtype == "float32" else 2
+        return self.layers * 2 * req.seq_len * self.kv_heads * self.head_dim * itemsize
+
+    def omni_kv_config(self, role: str) -> dict[str, Any]:
+        """The ``omni_kv_config`` dict an engine would hand kvferry for this rank's stage."""
+        connector = dict(CONNECTOR_CHOICES[self.connector])
+        connector["zmq_port"] = self.base_port
+        if connector["type"] in ("shm", "zmq", "mooncake"):
+            connector["pool_bytes"] = self.pool_bytes
+        if connector["type"] == "shm":
+            connector["namespace"] = self.namespace
+        common = {
+            "connector_config": connector,
+            "rank_mapping": {"from_tp": self.from_tp, "to_tp": self.to_tp},
+            "recv_timeout": self.timeout_s,
+        }
+        if role == "sender":
+            return {**common, "omni_from_stage": 0, "omni_to_stage": 1, "stage_id": 0, "need_send_cache": True}
+        return {**common, "stage_id": 1, "engine_input_source": [0], "need_recv_cache": True}
+
+
+def request_plan(spec: DemoSpec) -> list[DemoRequest]:
+    """The demo's requests: lengths uniform in [min, max] tokens, random distinct blocks.
+    ValueError for fewer than 1 request or tokens outside ``1 <= min <= max``."""
+    if spec.requests < 1:
+        raise ValueError(f"--requests must be at least 1, got {spec.requests}")
+    if not 1 <= spec.min_tokens <= spec.max_tokens:
+        raise ValueError(f"need 1 <= --min-tokens <= --max-tokens, got {spec.min_tokens} and {spec.max_tokens}")
+    rng = random.Random(spec.seed)
+    out = []
+    for i in range(spec.requests):
+        seq_len = rng.randint(spec.min_tokens, spec.max_tokens)
+        blocks = rng.sample(range(spec.num_blocks), -(-seq_len // spec.block_size))
+        out.append(DemoRequest(f"demo-{spec.seed}-{i:04d}", seq_len, tuple(blocks)))
+    return out

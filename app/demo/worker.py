@@ -1,0 +1,238 @@
+"""One rank of the demo pipeline: a sender-stage or receiver-stage worker.
+
+A worker runs as a process (default) or a thread (the in-process ``memory`` connector). Each
+builds its :class:`~kvferry.app.manager.KVTransferManager` from an ``omni_kv_config`` dict
+through :mod:`kvferry.app.wiring`, exactly as an engine would. Synthetic paged caches are
+deterministic functions of ``(seed, sender rank)``, so a receiver rebuilds the sender's cache
+and checks every tensor bit for bit. Results go to the parent over a queue as plain dicts.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from typing import Any
+
+import attrs
+import torch
+
+from kvferry.app.demo.model import DemoSpec, request_plan
+from kvferry.core.policy import RetryPolicy
+
+__all__ = ["synthetic_cache", "expected_kv", "run_worker"]
+
+_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+
+
+def synthetic_cache(spec: DemoSpec, sender_rank: int) -> list[torch.Tensor]:
+    """Sender rank's paged cache: per layer ``[2, num_blocks, block, heads/TP, head_dim]``."""
+    gen = torch.Generator().manual_seed(spec.seed * 1000 + sender_rank)
+    heads = spec.kv_heads // spec.from_tp
+    shape = (2, spec.num_blocks, spec.block_size, heads, spec.head_dim)
+    dtype = _DTYPES[spec.dtype]
+    out = []
+    for _ in range(spec.layers):
+        # random bits reinterpreted: every bit pattern (NaNs included) must arrive exactly
+        bits = torch.randint(-(2**15), 2**15, shape, generator=gen, dtype=torch.int16)
+        out.append(bits.view(dtype) if dtype.itemsize == 2 else bits.to(torch.float32).to(dtype))
+    return out
+
+
+def expected_kv(
+    cache: list[torch.Tensor], block_ids: list[int], seq_len: int, head_range: tuple[int, int], which: int, layer: int
+) -> torch.Tensor:
+    """What the receiver must get for one layer: tokens of the blocks, heads of its slice.
+
+    Computed independently of kvferry's extraction (plain advanced indexing); one copy of
+    just the heads needed.
+    """
+    heads = cache[layer][which][:, :, head_range[0] : head_range[1]]
+    blocks = heads[torch.tensor(block_ids, dtype=torch.int64)]
+    return blocks.reshape(-1, *blocks.shape[2:])[:seq_len]
+
+
+def _stage_groups(role: str, rank: int, size: int, store_port: int, timeout_s: float) -> Any:
+    from kvferry.app.manager import StageGroups
+
+    if size <= 1:
+        return StageGroups()
+    import datetime
+
+    import torch.distributed as dist
+
+    from kvferry.adapters.collectives import TorchDistGroup
+
+    dist.init_process_group(
+        "gloo",
+        init_method=f"tcp://127.0.0.1:{store_port}",
+        rank=rank,
+        world_size=size,
+        timeout=datetime.timedelta(seconds=timeout_s),
+    )
+    world = TorchDistGroup()
+    return StageGroups(world=world, tp=world) if role == "receiver" else StageGroups(world=world)
+
+
+_BITS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+def _bits_equal(a: torch.Tensor | None, b: torch.Tensor) -> bool:
+    """Bit-for-bit equality (NaN payloads included), compared as integers."""
+    if a is None or a.shape != b.shape or a.dtype != b.dtype:
+        return False
+    bits = _BITS[a.dtype.itemsize]
+    return torch.equal(a.contiguous().view(bits), b.contiguous().view(bits))
+
+
+def run_worker(
+    role: str, rank: int, spec_dict: dict[str, Any], queue: Any, groups: Any = None, connector: Any = None
+) -> None:
+    """Entry point of one rank; reports ``{"kind": ...}`` dicts on ``queue``."""
+    torch.set_num_threads(1)
+    from kvferry.adapters.platform import tune_host_allocator
+
+    tune_host_allocator()
+    logging.basicConfig(level=logging.ERROR, format=f"[{role} {rank}] %(levelname)s %(name)s: %(message)s")
+    spec = DemoSpec(**spec_dict)
+    try:
+        if role == "sender":
+            _sender(spec, rank, queue, groups, connector)
+        else:
+            _receiver(spec, rank, queue, groups, connector)
+    except BaseException as exc:  # the parent must learn of every failure
+        queue.put({"kind": "error", "role": role, "rank": rank, "error": f"{type(exc).__name__}: {exc}"})
+        raise
+    finally:
+        queue.put({"kind": "done", "role": role, "rank": rank})
+
+
+def _manager(spec: DemoSpec, role: str, rank: int, groups: Any, connector: Any) -> Any:
+    from kvferry.app.wiring import build_manager
+
+    omni = spec.omni_kv_config(role)
+    size = spec.from_tp if role == "sender" else spec.to_tp
+    if groups is None:
+        groups = _stage_groups(role, rank, size, spec.store_ports[0 if role == "sender" else 1], spec.timeout_s + 30)
+    # the demo's producer waits out a full pool (back-pressure) rather than dropping requests
+    retry = RetryPolicy(attempts=600, first_backoff_s=0.02, factor=1.0)
+    return build_manager(
+        omni, tp_rank=rank, tp_size=size, groups=groups, connector=connector, env=os.environ, retry=retry
+    )
+
+
+def _sender(spec: DemoSpec, rank: int, queue: Any, groups: Any, connector: Any) -> None:
+    manager = _manager(spec, "sender", rank, groups, connector)
+    cache = synthetic_cache(spec, rank)
+    queue.put({"kind": "ready", "role": "sender", "rank": rank})
+    try:
+        for req in request_plan(spec):
+            finished = {req.request_id: {"block_ids": list(req.block_ids), "seq_len": req.seq_len}}
+            outcome = manager.send_requests(finished, cache, spec.block_size, spec.dtype)[0]
+            queue.put(
+                {
+                    "kind": "sent",
+                    "rank": rank,
+                    "request_id": req.request_id,
+                    "ok": outcome.ok,
+                    "reason": None if outcome.ok else f"{outcome.reason.value}: {outcome.detail}",
+                    "bytes": outcome.nbytes,
+                    "t": time.monotonic(),
+                }
+            )
+        if connector is None:  # hold payloads until every receiver took them or gave up
+            _wait_drained(manager, spec)
+    finally:
+        manager.close()
+
+
+def _wait_drained(manager: Any, spec: DemoSpec) -> None:
+    deadline = time.monotonic() + spec.timeout_s + 5
+    done_path = spec.done_file
+    while time.monotonic() < deadline and not os.path.exists(done_path):
+        time.sleep(0.05)
+
+
+def _receiver(spec: DemoSpec, rank: int, queue: Any, groups: Any, connector: Any) -> None:
+    manager = _manager(spec, "receiver", rank, groups, connector)
+    plan_heads = spec.head_range(rank)
+    caches: dict[int, list[torch.Tensor]] = {}
+    from kvferry.core.head_slices import merge_order
+
+    sources = merge_order(spec.from_tp, spec.to_tp, rank)
+    for s in sources:
+        caches[s] = synthetic_cache(spec, s)
+    queue.put({"kind": "ready", "role": "receiver", "rank": rank})
+    sender_info = {"host": "127.0.0.1", "zmq_port": spec.advertised_port}
+    from kvferry.app.distribute import Distributor
+    from kvferry.app.manager import KVCache
+
+    distributor = Distributor(
+        manager.groups, spec.from_tp, spec.to_tp, timeout_s=spec.timeout_s + 30, kv_factory=KVCache
+    )
+    try:
+        for req in request_plan(spec):
+            holder = _Request(req.request_id)
+            start = time.monotonic()
+            result_box: dict[str, Any] = {}
+
+            def receive(r: Any) -> bool:
+                # zero-copy: the tensors view the connector's pool until released below
+                res = manager.receive(r.request_id, sender_info=sender_info, zero_copy=True)
+                result_box["result"] = res
+                return manager.apply_to_request(r, res.payload) if res.ok else False
+
+            ok = distributor.run(holder, receive, active=True)
+            t_done = time.monotonic()
+            exact = False
+            if ok:
+                kv = holder.past_key_values
+                exact = all(
+                    _bits_equal(
+                        kv.key_cache[layer] if which == 0 else kv.value_cache[layer],
+                        _expected_merged(caches, sources, spec, req, which, layer, plan_heads),
+                    )
+                    for layer in range(spec.layers)
+                    for which in (0, 1)
+                )
+            res = result_box.get("result")
+            if res is not None:  # verified: drop the views, then give the pool buffers back
+                holder.past_key_values = None
+                res.release()
+            queue.put(
+                {
+                    "kind": "received",
+                    "rank": rank,
+                    "request_id": req.request_id,
+                    "ok": bool(ok),
+                    "bit_exact": exact,
+                    "outcome": res.outcome.kind.value if res else "error",
+                    "detail": res.outcome.detail if res else "",
+                    "bytes": res.nbytes if res else 0,
+                    "t": t_done,
+                    "seconds": t_done - start,
+                }
+            )
+    finally:
+        manager.close()
+
+
+def _expected_merged(
+    caches: dict, sources: tuple, spec: DemoSpec, req: Any, which: int, layer: int, heads: tuple[int, int]
+) -> torch.Tensor:
+    """The full-model head range ``heads`` of this request, from the owning senders' caches."""
+    per_sender = spec.kv_heads // spec.from_tp
+    parts = []
+    for s in sources:
+        lo, hi = s * per_sender, (s + 1) * per_sender
+        a, b = max(lo, heads[0]), min(hi, heads[1])
+        if a < b:
+            parts.append(expected_kv(caches[s], list(req.block_ids), req.seq_len, (a - lo, b - lo), which, layer))
+    return parts[0] if len(parts) == 1 else torch.cat(parts, dim=1)
+
+
+@attrs.define(eq=False)
+class _Request:
+    request_id: str
+    past_key_values: Any = None
+    kv_metadata: Any = None

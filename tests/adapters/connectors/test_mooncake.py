@@ -1,0 +1,476 @@
+"""The mooncake connector: control messages, config, endpoint resolution, unavailability, and
+(when the engine is installed) leases, claims, dead peers and size checks over loopback TCP.
+
+The connector contract itself is run by tests/contract (factory ``mooncake``)."""
+
+from __future__ import annotations
+
+import socket
+import sys
+import threading
+import time
+
+import msgpack
+import pytest
+import zmq
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from kvferry.adapters.connectors.mooncake import wire
+from kvferry.adapters.connectors.mooncake.config import MooncakeConfig
+from kvferry.adapters.connectors.mooncake.engine import _chunks, unavailable_message
+from kvferry.adapters.connectors.mooncake.receive import Endpoint, pin_margin_s, resolve_endpoint
+from kvferry.core.errors import BindError, ConfigError, ConnectorUnavailable, PayloadError
+
+settings.register_profile("kvferry-mooncake", max_examples=80, deadline=None)
+PROFILE = settings.get_profile("kvferry-mooncake")
+
+ids = st.integers(0, 2**63 - 1)
+keys = st.text(min_size=1, max_size=64)
+seconds = st.floats(0, 3600, allow_nan=False)
+u64 = st.integers(0, 2**64 - 1)
+
+lookups = st.builds(wire.Lookup, ids, keys, u64, seconds)
+found = st.builds(
+    lambda i, c, a, s, p, pin: wire.LookupReply(
+        i, True, claim=c, addr=a, size=min(s, 2**64 - 1 - a), rpc_port=p, pin_s=pin
+    ),
+    ids,
+    st.integers(1, 2**63 - 1),
+    st.integers(1, 2**63),
+    u64,
+    st.integers(1, 65535),
+    seconds,
+)
+misses = st.builds(
+    lambda i, r, s: wire.LookupReply(i, False, size=s, reason=r), ids, st.sampled_from(wire.MISS_REASONS), u64
+)
+dones = st.builds(wire.Done, ids, keys, ids, st.booleans())
+acks = st.builds(wire.Ack, ids)
+messages = st.one_of(lookups, found, misses, dones, acks)
+
+
+# -- control messages --------------------------------------------------------------------------
+
+
+@PROFILE
+@given(messages)
+def test_every_message_round_trips(message) -> None:
+    assert wire.decode(wire.encode(message)) == message
+
+
+@PROFILE
+@given(st.binary(max_size=300))
+def test_random_bytes_raise_only_payload_error(raw) -> None:
+    try:
+        wire.decode(raw)
+    except PayloadError:
+        pass
+
+
+@PROFILE
+@given(messages, st.data())
+def test_mutated_fields_raise_only_payload_error(message, data) -> None:
+    body = msgpack.unpackb(wire.encode(message), raw=False)
+    name = data.draw(st.sampled_from(sorted(body)))
+    body[name] = data.draw(
+        st.one_of(
+            st.none(),
+            st.booleans(),
+            st.integers(-(2**63), 2**64 - 1),
+            st.floats(),
+            st.text(max_size=5),
+            st.lists(st.integers(-5, 5), max_size=2),
+        )
+    )
+    try:
+        decoded = wire.decode(msgpack.packb(body))
+    except PayloadError:
+        return
+    assert type(decoded) is type(message) or name == "op"
+
+
+def test_decode_rejects_wrong_version_unknown_op_and_oversize() -> None:
+    good = msgpack.unpackb(wire.encode(wire.Ack(1)))
+    with pytest.raises(PayloadError, match="version"):
+        wire.decode(msgpack.packb({**good, "v": 99}))
+    with pytest.raises(PayloadError, match="unknown control op"):
+        wire.decode(msgpack.packb({**good, "op": "exec"}))
+    with pytest.raises(PayloadError, match="exceeds"):
+        wire.decode(b"\x80" * (wire.MAX_MESSAGE_BYTES + 1))
+    with pytest.raises(PayloadError, match="incomplete"):
+        wire.decode(msgpack.packb({"v": 1, "op": "done", "id": 1}))
+
+
+def test_found_reply_must_name_a_claim_and_a_miss_must_not() -> None:
+    with pytest.raises(PayloadError):
+        wire.LookupReply(1, True, claim=0, addr=64, rpc_port=5)
+    with pytest.raises(PayloadError):
+        wire.LookupReply(1, False, claim=3, reason="not_found")
+    with pytest.raises(PayloadError):
+        wire.LookupReply(1, False, reason="because")
+
+
+# -- pure helpers ------------------------------------------------------------------------------
+
+
+@PROFILE
+@given(st.integers(1, 10**8), st.integers(0, 2000), st.integers(0, 10**8))
+def test_chunks_tile_the_span_in_order(chunk, whole, extra) -> None:
+    length = chunk * whole + extra % chunk
+    pieces = _chunks(length, chunk)
+    assert sum(size for _, size in pieces) == length
+    cursor = 0
+    for offset, size in pieces:
+        assert offset == cursor and 0 < size <= chunk
+        cursor += size
+
+
+@PROFILE
+@given(st.floats(1e-3, 1e6, allow_nan=False))
+def test_pin_margin_is_positive_and_small(pin_s) -> None:
+    margin = pin_margin_s(pin_s)
+    assert 0 < margin <= pin_s / 10 and margin <= 1.0
+
+
+hosts = st.text(alphabet="abc.0123456789", min_size=1, max_size=20)
+ports = st.integers(1, 65535)
+
+
+@PROFILE
+@given(hosts, ports, st.none() | st.integers(0, 2**40), st.none() | st.tuples(hosts, ports))
+def test_metadata_endpoint_wins_over_the_default(host, port, size, default) -> None:
+    meta = {"source_host": host, "source_port": port}
+    if size is not None:
+        meta["size"] = size
+    assert resolve_endpoint(meta, default) == Endpoint(host, port, size)
+
+
+@PROFILE
+@given(st.none() | st.tuples(hosts, ports), st.none() | st.integers(0, 100))
+def test_without_an_endpoint_in_metadata_the_default_is_used(default, size) -> None:
+    meta = None if size is None else {"size": size}
+    got = resolve_endpoint(meta, default)
+    if default is None:
+        assert got is None
+    else:
+        assert got == Endpoint(default[0], default[1], size)
+
+
+def test_a_host_without_a_port_resolves_only_to_the_default_on_that_host() -> None:
+    assert resolve_endpoint({"source_host": "h"}, ("h", 9)) == Endpoint("h", 9)
+    assert resolve_endpoint({"source_host": "other"}, ("h", 9)) is None
+    assert resolve_endpoint({"source_host": "h"}, None) is None
+
+
+@pytest.mark.parametrize(
+    "meta, word",
+    [
+        ({"source_host": "h", "source_port": 0}, "source_port"),
+        ({"source_port": 5}, "source_host"),
+        ({"source_host": "h", "source_port": True}, "source_port"),
+        ({"source_host": "", "source_port": 5}, "source_host"),
+        ({"source_host": "h", "source_port": 5, "size": -1}, "size"),
+        ([("source_host", "h")], "mapping"),
+    ],
+)
+def test_bad_metadata_is_a_config_error_naming_the_key(meta, word) -> None:
+    with pytest.raises(ConfigError, match=word):
+        resolve_endpoint(meta, None)
+
+
+# -- config -------------------------------------------------------------------------------------
+
+
+def test_config_defaults_and_unknown_keys() -> None:
+    cfg = MooncakeConfig.from_mapping({"type": "mooncake", "something_else": 1})
+    assert (cfg.role, cfg.host, cfg.port, cfg.readers, cfg.protocol) == ("sender", "127.0.0.1", 0, 1, "tcp")
+
+
+@pytest.mark.parametrize(
+    "key, value",
+    [
+        ("role", "both"),
+        ("port", 70000),
+        ("port", -1),
+        ("pool_bytes", 0),
+        ("readers", 0),
+        ("lease_s", 0),
+        ("hold_s", float("inf")),
+        ("protocol", "udp"),
+        ("host", ""),
+        ("alignment", 48),
+        ("chunk_bytes", 10),
+        ("shared_engine", "yes"),
+        ("readers", True),
+    ],
+)
+def test_bad_config_values_name_the_key(key, value) -> None:
+    with pytest.raises(ConfigError, match=key):
+        MooncakeConfig.from_mapping({key: value})
+
+
+# -- unavailability -----------------------------------------------------------------------------
+
+
+def test_missing_package_fails_at_creation_saying_what_to_install(monkeypatch) -> None:
+    from kvferry.adapters.connectors.mooncake.connector import MooncakeConnector
+
+    monkeypatch.setitem(sys.modules, "mooncake", None)  # what Python sees when it is not installed
+    monkeypatch.setitem(sys.modules, "mooncake.engine", None)
+    config = {"type": "mooncake", "role": "receiver", "pool_bytes": 4096, "shared_engine": False}
+    with pytest.raises(ConnectorUnavailable, match=r"pip install 'kvferry\[mooncake\]'"):
+        MooncakeConnector.from_config(config)
+
+
+def test_registry_reports_the_missing_package_at_creation(monkeypatch) -> None:
+    from kvferry.app.registry import ConnectorRegistry
+
+    monkeypatch.setitem(sys.modules, "mooncake", None)
+    monkeypatch.setitem(sys.modules, "mooncake.engine", None)
+    registry = ConnectorRegistry()
+    config = {"type": "mooncake", "role": "sender", "pool_bytes": 4096, "shared_engine": False}
+    for _ in range(2):  # remembered: the second attempt fails the same way, at once
+        with pytest.raises(ConnectorUnavailable, match="pip install"):
+            registry.create(config)
+
+
+def test_missing_system_library_names_the_debian_package() -> None:
+    error = ImportError("libibverbs.so.1: cannot open shared object file: No such file or directory")
+    assert "apt-get install -y libibverbs1" in unavailable_message(error)
+    assert "pip install" in unavailable_message(ModuleNotFoundError("No module named 'mooncake'"))
+
+
+class FailingEngine:
+    def initialize(self, *args: object) -> int:
+        return -1
+
+
+def test_engine_that_fails_to_start_is_connector_unavailable() -> None:
+    from kvferry.adapters.connectors.mooncake.connector import MooncakeConnector
+
+    with pytest.raises(ConnectorUnavailable, match="failed to initialise"):
+        MooncakeConnector.from_config({"role": "sender", "pool_bytes": 4096}, engine_factory=FailingEngine)
+
+
+# -- with the engine ----------------------------------------------------------------------------
+
+
+def _engine_or_skip() -> None:
+    try:
+        import mooncake.engine  # noqa: F401
+    except (ImportError, OSError) as exc:
+        pytest.skip(f"mooncake transfer engine unavailable: {exc}")
+
+
+class FakeClock:
+    def __init__(self) -> None:
+        self.now = 100.0
+        self.lock = threading.Lock()
+
+    def monotonic(self) -> float:
+        with self.lock:
+            return self.now
+
+    def advance(self, seconds: float) -> None:
+        with self.lock:
+            self.now += seconds
+
+
+@pytest.fixture
+def make():
+    _engine_or_skip()
+    from kvferry.adapters.connectors.mooncake.connector import MooncakeConnector
+
+    made = []
+
+    def build(**config):
+        config.setdefault("pool_bytes", 1 << 20)
+        conn = MooncakeConnector.from_config(config)
+        made.append(conn)
+        return conn
+
+    yield build
+    for conn in reversed(made):
+        conn.close()
+
+
+def test_sender_reports_its_os_chosen_port(make) -> None:
+    sender = make(role="sender", port=0)
+    assert sender.port > 0 and sender.health()["port"] == sender.port
+    ok, size, meta = sender.put("0", "1", "k", b"abc")
+    assert ok and meta == {"source_host": "127.0.0.1", "source_port": sender.port, "size": 3}
+
+
+def test_bind_failure_names_host_and_port(make) -> None:
+    taken = socket.socket()
+    taken.bind(("127.0.0.1", 0))
+    taken.listen()
+    port = taken.getsockname()[1]
+    try:
+        with pytest.raises(BindError, match=f"127.0.0.1:{port}"):
+            make(role="sender", port=port)
+    finally:
+        taken.close()
+
+
+def test_put_on_a_receiver_is_a_typed_failure(make) -> None:
+    receiver = make(role="receiver")
+    ok, size, info = receiver.put("0", "1", "k", b"x")
+    assert (ok, size, info["reason"]) == (False, 0, "error")
+
+
+def test_get_without_any_sender_is_none_with_reason(make) -> None:
+    receiver = make(role="receiver")
+    assert receiver.get("0", "1", "k") is None
+    assert receiver.last_failure("k") == "no_sender"
+
+
+def test_expired_lease_is_reported_as_such(make) -> None:
+    clock = FakeClock()
+    sender = make(role="sender", lease_s=5.0, clock=clock)
+    receiver = make(role="receiver", clock=clock)
+    receiver.update_sender_info("127.0.0.1", sender.port)
+    assert sender.put("0", "1", "late", b"z" * 1000)[0]
+    clock.advance(5.0)
+    assert receiver.get("0", "1", "late") is None
+    assert receiver.last_failure("late") == "expired"
+    health = sender.health()
+    assert health["expired_unread"] == 1 and health["used_bytes"] == 0
+
+
+def _raw_lookup(port: int, key: str) -> wire.LookupReply:
+    ctx = zmq.Context.instance()
+    sock = ctx.socket(zmq.DEALER)
+    sock.linger = 0
+    sock.connect(f"tcp://127.0.0.1:{port}")
+    try:
+        sock.send(wire.encode(wire.Lookup(7, key, 1 << 30, 0.0)))
+        assert sock.poll(5000), "no reply from the sender"
+        reply = wire.decode(sock.recv())
+        assert isinstance(reply, wire.LookupReply)
+        return reply
+    finally:
+        sock.close()
+
+
+def test_a_claim_never_finished_is_revoked_after_hold_s(make) -> None:
+    clock = FakeClock()
+    sender = make(role="sender", hold_s=3.0, lease_s=100.0, clock=clock)
+    assert sender.put("0", "1", "stuck", b"q" * 5000)[0]
+    reply = _raw_lookup(sender.port, "stuck")  # a reader that claims and vanishes
+    assert reply.found and reply.size == 5000 and reply.pin_s == 3.0
+    assert sender.health()["used_bytes"] > 0
+    clock.advance(3.0)
+    assert sender.put("0", "1", "next", b"n")[0]  # every put sweeps first
+    health = sender.health()
+    assert health["revoked_claims"] == 1 and health["live_regions"] == 1  # only "next" is held
+    assert _raw_lookup(sender.port, "stuck").reason == "not_found"  # consumed, never re-served
+
+
+def test_malformed_control_messages_are_counted_and_ignored(make) -> None:
+    sender = make(role="sender")
+    ctx = zmq.Context.instance()
+    sock = ctx.socket(zmq.DEALER)
+    sock.linger = 0
+    sock.connect(f"tcp://127.0.0.1:{sender.port}")
+    try:
+        sock.send(b"\xc1garbage")
+        sock.send_multipart([b"two", b"frames"])
+        sock.send(wire.encode(wire.Lookup(1, "nothing", 10, 0.0)))
+        assert sock.poll(5000)
+        assert wire.decode(sock.recv()) == wire.LookupReply(1, False, reason="not_found")
+    finally:
+        sock.close()
+    assert sender.health()["bad_requests"] == 2
+
+
+def test_a_payload_larger_than_the_receivers_room_is_not_consumed(make) -> None:
+    sender = make(role="sender", pool_bytes=1 << 20)
+    small = make(role="receiver", pool_bytes=64 * 1024)
+    large = make(role="receiver", pool_bytes=1 << 20)
+    ok, _, meta = sender.put("0", "1", "wide", bytes(range(256)) * 1024)
+    assert ok
+    assert small.get("0", "1", "wide", meta) is None and small.last_failure("wide") == "no_room"
+    got = large.get("0", "1", "wide", meta)
+    assert got is not None and bytes(got[0].tensor.numpy()) == bytes(range(256)) * 1024
+    got[0].release()
+
+
+def test_announced_size_must_match_the_senders(make) -> None:
+    sender = make(role="sender")
+    receiver = make(role="receiver")
+    ok, _, meta = sender.put("0", "1", "sized", b"1234")
+    assert ok
+    assert receiver.get("0", "1", "sized", {**meta, "size": 5}) is None
+    assert receiver.last_failure("sized") == "size_mismatch"
+    assert receiver.health()["room"] == 1 << 20  # nothing kept for the refused payload
+    # the refused claim gave its reader slot back: a get that names the right size still reads it
+    got = receiver.get("0", "1", "sized", meta)
+    assert got is not None and bytes(got[0].tensor.numpy()) == b"1234"
+    got[0].release()
+    assert sender.health()["read_failed"] == 1
+
+
+def test_two_readers_each_get_their_copy_then_it_is_freed(make) -> None:
+    sender = make(role="sender", readers=2)
+    first, second = make(role="receiver"), make(role="receiver")
+    ok, _, meta = sender.put("0", "1", "shared", b"s" * 4096)
+    assert ok
+    a = first.get("0", "1", "shared", meta)
+    b = second.get("0", "1", "shared", meta)
+    assert a is not None and b is not None
+    assert a[0].tensor.data_ptr() != b[0].tensor.data_ptr()
+    assert first.get("0", "1", "shared", meta) is None
+    assert sender.health()["used_bytes"] == 0  # both reads done: the sender region is free
+    a[0].release()
+    b[0].release()
+    assert first.health()["room"] == 1 << 20
+
+
+def test_a_long_poll_that_ends_without_the_key_is_a_timeout(make) -> None:
+    sender = make(role="sender")
+    receiver = make(role="receiver")
+    receiver.update_sender_info("127.0.0.1", sender.port)
+    assert receiver.get_blocking("0", "1", "absent", timeout_s=0.2) is None
+    assert receiver.last_failure("absent") == "timeout"
+    assert receiver.get("0", "1", "absent") is None
+    assert receiver.last_failure("absent") == "not_found"
+
+
+def test_closed_sender_is_reported_promptly(make) -> None:
+    sender = make(role="sender")
+    receiver = make(role="receiver")
+    port = sender.port
+    sender.close()
+    start = time.monotonic()
+    assert (
+        receiver.get_blocking("0", "1", "k", {"source_host": "127.0.0.1", "source_port": port}, timeout_s=10.0) is None
+    )
+    assert time.monotonic() - start < 2.0
+    assert receiver.last_failure("k") == "sender_unavailable"
+    assert receiver.health()["miss_sender_unavailable"] == 1
+
+
+def test_pool_buffer_release_is_idempotent_and_returns_the_room(make) -> None:
+    sender = make(role="sender")
+    receiver = make(role="receiver")
+    ok, _, meta = sender.put("0", "1", "r", b"r" * 10_000)
+    got = receiver.get("0", "1", "r", meta)
+    assert ok and got is not None
+    buffer, size = got
+    assert size == 10_000 and buffer.tensor.dtype.itemsize == 1 and buffer.tensor.dim() == 1
+    assert receiver.health()["room"] < 1 << 20
+    with buffer:
+        pass
+    buffer.release()
+    assert receiver.health()["room"] == 1 << 20
+
+
+def test_bench_raw_transfer_reports_throughput() -> None:
+    _engine_or_skip()
+    from kvferry.adapters.connectors.mooncake.engine import bench_raw_transfer
+
+    result = bench_raw_transfer(1 << 20, reps=2)
+    assert result["nbytes"] == 1 << 20 and len(result["seconds"]) == 2
+    assert result["best_gbps"] >= result["median_gbps"] > 0

@@ -1,0 +1,458 @@
+"""The shm connector's own rules: names, permissions, zero-copy views, endpoints, reaping."""
+
+from __future__ import annotations
+
+import gc
+import itertools
+import os
+import shutil
+import stat
+import subprocess
+import sys
+import tempfile
+import time
+
+import msgpack
+import pytest
+import torch
+import zmq
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from kvferry.adapters.connectors.pool_buffer import wait_for_gc_releases
+from kvferry.adapters.connectors.shm.connector import ShmConnector
+from kvferry.adapters.connectors.shm.control import check_grant, check_request, decode, encode
+from kvferry.adapters.connectors.shm.segment import (
+    SHM_DIR,
+    check_namespace,
+    control_endpoint,
+    parse_segment_name,
+    pid_alive,
+    reap_namespace,
+    runtime_dir,
+    segment_name,
+)
+from kvferry.adapters.connectors.shm.server import Reader, ReaderRegistry
+from kvferry.app.registry import create_connector
+from kvferry.core.errors import BindError, ConfigError, ConnectorUnavailable
+
+PORT = 50151
+_COUNTER = itertools.count()
+
+
+class FakeClock:
+    def __init__(self) -> None:
+        self.now = 100.0
+
+    def monotonic(self) -> float:
+        return self.now
+
+
+@pytest.fixture
+def space():
+    """A private (namespace, runtime base) pair; asserts nothing of it is left afterwards."""
+    base = tempfile.mkdtemp(prefix="kvft-", dir="/tmp")
+    namespace = f"s{os.getpid()}n{next(_COUNTER)}"
+    yield namespace, base
+    leftovers = [n for n in os.listdir(SHM_DIR) if n.startswith(f"kvferry-{namespace}-")]
+    files = os.listdir(base)
+    shutil.rmtree(base, ignore_errors=True)
+    for name in leftovers:
+        os.unlink(os.path.join(SHM_DIR, name))
+    assert leftovers == [] and files == []
+
+
+def make(space, role: str, **extra) -> ShmConnector:
+    namespace, base = space
+    config = {"type": "shm", "role": role, "namespace": namespace, "runtime_dir": base, "pool_bytes": 1 << 20, **extra}
+    if role == "sender":
+        config.setdefault("port", PORT)
+    return create_connector(config)
+
+
+def segments_of(namespace: str) -> list[str]:
+    return sorted(n for n in os.listdir(SHM_DIR) if n.startswith(f"kvferry-{namespace}-"))
+
+
+# ------------------------------------------------------------------------------- naming
+
+
+@given(
+    namespace=st.from_regex(r"[A-Za-z0-9_.]{1,48}", fullmatch=True),
+    pid=st.integers(1, 2**22),
+    port=st.none() | st.integers(1, 65535),
+    token=st.from_regex(r"[0-9a-f]{8}", fullmatch=True),
+)
+@settings(max_examples=100, deadline=None)
+def test_segment_names_round_trip(namespace, pid, port, token) -> None:
+    name = segment_name(namespace, pid, port, token)
+    assert "kvferry" in name and str(pid) in name and "/" not in name
+    assert parse_segment_name(name) == (namespace, pid, "x" if port is None else str(port), token)
+
+
+@pytest.mark.parametrize("bad", ["", "a-b", "a/b", "x" * 49, None, 3, "sp ace"])
+def test_bad_namespaces_are_rejected(bad) -> None:
+    with pytest.raises(ConfigError, match="namespace"):
+        check_namespace(bad)
+
+
+def test_endpoint_is_derived_from_namespace_and_port() -> None:
+    assert control_endpoint("ns", 50151, "/run/x") == "ipc:///run/x/kvferry-ns/ctl-50151.sock"
+    assert runtime_dir("ns", "/run/x") == "/run/x/kvferry-ns"
+
+
+def test_config_errors_name_the_key(space) -> None:
+    for bad, key in (
+        ({"role": "both"}, "role"),
+        ({"port": 0}, "port"),
+        ({"rpc_timeout_s": -1}, "rpc_timeout_s"),
+        ({"namespace": "a-b"}, "namespace"),
+        ({"pool_bytes": "1"}, "pool_bytes"),
+    ):
+        with pytest.raises(ConfigError, match=key):
+            ShmConnector.from_config({"type": "shm", "role": "sender", **bad})
+
+
+# -------------------------------------------------------------------------- files, modes
+
+
+def test_sender_files_are_private_and_removed_on_close(space) -> None:
+    namespace, base = space
+    sender = make(space, "sender")
+    [name] = segments_of(namespace)
+    parsed = parse_segment_name(name)
+    assert parsed[1] == os.getpid() and parsed[2] == str(PORT)
+    assert stat.S_IMODE(os.stat(os.path.join(SHM_DIR, name)).st_mode) == 0o600
+    directory = runtime_dir(namespace, base)
+    assert stat.S_IMODE(os.stat(directory).st_mode) == 0o700
+    assert sorted(os.listdir(directory)) == [f"ctl-{PORT}.pid", f"ctl-{PORT}.sock"]
+    assert sender.health()["segment"] == name
+    sender.close()
+    sender.close()
+    assert segments_of(namespace) == [] and not os.path.exists(directory)
+
+
+def test_sender_dropped_without_close_is_cleaned_by_its_finalizer(space) -> None:
+    namespace, _ = space
+    sender = make(space, "sender")
+    assert segments_of(namespace)
+    del sender
+    gc.collect()
+    assert segments_of(namespace) == []
+
+
+def test_second_sender_on_a_live_port_fails_loudly_and_leaks_nothing(space) -> None:
+    namespace, _ = space
+    with make(space, "sender") as first:
+        with pytest.raises(ConnectorUnavailable) as info:
+            make(space, "sender")
+        assert isinstance(info.value.__cause__, BindError) and str(PORT) in str(info.value)
+        assert len(segments_of(namespace)) == 1
+        assert first.put("0", "1", "k", b"still works")[0]
+
+
+# --------------------------------------------------------------------- receive, zero copy
+
+
+def test_received_tensor_is_a_view_into_the_mapped_segment(space) -> None:
+    with make(space, "sender") as sender, make(space, "receiver") as receiver:
+        data = os.urandom(100_000)
+        ok, size, meta = sender.put("0", "1", "req_0_0_0_0", [data[:5], data[5:]])
+        assert ok and meta["segment"] in segments_of(space[0])
+        buffer, got_size = receiver.get("0", "1", "req_0_0_0_0", meta)
+        start, end = receiver.mapped_range(meta["segment"])
+        assert start <= buffer.tensor.data_ptr() and buffer.tensor.data_ptr() + got_size <= end
+        assert bytes(buffer.tensor.numpy()) == data and got_size == size
+        # the sender's pool holds the region until the reader releases it
+        assert sender.health()["used_bytes"] > 0
+        buffer.release()
+        assert sender.health()["used_bytes"] == 0
+
+
+def test_partial_metadata_and_default_sender(space) -> None:
+    with make(space, "sender") as sender, make(space, "receiver") as receiver:
+        assert receiver.get("0", "1", "a") is None  # no default sender yet: not found
+        assert receiver.health()["miss_no_sender"] == 1
+        for key in ("a", "b", "c"):
+            assert sender.put("0", "1", key, key.encode())[0]
+        got = receiver.get("0", "1", "a", {"source_host": "127.0.0.1", "source_port": PORT})
+        assert bytes(got[0].tensor.numpy()) == b"a"
+        got[0].release()
+        receiver.update_sender_info("127.0.0.1", PORT)
+        got = receiver.get("0", "1", "b")
+        assert bytes(got[0].tensor.numpy()) == b"b"
+        got[0].release()
+    with make(space, "receiver", sender_port=PORT) as configured:
+        assert configured.health()["sender_endpoint"].endswith(f"ctl-{PORT}.sock")
+        with pytest.raises(ConfigError):
+            configured.update_sender_info("h", 0)
+
+
+def test_absent_sender_is_a_fast_miss(space) -> None:
+    with make(space, "receiver", sender_port=PORT) as receiver:
+        start = time.monotonic()
+        assert receiver.get("0", "1", "k") is None
+        assert receiver.get_blocking("0", "1", "k", timeout_s=0.2) is None
+        assert time.monotonic() - start < 1.5
+        assert receiver.health()["miss_sender_absent"] == 1
+
+
+def test_receiver_cannot_put_or_reserve(space) -> None:
+    with make(space, "receiver") as receiver:
+        ok, size, info = receiver.put("0", "1", "k", b"x")
+        assert (ok, size, info["reason"]) == (False, 0, "error")
+        with pytest.raises(ConfigError):
+            receiver.reserve("0", "1", "k", 10)
+
+
+def test_a_sender_reads_its_own_pool(space) -> None:
+    with make(space, "sender") as sender:
+        assert sender.put("0", "1", "k", b"local")[0]
+        buffer, size = sender.get("0", "1", "k")
+        assert bytes(buffer.tensor.numpy()) == b"local" and size == 5
+        buffer.release()
+
+
+def test_receiver_follows_a_restarted_sender(space) -> None:
+    with make(space, "receiver", sender_port=PORT) as receiver:
+        for round_ in range(2):
+            with make(space, "sender") as sender:
+                assert sender.put("0", "1", "k", bytes([round_]) * 10)[0]
+                buffer, _ = receiver.get_blocking("0", "1", "k", timeout_s=5.0)
+                assert bytes(buffer.tensor.numpy()) == bytes([round_]) * 10
+                buffer.release()
+                # one mapping per sender: the restarted sender's segment replaced the old one
+                assert receiver.health()["mapped_segments"] == 1
+
+
+def eventually(check, what: str, timeout_s: float = 10.0):
+    """Poll ``check()`` (each call does real work: a round trip) until truthy or time is up."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        value = check()
+        if value:
+            return value
+    raise AssertionError(f"not within {timeout_s} s: {what}")
+
+
+def test_a_live_reader_keeps_its_bytes_past_hold(space) -> None:
+    """Zero-copy safety: a reader of a live process holding a buffer past hold_s keeps it; the
+    region is never handed out again while it holds it, whatever the churn."""
+    clock = FakeClock()
+    with (
+        make(space, "sender", clock=clock, lease_s=5.0, hold_s=2.0) as sender,
+        make(space, "receiver", sender_port=PORT) as receiver,
+    ):
+        data = os.urandom(600 * 1024)
+        assert sender.put("0", "1", "k", data)[0]
+        buffer, _ = receiver.get("0", "1", "k")
+        view = buffer.tensor[100:]  # what a decoded KV tensor is: a view of the pool buffer
+        clock.now += 60.0  # far past hold_s and the lease
+        health = sender.health()
+        assert health["used_bytes"] > 0 and health["overdue"] == 1 and health["held_overdue"] == 1
+        assert health.get("expired_unreleased", 0) == 0
+        for i in range(5):  # no room while it is held: pool_full, never its region
+            ok, _, info = sender.put("0", "1", f"churn{i}", os.urandom(600 * 1024))
+            assert not ok and info["reason"] == "pool_full"
+        assert bytes(view.numpy()) == data[100:]
+        assert sender.health()["held_overdue"] == 1  # reported once
+        buffer.release()
+        assert sender.health()["used_bytes"] == 0 and sender.health()["overdue"] == 0
+        assert sender.put("0", "1", "fresh", os.urandom(600 * 1024))[0]
+
+
+HOLDER = """
+import json, sys
+from kvferry.app.registry import create_connector
+namespace, base, port = sys.argv[1], sys.argv[2], int(sys.argv[3])
+receiver = create_connector({"type": "shm", "role": "receiver", "namespace": namespace,
+                             "runtime_dir": base, "sender_port": port})
+buffer, size = receiver.get_blocking("0", "1", "k", timeout_s=30.0)
+print(json.dumps({"holding": size}), flush=True)
+sys.stdin.readline()  # hold until killed
+"""
+
+
+def test_a_killed_reader_loses_its_hold(space) -> None:
+    namespace, base = space
+    clock = FakeClock()
+    with make(space, "sender", clock=clock, lease_s=5.0, hold_s=2.0) as sender:
+        assert sender.put("0", "1", "k", b"z" * 1000)[0]
+        reader = subprocess.Popen(
+            [sys.executable, "-c", HOLDER, namespace, base, str(PORT)],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            text=True,
+        )
+        try:
+            assert '"holding": 1000' in reader.stdout.readline()
+            clock.now += 2.0
+            assert sender.health()["used_bytes"] > 0  # alive: past hold_s, still held
+            reader.kill()  # not reaped yet: a zombie is gone too
+            health = eventually(
+                lambda: (h := sender.health())["used_bytes"] == 0 and h, "the killed reader's region was reclaimed"
+            )
+            assert health["expired_unreleased"] == 1 and health["overdue"] == 0
+        finally:
+            reader.kill()
+            reader.wait(timeout=30)
+        assert sender.put("0", "1", "k2", b"fresh")[0]
+
+
+def test_a_get_that_names_no_reader_is_revoked_at_hold(space) -> None:
+    """A receiver that does not say its pid (an older one) is presumed dead at hold_s."""
+    clock = FakeClock()
+    with make(space, "sender", clock=clock, lease_s=5.0, hold_s=2.0) as sender:
+        assert sender.put("0", "1", "k", b"z" * 1000)[0]
+        context = zmq.Context()
+        sock = context.socket(zmq.DEALER)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.connect(sender.endpoint)
+        try:
+            sock.send(encode({"op": "get", "id": 1, "key": "k"}))
+            assert sock.poll(5000)
+            grant = decode(sock.recv())
+            assert grant["ok"] and sender.health()["used_bytes"] > 0
+            clock.now += 2.0
+            assert sender.health()["used_bytes"] == 0 and sender.health()["expired_unreleased"] == 1
+            sock.send(encode({"op": "release", "ticket": grant["ticket"], "id": 2}))  # late: harmless
+            assert sock.poll(5000) and decode(sock.recv())["released"] is False
+        finally:
+            sock.close()
+            context.term()
+
+
+def test_release_soon_and_dropped_buffers_reach_the_sender(space) -> None:
+    with make(space, "sender") as sender, make(space, "receiver", sender_port=PORT) as receiver:
+        for key in ("a", "b"):
+            assert sender.put("0", "1", key, key.encode() * 100)[0]
+        first, _ = receiver.get("0", "1", "a")
+        assert first.tied_to_views
+        first.release_soon()  # does not wait for the sender...
+        first.release_soon()  # ...and is idempotent
+        assert receiver.flush_releases(5.0)  # ...but has reached it once a ping came back
+        assert sender.health()["entries"] == 1
+        second, _ = receiver.get("0", "1", "b")
+        view = second.tensor[10:20].view(torch.int16)
+        del second
+        gc.collect()
+        assert receiver.flush_releases(5.0) and sender.health()["used_bytes"] > 0  # a view lives
+        assert bytes(view.numpy()) == b"b" * 10
+        del view
+        assert wait_for_gc_releases(10.0) and receiver.flush_releases(5.0)
+        assert sender.health()["used_bytes"] == 0
+        assert sender.health()["releases"] == 2
+
+
+def test_a_release_for_another_segment_is_ignored(space) -> None:
+    """A restarted sender at the same endpoint never frees a ticket its predecessor granted."""
+    with make(space, "sender") as sender:
+        assert sender.put("0", "1", "k", b"v")[0]
+        context = zmq.Context()
+        sock = context.socket(zmq.DEALER)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.connect(sender.endpoint)
+        try:
+            sock.send(encode({"op": "get", "id": 1, "key": "k", "pid": os.getpid()}))
+            assert sock.poll(5000)
+            grant = decode(sock.recv())
+            sock.send(encode({"op": "release", "ticket": grant["ticket"], "seg": "kvferry-x-1-x-0", "id": 2}))
+            assert sock.poll(5000) and decode(sock.recv())["released"] is False
+            assert sender.health()["releases_foreign"] == 1 and sender.health()["used_bytes"] > 0
+            sock.send(encode({"op": "release", "ticket": grant["ticket"], "seg": grant["seg"], "id": 3}))
+            assert sock.poll(5000) and decode(sock.recv())["released"] is True
+        finally:
+            sock.close()
+            context.term()
+
+
+def test_reader_liveness_follows_the_process() -> None:
+    assert Reader.watch(os.getpid()).alive()
+    assert not Reader.watch(_dead_pid()).alive()
+    child = subprocess.Popen([sys.executable, "-c", "import sys; sys.stdin.readline()"], stdin=subprocess.PIPE)
+    try:
+        reader = Reader.watch(child.pid)
+        assert reader.alive()
+        child.kill()  # a zombie until waited for: gone all the same
+        eventually(lambda: not reader.alive(), "the killed child is seen gone")
+        assert not reader.alive()  # stays gone (its pid may be reused by a new process)
+    finally:
+        child.kill()
+        child.wait(timeout=30)
+    registry = ReaderRegistry(sweep_at=2)
+    assert registry.holder(None) is None and registry.holder(True) is None and registry.holder(-1) is None
+    me = registry.holder(os.getpid())
+    assert registry.holder(os.getpid()) is me and me.alive()
+    registry.holder(_dead_pid())
+    registry.holder(_dead_pid())  # the third reader sweeps the gone ones
+    assert len(registry) <= 2
+    registry.close()
+
+
+# ------------------------------------------------------------------------ control channel
+
+
+@given(st.binary(max_size=200))
+@settings(max_examples=200, deadline=None)
+def test_decoding_garbage_never_raises(frame) -> None:
+    message = decode(frame)
+    if message is not None:
+        check_request(message)
+        check_grant(message)
+
+
+def test_control_rejects_bad_requests_and_keeps_serving(space) -> None:
+    with make(space, "sender") as sender:
+        context = zmq.Context()
+        sock = context.socket(zmq.DEALER)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.connect(sender.endpoint)
+        try:
+            sock.send(b"\xc1garbage")
+            sock.send(msgpack.packb({"v": 1, "op": "get", "id": 7, "key": 5}))
+            sock.send(msgpack.packb({"v": 1, "op": "explode", "id": 8}))
+            sock.send(encode({"op": "ping", "id": 9}))
+            replies = []
+            while len(replies) < 3 and sock.poll(5000):
+                replies.append(decode(sock.recv()))
+        finally:
+            sock.close()
+            context.term()
+        assert [(r["id"], r["ok"], r.get("reason")) for r in replies] == [
+            (7, False, "bad_request"),
+            (8, False, "bad_request"),
+            (9, True, None),
+        ]
+        assert sender.health()["bad_requests"] == 3 and sender.health()["control_thread"]
+
+
+# ------------------------------------------------------------------------------- reaping
+
+
+def _dead_pid() -> int:
+    child = subprocess.Popen([sys.executable, "-c", "pass"])
+    child.wait(timeout=30)
+    assert not pid_alive(child.pid)
+    return child.pid
+
+
+def test_reaper_removes_only_dead_owners_files(space) -> None:
+    namespace, base = space
+    dead = _dead_pid()
+    stale = os.path.join(SHM_DIR, segment_name(namespace, dead, 7, "deadbeef"))
+    other_ns = os.path.join(SHM_DIR, segment_name(namespace + "x", dead, 7, "deadbeef"))
+    directory = runtime_dir(namespace, base)
+    os.makedirs(directory, mode=0o700)
+    for path in (stale, other_ns, os.path.join(directory, "ctl-7.sock")):
+        open(path, "wb").close()
+    with open(os.path.join(directory, "ctl-7.pid"), "w") as owner:
+        owner.write(f"{dead}\n")
+    try:
+        with make(space, "sender") as live:
+            assert not os.path.exists(stale)  # the sender's start reaped it
+            assert os.path.exists(other_ns)  # another namespace is not ours to touch
+            assert sorted(os.listdir(directory)) == [f"ctl-{PORT}.pid", f"ctl-{PORT}.sock"]
+            assert reap_namespace(namespace, base) == []  # the live sender's files stay
+            assert live.put("0", "1", "k", b"v")[0]
+    finally:
+        os.unlink(other_ns)
