@@ -18,7 +18,6 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvferry.core import header_decode, header_json
 from kvferry.core.errors import ConfigError, PayloadError
 from kvferry.core.header import (
     DTYPE_ITEMSIZE,
@@ -33,7 +32,9 @@ from kvferry.core.header import (
     plan_layout,
     plan_template,
 )
-from kvferry.core.header_values import _checked
+from kvferry.core.header import decode as header_decode
+from kvferry.core.header import json_reader as header_json
+from kvferry.core.header.values import _checked
 
 PROPERTY = settings(max_examples=100, deadline=None)
 DTYPES = sorted(DTYPE_ITEMSIZE)

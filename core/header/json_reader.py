@@ -16,10 +16,10 @@ from typing import TYPE_CHECKING, Any
 
 import attrs
 
-from kvferry.core.header_values import TensorDescriptor, _CheckedEntries, _fail, _short
+from kvferry.core.header.values import TensorDescriptor, _CheckedEntries, _fail, _short
 
 if TYPE_CHECKING:
-    from kvferry.core.header_decode import DecodeLimits
+    from kvferry.core.header.decode import DecodeLimits
 
 __all__: list[str] = []
 

@@ -4,8 +4,8 @@ Layout: ``[u32 big-endian header_len][header: UTF-8 JSON object][tensor data]``.
 fields (:data:`HEADER_FIELDS`, :data:`DESCRIPTOR_FIELDS`) defines the JSON keys and their order,
 which is the reference's order, so ``plan_layout(..., align=1, version=False)`` reproduces a
 reference header byte for byte. This module holds the encoder and the layout planner and is the
-public face of the codec: the values live in :mod:`kvferry.core.header_values`, the decoder and
-its limits in :mod:`kvferry.core.header_decode`, and every public name is importable from here.
+public face of the codec: the values live in :mod:`kvferry.core.header.values`, the decoder and
+its limits in :mod:`kvferry.core.header.decode`, and every public name is importable from here.
 
 Invariants (property-tested):
 
@@ -34,7 +34,7 @@ from typing import Any
 import attrs
 
 from kvferry.core.errors import ConfigError
-from kvferry.core.header_decode import (
+from kvferry.core.header.decode import (
     DESCRIPTOR_FIELDS,
     HEADER_FIELDS,
     DecodedHeader,
@@ -42,7 +42,7 @@ from kvferry.core.header_decode import (
     _enc_descriptor,
     decode_header,
 )
-from kvferry.core.header_values import (
+from kvferry.core.header.values import (
     _MAX_INT,
     _MEMO_NDIM,
     CHECKSUM_ALGORITHMS,

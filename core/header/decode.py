@@ -9,7 +9,7 @@ from an unchecked length: the header length is checked against the input and a l
 it is read, spans are checked against the data before anyone makes a tensor.
 
 Speed (a 56-tensor header decodes in tens of microseconds): a ``td`` text validated before is
-reused (:mod:`kvferry.core.header_json`), and a new one made of plain present descriptors is
+reused (:mod:`kvferry.core.header.json_reader`), and a new one made of plain present descriptors is
 checked column by column with C-level passes (:func:`_bulk_descriptors`) instead of one Python
 loop per descriptor; anything else takes the per-descriptor path, which names the fault.
 All sizes are in bytes.
@@ -27,8 +27,8 @@ from typing import Any
 import attrs
 
 from kvferry.core.errors import ConfigError
-from kvferry.core.header_json import _parse, _remember, _Reused
-from kvferry.core.header_values import (
+from kvferry.core.header.json_reader import _parse, _remember, _Reused
+from kvferry.core.header.values import (
     _MAX_INT,
     _MEMO_NDIM,
     _NAME_MAX,

@@ -1,7 +1,7 @@
 """The values of a KV payload header (SPEC 3.1): dtypes, tensor names, descriptors, the header.
 
 Pure data and validation, shared by the encoder (:mod:`kvferry.core.header`) and the decoder
-(:mod:`kvferry.core.header_decode`); import the public names from :mod:`kvferry.core.header`.
+(:mod:`kvferry.core.header.decode`); import the public names from :mod:`kvferry.core.header`.
 
 Validation is memoised where it only depends on small hashable inputs (a tensor name and its
 layer; a dtype and a shape): a 56-tensor payload repeats one ``(dtype, shape)`` 56 times, and a
