@@ -108,3 +108,46 @@ def test_no_pickle_or_eval_on_any_wire() -> None:
                         "gather_object",
                         "scatter_object_list",
                     }, f"{path}: torch.distributed.{node.attr} pickles; use the data-only codec"
+
+
+TOOL_PACKAGES = ("bench", "cli", "compat", "demo", "inspect", "plan")
+
+
+def test_the_library_never_imports_the_tools() -> None:
+    # app/'s top level is what an engine embeds; tools and compat sit on top of it
+    for path in sorted((ROOT / "app").glob("*.py")):
+        for name in _imports(path):
+            for tool in TOOL_PACKAGES:
+                assert not name.startswith(f"kvferry.app.{tool}"), f"{path.name} imports {name}"
+
+
+def _source_dirs() -> list[pathlib.Path]:
+    return sorted({p.parent for layer in ("core", "adapters", "app") for p in _layer_files(layer)})
+
+
+def test_no_folder_keeps_a_family_of_modules_sharing_a_prefix() -> None:
+    # three or more modules named <prefix>_* belong in a package <prefix>/
+    for folder in _source_dirs():
+        prefixes: dict[str, list[str]] = {}
+        for path in folder.glob("*.py"):
+            if path.stem.startswith("_"):
+                continue
+            prefixes.setdefault(path.stem.split("_")[0], []).append(path.stem)
+        families = {k: v for k, v in prefixes.items() if len(v) >= 3}
+        assert not families, f"{folder.relative_to(ROOT)}: {families}"
+
+
+def test_every_package_is_installed() -> None:
+    # a folder with an __init__.py that pyproject does not list is missing from a wheel install
+    tomllib = pytest.importorskip("tomllib")  # Python 3.11+
+
+    setup = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]
+    listed = set(setup["packages"])
+    found = {
+        "kvferry." + ".".join(init.parent.relative_to(ROOT).parts)
+        for layer in ("core", "adapters", "app")
+        for init in (ROOT / layer).rglob("__init__.py")
+    }
+    assert found == listed
+    for name in listed:
+        assert setup["package-dir"][name] == name[len("kvferry.") :].replace(".", "/")
