@@ -24,7 +24,7 @@ import datetime
 import logging
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 import attrs
@@ -249,6 +249,10 @@ def _fill(dest: Any, value: Any) -> Any:
 # torch.distributed group
 
 
+def _rank_tuple(ranks: Iterable[int]) -> tuple[int, ...]:
+    return tuple(ranks)
+
+
 @attrs.define(eq=False)
 class TorchDistGroup:
     """A torch.distributed process group (None: the default world group) as a CollectiveGroup.
@@ -258,7 +262,7 @@ class TorchDistGroup:
     """
 
     process_group: Any = None
-    ranks: tuple[int, ...] = attrs.field(default=(), converter=tuple)
+    ranks: tuple[int, ...] = attrs.field(default=(), converter=_rank_tuple)
     _device: Any = attrs.field(default=None, init=False)
 
     def __attrs_post_init__(self) -> None:

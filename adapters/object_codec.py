@@ -39,6 +39,7 @@ def _default(obj: Any) -> Any:
         t = obj.detach().cpu().resolve_conj().resolve_neg().contiguous()
         data = t.reshape(-1).view(torch.uint8).numpy().tobytes()
         return msgpack.ExtType(_EXT_TENSOR, _pack([name, list(t.shape), data]))
+    base: type[Any]
     for base in (bool, int, float, str, bytes, list, dict):  # subclasses (IntEnum, OrderedDict...)
         if isinstance(obj, base):
             return base(obj)

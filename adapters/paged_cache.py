@@ -243,7 +243,7 @@ class ExtractionPlan:
             for layer, (gather, view) in enumerate(zip(gathers, views)):
                 if (gather is None) != (view is None):
                     raise ConfigError(f"{which} layer {layer}: view must be None exactly when the layer is absent")
-                if gather is not None:
+                if gather is not None and view is not None:
                     gather.check_out(view)
                     pairs.append((gather, view, gather.choose_method(view.device, method)))
         with torch.no_grad():
@@ -289,7 +289,7 @@ def gather_slices(plans: Sequence[ExtractionPlan], dests: Sequence[Sequence[Sequ
                     raise ConfigError(
                         f"{_WHICH[which]} layer {layer}: view must be None exactly when the layer is absent"
                     )
-                if gather is not None:
+                if gather is not None and view is not None:
                     gather.check_out(view)
                     gathers.append(gather)
                     outs.append(view)

@@ -378,6 +378,7 @@ class TensorGather:
         if not self.tail_tokens:
             return
         layout, last = self._layout, self.block_ids[self.full_blocks]
+        assert layout is not None  # the native path runs only on blocks with a native layout
         _native.gather(
             out.data_ptr() + self.full_blocks * layout.block_bytes,
             self.blocks.data_ptr() + last * layout.block_stride,
@@ -431,6 +432,7 @@ def gather_split(gathers: Sequence[TensorGather], outs: Sequence[torch.Tensor], 
     for g in gathers:
         g._check_tail_id()
     if first.full_blocks:
+        assert layout is not None  # split_stride gave a stride: the gathers have a native layout
         _native.gather_split(
             tuple(o.data_ptr() for o in outs),
             stride,

@@ -123,15 +123,15 @@ def pack_request_kv(
 
 def _as_bytes_view(buf: Any) -> Any:
     if isinstance(buf, (list, tuple)):
-        return bytearray().join(f.cpu().numpy() if isinstance(f, torch.Tensor) else f for f in buf)
+        return bytearray().join(f.cpu().numpy().data if isinstance(f, torch.Tensor) else f for f in buf)
     if isinstance(buf, torch.Tensor):
         if buf.dtype != torch.uint8 or buf.dim() != 1:
             raise PayloadError("invalid side payload: a packed tensor must be 1-D uint8")
-        return buf if buf.device.type != "cpu" else memoryview(buf.contiguous().numpy())
+        return buf if buf.device.type != "cpu" else buf.contiguous().numpy().data
     return buf
 
 
-def _split_device(data: torch.Tensor) -> tuple[bytes, torch.Tensor] | SenderFailed:
+def _split_device(data: torch.Tensor) -> tuple[bytes, torch.Tensor] | tuple[memoryview, memoryview] | SenderFailed:
     """Split a device buffer, copying only the prefix and the side bytes to the host."""
     head = bytes(data[:4].cpu().numpy())
     if len(head) < 4:

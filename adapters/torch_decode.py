@@ -74,7 +74,7 @@ def host_byte_view(tensor: torch.Tensor) -> memoryview:
     """
     try:
         as_dtype = _NUMPY_AS.get(tensor.dtype)
-        return memoryview((tensor if as_dtype is None else tensor.view(as_dtype)).numpy()).cast("B")
+        return (tensor if as_dtype is None else tensor.view(as_dtype)).numpy().data.cast("B")
     except (RuntimeError, TypeError, ValueError):
         pass
     t = tensor.detach()
@@ -86,7 +86,7 @@ def host_byte_view(tensor: torch.Tensor) -> memoryview:
         t = t.resolve_conj()
     if t.is_neg():
         t = t.resolve_neg()
-    return memoryview(t.contiguous().reshape(-1).view(torch.uint8).numpy())
+    return t.contiguous().reshape(-1).view(torch.uint8).numpy().data
 
 
 @attrs.frozen(eq=False)
@@ -122,7 +122,7 @@ def _typed_view(
     if piece.storage_offset() % dtype.itemsize == 0:
         return piece.view(dtype).view(desc.shape)
     if buf.device.type == "cpu":  # a fresh storage at the exact address has no offset to align
-        return _from_host(memoryview(buf.numpy()), start, desc)
+        return _from_host(buf.numpy().data, start, desc)
     if not copy_if_misaligned:
         return None
     return piece.clone().view(dtype).view(desc.shape)
@@ -217,7 +217,7 @@ def _as_view(buf: Any) -> memoryview:
             or (buf.numel() and buf.stride(0) != 1)
         ):
             raise PayloadError("invalid KV payload: frames must be contiguous 1-D uint8 CPU tensors or bytes-like")
-        return memoryview(buf.numpy())
+        return buf.numpy().data
     try:
         view = buf if isinstance(buf, memoryview) else memoryview(buf)
         return view if view.format == "B" and view.ndim == 1 else view.cast("B")

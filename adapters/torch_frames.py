@@ -33,7 +33,7 @@ from kvferry.adapters.torch_decode import (
 )
 from kvferry.core.errors import ConfigError, RoutingError
 from kvferry.core.head_slices import slice_bounds
-from kvferry.core.header import LayoutTemplate, PayloadLayout, compute_checksum, kv_layout_template
+from kvferry.core.header import AbsentTensor, LayoutTemplate, PayloadLayout, compute_checksum, kv_layout_template
 
 __all__ = [
     "TORCH_DTYPES",
@@ -82,8 +82,8 @@ _TEMPLATES: dict[tuple, LayoutTemplate] = {}  # (torch signature, options) -> te
 _TEMPLATES_MAX = 64
 
 
-def _signature(layers: Sequence[Any]) -> tuple:
-    out = []
+def _signature(layers: Sequence[Any]) -> tuple[tuple[torch.dtype, torch.Size] | None, ...]:
+    out: list[tuple[torch.dtype, torch.Size] | None] = []
     for t in layers:
         if t is None:
             out.append(None)
@@ -151,7 +151,7 @@ def _views_of(layers: Sequence[Any], views: list[Any]) -> tuple:
         signature.append((dtype, t.shape))
         as_dtype = _NUMPY_AS.get(dtype)
         try:  # host_byte_view's fast path, inlined
-            views.append(memoryview((t if as_dtype is None else t.view(as_dtype)).numpy()).cast("B"))
+            views.append((t if as_dtype is None else t.view(as_dtype)).numpy().data.cast("B"))
         except (RuntimeError, TypeError, ValueError):
             views.append(host_byte_view(t))
     return tuple(signature)
@@ -236,7 +236,7 @@ def dest_views(dest: torch.Tensor, layout: PayloadLayout) -> list[torch.Tensor |
     _check_dest(dest, layout)
     out: list[torch.Tensor | None] = []
     for entry, span in zip(layout.header.tensors, layout.spans):
-        if span is None:
+        if span is None or isinstance(entry, AbsentTensor):  # the span of an absent layer is None
             out.append(None)
             continue
         view = _typed_view(dest, span[0], entry, copy_if_misaligned=False)
@@ -255,6 +255,7 @@ def finish_payload_in(dest: torch.Tensor, layout: PayloadLayout) -> PayloadLayou
     _check_dest(dest, layout)
     if layout.checksums_pending:
         algorithm = layout.header.checksum_algorithm
+        assert algorithm is not None  # pending checksums were planned with an algorithm
         layout = layout.with_checksums(
             [
                 compute_checksum(algorithm, host_byte_view(dest[s[0] : s[0] + s[1]]))
@@ -277,7 +278,7 @@ def write_payload_into(
     if len(tensors) != len(layout.header.tensors):
         raise ConfigError(f"expected {len(layout.header.tensors)} tensors, got {len(tensors)}")
     for entry, span, tensor in zip(layout.header.tensors, layout.spans, tensors):
-        if span is None or not span[1]:
+        if span is None or not span[1] or isinstance(entry, AbsentTensor):  # absent layers have no span
             continue
         if tensor is None or dtype_name(tensor.dtype) != entry.dtype or tuple(tensor.shape) != entry.shape:
             raise ConfigError(f"tensor {entry.name!r} does not match the planned dtype and shape")

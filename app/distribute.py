@@ -76,7 +76,7 @@ def kv_fields_of(req: Any) -> dict[str, Any] | None:
     return fields
 
 
-def apply_kv_fields(req: Any, fields: dict[str, Any], kv_factory: Callable[..., Any] | None = None) -> None:
+def apply_kv_fields(req: Any, fields: dict[str, Any], kv_factory: type[Any] | None = None) -> None:
     """Set received fields on the request and mirror them onto its sampling params."""
     kv = fields.get(PRIMARY_FIELD)
     if kv_factory is not None and kv is not None and not isinstance(kv, kv_factory):
@@ -203,8 +203,8 @@ def tp_consensus(group: Any, received: bool, applied_fields: Any, *, timeout_s: 
     Rank 0 gathers the signatures point-to-point and broadcasts the verdict; every rank makes
     the same calls in the same order.
     """
-    mine = list(consensus_signature(bool(received), applied_fields))
-    mine[1] = list(mine[1])
+    got, fields = consensus_signature(bool(received), applied_fields)
+    mine = [got, list(fields)]
     if group.rank == 0:
         sigs = [mine] + [group.recv_object(r, timeout_s=timeout_s) for r in range(1, group.size)]
         verdict = consensus_verdict(sigs)
@@ -256,7 +256,7 @@ class Distributor:
         to_tp: int,
         *,
         timeout_s: float,
-        kv_factory: Callable[..., Any],
+        kv_factory: type[Any],
         on_drop: Callable[[str], None] | None = None,
     ) -> None:
         self.groups = groups

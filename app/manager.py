@@ -226,10 +226,10 @@ class KVTransferManager:
             return None
         stage = self.config.recv_from_stage if sender_stage_id is None else sender_stage_id
         resolution = resolve_sender(sender_info, stage)
-        if not resolution.resolved:
+        endpoint = resolution.endpoint
+        if endpoint is None:  # not resolved
             logger.warning("sender info unresolved: %s", resolution.reason)
             return None
-        endpoint = resolution.endpoint
         with self._lock:
             self._sender = endpoint
             conn = self._recv_connector if self.connector is None else self.connector

@@ -29,7 +29,7 @@ from __future__ import annotations
 import logging
 import weakref
 from collections.abc import Callable
-from typing import Any
+from typing import Any, cast
 
 import attrs
 import torch
@@ -267,7 +267,8 @@ class ReceivePath:
 
     def _get_once(self, connector: Connector, key: str, meta: Any, remaining: float) -> Any:
         if self._is_blocking(connector):
-            return connector.get_blocking(str(self.from_stage), str(self.to_stage), key, meta, timeout_s=remaining)
+            blocking = cast(BlockingGet, connector)  # the check above
+            return blocking.get_blocking(str(self.from_stage), str(self.to_stage), key, meta, timeout_s=remaining)
         return connector.get(from_stage=str(self.from_stage), to_stage=str(self.to_stage), get_key=key, metadata=meta)
 
     def _wait_all(

@@ -77,7 +77,7 @@ def _check_port(name: str, port: int, detail: str) -> int:
 
 def kv_port(
     base_port: int,
-    from_stage: int | str,
+    from_stage: int | str | None,
     tp_rank: int = 0,
     replica: int = 0,
     dp_rank: int = 0,
@@ -87,7 +87,7 @@ def kv_port(
 
     ``tp_size`` matters only with ``dp_rank > 0``; when ``dp_rank > 0`` or ``tp_size > 1``,
     ``tp_rank`` must be below ``tp_size``. Raises RoutingError naming the field for: a stage
-    outside ``0..15``, a negative rank/replica/dp rank, ``tp_size < 1``, a rank slot
+    outside ``0..15`` (or None), a negative rank/replica/dp rank, ``tp_size < 1``, a rank slot
     ``(dp_rank*tp_size+tp_rank)*16 >= 1024``, a base port or result outside ``1..65535``.
     """
     base = check_int("base_port", base_port, MIN_PORT, RoutingError)

@@ -19,8 +19,8 @@ from __future__ import annotations
 import copy
 import math
 import types
-from collections.abc import Mapping
-from typing import Any
+from collections.abc import Callable, Mapping
+from typing import Any, TypeVar
 
 import attrs
 
@@ -36,6 +36,7 @@ __all__ = [
 ]
 
 Stage = int | str
+_T = TypeVar("_T")
 #: Environment variable holding the replica id (invalid or negative -> 0).
 REPLICA_ID_ENV = "VLLM_OMNI_REPLICA_ID"
 DEFAULT_RECV_TIMEOUT_S = 30.0
@@ -67,10 +68,10 @@ def _number(key: str, value: Any, default: float) -> float:
         return default
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         raise ConfigError(f"{key} must be a number, got {value!r}")
-    value = float(value)
-    if math.isnan(value) or math.isinf(value):
-        raise ConfigError(f"{key} must be finite, got {value!r}")
-    return value
+    number = float(value)
+    if math.isnan(number) or math.isinf(number):
+        raise ConfigError(f"{key} must be finite, got {number!r}")
+    return number
 
 
 def _timeout(key: str, value: Any) -> float:
@@ -138,14 +139,26 @@ def _connector(key: str, value: Any) -> Mapping[str, Any] | None:
     return types.MappingProxyType(copy.deepcopy(dict(value)))
 
 
+def _engine_input_source(value: Any) -> tuple[Stage, ...]:
+    return _sources("engine_input_source", value)
+
+
+def _recv_timeout(value: Any) -> float:
+    return _timeout("recv_timeout", value)
+
+
+def _prefetch_ratio(value: Any) -> float:
+    return _ratio("kv_prefetch_min_free_mem_ratio", value)
+
+
 def _frozen_connector(value: Any) -> Mapping[str, Any] | None:
     if isinstance(value, types.MappingProxyType) or value is None:
         return value
     return _connector("connector_config", value)
 
 
-def _validate(check: Any) -> Any:
-    def validator(instance: Any, attribute: attrs.Attribute, value: Any) -> None:
+def _validate(check: Callable[[str, Any], _T]) -> Callable[[Any, attrs.Attribute[_T], _T], None]:
+    def validator(instance: Any, attribute: attrs.Attribute[_T], value: _T) -> None:
         if check(attribute.name, value) != value:
             raise ConfigError(f"{attribute.name} must be given in normal form, got {value!r}")
 
@@ -168,18 +181,14 @@ class TransferConfig:
     from_stage: Stage | None = attrs.field(default=None, validator=_validate(_stage))
     to_stage: Stage | None = attrs.field(default=None, validator=_validate(_stage))
     stage_id: Stage | None = attrs.field(default=None, validator=_validate(_stage))
-    engine_input_source: tuple[Stage, ...] = attrs.field(
-        default=(), converter=lambda v: _sources("engine_input_source", v)
-    )
+    engine_input_source: tuple[Stage, ...] = attrs.field(default=(), converter=_engine_input_source)
     need_send_cache: bool = attrs.field(default=False, validator=_validate(_flag))
     need_recv_cache: bool = attrs.field(default=False, validator=_validate(_flag))
-    recv_timeout: float = attrs.field(default=DEFAULT_RECV_TIMEOUT_S, converter=lambda v: _timeout("recv_timeout", v))
+    recv_timeout: float = attrs.field(default=DEFAULT_RECV_TIMEOUT_S, converter=_recv_timeout)
     from_tp: int = attrs.field(default=1, validator=_validate(_tp))
     to_tp: int = attrs.field(default=1, validator=_validate(_tp))
     enable_kv_async_prefetch: bool = attrs.field(default=False, validator=_validate(_flag))
-    kv_prefetch_min_free_mem_ratio: float = attrs.field(
-        default=0.0, converter=lambda v: _ratio("kv_prefetch_min_free_mem_ratio", v)
-    )
+    kv_prefetch_min_free_mem_ratio: float = attrs.field(default=0.0, converter=_prefetch_ratio)
     base_port: int = attrs.field(default=DEFAULT_BASE_PORT, validator=_validate(_port))
     replica_id: int = attrs.field(default=0, validator=_validate(_replica))
     empty_reason: str | None = None

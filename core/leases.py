@@ -158,7 +158,7 @@ class _Record:
         )
 
 
-def _hold_validator(instance: Any, attribute: attrs.Attribute, value: Any) -> None:
+def _hold_validator(instance: Any, attribute: attrs.Attribute[float | None], value: Any) -> None:
     if value is not None:
         check_seconds("hold_s", value)
 

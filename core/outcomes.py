@@ -52,12 +52,12 @@ class SendReason(enum.Enum):
     NOT_SENDING = "not_sending"  # SKIPPED only
 
 
-def _non_negative_int(instance: Any, attribute: attrs.Attribute, value: Any) -> None:
+def _non_negative_int(instance: Any, attribute: attrs.Attribute[int], value: Any) -> None:
     if isinstance(value, bool) or not isinstance(value, int) or value < 0:
         raise ConfigError(f"{attribute.name} must be an integer >= 0, got {value!r}")
 
 
-def _seconds(instance: Any, attribute: attrs.Attribute, value: Any) -> None:
+def _seconds(instance: Any, attribute: attrs.Attribute[float], value: Any) -> None:
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         raise ConfigError(f"{attribute.name} must be a number of seconds, got {value!r}")
     if math.isnan(value) or value < 0:

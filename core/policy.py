@@ -7,7 +7,7 @@ caller (an injected :class:`~kvferry.core.ports.Clock`), so tests drive time by 
 from __future__ import annotations
 
 import math
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import attrs
@@ -28,23 +28,23 @@ __all__ = [
 def _number(name: str, value: Any, *, minimum: float, inclusive: bool = True) -> float:
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         raise ConfigError(f"{name} must be a number, got {value!r}")
-    value = float(value)
-    if math.isnan(value) or math.isinf(value):
-        raise ConfigError(f"{name} must be finite, got {value!r}")
-    if value < minimum or (not inclusive and value == minimum):
+    number = float(value)
+    if math.isnan(number) or math.isinf(number):
+        raise ConfigError(f"{name} must be finite, got {number!r}")
+    if number < minimum or (not inclusive and number == minimum):
         op = ">=" if inclusive else ">"
-        raise ConfigError(f"{name} must be {op} {minimum}, got {value!r}")
-    return value
+        raise ConfigError(f"{name} must be {op} {minimum}, got {number!r}")
+    return number
 
 
-def _check(minimum: float, inclusive: bool = True) -> Any:
-    def validator(instance: Any, attribute: attrs.Attribute, value: Any) -> None:
+def _check(minimum: float, inclusive: bool = True) -> Callable[[Any, attrs.Attribute[float], Any], None]:
+    def validator(instance: Any, attribute: attrs.Attribute[float], value: Any) -> None:
         _number(attribute.name, value, minimum=minimum, inclusive=inclusive)
 
     return validator
 
 
-def _positive_int(instance: Any, attribute: attrs.Attribute, value: Any) -> None:
+def _positive_int(instance: Any, attribute: attrs.Attribute[int], value: Any) -> None:
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
         raise ConfigError(f"{attribute.name} must be an integer >= 1, got {value!r}")
 

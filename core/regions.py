@@ -84,13 +84,13 @@ class AllocationFailure:
         )
 
 
-def _alignment_validator(instance: Any, attribute: attrs.Attribute, value: Any) -> None:
+def _alignment_validator(instance: Any, attribute: attrs.Attribute[int], value: Any) -> None:
     check_int("alignment", value, 1)
     if value & (value - 1):
         raise ConfigError(f"alignment must be a power of two, got {value}")
 
 
-def _capacity_validator(instance: Any, attribute: attrs.Attribute, value: Any) -> None:
+def _capacity_validator(instance: Any, attribute: attrs.Attribute[int], value: Any) -> None:
     check_int("capacity", value, 1)
 
 

@@ -70,10 +70,10 @@ class DistributionKind(enum.Enum):
 
 
 def _rank(name: str, rank: Any, size: int, size_name: str) -> int:
-    check_int(name, rank, 0, RoutingError)
-    if rank >= size:
-        raise RoutingError(f"{name} {rank} is outside the group ({size_name}={size})")
-    return rank
+    index = check_int(name, rank, 0, RoutingError)
+    if index >= size:
+        raise RoutingError(f"{name} {index} is outside the group ({size_name}={size})")
+    return index
 
 
 def tp_active(from_tp: int, to_tp: int, tp_size: int = 1) -> bool:

@@ -45,12 +45,12 @@ PORT_KEY = "zmq_port"
 _INT_TEXT = re.compile(r"-?[0-9]+")
 
 
-def _check_host(instance: Any, attribute: attrs.Attribute, value: Any) -> None:
+def _check_host(instance: Any, attribute: attrs.Attribute[str], value: Any) -> None:
     if not isinstance(value, str) or not value.strip():
         raise RoutingError(f"host must be a non-empty string, got {value!r}")
 
 
-def _check_port(instance: Any, attribute: attrs.Attribute, value: Any) -> None:
+def _check_port(instance: Any, attribute: attrs.Attribute[int | None], value: Any) -> None:
     if value is None:
         return
     if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= 65535:

@@ -36,11 +36,11 @@ __all__ = [
 ]
 
 
-def _size_validator(instance: Any, attribute: attrs.Attribute, value: Any) -> None:
+def _size_validator(instance: Any, attribute: attrs.Attribute[int], value: Any) -> None:
     check_int(attribute.name, value, 1, RoutingError)
 
 
-def _rank_validator(instance: Any, attribute: attrs.Attribute, value: Any) -> None:
+def _rank_validator(instance: Any, attribute: attrs.Attribute[int], value: Any) -> None:
     check_int(attribute.name, value, 0, RoutingError)
 
 

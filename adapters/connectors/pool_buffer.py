@@ -79,6 +79,8 @@ class _Exported:
     """Owner of exported pool bytes: alive while any tensor over them is (see tie_release)."""
 
     __slots__ = ("__array_interface__", "keep", "__weakref__")
+    __array_interface__: dict[str, Any]
+    keep: torch.Tensor
 
 
 def can_tie(view: Any) -> bool:

@@ -354,6 +354,10 @@ def connector_paths(run: RunState, sender: Peer, name: str, pool: int, small: Ge
             run.failures[f"{name} close"] = str(exc)[:800]
 
 
+#: The payload items of one TP request: ``(sender items, receiver items, expected)``.
+_TPItems = Callable[[int], tuple[list[dict], list[dict], Any]]
+
+
 def tp_paths(run: RunState, sender: Peer, name: str, send_cfg: dict, recv_cfg: dict, where: dict | None) -> None:
     """TP 2->2 against 2->4 for the same bytes: sender rank ``r`` serves from its own connector
     bound at ``port + r*16`` (as a deployment's ranks do); the receiver ranks pull by routing."""
@@ -381,6 +385,12 @@ def tp_paths(run: RunState, sender: Peer, name: str, send_cfg: dict, recv_cfg: d
             def items(i: int, to_tp: int = to_tp) -> tuple[list[dict], list[dict], Any]:
                 return tp_items(f"{name}tp{to_tp}", i, 2, to_tp, g.heads)
 
+            def send_args(i: int, items: _TPItems = items, group: str = group) -> dict[str, Any]:
+                return {"name": group, "cache": "main", "items": items(i)[0]}
+
+            def recv_args(i: int, items: _TPItems = items, group: str = group) -> dict[str, Any]:
+                return {"name": group, "items": items(i)[1], "sender": where}
+
             _fresh(
                 run,
                 sender,
@@ -390,8 +400,8 @@ def tp_paths(run: RunState, sender: Peer, name: str, send_cfg: dict, recv_cfg: d
                             f"kvferry {name} {label}",
                             "mgr_send",
                             "mgr_recv",
-                            lambda i, items=items, group=group: {"name": group, "cache": "main", "items": items(i)[0]},
-                            lambda i, items=items, group=group: {"name": group, "items": items(i)[1], "sender": where},
+                            send_args,
+                            recv_args,
                             2 * g.nbytes,
                             expected=items(0)[2],
                         ),

@@ -88,9 +88,9 @@ class Peer:
     def _fail(self, message: str, timeout: bool = False, tail: bool = True) -> TransferError:
         """The error for a peer fault; with ``tail`` (the peer died or hung) the end of its stderr."""
         text = f"bench peer {self.name!r} (pid {self.pid}): {message}"
-        tail = self.stderr_tail() if tail else ""
-        if tail:
-            text += f"; its stderr ends with: {tail[-600:]}"
+        ending = self.stderr_tail() if tail else ""
+        if ending:
+            text += f"; its stderr ends with: {ending[-600:]}"
         return TransferTimeout(text) if timeout else TransferError(text)
 
     def begin(self, cmd: str, /, **args: Any) -> int:
@@ -100,9 +100,11 @@ class Peer:
         ident = self._next_id
         self._next_id += 1
         line = json.dumps({"id": ident, "cmd": cmd, "args": args}, separators=(",", ":")) + "\n"
+        stdin = self._proc.stdin
+        assert stdin is not None  # a PIPE
         try:
-            self._proc.stdin.write(line.encode())  # type: ignore[union-attr]  # a PIPE
-            self._proc.stdin.flush()
+            stdin.write(line.encode())
+            stdin.flush()
         except (BrokenPipeError, OSError) as exc:
             raise self._fail(f"could not send {cmd!r}: {exc}") from None
         self._pending[ident] = []

@@ -32,7 +32,7 @@ import platform
 import sys
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import Any, TypedDict
 
 import attrs
 import torch
@@ -52,8 +52,14 @@ __all__ = ["run_bench", "machine_info", "RATIO_INPUTS", "SMALL"]
 
 logger = logging.getLogger(__name__)
 
+
+class _SmallRequest(TypedDict):
+    layers: int
+    tokens: int
+
+
 #: The small request of the readiness measurement: 1 layer, 16 tokens.
-SMALL = {"layers": 1, "tokens": 16}
+SMALL: _SmallRequest = {"layers": 1, "tokens": 16}
 #: Which figures each ratio is computed from (for the report).
 RATIO_INPUTS: dict[str, tuple[str, ...]] = {
     "codec_ms": ("kvferry_codec",),

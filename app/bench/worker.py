@@ -164,7 +164,11 @@ def _serve(channel_in: Any, channel_out: Any) -> int:
             if method is None:
                 send({"id": ident, "ok": False, "error": f"unknown command {cmd!r}"})
                 continue
-            worker.announce = lambda ident=ident: send({"id": ident, "event": "ready"})
+
+            def announce(ident: Any = ident) -> None:
+                send({"id": ident, "event": "ready"})
+
+            worker.announce = announce
             try:
                 result = method(**args)
             except Exception as exc:  # the failure travels back as a value; the trace to stderr

@@ -7,6 +7,7 @@ Writes the first requests of the demo as sender rank 0 would put them: in kvferr
 from __future__ import annotations
 
 import os
+from typing import Any
 
 from kvferry.adapters.paged_cache import ExtractionSkipped, plan_extraction
 from kvferry.adapters.torch_frames import encode_bytes
@@ -29,7 +30,10 @@ def dump_payloads(spec: DemoSpec, directory: str, count: int = 2) -> list[str]:
         if isinstance(plan, ExtractionSkipped):
             continue
         keys, values = plan.materialize()
-        layouts = {"kvferry": {"align": 64, "checksums": "crc32"}, "reference": {"align": 1, "version": False}}
+        layouts: dict[str, dict[str, Any]] = {
+            "kvferry": {"align": 64, "checksums": "crc32"},
+            "reference": {"align": 1, "version": False},
+        }
         for name, options in layouts.items():
             path = os.path.join(directory, f"{req.request_id}.{name}.kv")
             with open(path, "wb") as f:

@@ -394,7 +394,7 @@ def kv_layout_template(
     entries: list[Entry] = []
     spans: list[tuple[int, int] | None] = []
     texts: list[str] = []
-    middles: dict[tuple, str] = {}  # (dtype, shape) -> the descriptor's JSON between "i" and "o"
+    middles: dict[tuple[str, tuple[int, ...]], str] = {}  # (dtype, shape) -> the descriptor's JSON between "i" and "o"
     tail = ',"c":"00000000"}' if checksums is not None else "}"
     checksum = 0 if checksums is not None else None
     pos = min_layers = 0

@@ -22,7 +22,7 @@ import re
 import struct
 from collections.abc import Callable
 from itertools import chain, repeat
-from typing import Any
+from typing import Any, TypeGuard, cast
 
 import attrs
 
@@ -95,7 +95,7 @@ def _dec_bids(value: Any, ctx: Any) -> tuple[int, ...]:
     return tuple(value)
 
 
-def _dec_meta(value: Any, ctx: Any) -> dict:
+def _dec_meta(value: Any, ctx: Any) -> dict[str, Any]:
     if not isinstance(value, dict):
         raise _fail(f"meta must be an object, got {_short(value)}")
     return value
@@ -180,11 +180,15 @@ DESCRIPTOR_FIELDS: tuple[_Field, ...] = (
 )
 
 
-def _small_int(value: Any) -> bool:
+#: A descriptor's constructor arguments: name, layer, dtype, shape, offset, nbytes, checksum.
+_Fields = tuple[str, int, str, tuple[int, ...], int, int, int | None]
+
+
+def _small_int(value: Any) -> TypeGuard[int]:
     return type(value) is int and 0 <= value <= _MAX_INT
 
 
-def _fast_fields(item: dict, limits: DecodeLimits) -> tuple | None:
+def _fast_fields(item: dict[str, Any], limits: DecodeLimits) -> _Fields | None:
     """The descriptor's fields when every one has its plain form, else None (then the table
     decodes it and reports the first fault). Decides exactly as the table would."""
     name, layer, dtype, shape = item.get("n"), item.get("i"), item.get("d"), item.get("s")
@@ -223,7 +227,7 @@ def _ints_ok(values: Any) -> bool:
     return not values or (set(map(type, values)) == _INT and min(values) >= 0 and max(values) <= _MAX_INT)
 
 
-def _bulk_descriptors(items: list, limits: DecodeLimits) -> _CheckedEntries | None:
+def _bulk_descriptors(items: list[Any], limits: DecodeLimits) -> _CheckedEntries | None:
     """A ``td`` list of plain present descriptors (exactly ``n i d s o b`` [``c``]), validated
     column by column in C-level passes; None unless every descriptor passes every check
     :func:`_dec_descriptor` and :func:`_checked` make (then they decide, and name the fault)."""
@@ -247,7 +251,10 @@ def _bulk_descriptors(items: list, limits: DecodeLimits) -> _CheckedEntries | No
     if not _ints_ok(list(chain.from_iterable(shapes))):
         return None
     parsed = list(map(_name_memo, names))  # (kind, layer); short exact strings: bounded memo keys
-    if None in parsed or tuple(map(_SECOND, parsed)) != layers or len(set(parsed)) != len(parsed):
+    if None in parsed:
+        return None
+    pairs = cast("list[tuple[str, int]]", parsed)  # no None left
+    if tuple(map(_SECOND, pairs)) != layers or len(set(pairs)) != len(pairs):
         return None
     shapes = tuple(map(tuple, shapes))
     sizes = list(map(_size_memo, dtypes, shapes))  # (problem, nbytes) per exact (dtype, shape)

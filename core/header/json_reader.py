@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import re
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import attrs
@@ -52,17 +53,24 @@ def _remember(raw: str, entries: Any) -> None:
 
 
 # --------------------------------------------------------------------------- the JSON object
-_SCAN = json.decoder.JSONDecoder().scan_once  # json.loads' own value scanner
-_SCAN_STRING = json.decoder.scanstring
+_Scanner = Callable[[str, int], tuple[Any, int]]  # (text, index) -> (value, index after it)
+_StringReader = Callable[[str, int, bool], tuple[str, int]]  # (text, index after the quote, strict)
+# json.loads' own value scanner and string reader
+_SCAN: _Scanner = json.decoder.JSONDecoder().scan_once  # type: ignore[attr-defined]  # stubs omit scan_once
+_SCAN_STRING: _StringReader = json.decoder.scanstring  # type: ignore[attr-defined]  # stubs omit scanstring
 _WS = re.compile(r"[ \t\n\r]*")
 _SPACE = " \t\n\r"
 
 
 def _skip(text: str, at: int) -> int:
-    return _WS.match(text, at).end() if at < len(text) and text[at] in _SPACE else at
+    if at < len(text) and text[at] in _SPACE:
+        found = _WS.match(text, at)
+        assert found is not None  # the pattern matches the empty string too
+        return found.end()
+    return at
 
 
-def _read_object(text: str, limits: DecodeLimits) -> tuple[dict, str | None] | None:
+def _read_object(text: str, limits: DecodeLimits) -> tuple[dict[str, Any], str | None] | None:
     """``(object, raw td text or None)`` exactly as ``json.loads`` would parse ``text``, with a
     previously validated ``td`` text replaced by :class:`_Reused`. None when the text is not a
     well-formed JSON object (``json.loads`` then decides what it is)."""

@@ -15,7 +15,7 @@ import functools
 import math
 import re
 import zlib
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from types import MappingProxyType
 from typing import Any
 
@@ -146,6 +146,11 @@ def _element_info(name: Any, layer: Any, dtype: Any, shape: tuple[Any, ...]) -> 
     return _size_problem(dtype, shape)
 
 
+def _int_tuple(values: Iterable[int]) -> tuple[int, ...]:
+    """A shape or block-id list as a tuple (the attrs converter of those fields)."""
+    return tuple(values)
+
+
 @attrs.frozen(cache_hash=True)
 class TensorSpec:
     """A tensor to be laid out: name, layer index, dtype name and shape (elements)."""
@@ -153,7 +158,7 @@ class TensorSpec:
     name: str
     layer: int
     dtype: str
-    shape: tuple[int, ...] = attrs.field(converter=tuple)
+    shape: tuple[int, ...] = attrs.field(converter=_int_tuple)
 
     def __attrs_post_init__(self) -> None:
         problem, _ = _element_info(self.name, self.layer, self.dtype, self.shape)
@@ -176,7 +181,7 @@ class TensorDescriptor:
     name: str
     layer: int
     dtype: str
-    shape: tuple[int, ...] = attrs.field(converter=tuple)
+    shape: tuple[int, ...] = attrs.field(converter=_int_tuple)
     offset: int
     nbytes: int
     checksum: int | None = None
@@ -209,7 +214,7 @@ class AbsentTensor:
 Entry = TensorDescriptor | AbsentTensor
 
 
-class _CheckedEntries(tuple):
+class _CheckedEntries(tuple[Entry, ...]):
     """Entries whose header-independent invariants hold (made only by :func:`_checked`).
 
     ``min_layers`` is the smallest ``num_layers`` they fit; ``checksummed`` is whether the
@@ -230,26 +235,26 @@ def _checked(entries: Any) -> tuple[Entry, ...]:
     plain tuple (then :class:`PayloadHeader` finds and reports the first fault itself)."""
     if type(entries) is _CheckedEntries:
         return entries
-    entries = tuple(entries)
+    items: tuple[Any, ...] = tuple(entries)
     seen: set[tuple[bool, int]] = set()
     spans: list[tuple[int, int] | None] = []
     min_layers, data_end, checksummed = 0, 0, None
-    for entry in entries:
+    for entry in items:
         if type(entry) is AbsentTensor:
             spans.append(None)
             continue
         if type(entry) is not TensorDescriptor:
-            return entries
+            return items
         slot = (entry.name.startswith("key"), entry.layer)
         has_checksum = entry.checksum is not None
         if slot in seen or (checksummed is not None and checksummed != has_checksum):
-            return entries
+            return items
         seen.add(slot)
         checksummed = has_checksum
         min_layers = max(min_layers, entry.layer + 1)
         data_end = max(data_end, entry.offset + entry.nbytes)
         spans.append((entry.offset, entry.nbytes))
-    return _checked_as(entries, min_layers, checksummed, tuple(spans), data_end)
+    return _checked_as(items, min_layers, checksummed, tuple(spans), data_end)
 
 
 _new, _set = object.__new__, object.__setattr__
@@ -274,7 +279,11 @@ def _trusted_descriptor(
 
 
 def _checked_as(
-    entries: list, min_layers: int, checksummed: bool | None, rel_spans: tuple, data_end: int
+    entries: Iterable[Entry],
+    min_layers: int,
+    checksummed: bool | None,
+    rel_spans: tuple[tuple[int, int] | None, ...],
+    data_end: int,
 ) -> _CheckedEntries:
     """:class:`_CheckedEntries` whose invariants the caller established (see :func:`_checked`)."""
     out = _CheckedEntries(entries)
@@ -302,8 +311,8 @@ class PayloadHeader:
     """
 
     request_id: str
-    block_ids: tuple[int, ...] = attrs.field(converter=tuple)
-    metadata: dict = attrs.field(converter=dict, hash=False)
+    block_ids: tuple[int, ...] = attrs.field(converter=_int_tuple)
+    metadata: dict[str, Any] = attrs.field(converter=dict, hash=False)
     num_layers: int
     tensors: tuple[Entry, ...] = attrs.field(converter=_as_entries)
     format_version: int | None = None

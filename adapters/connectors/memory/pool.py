@@ -19,7 +19,7 @@ import logging
 import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any
+from typing import Any, NoReturn, cast
 
 import attrs
 import numpy as np
@@ -121,7 +121,8 @@ class PoolSettings:
         return cls(
             pool_bytes=_int_key(config, "pool_bytes", default_pool_bytes, alignment),
             readers=_int_key(config, "readers", DEFAULT_READERS, 1),
-            lease_s=_seconds_key(config, "lease_s", DEFAULT_LEASE_S),
+            # None only for an explicit "lease_s": None, which reaches the pool as given
+            lease_s=cast(float, _seconds_key(config, "lease_s", DEFAULT_LEASE_S)),
             hold_s=_seconds_key(config, "hold_s", None),
             alignment=alignment,
             clock=clock,
@@ -171,7 +172,7 @@ def write_parts(dst: torch.Tensor, parts: Sequence[Any]) -> None:
         pos += n
 
 
-def put_failure(reason: str, detail: str) -> PutResult:
+def put_failure(reason: str, detail: str) -> tuple[bool, int, dict[str, Any]]:
     """The ``put`` result for a failure (``reason``: pool_full, too_large, closed, error)."""
     return False, 0, {"reason": reason, "detail": detail}
 
@@ -308,13 +309,13 @@ class LocalPool:
             callback(key)
         return True, region.nbytes, None
 
-    def _failed(self, failure: AllocationFailure) -> PutResult:
+    def _failed(self, failure: AllocationFailure) -> tuple[bool, int, dict[str, Any]]:
         self._count("puts_" + failure.reason)
         if failure.reason == "closed":
             return put_failure("closed", f"{self.name} pool is closed")
         return put_failure(failure.reason, failure.detail)
 
-    def _raise_full(self, failure: AllocationFailure) -> None:
+    def _raise_full(self, failure: AllocationFailure) -> NoReturn:
         reason, detail = self._failed(failure)[2].values()
         raise PoolFullError(f"{reason}: {detail}")
 
@@ -414,7 +415,11 @@ class LocalPool:
             self.release(ticket.ticket_id)
             return data, ticket.size
         ticket_id = ticket.ticket_id
-        buffer = PooledBuffer.tied(self.view(ticket), on_release=lambda: self.release(ticket_id))
+
+        def release() -> None:
+            self.release(ticket_id)
+
+        buffer = PooledBuffer.tied(self.view(ticket), on_release=release)
         return buffer, ticket.size
 
     def cleanup(self, request_id: str) -> int:

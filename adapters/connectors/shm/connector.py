@@ -118,6 +118,7 @@ class ShmConnector:
 
     # ------------------------------------------------------------------------- sender side
     def _metadata(self, key: str, size: int) -> dict[str, Any]:
+        assert self._sender is not None  # a sender's put or commit
         return {
             "endpoint": self.endpoint,
             "namespace": self.config.namespace,
@@ -201,7 +202,7 @@ class ShmConnector:
                 self._segments[name] = segment
                 previous = self._current.get(endpoint)
                 self._current[endpoint] = name
-                old = self._segments.pop(previous, None) if previous != name else None
+                old = self._segments.pop(previous, None) if previous is not None and previous != name else None
                 if old is not None:
                     old.unmap()
             return segment
@@ -264,7 +265,7 @@ class ShmConnector:
                 )
 
         def release_soon() -> None:  # fire-and-forget: the sender frees it when this arrives
-            if not client.send_release(ticket, grant["seg"], rpc):
+            if not client.send_release(grant["ticket"], grant["seg"], rpc):
                 self._count("release_unsent")
                 logger.warning(
                     "shm release of ticket %s could not be sent; the sender reclaims it once this process is gone",

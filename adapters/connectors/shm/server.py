@@ -233,7 +233,7 @@ class ControlServer:
     def _handle(self, identity: bytes, frame: bytes) -> None:
         message = decode(frame)
         problem = "not a control message" if message is None else check_request(message)
-        if problem is not None:
+        if message is None or problem is not None:
             self.counters["bad_requests"] += 1
             request_id = message.get("id") if message else None
             if isinstance(request_id, int):

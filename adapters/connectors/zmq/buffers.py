@@ -36,7 +36,7 @@ import numpy as np
 
 from kvferry.adapters.connectors.zmq.protocol import MAX_PAYLOAD_FRAMES
 from kvferry.core.errors import ConfigError
-from kvferry.core.pool import RegionAllocator
+from kvferry.core.pool import Region, RegionAllocator
 
 __all__ = ["PAGE_BYTES", "host_pool", "RecvPool", "as_frames"]
 
@@ -72,7 +72,7 @@ class RecvPool:
     _storage: np.ndarray | None = attrs.field(init=False, default=None)
     _allocator: RegionAllocator | None = attrs.field(init=False, default=None)
     _lock: threading.Lock = attrs.field(init=False, factory=threading.Lock)
-    _returned: collections.deque = attrs.field(init=False, factory=collections.deque)
+    _returned: collections.deque[tuple[RegionAllocator, Region]] = attrs.field(init=False, factory=collections.deque)
     _closed: bool = attrs.field(init=False, default=False)
     _hits: int = attrs.field(init=False, default=0)
     _fallbacks: int = attrs.field(init=False, default=0)
@@ -89,17 +89,18 @@ class RecvPool:
             if self._allocator is None:
                 self._storage = host_pool(self.capacity)
                 self._allocator = RegionAllocator(self.capacity, self.alignment)
-            region = self._allocator.allocate(nbytes)
+            storage, allocator = self._storage, self._allocator
+            assert storage is not None  # made and dropped with the allocator
+            region = allocator.allocate(nbytes)
             if region is None:
                 self._fallbacks += 1
                 return None
             self._hits += 1
             self._peak = max(self._peak, region.end)
-            array = self._storage[region.offset : region.offset + nbytes]  # owns this loan
-            allocator = self._allocator
+            array = storage[region.offset : region.offset + nbytes]  # owns this loan
         give_back = weakref.finalize(array, self._returned.append, (allocator, region))
         give_back.atexit = False
-        return memoryview(array)
+        return array.data
 
     def _take_back_locked(self) -> None:
         while self._returned:

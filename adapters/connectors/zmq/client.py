@@ -122,14 +122,14 @@ class ZmqClient:
                 self._counters["stash_hits"] += 1
                 self._count_outcome_locked(stashed)
                 return stashed
-            self._ensure_thread_locked()
+            waker = self._ensure_thread_locked()
             corr_id = self._next_id
             body = encode_request(Request(corr_id, key, mode, wait_s, True))  # ConfigError if bad
             self._next_id += 1
             slot = _Slot(corr_id, endpoint, key)
             self._pending[corr_id] = slot
             self._submits.append(_Outgoing(endpoint, body, self.clock() + timeout_s))
-        self._waker.poke()
+        waker.poke()
         slot.event.wait(max(0.0, timeout_s))
         with self._lock:
             self._pending.pop(corr_id, None)
@@ -167,6 +167,7 @@ class ZmqClient:
                 waker.close()
             self._pool.close()
             return True
+        assert waker is not None  # the thread starts with its waker
         waker.poke()
         thread.join(timeout_s)
         if thread.is_alive():
@@ -178,12 +179,15 @@ class ZmqClient:
 
     # ---------------------------------------------------------------- bookkeeping
 
-    def _ensure_thread_locked(self) -> None:
+    def _ensure_thread_locked(self) -> Waker:
+        """The I/O thread's waker; the thread starts (and the waker is made) on first use."""
+        if self._waker is None:
+            self._waker = Waker.create()
+        waker = self._waker
         if self._thread is None:
-            if self._waker is None:
-                self._waker = Waker.create()
-            self._thread = threading.Thread(target=self._run, name="kvferry-zmq-recv", daemon=True)
+            self._thread = threading.Thread(target=self._run, args=(waker,), name="kvferry-zmq-recv", daemon=True)
             self._thread.start()
+        return waker
 
     def _count_outcome_locked(self, outcome: Outcome) -> None:
         if outcome.kind == "data":
@@ -243,15 +247,15 @@ class ZmqClient:
             return None
         return sock
 
-    def _run(self) -> None:
+    def _run(self, waker: Waker) -> None:
         sockets: collections.OrderedDict[str, zmq.Socket] = collections.OrderedDict()
         outbox: dict[str, collections.deque] = {}
         poller = zmq.Poller()
-        poller.register(self._waker.fileno, zmq.POLLIN)
+        poller.register(waker.fileno, zmq.POLLIN)
         try:
             while not self._closed:
                 events = dict(poller.poll(self._timeout_ms(outbox)))
-                self._waker.drain()
+                waker.drain()
                 if self._closed:
                     break
                 self._route_submits(sockets, outbox, poller)

@@ -196,6 +196,7 @@ class ZmqConnector:
         if refusal is not None:
             return False, 0, refusal
         frames, sizes = as_frames(data)
+        assert self._server is not None  # no refusal: a sender
         store = self._server.store
         region = store.reserve(sum(sizes), count_failure=True)
         if isinstance(region, PublishFailure):
@@ -217,6 +218,7 @@ class ZmqConnector:
     def _publish(
         self, key: str, region: Any, sizes: tuple[int, ...], readers: int, lease: float
     ) -> tuple[bool, int, dict[str, Any] | None]:
+        assert self._server is not None  # called for a sender's put or reservation
         failure = self._server.publish(key, region, sizes, readers=readers, lease_s=lease)
         if failure is not None:
             return self._refused(key, failure)
@@ -246,6 +248,7 @@ class ZmqConnector:
             if refusal["reason"] == "closed":
                 raise TransferError(f"closed: {refusal['detail']}")
             raise ConfigError(f"reserve {refusal['detail']}")
+        assert self._server is not None  # no refusal: a sender
         store = self._server.store
         region = store.reserve(nbytes)
         if isinstance(region, PublishFailure):

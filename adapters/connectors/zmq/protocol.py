@@ -34,7 +34,7 @@ import math
 import os
 import socket
 from collections.abc import Mapping, Sequence
-from typing import Any
+from typing import Any, Literal, overload
 
 import attrs
 import msgpack
@@ -142,6 +142,10 @@ def unpack_control(body: Any) -> dict[str, Any] | Rejection:
     return obj
 
 
+@overload
+def _corr_id(obj: Mapping[str, Any], *, optional: Literal[False] = False) -> int | Rejection: ...
+@overload
+def _corr_id(obj: Mapping[str, Any], *, optional: bool) -> int | None | Rejection: ...
 def _corr_id(obj: Mapping[str, Any], *, optional: bool = False) -> int | None | Rejection:
     value = obj.get("id")
     if value is None and optional:
@@ -300,12 +304,12 @@ def check_data_frames(reply: Reply, frames: Sequence[Any]) -> Rejection | None:
     return None
 
 
-def ipc_path(directory: str, port: int) -> str:
+def ipc_path(directory: str, port: int | None) -> str:
     """The unix socket path of the sender on ``port``: ``{directory}/kvferry-zmq-{port}.ipc``.
 
     Sender and receiver both call this, so one (directory, port) names one endpoint. Raises
     ConfigError (naming ``ipc_dir`` / ``port``) for a relative or too long path or a port
-    outside 1..65535.
+    outside 1..65535 (None: a config without a port).
     """
     if not isinstance(directory, str) or not directory.startswith("/"):
         raise ConfigError(f"ipc_dir must be an absolute path, got {directory!r}")

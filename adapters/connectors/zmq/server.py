@@ -27,7 +27,7 @@ from typing import Any
 import attrs
 import zmq
 
-from kvferry.adapters.connectors.zmq.config import ZmqConfig, start_authenticator
+from kvferry.adapters.connectors.zmq.config import CurveConfig, ZmqConfig, start_authenticator
 from kvferry.adapters.connectors.zmq.protocol import (
     MAX_CONTROL_BYTES,
     Rejection,
@@ -118,7 +118,7 @@ class ZmqServer:
     def start(self) -> None:
         """Start the serving thread and wait until it has bound. Raises BindError."""
         if self.config.curve is not None:
-            self._start_authenticator()
+            self._start_authenticator(self.config.curve)
         self._thread = threading.Thread(target=self._run, name="kvferry-zmq-serve", daemon=True)
         self._thread.start()
         if not self._ready.wait(self.config.start_timeout_s):
@@ -147,8 +147,8 @@ class ZmqServer:
         self._stop_authenticator()
         return stopped
 
-    def _start_authenticator(self) -> None:
-        self._auth = start_authenticator(self.context, self.config.curve, logging.getLogger(__name__ + ".auth"))
+    def _start_authenticator(self, curve: CurveConfig) -> None:
+        self._auth = start_authenticator(self.context, curve, logging.getLogger(__name__ + ".auth"))
 
     def _stop_authenticator(self) -> None:
         auth, self._auth = self._auth, None
@@ -193,12 +193,13 @@ class ZmqServer:
     def _bind(self, sock: zmq.Socket) -> None:
         cfg = self.config
         if cfg.transport == "ipc":
-            path = ipc_path(cfg.ipc_dir, cfg.port)
-            refuse_live_ipc(path, cfg.host, cfg.port)
+            path, port = ipc_path(cfg.ipc_dir, cfg.port), cfg.port
+            assert port is not None  # ipc_path took it: a port in 1..65535
+            refuse_live_ipc(path, cfg.host, port)
             sock.bind(f"ipc://{path}")
             info = os.stat(path)
             self._ipc_inode = (info.st_dev, info.st_ino)
-            self.ipc_file, self.port, self.endpoint = path, cfg.port, f"ipc://{path}"
+            self.ipc_file, self.port, self.endpoint = path, port, f"ipc://{path}"
             return
         if ":" in cfg.host.strip("[]"):
             sock.ipv6 = True

@@ -105,7 +105,7 @@ class HeldPayloads:
 
     def __attrs_post_init__(self) -> None:
         self._storage = host_pool(self.pool_bytes, touch=self.prefault)
-        self._view = memoryview(self._storage).toreadonly()
+        self._view = self._storage.data.toreadonly()
         self._ledger = self._new_ledger()
 
     def _new_ledger(self) -> PoolLedger:
@@ -230,8 +230,9 @@ class HeldPayloads:
             if entry is None:
                 status = self._ledger.leases.status(key)
                 return "expired" if status == EntryState.EXPIRED else "not_found"
-            region = entry.handle
-            whole = self._view[region.offset : region.offset + region.nbytes]  # not closed: held
+            region, view = entry.handle, self._view
+            assert view is not None  # not closed: held
+            whole = view[region.offset : region.offset + region.nbytes]
             frames, start = [], 0
             for size in self._sizes.get(entry.entry_id, (region.nbytes,)):
                 frames.append(whole[start : start + size])

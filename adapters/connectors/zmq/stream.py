@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import errno
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, TypeGuard
 
 import attrs
 import msgpack
@@ -82,6 +82,10 @@ def encode_chunk(corr_id: int, seq: int) -> bytes:
     return msgpack.packb({"v": PROTOCOL_VERSION, "op": "chunk", "id": corr_id, "seq": seq}, use_bin_type=True)
 
 
+def _chunk_number(value: Any) -> TypeGuard[int]:
+    return not isinstance(value, bool) and isinstance(value, int) and 0 <= value <= _MAX_SEQ
+
+
 def decode_incoming(frame: Any) -> Reply | Chunk | Rejection:
     """The first frame of any message a receiver gets: a reply header or a chunk header.
     Never raises."""
@@ -91,9 +95,10 @@ def decode_incoming(frame: Any) -> Reply | Chunk | Rejection:
     corr_id, seq = obj.get("id"), obj.get("seq")
     if obj.get("v") != PROTOCOL_VERSION:
         return Rejection("bad_version", f"protocol version {obj.get('v')!r}")
-    for name, value in (("id", corr_id), ("seq", seq)):
-        if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= _MAX_SEQ:
-            return Rejection("bad_reply", f"chunk {name} must be an integer in [0, 2**63)")
+    if not _chunk_number(corr_id):
+        return Rejection("bad_reply", "chunk id must be an integer in [0, 2**63)")
+    if not _chunk_number(seq):
+        return Rejection("bad_reply", "chunk seq must be an integer in [0, 2**63)")
     return Chunk(corr_id, seq)
 
 
