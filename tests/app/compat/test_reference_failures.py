@@ -154,6 +154,7 @@ def test_spec9_4_full_pool_is_explicit_and_queued_payloads_are_kept(
         result = receiver.receive(rid)
         assert result.ok
         kit.assert_kv_equal(result.payload, *model.expected(SPEC["block_ids"], SPEC["seq_len"]))
+        result.release()  # zero-copy: the reader gives its region back (not left to the garbage collector)
     retried = sender.send_requests({"q3": SPEC, "q4": SPEC}, model.rank_cache(), 4, "float32")
     assert all(o.ok for o in retried)  # back-pressure: room again once readers drained the pool
 
