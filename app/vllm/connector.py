@@ -1,0 +1,222 @@
+"""``KVFerryConnector``: kvferry as a vLLM v1 KV connector (``KVConnectorBase_V1``).
+
+Load it with ``KVTransferConfig(kv_connector="KVFerryConnector",
+kv_connector_module_path="kvferry.app.vllm", kv_role=..., kv_connector_extra_config={...})``.
+vLLM builds one instance per role: the scheduler's (:class:`~kvferry.app.vllm.scheduler.
+PageScheduler`) and each worker's (:class:`~kvferry.app.vllm.worker.PageWorker`); this module
+only adapts vLLM's calls to them. See docs/vllm.md.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorBase_V1, KVConnectorMetadata, KVConnectorRole,
+)
+from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorPromMetrics, KVConnectorStats
+
+from kvferry.app.vllm.params import ConnectorSettings
+from kvferry.app.vllm.scheduler import PageScheduler, StepPlan
+from kvferry.app.vllm.worker import FAILURE_KINDS, PageWorker
+
+if TYPE_CHECKING:
+    import torch
+
+__all__ = ["KVFerryConnector", "KVFerryConnectorMetadata", "KVFerryStats", "KVFerryPromMetrics"]
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class KVFerryConnectorMetadata(KVConnectorMetadata):
+    """Scheduler -> workers, once per step: the saves and loads to run."""
+
+    plan: StepPlan = field(default_factory=StepPlan)
+
+
+def _num_layers(vllm_config: Any, kv_cache_config: Any) -> int:
+    groups = getattr(kv_cache_config, "kv_cache_groups", None) or ()
+    names = [n for g in groups for n in getattr(g, "layer_names", ())]
+    if names:
+        return len(names)
+    return int(vllm_config.model_config.get_num_layers(vllm_config.parallel_config))
+
+
+class KVFerryConnector(KVConnectorBase_V1):
+    """Prefill (``kv_producer``) and decode (``kv_consumer``) hand-off through kvferry."""
+
+    def __init__(self, vllm_config: Any, role: KVConnectorRole, kv_cache_config: Any = None) -> None:
+        super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
+        tc = self._kv_transfer_config
+        self.settings = ConnectorSettings.from_extra_config(tc.kv_connector_extra_config)
+        producer, consumer = bool(tc.is_kv_producer), bool(tc.is_kv_consumer)
+        tp_size = int(vllm_config.parallel_config.tensor_parallel_size)
+        self._scheduler: PageScheduler | None = None
+        self._worker: PageWorker | None = None
+        if role == KVConnectorRole.SCHEDULER:
+            self._scheduler = PageScheduler(
+                self.settings, engine_id=str(tc.engine_id), block_size=int(vllm_config.cache_config.block_size),
+                num_layers=_num_layers(vllm_config, kv_cache_config), tp_size=tp_size, producer=producer,
+                consumer=consumer, block_ids_of=self._block_ids_of)
+        else:
+            from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
+
+            self._worker = PageWorker(
+                self.settings, tp_rank=int(get_tensor_model_parallel_rank()), tp_size=tp_size,
+                total_kv_heads=int(vllm_config.model_config.get_total_num_kv_heads()),
+                producer=producer, consumer=consumer)
+
+    def _block_ids_of(self, req_id: str) -> list[int]:
+        manager = self._kv_cache_manager
+        return [] if manager is None else list(manager.get_block_ids(req_id)[0])
+
+    # ------------------------------------------------------------------------ worker side
+    def register_kv_caches(self, kv_caches: "dict[str, torch.Tensor]") -> None:
+        assert self._worker is not None
+        self._worker.register(kv_caches)
+
+    def bind_connector_metadata(self, connector_metadata: KVConnectorMetadata) -> None:
+        super().bind_connector_metadata(connector_metadata)
+        if self._worker is not None and isinstance(connector_metadata, KVFerryConnectorMetadata):
+            self._worker.begin_step(connector_metadata.plan.saves)
+
+    def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
+        meta = self._connector_metadata
+        if self._worker is not None and isinstance(meta, KVFerryConnectorMetadata) and meta.plan.loads:
+            self._worker.start_loads(meta.plan.loads)
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        return None  # loads are asynchronous: a request runs only after its load finished
+
+    def save_kv_layer(self, layer_name: str, kv_layer: "torch.Tensor", attn_metadata: Any, **kwargs: Any) -> None:
+        if self._worker is not None:
+            self._worker.save_layer(layer_name, kv_layer)
+
+    def wait_for_save(self) -> None:
+        if self._worker is not None:
+            self._worker.end_step()  # saves continue in the background; blocks are kept until done
+
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
+        if self._worker is None:
+            return None, None
+        sent, loaded = self._worker.finished(finished_req_ids)
+        return sent or None, loaded or None
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        return set() if self._worker is None else self._worker.load_errors()
+
+    def get_kv_connector_stats(self) -> "KVFerryStats | None":
+        if self._worker is None:
+            return None
+        data = self._worker.stats.take()
+        return KVFerryStats(data=data) if data else None
+
+    def shutdown(self) -> None:
+        if self._worker is not None:
+            self._worker.close()
+
+    # --------------------------------------------------------------------- scheduler side
+    def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int | None, bool]:
+        assert self._scheduler is not None
+        return self._scheduler.matched_tokens(request, num_computed_tokens)
+
+    def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
+        assert self._scheduler is not None
+        self._scheduler.track(request)
+        if num_external_tokens > 0:
+            self._scheduler.after_alloc(request, blocks.get_block_ids()[0], num_external_tokens)
+
+    def build_connector_meta(self, scheduler_output: Any) -> KVConnectorMetadata:
+        assert self._scheduler is not None
+        return KVFerryConnectorMetadata(self._scheduler.build_plan(dict(scheduler_output.num_scheduled_tokens)))
+
+    def update_connector_output(self, connector_output: Any) -> None:
+        if self._scheduler is not None:
+            self._scheduler.sent(connector_output.finished_sending)
+
+    def request_finished(self, request: Any, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+        assert self._scheduler is not None
+        return self._scheduler.request_finished(request)
+
+    def has_pending_push_work(self) -> bool:
+        return self._scheduler is not None and self._scheduler.pending_sends
+
+    # ------------------------------------------------------------------------------ stats
+    @classmethod
+    def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> "KVFerryStats":
+        return KVFerryStats(data=dict(data or {}))
+
+    @classmethod
+    def build_prom_metrics(cls, vllm_config: Any, metric_types: Any, labelnames: list[str],
+                           per_engine_labelvalues: dict[int, list[object]]) -> "KVFerryPromMetrics":
+        return KVFerryPromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
+
+
+@dataclass
+class KVFerryStats(KVConnectorStats):
+    """Counters of one interval: ``requests_sent``, ``bytes_sent``, ``save_seconds``,
+    ``requests_loaded``, ``bytes_loaded``, ``load_seconds``, ``failures_<kind>``."""
+
+    def reset(self) -> None:
+        self.data = {}
+
+    def aggregate(self, other: KVConnectorStats) -> "KVFerryStats":
+        merged = dict(self.data)
+        for k, v in (other.data or {}).items():
+            merged[k] = merged.get(k, 0) + v
+        return KVFerryStats(data=merged)
+
+    def reduce(self) -> dict[str, int | float]:
+        d = self.data
+        out: dict[str, int | float] = {}
+        for side, verb in (("sent", "save"), ("loaded", "load")):
+            n = int(d.get(f"requests_{side}", 0))
+            if n:
+                out[f"requests_{side}"] = n
+                out[f"MB_{side}"] = round(d.get(f"bytes_{side}", 0) / 1e6, 3)
+                out[f"avg_{verb}_ms"] = round(1e3 * d.get(f"{verb}_seconds", 0.0) / n, 2)
+        for kind in FAILURE_KINDS:
+            if d.get(f"failures_{kind}"):
+                out[f"failures_{kind}"] = int(d[f"failures_{kind}"])
+        return out
+
+    def is_empty(self) -> bool:
+        return not any(self.data.values())
+
+
+class KVFerryPromMetrics(KVConnectorPromMetrics):
+    """``vllm:kvferry_*`` counters on vLLM's metrics endpoint."""
+
+    _COUNTERS = (
+        ("requests_sent", "vllm:kvferry_requests_sent", "Requests whose KV pages kvferry sent."),
+        ("bytes_sent", "vllm:kvferry_bytes_sent", "Bytes of KV pages kvferry sent."),
+        ("save_seconds", "vllm:kvferry_save_seconds", "Seconds from a prefill's first layer to its last one sent."),
+        ("requests_loaded", "vllm:kvferry_requests_loaded", "Requests whose KV pages kvferry loaded."),
+        ("bytes_loaded", "vllm:kvferry_bytes_loaded", "Bytes of KV pages kvferry loaded."),
+        ("load_seconds", "vllm:kvferry_load_seconds", "Seconds spent loading KV pages."),
+    )
+
+    def __init__(self, vllm_config: Any, metric_types: Any, labelnames: list[str],
+                 per_engine_labelvalues: dict[int, list[object]]) -> None:
+        super().__init__(vllm_config, metric_types, labelnames, per_engine_labelvalues)
+        self._counters: dict[str, dict[int, Any]] = {}
+        for key, name, doc in self._COUNTERS:
+            metric = self._counter_cls(name=name, documentation=doc, labelnames=labelnames)
+            self._counters[key] = {i: metric.labels(*v) for i, v in per_engine_labelvalues.items()}
+        failures = self._counter_cls(name="vllm:kvferry_failures", documentation="KV transfers that failed, by kind.",
+                                     labelnames=[*labelnames, "kind"])
+        self._failures = {i: {k: failures.labels(*v, k) for k in FAILURE_KINDS}
+                          for i, v in per_engine_labelvalues.items()}
+
+    def observe(self, transfer_stats_data: dict[str, Any], engine_idx: int = 0) -> None:
+        for key, per_engine in self._counters.items():
+            value = transfer_stats_data.get(key)
+            if value and engine_idx in per_engine:
+                per_engine[engine_idx].inc(value)
+        for kind, counter in self._failures.get(engine_idx, {}).items():
+            value = transfer_stats_data.get(f"failures_{kind}")
+            if value:
+                counter.inc(value)

@@ -1,0 +1,249 @@
+"""What the vLLM connector reads: its extra config and a request's ``kv_transfer_params``.
+
+Pure values, no vLLM and no torch, so a proxy (or a test) can build and check the hand-off
+without an engine. Every error is a :class:`~kvferry.core.errors.ConfigError` whose message
+starts with the field at fault (``kv_transfer_params.remote_port: ...``).
+
+The hand-off (docs/vllm.md):
+
+- the prefill instance gets ``{"do_remote_decode": true}`` (optionally ``transfer_id`` and
+  ``decode_tp_size``) and returns :func:`prefill_result` in ``RequestOutput.kv_transfer_params``;
+- a proxy passes that dict unchanged as the decode request's ``kv_transfer_params``; the decode
+  instance reads it with :func:`parse_decode_params`.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Mapping
+
+import attrs
+
+from kvferry.core.addressing import kv_port
+from kvferry.core.errors import ConfigError
+
+__all__ = [
+    "PARAMS_VERSION",
+    "ConnectorSettings",
+    "PrefillRequest",
+    "DecodeSource",
+    "parse_prefill_params",
+    "parse_decode_params",
+    "prefill_result",
+]
+
+#: Version of the hand-off dict (``kvferry_version``); a decode instance refuses others.
+PARAMS_VERSION = 1
+_FIELD = "kv_transfer_params"
+_EXTRA = "kv_connector_extra_config"
+
+
+def _int(where: str, name: str, value: Any, minimum: int, maximum: int | None = None) -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ConfigError(f"{where}.{name}: expected an integer, got {value!r}")
+    if value < minimum or (maximum is not None and value > maximum):
+        bound = f">= {minimum}" if maximum is None else f"in {minimum}..{maximum}"
+        raise ConfigError(f"{where}.{name}: must be {bound}, got {value}")
+    return value
+
+
+def _seconds(where: str, name: str, value: Any) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
+        raise ConfigError(f"{where}.{name}: expected a number of seconds > 0, got {value!r}")
+    return float(value)
+
+
+def _str(where: str, name: str, value: Any) -> str:
+    if not isinstance(value, str) or not value:
+        raise ConfigError(f"{where}.{name}: expected a non-empty string, got {value!r}")
+    return value
+
+
+@attrs.frozen
+class ConnectorSettings:
+    """The connector's options, from ``kv_connector_extra_config`` (all optional).
+
+    ``connector``: a kvferry connector config (``{"type": "zmq", ...}``; default shm, same
+    host). ``base_port``: SPEC 2.3 base; the prefill rank's sender port is derived from it.
+    ``host``: where a zmq sender binds and what it advertises (loopback by default).
+    ``load_timeout_s``: how long the decode side waits for each layer before the load fails
+    (then ``kv_load_failure_policy`` applies). ``lease_s``: how long an unread layer stays in
+    the prefill's pool. ``pool_bytes``: the prefill's pool. ``checksums``: a payload checksum
+    algorithm (``crc32``) or None. ``decode_tp_size``: the decode instance's TP size the prefill
+    slices heads for (a request may override it). ``load_threads``: concurrent loads.
+    """
+
+    connector: Mapping[str, Any] = attrs.field(factory=lambda: {"type": "shm"})
+    base_port: int = 50051
+    host: str = "127.0.0.1"
+    from_stage: int = 0
+    to_stage: int = 1
+    load_timeout_s: float = 30.0
+    lease_s: float = 60.0
+    pool_bytes: int = 256 << 20
+    checksums: str | None = "crc32"
+    decode_tp_size: int | None = None
+    load_threads: int = 2
+
+    @classmethod
+    def from_extra_config(cls, extra: Mapping[str, Any] | None) -> "ConnectorSettings":
+        """Read ``kv_connector_extra_config``; unknown keys are an error naming them."""
+        extra = dict(extra or {})
+        known = {f.name for f in attrs.fields(cls)}
+        unknown = sorted(k for k in extra if k not in known)
+        if unknown:
+            raise ConfigError(f"{_EXTRA}.{unknown[0]}: unknown option (known: {', '.join(sorted(known))})")
+        out: dict[str, Any] = {}
+        if "connector" in extra:
+            conn = extra["connector"]
+            if not isinstance(conn, Mapping) or not isinstance(conn.get("type"), str):
+                raise ConfigError(f"{_EXTRA}.connector: expected a dict with a 'type', got {conn!r}")
+            out["connector"] = dict(conn)
+        for name in ("base_port",):
+            if name in extra:
+                out[name] = _int(_EXTRA, name, extra[name], 1, 65535)
+        for name in ("from_stage", "to_stage"):
+            if name in extra:
+                out[name] = _int(_EXTRA, name, extra[name], 0, 15)
+        for name in ("load_timeout_s", "lease_s"):
+            if name in extra:
+                out[name] = _seconds(_EXTRA, name, extra[name])
+        if "pool_bytes" in extra:
+            out["pool_bytes"] = _int(_EXTRA, "pool_bytes", extra["pool_bytes"], 1 << 16)
+        if "load_threads" in extra:
+            out["load_threads"] = _int(_EXTRA, "load_threads", extra["load_threads"], 1, 64)
+        if "decode_tp_size" in extra and extra["decode_tp_size"] is not None:
+            out["decode_tp_size"] = _int(_EXTRA, "decode_tp_size", extra["decode_tp_size"], 1)
+        if "host" in extra:
+            out["host"] = _str(_EXTRA, "host", extra["host"])
+        if "checksums" in extra:
+            value = extra["checksums"]
+            if value is not None and not isinstance(value, str):
+                raise ConfigError(f"{_EXTRA}.checksums: expected an algorithm name or null, got {value!r}")
+            out["checksums"] = value
+        return cls(**out)
+
+    @property
+    def connector_type(self) -> str:
+        return str(self.connector.get("type"))
+
+    def sender_port(self, tp_rank: int, tp_size: int) -> int:
+        """The prefill rank's port (SPEC 2.3); rank ``r``'s is rank 0's ``+ r * 16``."""
+        return kv_port(self.base_port, self.from_stage, tp_rank, 0, 0, tp_size=tp_size)
+
+    def sender_config(self, tp_rank: int, tp_size: int) -> dict[str, Any]:
+        """The kvferry connector config of a prefill rank (role sender)."""
+        cfg = dict(self.connector)
+        cfg.setdefault("pool_bytes", self.pool_bytes)
+        cfg.setdefault("lease_s", self.lease_s)
+        cfg.pop("zmq_port", None)
+        cfg.update(role="sender", port=self.sender_port(tp_rank, tp_size))
+        if self.connector_type in ("zmq", "mooncake"):
+            cfg.setdefault("host", self.host)
+        return cfg
+
+    def receiver_config(self) -> dict[str, Any]:
+        """The kvferry connector config of a decode rank (role receiver)."""
+        cfg = dict(self.connector)
+        for key in ("port", "zmq_port", "sender_host", "sender_port"):
+            cfg.pop(key, None)
+        cfg["role"] = "receiver"
+        return cfg
+
+
+@attrs.frozen
+class PrefillRequest:
+    """What the prefill instance reads from a request's ``kv_transfer_params``."""
+
+    transfer_id: str | None
+    decode_tp_size: int | None
+
+
+def parse_prefill_params(params: Any) -> PrefillRequest | None:
+    """None when the request is not a remote-decode one (no ``do_remote_decode``)."""
+    if not isinstance(params, Mapping) or not params.get("do_remote_decode"):
+        return None
+    tid = params.get("transfer_id")
+    if tid is not None:
+        tid = _str(_FIELD, "transfer_id", tid)
+        if "/" in tid or "\x00" in tid:
+            raise ConfigError(f"{_FIELD}.transfer_id: must not contain '/' or NUL, got {tid!r}")
+    tp = params.get("decode_tp_size")
+    if tp is not None:
+        tp = _int(_FIELD, "decode_tp_size", tp, 1)
+    return PrefillRequest(tid, tp)
+
+
+@attrs.frozen
+class DecodeSource:
+    """Where the decode side pulls a request's KV from, and what it expects."""
+
+    transfer_id: str
+    host: str
+    port: int
+    num_tokens: int
+    block_size: int
+    num_layers: int
+    prefill_tp_size: int
+    decode_tp_size: int
+    connector_type: str
+    engine_id: str
+
+    def source_metadata(self, from_rank: int) -> dict[str, Any]:
+        """The partial connector metadata of prefill rank ``from_rank`` (SPEC 2.3 port)."""
+        return {"source_host": self.host, "source_port": self.port + from_rank * 16}
+
+
+_DECODE_FIELDS = ("transfer_id", "remote_host", "remote_port", "remote_num_tokens", "remote_block_size",
+                  "remote_num_layers", "remote_tp_size", "decode_tp_size", "kvferry_connector")
+
+
+def parse_decode_params(params: Any) -> DecodeSource | None:
+    """None unless ``do_remote_prefill`` is set; otherwise the checked source, or ConfigError
+    naming the first missing or malformed field."""
+    if params is None:
+        return None
+    if not isinstance(params, Mapping):
+        raise ConfigError(f"{_FIELD}: expected a dict, got {type(params).__name__}")
+    if not params.get("do_remote_prefill"):
+        return None
+    version = params.get("kvferry_version")
+    if version != PARAMS_VERSION:
+        raise ConfigError(f"{_FIELD}.kvferry_version: expected {PARAMS_VERSION} (params made by kvferry's "
+                          f"prefill side), got {version!r}")
+    for name in _DECODE_FIELDS:
+        if name not in params:
+            raise ConfigError(f"{_FIELD}.{name}: missing")
+    return DecodeSource(
+        transfer_id=_str(_FIELD, "transfer_id", params["transfer_id"]),
+        host=_str(_FIELD, "remote_host", params["remote_host"]),
+        port=_int(_FIELD, "remote_port", params["remote_port"], 1, 65535),
+        num_tokens=_int(_FIELD, "remote_num_tokens", params["remote_num_tokens"], 1),
+        block_size=_int(_FIELD, "remote_block_size", params["remote_block_size"], 1),
+        num_layers=_int(_FIELD, "remote_num_layers", params["remote_num_layers"], 1),
+        prefill_tp_size=_int(_FIELD, "remote_tp_size", params["remote_tp_size"], 1),
+        decode_tp_size=_int(_FIELD, "decode_tp_size", params["decode_tp_size"], 1),
+        connector_type=_str(_FIELD, "kvferry_connector", params["kvferry_connector"]),
+        engine_id=str(params.get("remote_engine_id", "")),
+    )
+
+
+def prefill_result(*, transfer_id: str, host: str, port: int, num_tokens: int, block_size: int,
+                   num_layers: int, tp_size: int, decode_tp_size: int, connector_type: str,
+                   engine_id: str) -> dict[str, Any]:
+    """The dict the prefill instance returns (``RequestOutput.kv_transfer_params``): exactly
+    what the decode request's ``kv_transfer_params`` must be."""
+    return {
+        "do_remote_prefill": True,
+        "do_remote_decode": False,
+        "kvferry_version": PARAMS_VERSION,
+        "transfer_id": transfer_id,
+        "remote_engine_id": engine_id,
+        "remote_host": host,
+        "remote_port": port,
+        "remote_num_tokens": num_tokens,
+        "remote_block_size": block_size,
+        "remote_num_layers": num_layers,
+        "remote_tp_size": tp_size,
+        "decode_tp_size": decode_tp_size,
+        "kvferry_connector": connector_type,
+    }

