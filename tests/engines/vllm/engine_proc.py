@@ -77,8 +77,8 @@ def serve(cfg: dict) -> None:
                                     "kv_transfer_params": res.kv_transfer_params})
                 reply = {"ok": True, "results": results, "seconds": time.monotonic() - t}
             elif op == "metrics":
-                reply = {"ok": True, "metrics": {m.name: getattr(m, "value", None) for m in llm.get_metrics()
-                                                 if "kvferry" in m.name}}
+                reply = {"ok": True, "metrics": [[m.name, m.labels, getattr(m, "value", None)]
+                                                 for m in llm.get_metrics() if "kvferry" in m.name]}
             else:
                 reply = {"ok": False, "error": f"unknown op {op!r}"}
         except Exception as exc:  # reported to the test, which fails with it

@@ -109,9 +109,14 @@ class Instance:
                    "max_tokens": max_tokens})
         return self.reply(timeout_s)["results"]
 
-    def metrics(self) -> dict[str, Any]:
+    def metrics(self) -> dict[str, float]:
+        """kvferry's counters on this instance's metrics endpoint: ``{name or name{kind}: value}``."""
         self.send({"op": "metrics"})
-        return self.reply(60)["metrics"]
+        out: dict[str, float] = {}
+        for name, labels, value in self.reply(60)["metrics"]:
+            kind = (labels or {}).get("kind")
+            out[f"{name}{{{kind}}}" if kind else name] = float(value or 0)
+        return out
 
     def tail(self, n: int = 4000) -> str:
         self._log.flush()

@@ -1,0 +1,336 @@
+"""kvferry's vLLM connector without vLLM: the hand-off params, the scheduler's plans and the
+workers' page moves over the in-process connector (fake caches in vLLM's CPU layout)."""
+
+from __future__ import annotations
+
+import itertools
+import os
+import subprocess
+import sys
+import threading
+import time
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from kvferry.app.vllm.pages import PageGeometry, layer_key, recv_slices, send_slices
+from kvferry.app.vllm.params import ConnectorSettings, parse_decode_params, parse_prefill_params, prefill_result
+from kvferry.app.vllm.scheduler import PageScheduler
+from kvferry.app.vllm.worker import LoadJob, PageWorker, SaveJob
+from kvferry.core.errors import ConfigError, RoutingError
+
+BS, HEADS, HEAD, LAYERS, BLOCKS = 32, 4, 32, 3, 16
+_names = itertools.count()
+
+
+def _params(**over):
+    p = prefill_result(transfer_id="t1", host="127.0.0.1", port=50151, num_tokens=70, block_size=BS,
+                       num_layers=LAYERS, tp_size=1, decode_tp_size=1, connector_type="shm", engine_id="e")
+    p.update(over)
+    return p
+
+
+# ------------------------------------------------------------------------------------ params
+def test_prefill_result_is_what_the_decode_side_reads() -> None:
+    src = parse_decode_params(_params())
+    assert (src.transfer_id, src.port, src.num_tokens, src.block_size) == ("t1", 50151, 70, BS)
+    assert src.source_metadata(1) == {"source_host": "127.0.0.1", "source_port": 50167}
+
+
+@pytest.mark.parametrize(("field", "value"), [
+    ("remote_port", "x"), ("remote_port", 70000), ("remote_num_tokens", 0), ("transfer_id", ""),
+    ("remote_block_size", True), ("kvferry_version", 99), ("decode_tp_size", None),
+])
+def test_bad_decode_params_name_the_field(field: str, value: object) -> None:
+    with pytest.raises(ConfigError, match=rf"^kv_transfer_params\.{field}: "):
+        parse_decode_params(_params(**{field: value}))
+
+
+def test_missing_decode_field_is_named_and_non_remote_params_are_none() -> None:
+    p = _params()
+    del p["remote_host"]
+    with pytest.raises(ConfigError, match=r"^kv_transfer_params\.remote_host: missing"):
+        parse_decode_params(p)
+    assert parse_decode_params({"do_remote_prefill": False}) is None
+    assert parse_decode_params(None) is None
+    with pytest.raises(ConfigError, match="kv_transfer_params: expected a dict"):
+        parse_decode_params([1])
+
+
+def test_prefill_params() -> None:
+    assert parse_prefill_params({"foo": 1}) is None
+    assert parse_prefill_params({"do_remote_decode": True, "transfer_id": "a", "decode_tp_size": 2}).decode_tp_size == 2
+    with pytest.raises(ConfigError, match=r"^kv_transfer_params\.decode_tp_size: "):
+        parse_prefill_params({"do_remote_decode": True, "decode_tp_size": 0})
+    with pytest.raises(ConfigError, match=r"^kv_transfer_params\.transfer_id: "):
+        parse_prefill_params({"do_remote_decode": True, "transfer_id": 5})
+
+
+def test_settings_from_extra_config() -> None:
+    s = ConnectorSettings.from_extra_config(None)
+    assert s.connector_type == "shm" and s.sender_port(0, 1) == 50151 and s.sender_port(1, 2) == 50167
+    z = ConnectorSettings.from_extra_config({"connector": {"type": "zmq"}, "base_port": 40000})
+    assert z.sender_config(0, 1) == {"type": "zmq", "pool_bytes": s.pool_bytes, "lease_s": 60.0, "role": "sender",
+                                     "port": 40100, "host": "127.0.0.1"}
+    assert z.receiver_config() == {"type": "zmq", "role": "receiver"}
+    with pytest.raises(ConfigError, match=r"^kv_connector_extra_config\.bogus: unknown option"):
+        ConnectorSettings.from_extra_config({"bogus": 1})
+    with pytest.raises(ConfigError, match=r"^kv_connector_extra_config\.load_timeout_s: "):
+        ConnectorSettings.from_extra_config({"load_timeout_s": 0})
+
+
+# ---------------------------------------------------------------------------------- routing
+def test_head_routing_from_core() -> None:
+    assert [(s.target_rank, s.head_start, s.head_stop) for s in send_slices(1, 2, 4, 0)] == [(0, 0, 2), (1, 2, 4)]
+    assert [(s.source_rank, s.recv_head_start, s.recv_head_stop) for s in recv_slices(2, 1, 4, 0)] == [(0, 0, 2),
+                                                                                                       (1, 2, 4)]
+    with pytest.raises(RoutingError, match="replicated"):
+        send_slices(1, 4, 2, 0)
+    assert layer_key("r", 0, 0, 0, 1) == "r_0_1_0_1"  # chunk = layer + 1
+
+
+def test_geometry_refuses_other_layouts() -> None:
+    with pytest.raises(ConfigError, match=r"kv_caches\[0\].*\[num_blocks, heads, block_size, 2\*head_size\]"):
+        PageGeometry.of([torch.zeros(2, 4, 8, 4, 16)])
+    g = PageGeometry.of([torch.zeros(BLOCKS, HEADS, BS, 2 * HEAD, dtype=torch.bfloat16)])
+    assert (g.heads, g.block_size, g.head_size, g.dtype) == (HEADS, BS, HEAD, "bfloat16")
+
+
+# ----------------------------------------------------------------------------------- workers
+def _caches(heads: int, seed: int | None) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed) if seed is not None else None
+    out = {}
+    for i in range(LAYERS):
+        t = torch.zeros(BLOCKS, heads, BS, 2 * HEAD, dtype=torch.bfloat16)
+        if g is not None:
+            t.copy_(torch.randn(t.shape, generator=g))
+        out[f"model.layers.{i}.self_attn.attn"] = t
+    return out
+
+
+def _worker(name: str, rank: int, tp: int, producer: bool, **extra) -> PageWorker:
+    settings = ConnectorSettings.from_extra_config(
+        {"connector": {"type": "memory", "shared_name": name}, "load_timeout_s": 2.0, **extra})
+    return PageWorker(settings, tp_rank=rank, tp_size=tp, total_kv_heads=HEADS, producer=producer,
+                      consumer=not producer)
+
+
+def _wait(pred, timeout_s: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    cond = threading.Event()
+    while not pred():
+        assert time.monotonic() < deadline, "timed out"
+        cond.wait(0.01)
+
+
+def _prefill(name: str, job: SaveJob, seed: int = 1) -> tuple[PageWorker, dict[str, torch.Tensor]]:
+    p = _worker(name, 0, 1, True)
+    caches = _caches(HEADS, seed)
+    p.register(caches)
+    p.begin_step([job])
+    for layer_name, t in caches.items():  # what vLLM's attention layers do during the forward
+        p.save_layer(layer_name, t)
+    p.end_step()
+    _wait(lambda: p.finished({job.req_id}) == ({job.req_id}, set()) or p.pending_saves == 0)
+    return p, caches
+
+
+def _load(d: PageWorker, job: LoadJob) -> tuple[set[str], set[int]]:
+    d.start_loads([job])
+    got: set[str] = set()
+    _wait(lambda: got.update(d.finished(set())[1]) or job.req_id in got)
+    return got, d.load_errors()
+
+
+def _source(tid: str, tokens: int, decode_tp: int = 1) -> object:
+    return parse_decode_params(_params(transfer_id=tid, num_tokens=tokens, remote_num_tokens=tokens,
+                                       decode_tp_size=decode_tp))
+
+
+@pytest.mark.parametrize("decode_tp", [1, 2])
+def test_pages_move_as_stored_into_the_decode_blocks(decode_tp: int) -> None:
+    name = f"vllm-pages-{next(_names)}"
+    p_blocks, d_blocks = (3, 7, 1), (10, 2, 5)
+    p, src = _prefill(name, SaveJob("r", "t", p_blocks, 70, decode_tp))
+    ranks = []
+    for rank in range(decode_tp):
+        d = _worker(name, rank, decode_tp, False)
+        dst = _caches(HEADS // decode_tp, None)
+        d.register(dst)
+        assert _load(d, LoadJob("r", _source("t", 70, decode_tp), d_blocks, 0)) == ({"r"}, set())
+        ranks.append((d, dst))
+    try:
+        heads = HEADS // decode_tp
+        for rank, (_, dst) in enumerate(ranks):
+            for name_, layer in src.items():
+                want = layer[list(p_blocks), rank * heads:(rank + 1) * heads]
+                assert torch.equal(dst[name_][list(d_blocks)], want)  # bit for bit, page for page
+                others = [b for b in range(BLOCKS) if b not in d_blocks]
+                assert not dst[name_][others].any()  # nothing else written
+    finally:
+        for d, _ in ranks:
+            d.close()
+        p.close()
+
+
+def test_partial_load_after_a_local_prefix_hit() -> None:
+    name = f"vllm-pages-{next(_names)}"
+    p, src = _prefill(name, SaveJob("r", "t", (3, 7, 1), 70, 1))
+    d = _worker(name, 0, 1, False)
+    dst = _caches(HEADS, None)
+    d.register(dst)
+    try:  # the decode side had the first block already: pages 1.. go into its blocks 4, 9
+        assert _load(d, LoadJob("r", _source("t", 70), (4, 9), 1)) == ({"r"}, set())
+        for layer_name, layer in src.items():
+            assert torch.equal(dst[layer_name][[4, 9]], layer[[7, 1]])
+    finally:
+        d.close()
+        p.close()
+
+
+class _Corrupting:
+    """A sending connector that flips one byte of every payload after the checksum was taken."""
+
+    def __init__(self, config):
+        from kvferry.app.registry import create_connector
+
+        self.inner = create_connector(config)
+
+    def reserve(self, from_stage, to_stage, put_key, nbytes):
+        r = self.inner.reserve(from_stage, to_stage, put_key, nbytes)
+
+        def commit():
+            r.buffer[-1] ^= 0xFF
+            return r.commit()
+
+        return SimpleNamespace(buffer=r.buffer, commit=commit, abort=r.abort)
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+
+def test_corrupt_payload_is_a_load_error_of_every_block() -> None:
+    name = f"vllm-pages-{next(_names)}"
+    settings = ConnectorSettings.from_extra_config({"connector": {"type": "memory", "shared_name": name}})
+    p = PageWorker(settings, tp_rank=0, tp_size=1, total_kv_heads=HEADS, producer=True, consumer=False,
+                   connector_factory=_Corrupting)
+    p.register(_caches(HEADS, 1))
+    job = SaveJob("r", "t", (1, 2, 3), 70, 1)
+    p.begin_step([job])
+    p.end_step()
+    _wait(lambda: p.pending_saves == 0 or p.finished({"r"})[0] == {"r"})
+    d = _worker(name, 0, 1, False)
+    d.register(_caches(HEADS, None))
+    try:
+        assert _load(d, LoadJob("r", _source("t", 70), (4, 5, 6), 0)) == ({"r"}, {4, 5, 6})
+        assert d.stats.peek()["failures_corrupt"] == 1
+    finally:
+        d.close()
+        p.close()
+
+
+def test_missing_prefill_times_out_and_bad_params_fail_at_once() -> None:
+    name = f"vllm-pages-{next(_names)}"
+    d = _worker(name, 0, 1, False, load_timeout_s=0.2)
+    d.register(_caches(HEADS, None))
+    try:
+        assert _load(d, LoadJob("r", _source("nobody", 70), (4, 5, 6), 0)) == ({"r"}, {4, 5, 6})
+        assert _load(d, LoadJob("q", None, (7,), 0, error="kv_transfer_params.remote_port: missing")) == ({"q"}, {7})
+        assert d.stats.peek() == {"failures_timeout": 1, "failures_params": 1}
+    finally:
+        d.close()
+
+
+def test_decode_tp_mismatch_is_refused() -> None:
+    name = f"vllm-pages-{next(_names)}"
+    d = _worker(name, 0, 2, False)
+    d.register(_caches(HEADS // 2, None))
+    try:
+        assert _load(d, LoadJob("r", _source("t", 70, decode_tp=1), (4,), 0)) == ({"r"}, {4})
+        assert d.stats.peek() == {"failures_layout": 1}
+    finally:
+        d.close()
+
+
+# --------------------------------------------------------------------------------- scheduler
+def _request(rid: str, n: int, params: dict | None, computed: int = 0) -> SimpleNamespace:
+    return SimpleNamespace(request_id=rid, kv_transfer_params=params, num_prompt_tokens=n,
+                           num_computed_tokens=computed, prompt_token_ids=list(range(n)))
+
+
+def _scheduler(producer: bool) -> PageScheduler:
+    return PageScheduler(ConnectorSettings(), engine_id="e", block_size=BS, num_layers=LAYERS, tp_size=1,
+                         producer=producer, consumer=not producer, block_ids_of=lambda rid: [5, 6, 7, 8])
+
+
+def test_prefill_scheduler_saves_when_the_prefill_completes_and_keeps_blocks() -> None:
+    s = _scheduler(True)
+    req = _request("a", 70, {"do_remote_decode": True})
+    s.track(req)
+    s.track(_request("b", 10, None))
+    assert s.build_plan({"a": 40}).saves == ()  # chunked: not complete yet
+    req.num_computed_tokens = 40
+    [job] = s.build_plan({"a": 30}).saves
+    assert (job.req_id, job.transfer_id, job.block_ids, job.num_tokens) == ("a", "a", (5, 6, 7), 70)
+    assert s.build_plan({"a": 1}).saves == ()  # saved once
+    keep, params = s.request_finished(req)
+    assert keep and params["remote_num_tokens"] == 70 and params["remote_port"] == 50151
+    assert s.pending_sends
+    s.sent({"a"})
+    assert not s.pending_sends
+    assert s.request_finished(_request("b", 10, None)) == (False, None)
+
+
+def test_prefill_bad_params_are_returned_to_the_client() -> None:
+    s = _scheduler(True)
+    req = _request("a", 70, {"do_remote_decode": True, "decode_tp_size": "two"})
+    s.track(req)
+    assert s.build_plan({"a": 70}).saves == ()
+    keep, params = s.request_finished(req)
+    assert not keep and params["kvferry_error"].startswith("kv_transfer_params.decode_tp_size")
+
+
+def test_decode_scheduler_loads_asynchronously_once() -> None:
+    s = _scheduler(False)
+    req = _request("d", 70, _params(transfer_id="t", remote_num_tokens=70))
+    assert s.matched_tokens(req, 0) == (70, True)
+    s.after_alloc(req, [11, 12, 13], 70)
+    [job] = s.build_plan({}).loads
+    assert (job.req_id, job.block_ids, job.first_page, job.error) == ("d", (11, 12, 13), 0, None)
+    assert s.matched_tokens(req, 0) == (0, False)  # a recompute after a failure loads nothing
+    bad = _request("e", 70, _params(remote_port="x"))
+    assert s.matched_tokens(bad, 32) == (38, True)
+    s.after_alloc(bad, [1, 2, 3], 38)
+    [job] = s.build_plan({}).loads
+    assert job.block_ids == (2, 3) and job.first_page == 1 and job.error.startswith("kv_transfer_params.remote_port")
+
+
+# ----------------------------------------------------------------------------- import rule
+def test_importing_kvferry_never_imports_vllm() -> None:
+    """Every kvferry module but the connector class's own imports without vLLM (a blocked
+    import would fail), and the package the engine loads only imports it on first access."""
+    code = r"""
+import importlib, pkgutil, sys
+class Block:
+    def find_spec(self, name, path=None, target=None):
+        if name == "vllm" or name.startswith("vllm."):
+            raise ImportError("vllm imported by " + repr(name))
+sys.meta_path.insert(0, Block())
+import kvferry.core, kvferry.adapters, kvferry.app
+names = []
+for pkg in (kvferry.core, kvferry.adapters, kvferry.app):
+    for m in pkgutil.walk_packages(pkg.__path__, pkg.__name__ + "."):
+        if m.name == "kvferry.app.vllm.connector" or m.name.endswith("__main__"):
+            continue
+        importlib.import_module(m.name)
+        names.append(m.name)
+import kvferry.app.vllm as v
+assert "kvferry.app.vllm.worker" in names and "kvferry.app.vllm.scheduler" in names, names
+assert not [m for m in sys.modules if m == "vllm" or m.startswith("vllm.")]
+print(len(names))
+"""
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                         env={**os.environ, "PYTHONWARNINGS": "ignore"})
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert int(out.stdout.strip().splitlines()[-1]) > 20
