@@ -11,7 +11,12 @@ from __future__ import annotations
 from typing import Any
 
 from kvferry.app.vllm.params import (
-    PARAMS_VERSION, ConnectorSettings, DecodeSource, parse_decode_params, parse_prefill_params, prefill_result,
+    PARAMS_VERSION,
+    ConnectorSettings,
+    DecodeSource,
+    parse_decode_params,
+    parse_prefill_params,
+    prefill_result,
 )
 
 __all__ = [

@@ -14,7 +14,9 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
-    KVConnectorBase_V1, KVConnectorMetadata, KVConnectorRole,
+    KVConnectorBase_V1,
+    KVConnectorMetadata,
+    KVConnectorRole,
 )
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorPromMetrics, KVConnectorStats
 
@@ -58,23 +60,33 @@ class KVFerryConnector(KVConnectorBase_V1):
         self._worker: PageWorker | None = None
         if role == KVConnectorRole.SCHEDULER:
             self._scheduler = PageScheduler(
-                self.settings, engine_id=str(tc.engine_id), block_size=int(vllm_config.cache_config.block_size),
-                num_layers=_num_layers(vllm_config, kv_cache_config), tp_size=tp_size, producer=producer,
-                consumer=consumer, block_ids_of=self._block_ids_of)
+                self.settings,
+                engine_id=str(tc.engine_id),
+                block_size=int(vllm_config.cache_config.block_size),
+                num_layers=_num_layers(vllm_config, kv_cache_config),
+                tp_size=tp_size,
+                producer=producer,
+                consumer=consumer,
+                block_ids_of=self._block_ids_of,
+            )
         else:
             from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
 
             self._worker = PageWorker(
-                self.settings, tp_rank=int(get_tensor_model_parallel_rank()), tp_size=tp_size,
+                self.settings,
+                tp_rank=int(get_tensor_model_parallel_rank()),
+                tp_size=tp_size,
                 total_kv_heads=int(vllm_config.model_config.get_total_num_kv_heads()),
-                producer=producer, consumer=consumer)
+                producer=producer,
+                consumer=consumer,
+            )
 
     def _block_ids_of(self, req_id: str) -> list[int]:
         manager = self._kv_cache_manager
         return [] if manager is None else list(manager.get_block_ids(req_id)[0])
 
     # ------------------------------------------------------------------------ worker side
-    def register_kv_caches(self, kv_caches: "dict[str, torch.Tensor]") -> None:
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         assert self._worker is not None
         self._worker.register(kv_caches)
 
@@ -91,7 +103,7 @@ class KVFerryConnector(KVConnectorBase_V1):
     def wait_for_layer_load(self, layer_name: str) -> None:
         return None  # loads are asynchronous: a request runs only after its load finished
 
-    def save_kv_layer(self, layer_name: str, kv_layer: "torch.Tensor", attn_metadata: Any, **kwargs: Any) -> None:
+    def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: Any, **kwargs: Any) -> None:
         if self._worker is not None:
             self._worker.save_layer(layer_name, kv_layer)
 
@@ -108,7 +120,7 @@ class KVFerryConnector(KVConnectorBase_V1):
     def get_block_ids_with_load_errors(self) -> set[int]:
         return set() if self._worker is None else self._worker.load_errors()
 
-    def get_kv_connector_stats(self) -> "KVFerryStats | None":
+    def get_kv_connector_stats(self) -> KVFerryStats | None:
         if self._worker is None:
             return None
         data = self._worker.stats.take()
@@ -146,12 +158,13 @@ class KVFerryConnector(KVConnectorBase_V1):
 
     # ------------------------------------------------------------------------------ stats
     @classmethod
-    def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> "KVFerryStats":
+    def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> KVFerryStats:
         return KVFerryStats(data=dict(data or {}))
 
     @classmethod
-    def build_prom_metrics(cls, vllm_config: Any, metric_types: Any, labelnames: list[str],
-                           per_engine_labelvalues: dict[int, list[object]]) -> "KVFerryPromMetrics":
+    def build_prom_metrics(
+        cls, vllm_config: Any, metric_types: Any, labelnames: list[str], per_engine_labelvalues: dict[int, list[object]]
+    ) -> KVFerryPromMetrics:
         return KVFerryPromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
 
 
@@ -161,16 +174,16 @@ class KVFerryStats(KVConnectorStats):
     ``requests_loaded``, ``bytes_loaded``, ``load_seconds``, ``failures_<kind>``."""
 
     def reset(self) -> None:
-        self.data = {}
+        self.data: dict[str, Any] = {}
 
-    def aggregate(self, other: KVConnectorStats) -> "KVFerryStats":
+    def aggregate(self, other: KVConnectorStats) -> KVFerryStats:
         merged = dict(self.data)
         for k, v in (other.data or {}).items():
             merged[k] = merged.get(k, 0) + v
         return KVFerryStats(data=merged)
 
     def reduce(self) -> dict[str, int | float]:
-        d = self.data
+        d: dict[str, Any] = self.data
         out: dict[str, int | float] = {}
         for side, verb in (("sent", "save"), ("loaded", "load")):
             n = int(d.get(f"requests_{side}", 0))
@@ -199,17 +212,26 @@ class KVFerryPromMetrics(KVConnectorPromMetrics):
         ("load_seconds", "vllm:kvferry_load_seconds", "Seconds spent loading KV pages."),
     )
 
-    def __init__(self, vllm_config: Any, metric_types: Any, labelnames: list[str],
-                 per_engine_labelvalues: dict[int, list[object]]) -> None:
+    def __init__(
+        self,
+        vllm_config: Any,
+        metric_types: Any,
+        labelnames: list[str],
+        per_engine_labelvalues: dict[int, list[object]],
+    ) -> None:
         super().__init__(vllm_config, metric_types, labelnames, per_engine_labelvalues)
         self._counters: dict[str, dict[int, Any]] = {}
         for key, name, doc in self._COUNTERS:
             metric = self._counter_cls(name=name, documentation=doc, labelnames=labelnames)
             self._counters[key] = {i: metric.labels(*v) for i, v in per_engine_labelvalues.items()}
-        failures = self._counter_cls(name="vllm:kvferry_failures", documentation="KV transfers that failed, by kind.",
-                                     labelnames=[*labelnames, "kind"])
-        self._failures = {i: {k: failures.labels(*v, k) for k in FAILURE_KINDS}
-                          for i, v in per_engine_labelvalues.items()}
+        failures = self._counter_cls(
+            name="vllm:kvferry_failures",
+            documentation="KV transfers that failed, by kind.",
+            labelnames=[*labelnames, "kind"],
+        )
+        self._failures = {
+            i: {k: failures.labels(*v, k) for k in FAILURE_KINDS} for i, v in per_engine_labelvalues.items()
+        }
 
     def observe(self, transfer_stats_data: dict[str, Any], engine_idx: int = 0) -> None:
         for key, per_engine in self._counters.items():

@@ -16,20 +16,29 @@ tensor; with different TP sizes each decode rank gets its heads from the core's 
 
 from __future__ import annotations
 
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import attrs
 import torch
 
-from kvferry.adapters.torch_frames import dest_views, finish_payload_in
 from kvferry.adapters.torch_decode import dtype_name
+from kvferry.adapters.torch_frames import dest_views, finish_payload_in
 from kvferry.core.errors import ConfigError, PayloadError, RoutingError
 from kvferry.core.head_slices import HeadSlice, plan_heads, sender_slices
 from kvferry.core.header import LayoutTemplate, kv_layout_template
 from kvferry.core.ids import connector_key
 
-__all__ = ["PAGE_LAYOUT", "PageGeometry", "layer_key", "send_slices", "recv_slices", "PageWriter",
-           "write_pages", "check_payload"]
+__all__ = [
+    "PAGE_LAYOUT",
+    "PageGeometry",
+    "layer_key",
+    "send_slices",
+    "recv_slices",
+    "PageWriter",
+    "write_pages",
+    "check_payload",
+]
 
 #: The layout name recorded in every payload's metadata.
 PAGE_LAYOUT = "vllm_cpu_pages_hnd"
@@ -53,7 +62,7 @@ class PageGeometry:
         return self.block_size * self.head_size
 
     @classmethod
-    def of(cls, layers: Sequence[torch.Tensor]) -> "PageGeometry":
+    def of(cls, layers: Sequence[torch.Tensor]) -> PageGeometry:
         """The geometry of vLLM's per-layer tensors; ConfigError for anything else."""
         if not layers:
             raise ConfigError("kv_caches: no attention layers registered")
@@ -63,10 +72,13 @@ class PageGeometry:
                 shape = tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__
                 raise ConfigError(
                     f"kv_caches[{i}]: kvferry's vLLM connector moves the CPU backend's pages "
-                    f"[num_blocks, heads, block_size, 2*head_size]; got {shape}")
+                    f"[num_blocks, heads, block_size, 2*head_size]; got {shape}"
+                )
             if t.shape != first.shape or t.dtype != first.dtype:
-                raise ConfigError(f"kv_caches[{i}]: shape {tuple(t.shape)} / {t.dtype} differs from layer 0's "
-                                  f"{tuple(first.shape)} / {first.dtype}")
+                raise ConfigError(
+                    f"kv_caches[{i}]: shape {tuple(t.shape)} / {t.dtype} differs from layer 0's "
+                    f"{tuple(first.shape)} / {first.dtype}"
+                )
             if not t.is_contiguous():
                 raise ConfigError(f"kv_caches[{i}]: expected a contiguous tensor")
         nb, heads, bs, two_d = first.shape
@@ -85,8 +97,10 @@ def layer_key(transfer_id: str, from_stage: int, layer: int, from_rank: int, to_
 
 def _check_heads(total_heads: int, *tp_sizes: int) -> int:
     if total_heads < max(tp_sizes):
-        raise RoutingError(f"{total_heads} KV heads over TP {max(tp_sizes)}: replicated KV heads are not "
-                           "supported by kvferry's vLLM connector yet")
+        raise RoutingError(
+            f"{total_heads} KV heads over TP {max(tp_sizes)}: replicated KV heads are not "
+            "supported by kvferry's vLLM connector yet"
+        )
     return total_heads
 
 
@@ -124,8 +138,9 @@ class PageWriter:
     def layout(self, transfer_id: str, block_ids: Sequence[int], heads: int, metadata: dict[str, Any]) -> Any:
         return self.template(len(block_ids), heads).layout(transfer_id, list(block_ids), metadata)
 
-    def gather(self, layer: torch.Tensor, index: torch.Tensor, head_start: int, head_stop: int,
-               dest: torch.Tensor, layout: Any) -> None:
+    def gather(
+        self, layer: torch.Tensor, index: torch.Tensor, head_start: int, head_stop: int, dest: torch.Tensor, layout: Any
+    ) -> None:
         """Copy the pages ``layer[index, head_start:head_stop]`` (K then V regions) into ``dest``
         (a 1-D uint8 buffer of ``layout.total_nbytes``) and write the header in front."""
         k, v = self.geometry.regions(layer)
@@ -148,15 +163,24 @@ def check_payload(decoded: Any, geometry: PageGeometry, layer: int, heads: int, 
     want = (heads, geometry.region)
     for name, t in (("K", k), ("V", v)):
         if t.dim() != 3 or tuple(t.shape[1:]) != want or t.shape[0] < min_blocks:
-            raise PayloadError(f"layer {layer}: {name} pages {tuple(t.shape)}, expected "
-                               f"[>= {min_blocks}, {heads}, {geometry.region}] (block_size {geometry.block_size}, "
-                               f"head_size {geometry.head_size})")
+            raise PayloadError(
+                f"layer {layer}: {name} pages {tuple(t.shape)}, expected "
+                f"[>= {min_blocks}, {heads}, {geometry.region}] (block_size {geometry.block_size}, "
+                f"head_size {geometry.head_size})"
+            )
         if dtype_name(t.dtype) != geometry.dtype:
             raise PayloadError(f"layer {layer}: {name} pages are {dtype_name(t.dtype)}, this cache is {geometry.dtype}")
 
 
-def write_pages(layer: torch.Tensor, geometry: PageGeometry, decoded: Any, index: torch.Tensor,
-                first_page: int, recv_start: int, recv_stop: int) -> int:
+def write_pages(
+    layer: torch.Tensor,
+    geometry: PageGeometry,
+    decoded: Any,
+    index: torch.Tensor,
+    first_page: int,
+    recv_start: int,
+    recv_stop: int,
+) -> int:
     """Copy received pages ``first_page:first_page+len(index)`` into ``layer[index,
     recv_start:recv_stop]`` (K and V regions); returns the bytes written."""
     k_dst, v_dst = geometry.regions(layer)

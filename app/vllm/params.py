@@ -14,7 +14,8 @@ The hand-off (docs/vllm.md):
 
 from __future__ import annotations
 
-from typing import Any, Mapping
+from collections.abc import Mapping
+from typing import Any
 
 import attrs
 
@@ -85,7 +86,7 @@ class ConnectorSettings:
     load_threads: int = 2
 
     @classmethod
-    def from_extra_config(cls, extra: Mapping[str, Any] | None) -> "ConnectorSettings":
+    def from_extra_config(cls, extra: Mapping[str, Any] | None) -> ConnectorSettings:
         """Read ``kv_connector_extra_config``; unknown keys are an error naming them."""
         extra = dict(extra or {})
         known = {f.name for f in attrs.fields(cls)}
@@ -193,8 +194,17 @@ class DecodeSource:
         return {"source_host": self.host, "source_port": self.port + from_rank * 16}
 
 
-_DECODE_FIELDS = ("transfer_id", "remote_host", "remote_port", "remote_num_tokens", "remote_block_size",
-                  "remote_num_layers", "remote_tp_size", "decode_tp_size", "kvferry_connector")
+_DECODE_FIELDS = (
+    "transfer_id",
+    "remote_host",
+    "remote_port",
+    "remote_num_tokens",
+    "remote_block_size",
+    "remote_num_layers",
+    "remote_tp_size",
+    "decode_tp_size",
+    "kvferry_connector",
+)
 
 
 def parse_decode_params(params: Any) -> DecodeSource | None:
@@ -208,8 +218,10 @@ def parse_decode_params(params: Any) -> DecodeSource | None:
         return None
     version = params.get("kvferry_version")
     if version != PARAMS_VERSION:
-        raise ConfigError(f"{_FIELD}.kvferry_version: expected {PARAMS_VERSION} (params made by kvferry's "
-                          f"prefill side), got {version!r}")
+        raise ConfigError(
+            f"{_FIELD}.kvferry_version: expected {PARAMS_VERSION} (params made by kvferry's "
+            f"prefill side), got {version!r}"
+        )
     for name in _DECODE_FIELDS:
         if name not in params:
             raise ConfigError(f"{_FIELD}.{name}: missing")
@@ -227,9 +239,19 @@ def parse_decode_params(params: Any) -> DecodeSource | None:
     )
 
 
-def prefill_result(*, transfer_id: str, host: str, port: int, num_tokens: int, block_size: int,
-                   num_layers: int, tp_size: int, decode_tp_size: int, connector_type: str,
-                   engine_id: str) -> dict[str, Any]:
+def prefill_result(
+    *,
+    transfer_id: str,
+    host: str,
+    port: int,
+    num_tokens: int,
+    block_size: int,
+    num_layers: int,
+    tp_size: int,
+    decode_tp_size: int,
+    connector_type: str,
+    engine_id: str,
+) -> dict[str, Any]:
     """The dict the prefill instance returns (``RequestOutput.kv_transfer_params``): exactly
     what the decode request's ``kv_transfer_params`` must be."""
     return {

@@ -17,12 +17,18 @@ and become a failed load, so ``kv_load_failure_policy`` decides (recompute or fa
 from __future__ import annotations
 
 import logging
-from typing import Any, Callable, Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import attrs
 
 from kvferry.app.vllm.params import (
-    ConnectorSettings, DecodeSource, PrefillRequest, parse_decode_params, parse_prefill_params, prefill_result,
+    ConnectorSettings,
+    DecodeSource,
+    PrefillRequest,
+    parse_decode_params,
+    parse_prefill_params,
+    prefill_result,
 )
 from kvferry.app.vllm.worker import LoadJob, SaveJob
 from kvferry.core.errors import ConfigError
@@ -92,8 +98,9 @@ class PageScheduler:
             pages = -(-req.num_prompt_tokens // self.block_size)
             blocks = tuple(int(b) for b in list(self.block_ids_of(rid))[:pages])
             if len(blocks) < pages:
-                logger.error("request %s: %d blocks for %d prompt tokens; not sent", rid, len(blocks),
-                             req.num_prompt_tokens)
+                logger.error(
+                    "request %s: %d blocks for %d prompt tokens; not sent", rid, len(blocks), req.num_prompt_tokens
+                )
                 continue
             pending.saved = True
             decode_tp = pending.ask.decode_tp_size or self.settings.decode_tp_size or self.tp_size
@@ -114,10 +121,17 @@ class PageScheduler:
         self._sending.add(rid)
         decode_tp = pending.ask.decode_tp_size or self.settings.decode_tp_size or self.tp_size
         return True, prefill_result(
-            transfer_id=pending.ask.transfer_id or rid, host=self.settings.host,
-            port=self.settings.sender_port(0, self.tp_size), num_tokens=pending.request.num_prompt_tokens,
-            block_size=self.block_size, num_layers=self.num_layers, tp_size=self.tp_size,
-            decode_tp_size=decode_tp, connector_type=self.settings.connector_type, engine_id=self.engine_id)
+            transfer_id=pending.ask.transfer_id or rid,
+            host=self.settings.host,
+            port=self.settings.sender_port(0, self.tp_size),
+            num_tokens=pending.request.num_prompt_tokens,
+            block_size=self.block_size,
+            num_layers=self.num_layers,
+            tp_size=self.tp_size,
+            decode_tp_size=decode_tp,
+            connector_type=self.settings.connector_type,
+            engine_id=self.engine_id,
+        )
 
     def sent(self, req_ids: Sequence[str] | set[str] | None) -> None:
         """Workers reported these requests sent (their blocks are freed now)."""

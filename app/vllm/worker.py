@@ -25,7 +25,8 @@ import logging
 import queue
 import threading
 import time
-from typing import Any, Callable, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
 
 import attrs
 import torch
@@ -33,7 +34,14 @@ import torch
 from kvferry.adapters.torch_decode import decode_payload
 from kvferry.app.registry import create_connector
 from kvferry.app.vllm.pages import (
-    PAGE_LAYOUT, PageGeometry, PageWriter, check_payload, layer_key, recv_slices, send_slices, write_pages,
+    PAGE_LAYOUT,
+    PageGeometry,
+    PageWriter,
+    check_payload,
+    layer_key,
+    recv_slices,
+    send_slices,
+    write_pages,
 )
 from kvferry.app.vllm.params import ConnectorSettings, DecodeSource
 from kvferry.core.errors import ConfigError, KVFerryError, LeaseExpired, PayloadError, PoolFullError
@@ -142,7 +150,7 @@ class PageWorker:
     _saves: dict[str, _SaveState] = attrs.field(init=False, factory=dict)
     _step_saves: tuple[SaveJob, ...] = attrs.field(init=False, default=())
     _engine_finished: set[str] = attrs.field(init=False, factory=set)
-    _queue: "queue.Queue[Any]" = attrs.field(init=False, factory=queue.Queue)
+    _queue: queue.Queue[Any] = attrs.field(init=False, factory=queue.Queue)
     _thread: threading.Thread | None = attrs.field(init=False, default=None)
     _pool: concurrent.futures.ThreadPoolExecutor | None = attrs.field(init=False, default=None)
     _loads: dict[str, concurrent.futures.Future] = attrs.field(init=False, factory=dict)
@@ -159,8 +167,10 @@ class PageWorker:
         self._index = {name: i for i, name in enumerate(kv_caches)}
         self.geometry = PageGeometry.of(self._layers)
         if self.geometry.heads * self.tp_size != self.total_kv_heads:
-            raise ConfigError(f"kv_caches: {self.geometry.heads} KV heads on each of {self.tp_size} ranks, but the "
-                              f"model has {self.total_kv_heads} (replicated KV heads are not supported yet)")
+            raise ConfigError(
+                f"kv_caches: {self.geometry.heads} KV heads on each of {self.tp_size} ranks, but the "
+                f"model has {self.total_kv_heads} (replicated KV heads are not supported yet)"
+            )
         self._writer = PageWriter(self.geometry, checksums=self.settings.checksums)
         if self.producer:
             self._sender = self.connector_factory(self.settings.sender_config(self.tp_rank, self.tp_size))
@@ -168,8 +178,9 @@ class PageWorker:
             self._thread.start()
         if self.consumer:
             self._receiver = self.connector_factory(self.settings.receiver_config())
-            self._pool = concurrent.futures.ThreadPoolExecutor(self.settings.load_threads,
-                                                               thread_name_prefix="kvferry-load")
+            self._pool = concurrent.futures.ThreadPoolExecutor(
+                self.settings.load_threads, thread_name_prefix="kvferry-load"
+            )
 
     # ------------------------------------------------------------------------- prefill side
     def begin_step(self, saves: Sequence[SaveJob]) -> None:
@@ -224,8 +235,9 @@ class PageWorker:
                 state.layers_left -= 1
                 done = state.done
             if done and state.failed is None:
-                self.stats.add(requests_sent=1, bytes_sent=state.nbytes,
-                               save_seconds=max(0.0, self.clock() - state.started))
+                self.stats.add(
+                    requests_sent=1, bytes_sent=state.nbytes, save_seconds=max(0.0, self.clock() - state.started)
+                )
 
     def _save_one(self, job: SaveJob, layer_idx: int, layer: torch.Tensor) -> int:
         geometry, writer = self.geometry, self._writer
@@ -234,14 +246,21 @@ class PageWorker:
         stage = self.settings.from_stage
         nbytes = 0
         for sl in send_slices(self.tp_size, job.decode_tp, self.total_kv_heads, self.tp_rank):
-            meta = {"layout": PAGE_LAYOUT, "layer": layer_idx, "num_tokens": job.num_tokens,
-                    "block_size": geometry.block_size, "head_size": geometry.head_size,
-                    "heads": [sl.abs_head_start, sl.abs_head_stop], "from_rank": self.tp_rank,
-                    "to_rank": sl.target_rank}
+            meta = {
+                "layout": PAGE_LAYOUT,
+                "layer": layer_idx,
+                "num_tokens": job.num_tokens,
+                "block_size": geometry.block_size,
+                "head_size": geometry.head_size,
+                "heads": [sl.abs_head_start, sl.abs_head_stop],
+                "from_rank": self.tp_rank,
+                "to_rank": sl.target_rank,
+            }
             layout = writer.layout(job.transfer_id, job.block_ids, sl.num_heads, meta)
             key = layer_key(job.transfer_id, stage, layer_idx, self.tp_rank, sl.target_rank)
-            nbytes += self._put(key, layout, lambda dest: writer.gather(
-                layer, index, sl.head_start, sl.head_stop, dest, layout))
+            nbytes += self._put(
+                key, layout, lambda dest: writer.gather(layer, index, sl.head_start, sl.head_stop, dest, layout)
+            )
         return nbytes
 
     def _put(self, key: str, layout: Any, fill: Callable[[torch.Tensor], None]) -> int:
@@ -306,11 +325,17 @@ class PageWorker:
         src, geometry = job.source, self.geometry
         assert geometry is not None
         if src.decode_tp_size != self.tp_size:
-            raise _LoadFailed("layout", f"the prefill sliced heads for decode TP {src.decode_tp_size}, this "
-                                        f"instance runs TP {self.tp_size} (set decode_tp_size on the prefill)")
+            raise _LoadFailed(
+                "layout",
+                f"the prefill sliced heads for decode TP {src.decode_tp_size}, this "
+                f"instance runs TP {self.tp_size} (set decode_tp_size on the prefill)",
+            )
         if src.block_size != geometry.block_size or src.num_layers != geometry.num_layers:
-            raise _LoadFailed("layout", f"prefill block_size {src.block_size} / {src.num_layers} layers, this "
-                                        f"cache {geometry.block_size} / {geometry.num_layers}")
+            raise _LoadFailed(
+                "layout",
+                f"prefill block_size {src.block_size} / {src.num_layers} layers, this "
+                f"cache {geometry.block_size} / {geometry.num_layers}",
+            )
         try:
             slices = recv_slices(src.prefill_tp_size, self.tp_size, self.total_kv_heads, self.tp_rank)
         except KVFerryError as exc:
@@ -330,21 +355,32 @@ class PageWorker:
                 if remaining <= 0:
                     raise _LoadFailed("timeout", f"{key!r} not there within {self.settings.load_timeout_s} s")
                 try:
-                    got = self._receiver.get_blocking(*stages, key, src.source_metadata(sl.source_rank),
-                                                      timeout_s=remaining)
+                    got = self._receiver.get_blocking(
+                        *stages, key, src.source_metadata(sl.source_rank), timeout_s=remaining
+                    )
                 except LeaseExpired as exc:
                     raise _LoadFailed("expired", str(exc)) from exc
                 except KVFerryError as exc:
                     raise _LoadFailed("unavailable", str(exc)) from exc
                 if got is None:
-                    raise _LoadFailed("timeout", f"{key!r} not there within {self.settings.load_timeout_s} s "
-                                                 f"(prefill at {src.host}:{src.source_metadata(sl.source_rank)['source_port']})")
+                    port = src.source_metadata(sl.source_rank)["source_port"]
+                    raise _LoadFailed(
+                        "timeout",
+                        f"{key!r} not there within {self.settings.load_timeout_s} s (prefill at {src.host}:{port})",
+                    )
                 data = got[0]
                 try:
                     decoded = decode_payload(data)
                     check_payload(decoded, geometry, layer_idx, sl.num_heads, job.first_page + count)
-                    nbytes += write_pages(self._layers[layer_idx], geometry, decoded, index, job.first_page,
-                                          sl.recv_head_start, sl.recv_head_stop)
+                    nbytes += write_pages(
+                        self._layers[layer_idx],
+                        geometry,
+                        decoded,
+                        index,
+                        job.first_page,
+                        sl.recv_head_start,
+                        sl.recv_head_stop,
+                    )
                 except PayloadError as exc:
                     raise _LoadFailed("corrupt", str(exc)) from exc
                 finally:

@@ -25,8 +25,18 @@ _names = itertools.count()
 
 
 def _params(**over):
-    p = prefill_result(transfer_id="t1", host="127.0.0.1", port=50151, num_tokens=70, block_size=BS,
-                       num_layers=LAYERS, tp_size=1, decode_tp_size=1, connector_type="shm", engine_id="e")
+    p = prefill_result(
+        transfer_id="t1",
+        host="127.0.0.1",
+        port=50151,
+        num_tokens=70,
+        block_size=BS,
+        num_layers=LAYERS,
+        tp_size=1,
+        decode_tp_size=1,
+        connector_type="shm",
+        engine_id="e",
+    )
     p.update(over)
     return p
 
@@ -38,10 +48,18 @@ def test_prefill_result_is_what_the_decode_side_reads() -> None:
     assert src.source_metadata(1) == {"source_host": "127.0.0.1", "source_port": 50167}
 
 
-@pytest.mark.parametrize(("field", "value"), [
-    ("remote_port", "x"), ("remote_port", 70000), ("remote_num_tokens", 0), ("transfer_id", ""),
-    ("remote_block_size", True), ("kvferry_version", 99), ("decode_tp_size", None),
-])
+@pytest.mark.parametrize(
+    ("field", "value"),
+    [
+        ("remote_port", "x"),
+        ("remote_port", 70000),
+        ("remote_num_tokens", 0),
+        ("transfer_id", ""),
+        ("remote_block_size", True),
+        ("kvferry_version", 99),
+        ("decode_tp_size", None),
+    ],
+)
 def test_bad_decode_params_name_the_field(field: str, value: object) -> None:
     with pytest.raises(ConfigError, match=rf"^kv_transfer_params\.{field}: "):
         parse_decode_params(_params(**{field: value}))
@@ -71,8 +89,14 @@ def test_settings_from_extra_config() -> None:
     s = ConnectorSettings.from_extra_config(None)
     assert s.connector_type == "shm" and s.sender_port(0, 1) == 50151 and s.sender_port(1, 2) == 50167
     z = ConnectorSettings.from_extra_config({"connector": {"type": "zmq"}, "base_port": 40000})
-    assert z.sender_config(0, 1) == {"type": "zmq", "pool_bytes": s.pool_bytes, "lease_s": 60.0, "role": "sender",
-                                     "port": 40100, "host": "127.0.0.1"}
+    assert z.sender_config(0, 1) == {
+        "type": "zmq",
+        "pool_bytes": s.pool_bytes,
+        "lease_s": 60.0,
+        "role": "sender",
+        "port": 40100,
+        "host": "127.0.0.1",
+    }
     assert z.receiver_config() == {"type": "zmq", "role": "receiver"}
     with pytest.raises(ConfigError, match=r"^kv_connector_extra_config\.bogus: unknown option"):
         ConnectorSettings.from_extra_config({"bogus": 1})
@@ -83,8 +107,10 @@ def test_settings_from_extra_config() -> None:
 # ---------------------------------------------------------------------------------- routing
 def test_head_routing_from_core() -> None:
     assert [(s.target_rank, s.head_start, s.head_stop) for s in send_slices(1, 2, 4, 0)] == [(0, 0, 2), (1, 2, 4)]
-    assert [(s.source_rank, s.recv_head_start, s.recv_head_stop) for s in recv_slices(2, 1, 4, 0)] == [(0, 0, 2),
-                                                                                                       (1, 2, 4)]
+    assert [(s.source_rank, s.recv_head_start, s.recv_head_stop) for s in recv_slices(2, 1, 4, 0)] == [
+        (0, 0, 2),
+        (1, 2, 4),
+    ]
     with pytest.raises(RoutingError, match="replicated"):
         send_slices(1, 4, 2, 0)
     assert layer_key("r", 0, 0, 0, 1) == "r_0_1_0_1"  # chunk = layer + 1
@@ -111,9 +137,11 @@ def _caches(heads: int, seed: int | None) -> dict[str, torch.Tensor]:
 
 def _worker(name: str, rank: int, tp: int, producer: bool, **extra) -> PageWorker:
     settings = ConnectorSettings.from_extra_config(
-        {"connector": {"type": "memory", "shared_name": name}, "load_timeout_s": 2.0, **extra})
-    return PageWorker(settings, tp_rank=rank, tp_size=tp, total_kv_heads=HEADS, producer=producer,
-                      consumer=not producer)
+        {"connector": {"type": "memory", "shared_name": name}, "load_timeout_s": 2.0, **extra}
+    )
+    return PageWorker(
+        settings, tp_rank=rank, tp_size=tp, total_kv_heads=HEADS, producer=producer, consumer=not producer
+    )
 
 
 def _wait(pred, timeout_s: float = 10.0) -> None:
@@ -144,8 +172,9 @@ def _load(d: PageWorker, job: LoadJob) -> tuple[set[str], set[int]]:
 
 
 def _source(tid: str, tokens: int, decode_tp: int = 1) -> object:
-    return parse_decode_params(_params(transfer_id=tid, num_tokens=tokens, remote_num_tokens=tokens,
-                                       decode_tp_size=decode_tp))
+    return parse_decode_params(
+        _params(transfer_id=tid, num_tokens=tokens, remote_num_tokens=tokens, decode_tp_size=decode_tp)
+    )
 
 
 @pytest.mark.parametrize("decode_tp", [1, 2])
@@ -164,7 +193,7 @@ def test_pages_move_as_stored_into_the_decode_blocks(decode_tp: int) -> None:
         heads = HEADS // decode_tp
         for rank, (_, dst) in enumerate(ranks):
             for name_, layer in src.items():
-                want = layer[list(p_blocks), rank * heads:(rank + 1) * heads]
+                want = layer[list(p_blocks), rank * heads : (rank + 1) * heads]
                 assert torch.equal(dst[name_][list(d_blocks)], want)  # bit for bit, page for page
                 others = [b for b in range(BLOCKS) if b not in d_blocks]
                 assert not dst[name_][others].any()  # nothing else written
@@ -213,8 +242,15 @@ class _Corrupting:
 def test_corrupt_payload_is_a_load_error_of_every_block() -> None:
     name = f"vllm-pages-{next(_names)}"
     settings = ConnectorSettings.from_extra_config({"connector": {"type": "memory", "shared_name": name}})
-    p = PageWorker(settings, tp_rank=0, tp_size=1, total_kv_heads=HEADS, producer=True, consumer=False,
-                   connector_factory=_Corrupting)
+    p = PageWorker(
+        settings,
+        tp_rank=0,
+        tp_size=1,
+        total_kv_heads=HEADS,
+        producer=True,
+        consumer=False,
+        connector_factory=_Corrupting,
+    )
     p.register(_caches(HEADS, 1))
     job = SaveJob("r", "t", (1, 2, 3), 70, 1)
     p.begin_step([job])
@@ -255,13 +291,26 @@ def test_decode_tp_mismatch_is_refused() -> None:
 
 # --------------------------------------------------------------------------------- scheduler
 def _request(rid: str, n: int, params: dict | None, computed: int = 0) -> SimpleNamespace:
-    return SimpleNamespace(request_id=rid, kv_transfer_params=params, num_prompt_tokens=n,
-                           num_computed_tokens=computed, prompt_token_ids=list(range(n)))
+    return SimpleNamespace(
+        request_id=rid,
+        kv_transfer_params=params,
+        num_prompt_tokens=n,
+        num_computed_tokens=computed,
+        prompt_token_ids=list(range(n)),
+    )
 
 
 def _scheduler(producer: bool) -> PageScheduler:
-    return PageScheduler(ConnectorSettings(), engine_id="e", block_size=BS, num_layers=LAYERS, tp_size=1,
-                         producer=producer, consumer=not producer, block_ids_of=lambda rid: [5, 6, 7, 8])
+    return PageScheduler(
+        ConnectorSettings(),
+        engine_id="e",
+        block_size=BS,
+        num_layers=LAYERS,
+        tp_size=1,
+        producer=producer,
+        consumer=not producer,
+        block_ids_of=lambda rid: [5, 6, 7, 8],
+    )
 
 
 def test_prefill_scheduler_saves_when_the_prefill_completes_and_keeps_blocks() -> None:
@@ -330,7 +379,12 @@ assert "kvferry.app.vllm.worker" in names and "kvferry.app.vllm.scheduler" in na
 assert not [m for m in sys.modules if m == "vllm" or m.startswith("vllm.")]
 print(len(names))
 """
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
-                         env={**os.environ, "PYTHONWARNINGS": "ignore"})
+    out = subprocess.run(
+        [sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**os.environ, "PYTHONWARNINGS": "ignore"},
+    )
     assert out.returncode == 0, out.stderr[-3000:]
     assert int(out.stdout.strip().splitlines()[-1]) > 20

@@ -50,6 +50,9 @@ def serve(cfg: dict) -> None:
         max_model_len=1024, max_num_seqs=8, max_num_batched_tokens=2048,
         enable_prefix_caching=cfg.get("prefix_caching", False), kv_transfer_config=kv,
         tensor_parallel_size=cfg.get("tp", 1), disable_log_stats=False, seed=0,
+        # eager: no torch.compile warm-up (minutes on a busy 2-core machine); every instance of a
+        # test runs the same way, so prefill, decode and reference compute alike
+        compilation_config={"mode": 0},
     )
     out = PROTO
     out.write(json.dumps({"ok": True, "ready": True, "startup_s": time.monotonic() - t0}) + "\n")
