@@ -22,15 +22,60 @@ def make_model(path: str, seed: int) -> None:
 
     torch.manual_seed(seed)
     config = LlamaConfig(
-        vocab_size=512, hidden_size=128, intermediate_size=256, num_hidden_layers=4,
-        num_attention_heads=4, num_key_value_heads=2, head_dim=32, max_position_embeddings=1024,
-        initializer_range=0.3, tie_word_embeddings=False, torch_dtype="bfloat16",
+        vocab_size=512,
+        hidden_size=128,
+        intermediate_size=256,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=32,
+        max_position_embeddings=1024,
+        initializer_range=0.3,
+        tie_word_embeddings=False,
+        torch_dtype="bfloat16",
     )
     model = LlamaForCausalLM(config).to(torch.bfloat16)
     model.save_pretrained(path)
 
 
 PROTO = sys.stdout
+SAVES: dict[str, tuple[int, ...]] = {}  # transfer id -> prefill blocks (from the step metadata)
+LOADS: list[tuple[int, ...]] = []  # decode blocks each load filled, in order
+
+
+def _capture_plans(llm) -> None:
+    """Record the blocks kvferry's plans name (engine core in this process: MP off)."""
+    connector = llm.llm_engine.engine_core.engine_core.scheduler.connector
+    if connector is None:
+        return
+    build = connector.build_connector_meta
+
+    def capture(scheduler_output):
+        meta = build(scheduler_output)
+        for job in meta.plan.saves:
+            SAVES[job.transfer_id] = job.block_ids
+        for job in meta.plan.loads:
+            LOADS.append(job.block_ids)
+        return meta
+
+    connector.build_connector_meta = capture
+
+
+def _page_hashes(worker, block_ids, slices):
+    """Per layer, the sha256 of pages ``block_ids`` of each head slice (None: all heads)."""
+    import hashlib
+
+    import torch
+
+    out = []
+    for layer in worker.model_runner.kv_caches:
+        pages = layer[torch.tensor(block_ids, dtype=torch.long)]
+        row = []
+        for sl in slices or [None]:
+            part = pages if sl is None else pages[:, sl[0] : sl[1]]
+            row.append(hashlib.sha256(part.contiguous().view(torch.uint8).numpy().tobytes()).hexdigest())
+        out.append(row)
+    return {"heads": int(worker.model_runner.kv_caches[0].shape[1]), "hashes": out}
 
 
 def serve(cfg: dict) -> None:
@@ -41,19 +86,30 @@ def serve(cfg: dict) -> None:
     kv = None
     if cfg.get("kv_role"):
         kv = KVTransferConfig(
-            kv_connector="KVFerryConnector", kv_connector_module_path="kvferry.app.vllm",
-            kv_role=cfg["kv_role"], kv_connector_extra_config=cfg.get("extra", {}),
+            kv_connector="KVFerryConnector",
+            kv_connector_module_path="kvferry.app.vllm",
+            kv_role=cfg["kv_role"],
+            kv_connector_extra_config=cfg.get("extra", {}),
             kv_load_failure_policy=cfg.get("policy", "recompute"),
         )
     llm = LLM(
-        model=cfg["model"], skip_tokenizer_init=True, dtype="bfloat16", block_size=32,
-        max_model_len=1024, max_num_seqs=8, max_num_batched_tokens=2048,
-        enable_prefix_caching=cfg.get("prefix_caching", False), kv_transfer_config=kv,
-        tensor_parallel_size=cfg.get("tp", 1), disable_log_stats=False, seed=0,
+        model=cfg["model"],
+        skip_tokenizer_init=True,
+        dtype="bfloat16",
+        block_size=32,
+        max_model_len=1024,
+        max_num_seqs=8,
+        max_num_batched_tokens=2048,
+        enable_prefix_caching=cfg.get("prefix_caching", False),
+        kv_transfer_config=kv,
+        tensor_parallel_size=cfg.get("tp", 1),
+        disable_log_stats=False,
+        seed=0,
         # eager: no torch.compile warm-up (minutes on a busy 2-core machine); every instance of a
         # test runs the same way, so prefill, decode and reference compute alike
         compilation_config={"mode": 0},
     )
+    _capture_plans(llm)
     out = PROTO
     out.write(json.dumps({"ok": True, "ready": True, "startup_s": time.monotonic() - t0}) + "\n")
     out.flush()
@@ -69,19 +125,37 @@ def serve(cfg: dict) -> None:
                 sp = []
                 for params in msg["params"]:
                     extra = {"kv_transfer_params": params} if params is not None else None
-                    sp.append(SamplingParams(max_tokens=msg["max_tokens"], temperature=0.0, ignore_eos=True,
-                                             extra_args=extra))
+                    sp.append(
+                        SamplingParams(max_tokens=msg["max_tokens"], temperature=0.0, ignore_eos=True, extra_args=extra)
+                    )
                 t = time.monotonic()
                 results = []
                 for prompt, p in zip(msg["prompts"], sp):  # one at a time: no batch effects
                     [res] = llm.generate([{"prompt_token_ids": prompt}], p, use_tqdm=False)
                     c = res.outputs[0]
-                    results.append({"tokens": list(c.token_ids), "finish_reason": c.finish_reason,
-                                    "kv_transfer_params": res.kv_transfer_params})
+                    results.append(
+                        {
+                            "tokens": list(c.token_ids),
+                            "finish_reason": c.finish_reason,
+                            "kv_transfer_params": res.kv_transfer_params,
+                        }
+                    )
                 reply = {"ok": True, "results": results, "seconds": time.monotonic() - t}
+            elif op == "pages":
+                # prefill: its pages of a transfer, per decode rank's heads; decode: each rank's
+                # pages of its last load. Only the first ``blocks`` pages (full, not recomputed).
+                if "transfer_id" in msg:
+                    blocks = list(SAVES[msg["transfer_id"]][: msg["blocks"]])
+                else:
+                    blocks = list(LOADS[-1][: msg["blocks"]])
+                reply = {"ok": True, "ranks": llm.collective_rpc(_page_hashes, args=(blocks, msg.get("slices")))}
             elif op == "metrics":
-                reply = {"ok": True, "metrics": [[m.name, m.labels, getattr(m, "value", None)]
-                                                 for m in llm.get_metrics() if "kvferry" in m.name]}
+                reply = {
+                    "ok": True,
+                    "metrics": [
+                        [m.name, m.labels, getattr(m, "value", None)] for m in llm.get_metrics() if "kvferry" in m.name
+                    ],
+                }
             else:
                 reply = {"ok": False, "error": f"unknown op {op!r}"}
         except Exception as exc:  # reported to the test, which fails with it

@@ -8,7 +8,6 @@ import queue
 import signal
 import socket
 import subprocess
-import sys
 import threading
 import time
 from pathlib import Path
@@ -55,8 +54,13 @@ def free_base_port() -> int:
 
 def make_model(py: str, path: Path, seed: int) -> Path:
     if not (path / "config.json").exists():
-        subprocess.run([py, str(PROC), "make-model", str(path), str(seed)], check=True, timeout=300,
-                       stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+        subprocess.run(
+            [py, str(PROC), "make-model", str(path), str(seed)],
+            check=True,
+            timeout=300,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.PIPE,
+        )
     return path
 
 
@@ -65,13 +69,25 @@ class Instance:
 
     def __init__(self, py: str, cfg: dict[str, Any], *, cpu: str, log: Path, timeout_s: float = 300) -> None:
         env = dict(os.environ)
-        env.update(VLLM_ENABLE_V1_MULTIPROCESSING="0", VLLM_PLUGINS="none", VLLM_CPU_KVCACHE_SPACE="1",
-                   VLLM_CPU_OMP_THREADS_BIND=cpu, VLLM_HOST_IP="127.0.0.1", PYTHONUNBUFFERED="1",
-                   VLLM_LOGGING_LEVEL=env.get("VLLM_LOGGING_LEVEL", "INFO"))
+        env.update(
+            VLLM_ENABLE_V1_MULTIPROCESSING="0",
+            VLLM_PLUGINS="none",
+            VLLM_CPU_KVCACHE_SPACE="1",
+            VLLM_CPU_OMP_THREADS_BIND=cpu,
+            VLLM_HOST_IP="127.0.0.1",
+            PYTHONUNBUFFERED="1",
+            VLLM_LOGGING_LEVEL=env.get("VLLM_LOGGING_LEVEL", "INFO"),
+        )
         self.log_path = log
         self._log = open(log, "w")
-        self.proc = subprocess.Popen([py, str(PROC), "serve", json.dumps(cfg)], stdin=subprocess.PIPE,
-                                     stdout=subprocess.PIPE, stderr=self._log, text=True, env=env)
+        self.proc = subprocess.Popen(
+            [py, str(PROC), "serve", json.dumps(cfg)],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=self._log,
+            text=True,
+            env=env,
+        )
         self._lines: queue.Queue[str | None] = queue.Queue()
         self._reader = threading.Thread(target=self._read, daemon=True)
         self._reader.start()
@@ -103,10 +119,12 @@ class Instance:
             raise AssertionError(f"instance error: {out.get('error')}; log: {self.tail()}")
         return out
 
-    def generate(self, prompts: list[list[int]], params: list[Any] | None = None, *, max_tokens: int = 12,
-                 timeout_s: float = 300) -> list[dict[str, Any]]:
-        self.send({"op": "generate", "prompts": prompts, "params": params or [None] * len(prompts),
-                   "max_tokens": max_tokens})
+    def generate(
+        self, prompts: list[list[int]], params: list[Any] | None = None, *, max_tokens: int = 12, timeout_s: float = 300
+    ) -> list[dict[str, Any]]:
+        self.send(
+            {"op": "generate", "prompts": prompts, "params": params or [None] * len(prompts), "max_tokens": max_tokens}
+        )
         return self.reply(timeout_s)["results"]
 
     def metrics(self) -> dict[str, float]:

@@ -12,7 +12,6 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-
 from harness import Instance, free_base_port, make_model, prompts, vllm_python
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(1800)]
@@ -27,8 +26,12 @@ def env(tmp_path_factory: pytest.TempPathFactory) -> Any:
     py = vllm_python()
     root = tmp_path_factory.mktemp("vllm_shm")
     state = {
-        "py": py, "root": root, "model_a": make_model(py, root / "model_a", 1),
-        "model_b": make_model(py, root / "model_b", 2), "base": free_base_port(), "timings": {},
+        "py": py,
+        "root": root,
+        "model_a": make_model(py, root / "model_a", 1),
+        "model_b": make_model(py, root / "model_b", 2),
+        "base": free_base_port(),
+        "timings": {},
     }
     yield state
     print("timings:", state["timings"])
@@ -39,8 +42,12 @@ def _extra(env: dict) -> dict:
 
 
 def _start(env: dict, name: str, model: str, role: str, cpu: str, **cfg: Any) -> Instance:
-    inst = Instance(env["py"], {"model": str(env[model]), "kv_role": role, "extra": _extra(env), **cfg}, cpu=cpu,
-                    log=Path(env["root"]) / f"{name}.log")
+    inst = Instance(
+        env["py"],
+        {"model": str(env[model]), "kv_role": role, "extra": _extra(env), **cfg},
+        cpu=cpu,
+        log=Path(env["root"]) / f"{name}.log",
+    )
     env["timings"][f"startup_{name}_s"] = round(inst.startup_s, 1)
     return inst
 
@@ -69,8 +76,9 @@ def _remote(n: int, **extra: Any) -> list[dict]:
     return [{"do_remote_decode": True, **extra} for _ in range(n)]
 
 
-def test_decode_tokens_equal_a_single_instance(env: dict, decode: Instance, prefill_a: Instance,
-                                                reference: list[list[int]]) -> None:
+def test_decode_tokens_equal_a_single_instance(
+    env: dict, decode: Instance, prefill_a: Instance, reference: list[list[int]]
+) -> None:
     ps = prompts(LENGTHS, seed=7)
     before = decode.metrics()
     t = time.monotonic()
@@ -85,21 +93,36 @@ def test_decode_tokens_equal_a_single_instance(env: dict, decode: Instance, pref
     # the KV really came over: every prompt's pages were loaded (4 layers x 2 heads x 32 x 64 bf16)
     assert after["vllm:kvferry_requests_loaded"] - before.get("vllm:kvferry_requests_loaded", 0) == len(ps)
     pages = sum(-(-n // 32) for n in LENGTHS)
-    assert after["vllm:kvferry_bytes_loaded"] - before.get("vllm:kvferry_bytes_loaded", 0) == pages * 4 * 2 * 32 * 64 * 2
+    assert (
+        after["vllm:kvferry_bytes_loaded"] - before.get("vllm:kvferry_bytes_loaded", 0) == pages * 4 * 2 * 32 * 64 * 2
+    )
     assert prefill_a.metrics()["vllm:kvferry_requests_sent"] >= len(ps)
 
 
-def test_decode_started_before_the_prefill(env: dict, decode: Instance, prefill_a: Instance,
-                                           reference: list[list[int]]) -> None:
+def test_decode_started_before_the_prefill(
+    env: dict, decode: Instance, prefill_a: Instance, reference: list[list[int]]
+) -> None:
     """A proxy that knows the prefill's address sends both requests at once: the decode waits
     (arrival notification) for pages the prefill has not computed yet."""
     from kvferry.app.vllm.params import prefill_result
 
     ps = prompts(LENGTHS[:2], seed=7)
     tids = [f"early-{i}-{env['base']}" for i in range(len(ps))]
-    params = [prefill_result(transfer_id=t, host="127.0.0.1", port=env["base"] + 100, num_tokens=len(p),
-                             block_size=32, num_layers=4, tp_size=1, decode_tp_size=1, connector_type="shm",
-                             engine_id="") for t, p in zip(tids, ps)]
+    params = [
+        prefill_result(
+            transfer_id=t,
+            host="127.0.0.1",
+            port=env["base"] + 100,
+            num_tokens=len(p),
+            block_size=32,
+            num_layers=4,
+            tp_size=1,
+            decode_tp_size=1,
+            connector_type="shm",
+            engine_id="",
+        )
+        for t, p in zip(tids, ps)
+    ]
     decode.send({"op": "generate", "prompts": ps, "params": params, "max_tokens": TOKENS})
     out_p = prefill_a.generate(ps, [{"do_remote_decode": True, "transfer_id": t} for t in tids], max_tokens=1)
     assert [r["kv_transfer_params"]["transfer_id"] for r in out_p] == tids
@@ -110,9 +133,19 @@ def test_decode_started_before_the_prefill(env: dict, decode: Instance, prefill_
 def test_bad_params_name_the_field_and_recompute(decode: Instance, reference: list[list[int]]) -> None:
     ps = prompts(LENGTHS[:1], seed=7)
     before = decode.metrics().get("vllm:kvferry_failures{params}", 0)
-    bad = {"do_remote_prefill": True, "kvferry_version": 1, "transfer_id": "x", "remote_host": "127.0.0.1",
-           "remote_port": "not-a-port", "remote_num_tokens": 45, "remote_block_size": 32, "remote_num_layers": 4,
-           "remote_tp_size": 1, "decode_tp_size": 1, "kvferry_connector": "shm"}
+    bad = {
+        "do_remote_prefill": True,
+        "kvferry_version": 1,
+        "transfer_id": "x",
+        "remote_host": "127.0.0.1",
+        "remote_port": "not-a-port",
+        "remote_num_tokens": 45,
+        "remote_block_size": 32,
+        "remote_num_layers": 4,
+        "remote_tp_size": 1,
+        "decode_tp_size": 1,
+        "kvferry_connector": "shm",
+    }
     out = decode.generate(ps, [bad], max_tokens=TOKENS)
     assert out[0]["tokens"] == reference[0]
     assert decode.metrics()["vllm:kvferry_failures{params}"] == before + 1
@@ -126,8 +159,9 @@ def killed_params(env: dict, decode: Instance, prefill_a: Instance) -> list[dict
     inst = _start(env, "prefill_b", "model_b", "kv_producer", "1")
     ps = prompts(LENGTHS, seed=7)
     try:
-        out_d = decode.generate(ps, [r["kv_transfer_params"] for r in inst.generate(ps, _remote(len(ps)), max_tokens=1)],
-                                max_tokens=TOKENS)
+        out_d = decode.generate(
+            ps, [r["kv_transfer_params"] for r in inst.generate(ps, _remote(len(ps)), max_tokens=1)], max_tokens=TOKENS
+        )
         env["control"] = [r["tokens"] for r in out_d]
         out_p = inst.generate(ps[:2], _remote(2), max_tokens=1)
     finally:
@@ -135,14 +169,16 @@ def killed_params(env: dict, decode: Instance, prefill_a: Instance) -> list[dict
     return [r["kv_transfer_params"] for r in out_p]
 
 
-def test_control_prefill_with_other_weights_changes_the_output(env: dict, killed_params: list[dict],
-                                                               reference: list[list[int]]) -> None:
+def test_control_prefill_with_other_weights_changes_the_output(
+    env: dict, killed_params: list[dict], reference: list[list[int]]
+) -> None:
     for got, ref in zip(env["control"], reference):
         assert got != ref
 
 
-def test_prefill_killed_before_the_load_recomputes(env: dict, decode: Instance, killed_params: list[dict],
-                                                   reference: list[list[int]]) -> None:
+def test_prefill_killed_before_the_load_recomputes(
+    env: dict, decode: Instance, killed_params: list[dict], reference: list[list[int]]
+) -> None:
     before = decode.metrics().get("vllm:kvferry_failures{timeout}", 0)
     t = time.monotonic()
     out = decode.generate(prompts(LENGTHS[:2], seed=7), killed_params, max_tokens=TOKENS)
@@ -151,8 +187,9 @@ def test_prefill_killed_before_the_load_recomputes(env: dict, decode: Instance, 
     assert decode.metrics()["vllm:kvferry_failures{timeout}"] == before + 2
 
 
-def test_prefill_killed_with_policy_fail_fails_the_request(env: dict, decode: Instance,
-                                                           killed_params: list[dict]) -> None:
+def test_prefill_killed_with_policy_fail_fails_the_request(
+    env: dict, decode: Instance, killed_params: list[dict]
+) -> None:
     decode.close()  # at most two instances at a time
     inst = _start(env, "decode_fail", "model_a", "kv_consumer", "0", policy="fail")
     try:

@@ -3,11 +3,9 @@
 from __future__ import annotations
 
 import time
-from pathlib import Path
 from typing import Any
 
 import pytest
-
 from harness import Instance, free_base_port, make_model, prompts, vllm_python
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(1200)]
@@ -26,8 +24,9 @@ def pair(tmp_path_factory: pytest.TempPathFactory) -> Any:
     d = Instance(py, {"model": str(model), "kv_role": "kv_consumer", "extra": extra}, cpu="0", log=root / "decode.log")
     timings["startup_decode_s"] = round(d.startup_s, 1)
     try:
-        p = Instance(py, {"model": str(model), "kv_role": "kv_producer", "extra": extra}, cpu="1",
-                     log=root / "prefill.log")
+        p = Instance(
+            py, {"model": str(model), "kv_role": "kv_producer", "extra": extra}, cpu="1", log=root / "prefill.log"
+        )
     except BaseException:
         d.close()
         raise
@@ -64,8 +63,9 @@ def test_zmq_pages_are_consumed_once(pair: Any) -> None:
     params = [r["kv_transfer_params"] for r in p.generate(ps, [{"do_remote_decode": True}], max_tokens=1)]
     assert [r["tokens"] for r in d.generate(ps, params, max_tokens=TOKENS)] == reference
     before = d.metrics()
-    assert [r["tokens"] for r in d.generate(ps, [dict(params[0], do_remote_prefill=True)],
-                                            max_tokens=TOKENS)] == reference
+    assert [
+        r["tokens"] for r in d.generate(ps, [dict(params[0], do_remote_prefill=True)], max_tokens=TOKENS)
+    ] == reference
     after = d.metrics()
     assert after["vllm:kvferry_requests_loaded"] == before["vllm:kvferry_requests_loaded"]
     failed = sum(v for k, v in after.items() if k.startswith("vllm:kvferry_failures{"))
