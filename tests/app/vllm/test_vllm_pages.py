@@ -388,3 +388,34 @@ print(len(names))
     )
     assert out.returncode == 0, out.stderr[-3000:]
     assert int(out.stdout.strip().splitlines()[-1]) > 20
+
+
+class _Clock:
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def monotonic(self) -> float:
+        return self.now
+
+
+def test_pages_read_after_their_lease_are_an_expired_load() -> None:
+    name = f"vllm-pages-{next(_names)}"
+    clock = _Clock()
+    settings = ConnectorSettings.from_extra_config(
+        {"connector": {"type": "memory", "shared_name": name, "clock": clock}, "lease_s": 5.0, "load_timeout_s": 2.0}
+    )
+    p = PageWorker(settings, tp_rank=0, tp_size=1, total_kv_heads=HEADS, producer=True, consumer=False)
+    p.register(_caches(HEADS, 1))
+    p.begin_step([SaveJob("r", "t", (1, 2, 3), 70, 1)])
+    p.end_step()
+    _wait(lambda: p.finished({"r"})[0] == {"r"})
+    clock.now += 6.0  # past the lease: nobody read the pages
+    d = PageWorker(settings, tp_rank=0, tp_size=1, total_kv_heads=HEADS, producer=False, consumer=True)
+    d.register(_caches(HEADS, None))
+    try:
+        assert _load(d, LoadJob("r", _source("t", 70), (4, 5, 6), 0)) == ({"r"}, {4, 5, 6})
+        failures = d.stats.peek()
+        assert failures == {"failures_expired": 1}, failures
+    finally:
+        d.close()
+        p.close()
