@@ -136,6 +136,11 @@ class Instance:
             out[f"{name}{{{kind}}}" if kind else name] = float(value or 0)
         return out
 
+    def kv_log(self) -> str:
+        """The instance's log lines about KV transfers (for assertion messages)."""
+        keep = ("KV load failed", "KV Transfer metrics", "kvferry", "kv_transfer_params")
+        return "\n".join(line for line in self.tail(1_000_000).splitlines() if any(k in line for k in keep))[-4000:]
+
     def tail(self, n: int = 4000) -> str:
         self._log.flush()
         try:
@@ -156,6 +161,11 @@ class Instance:
             except (OSError, subprocess.TimeoutExpired):
                 self.kill()
         self._log.close()
+
+
+def failures(metrics: dict[str, float]) -> float:
+    """All of kvferry's failure counters together."""
+    return sum(v for k, v in metrics.items() if k.startswith("vllm:kvferry_failures{"))
 
 
 def prompts(lengths: list[int], seed: int, vocab: int = 512) -> list[list[int]]:

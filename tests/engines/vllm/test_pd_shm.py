@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from harness import Instance, free_base_port, make_model, prompts, vllm_python
+from harness import Instance, failures, free_base_port, make_model, prompts, vllm_python
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(1800)]
 
@@ -91,7 +91,10 @@ def test_decode_tokens_equal_a_single_instance(
     assert [r["tokens"] for r in out_d] == reference
     after = decode.metrics()
     # the KV really came over: every prompt's pages were loaded (4 layers x 2 heads x 32 x 64 bf16)
-    assert after["vllm:kvferry_requests_loaded"] - before.get("vllm:kvferry_requests_loaded", 0) == len(ps)
+    assert after["vllm:kvferry_requests_loaded"] - before.get("vllm:kvferry_requests_loaded", 0) == len(ps), (
+        decode.kv_log()
+    )
+    assert failures(after) == failures(before), decode.kv_log()  # no load failed (a recompute would hide it)
     pages = sum(-(-n // 32) for n in LENGTHS)
     assert (
         after["vllm:kvferry_bytes_loaded"] - before.get("vllm:kvferry_bytes_loaded", 0) == pages * 4 * 2 * 32 * 64 * 2

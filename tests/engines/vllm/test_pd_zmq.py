@@ -6,7 +6,7 @@ import time
 from typing import Any
 
 import pytest
-from harness import Instance, free_base_port, make_model, prompts, vllm_python
+from harness import Instance, failures, free_base_port, make_model, prompts, vllm_python
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(1200)]
 
@@ -49,7 +49,8 @@ def test_zmq_decode_tokens_equal_a_single_instance(pair: Any) -> None:
     timings["pd_identity_s"] = round(time.monotonic() - t, 1)
     assert [r["tokens"] for r in out_d] == reference
     m = d.metrics()
-    assert m["vllm:kvferry_requests_loaded"] == len(ps)
+    assert m["vllm:kvferry_requests_loaded"] == len(ps), d.kv_log()
+    assert failures(m) == 0, d.kv_log()  # no load failed (a recompute would hide it)
     assert m["vllm:kvferry_bytes_loaded"] == sum(-(-n // 32) for n in LENGTHS) * 4 * 2 * 32 * 64 * 2
     assert p.metrics()["vllm:kvferry_requests_sent"] == len(ps)
 
@@ -68,5 +69,4 @@ def test_zmq_pages_are_consumed_once(pair: Any) -> None:
     ] == reference
     after = d.metrics()
     assert after["vllm:kvferry_requests_loaded"] == before["vllm:kvferry_requests_loaded"]
-    failed = sum(v for k, v in after.items() if k.startswith("vllm:kvferry_failures{"))
-    assert failed == sum(v for k, v in before.items() if k.startswith("vllm:kvferry_failures{")) + 1
+    assert failures(after) == failures(before) + 1
