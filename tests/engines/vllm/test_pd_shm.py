@@ -126,11 +126,15 @@ def test_decode_started_before_the_prefill(
         )
         for t, p in zip(tids, ps)
     ]
+    before = decode.metrics()
     decode.send({"op": "generate", "prompts": ps, "params": params, "max_tokens": TOKENS})
     out_p = prefill_a.generate(ps, [{"do_remote_decode": True, "transfer_id": t} for t in tids], max_tokens=1)
     assert [r["kv_transfer_params"]["transfer_id"] for r in out_p] == tids
     out_d = decode.reply(300)["results"]
     assert [r["tokens"] for r in out_d] == reference[:2]
+    after = decode.metrics()
+    assert failures(after) == failures(before), decode.kv_log()
+    assert after["vllm:kvferry_requests_loaded"] - before["vllm:kvferry_requests_loaded"] == len(ps)
 
 
 def test_bad_params_name_the_field_and_recompute(decode: Instance, reference: list[list[int]]) -> None:
