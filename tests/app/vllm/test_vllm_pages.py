@@ -419,3 +419,34 @@ def test_pages_read_after_their_lease_are_an_expired_load() -> None:
     finally:
         d.close()
         p.close()
+
+
+def test_fan_in_prefill_tp2_to_decode_tp1_merges_heads_in_rank_order() -> None:
+    name = f"vllm-pages-{next(_names)}"
+    settings = ConnectorSettings.from_extra_config({"connector": {"type": "memory", "shared_name": name}})
+    prefills, sources = [], []
+    for rank in range(2):
+        p = PageWorker(settings, tp_rank=rank, tp_size=2, total_kv_heads=HEADS, producer=True, consumer=False)
+        caches = _caches(HEADS // 2, 10 + rank)
+        p.register(caches)
+        job = SaveJob("r", "t", (2 + rank, 9), 40, 1)  # each rank's own blocks
+        p.begin_step([job])
+        for layer_name, t in caches.items():
+            p.save_layer(layer_name, t)
+        p.end_step()
+        _wait(lambda p=p: p.finished({"r"})[0] == {"r"})
+        prefills.append(p)
+        sources.append((caches, job.block_ids))
+    d = _worker(name, 0, 1, False)
+    dst = _caches(HEADS, None)
+    d.register(dst)
+    try:
+        src = parse_decode_params(_params(transfer_id="t", remote_num_tokens=40, remote_tp_size=2))
+        assert _load(d, LoadJob("r", src, (12, 4), 0)) == ({"r"}, set())
+        for layer_name in dst:
+            want = torch.cat([c[layer_name][list(b)] for c, b in sources], dim=1)  # heads of rank 0, then 1
+            assert torch.equal(dst[layer_name][[12, 4]], want)
+    finally:
+        d.close()
+        for p in prefills:
+            p.close()
