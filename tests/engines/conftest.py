@@ -22,3 +22,11 @@ def pytest_ignore_collect(collection_path: Path, config: pytest.Config) -> bool 
     if collection_path.resolve() != HERE and HERE in collection_path.resolve().parents and not _asked_for(config):
         return True
     return None
+
+
+def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter, config: pytest.Config) -> None:
+    if not _asked_for(config):
+        terminalreporter.write_line(
+            "tests/engines (real vLLM / reference engines) not run in this invocation: they need venvs of their own; "
+            "bash .ci/run builds them and runs these suites (docs/contributing.md)"
+        )
