@@ -1,0 +1,152 @@
+"""One paged-cache layer in a named layout -> ``(key_blocks, value_blocks)`` views.
+
+The names and their shapes are :mod:`kvferry.core.layouts`'; this module builds the views,
+``[num_blocks, block_size, *token_shape]`` each (``token_shape`` is ``(heads, head_dim)``, or
+``(latent_dim,)`` for ``mla``, whose value is None). No data moves: every view reads the cache
+through its strides, so the gathers copy each byte once, as for any other layout.
+
+``vllm_cpu`` with the ``vec`` (AVX2) kernel: each ``(block, head)`` page of ``2*B*D`` elements
+holds K as ``[D][B]`` (dimension-major) then V as ``[B][D]``; the key view is
+``kc.view(N, H, D, B).permute(0, 3, 1, 2)`` and the value view ``vc.transpose(1, 2)`` where
+``kc, vc`` are the first and second ``B*D`` elements of each page. Another ISA's order is not
+known here, so its per-token extraction is refused (whole pages still move between engines of
+the same ISA by other means).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from kvferry.core.errors import ConfigError
+from kvferry.core.layouts import (
+    REFERENCE_LAYOUTS,
+    VLLM_CPU_ISAS,
+    LayoutSpec,
+    check_layer_shape,
+    layout_spec,
+    shape_candidates,
+)
+
+__all__ = ["split_named", "split_unnamed", "AmbiguousLayout"]
+
+
+class AmbiguousLayout(ConfigError):
+    """A cache shape two known layouts could both mean; the message names the candidates."""
+
+
+def _tensor(layer_kv: Any, name: str, layer: int | None) -> torch.Tensor:
+    if not isinstance(layer_kv, torch.Tensor):
+        where = f"layer {layer}: " if layer is not None else ""
+        raise ConfigError(f"{where}layout {name!r} needs one tensor per layer, got {type(layer_kv).__name__}")
+    return layer_kv
+
+
+def split_named(
+    layer_kv: Any,
+    layout: LayoutSpec | str,
+    *,
+    block_size: int,
+    heads: int | None = None,
+    head_dim: int | None = None,
+    layer: int | None = None,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """``(key_blocks, value_blocks)`` of one layer in the named layout (value None for ``mla``).
+
+    ConfigError saying which dimension differs when the shape does not fit the layout, and for a
+    ``vllm_cpu`` cache written by a kernel whose element order is unknown (no ISA, or not one of
+    :data:`~kvferry.core.layouts.VLLM_CPU_ISAS`).
+    """
+    spec = layout_spec(layout)
+    assert spec is not None
+    name = spec.name
+    where = f"layer {layer}: " if layer is not None else ""
+    if name == "tuple":
+        if not isinstance(layer_kv, (tuple, list)) or len(layer_kv) != 2 or not all(
+            isinstance(t, torch.Tensor) for t in layer_kv
+        ):
+            raise ConfigError(f"{where}layout 'tuple' needs a (key, value) pair of tensors, got {type(layer_kv).__name__}")
+        key, value = layer_kv
+        for tensor in (key, value):
+            check_layer_shape(name, tuple(tensor.shape), block_size=block_size, heads=heads, head_dim=head_dim,
+                              layer=layer)
+        if key.shape != value.shape:
+            raise ConfigError(f"{where}layout 'tuple': key {list(key.shape)} and value {list(value.shape)} differ")
+        return key, value
+    t = _tensor(layer_kv, name, layer)
+    shape = tuple(t.shape)
+    if name == "mla":
+        check_layer_shape(name, shape, block_size=block_size, latent_dim=head_dim, layer=layer)
+        return t, None
+    check_layer_shape(name, shape, block_size=block_size, heads=heads, head_dim=head_dim, layer=layer)
+    if name == "flash":
+        return t[0], t[1]
+    if name == "flashinfer":
+        return t[:, 0], t[:, 1]
+    if name == "flash_hnd":
+        return t[0].transpose(1, 2), t[1].transpose(1, 2)
+    if name == "flashinfer_hnd":
+        return t[:, 0].transpose(1, 2), t[:, 1].transpose(1, 2)
+    n, h, b, two_d = shape
+    d = two_d // 2
+    if name == "packed":
+        blocks = t.transpose(1, 2)
+        return blocks.narrow(-1, 0, d), blocks.narrow(-1, d, d)
+    # vllm_cpu
+    if spec.isa is None or spec.isa not in VLLM_CPU_ISAS:
+        known = ", ".join(sorted(VLLM_CPU_ISAS))
+        said = "no ISA was given" if spec.isa is None else f"ISA {spec.isa!r} is not one of them"
+        raise ConfigError(
+            f"{where}layout 'vllm_cpu': per-token K/V depend on the element order of the CPU kernel "
+            f"that wrote the cache; kvferry knows the order of {known} and {said} "
+            f"(name it as 'vllm_cpu:avx2'); refusing rather than reading it as 'packed'"
+        )
+    if t.stride(-1) != 1 or t.stride(2) != two_d or t.stride(1) != b * two_d:
+        raise ConfigError(f"{where}layout 'vllm_cpu' needs each (block, head) page contiguous, got strides "
+                          f"{list(t.stride())}")
+    pages = t.view(n, h, 2 * b, d) if t.is_contiguous() else t.as_strided(
+        (n, h, 2 * b, d), (t.stride(0), t.stride(1), d, 1))
+    kc, vc = pages.narrow(2, 0, b), pages.narrow(2, b, b)
+    key = kc.as_strided((n, h, d, b), (kc.stride(0), kc.stride(1), b, 1), kc.storage_offset()).permute(0, 3, 1, 2)
+    return key, vc.transpose(1, 2)
+
+
+def split_unnamed(layer_kv: Any, *, block_size: int | None, layer: int | None = None
+                  ) -> tuple[torch.Tensor, torch.Tensor] | str:
+    """A layer without a layout name: the reference's layouts by the reference's shape rules.
+
+    A shape that two known layouts could both mean raises :class:`AmbiguousLayout` naming the
+    candidates; a shape only a non-reference layout fits, or none, gives a human reason (the
+    layer is skipped, as the reference skipped it).
+    """
+    if isinstance(layer_kv, (tuple, list)):
+        if len(layer_kv) != 2:
+            return f"KV pair has {len(layer_kv)} entries (expected 2)"
+        key, value = layer_kv
+        if not isinstance(key, torch.Tensor) or not isinstance(value, torch.Tensor):
+            return f"KV pair holds {type(key).__name__}, {type(value).__name__}, not tensors"
+        return key, value
+    if not isinstance(layer_kv, torch.Tensor):
+        return f"unsupported KV type {type(layer_kv).__name__}"
+    shape = tuple(layer_kv.shape)
+    candidates = shape_candidates(shape, block_size)
+    where = f"layer {layer}: " if layer is not None else ""
+    if len(candidates) > 1:
+        raise AmbiguousLayout(
+            f"{where}KV cache shape {list(shape)} (block_size={block_size}) fits layouts "
+            f"{', '.join(repr(c) for c in candidates)}; name the layout (kv_layout) instead of "
+            f"having it guessed"
+        )
+    if not candidates or candidates[0] not in REFERENCE_LAYOUTS:
+        hint = f" (it fits {candidates[0]!r}, which is never guessed: name it)" if candidates else ""
+        return (f"unsupported KV tensor shape {shape}: expected [2, blocks, ...], "
+                f"[blocks, 2, ...] or packed [blocks, heads, block_size, 2*head_dim]{hint}")
+    key, value = split_named(layer_kv, candidates[0], block_size=block_size or 0, layer=layer) \
+        if candidates[0] == "packed" else _stacked(layer_kv, candidates[0])
+    assert value is not None
+    return key, value
+
+
+def _stacked(t: torch.Tensor, name: str) -> tuple[torch.Tensor, torch.Tensor]:
+    return (t[0], t[1]) if name == "flash" else (t[:, 0], t[:, 1])

@@ -1,0 +1,199 @@
+"""Named layouts of a paged KV cache layer, in plain integers (what each dimension means).
+
+An engine names the layout its cache uses instead of leaving kvferry to guess it from the shape.
+The tensor adapters turn a named layer into ``[num_blocks, block_size, *token_shape]`` key and
+value block views (``adapters/kv_layouts.py``); this module only knows names, dimension names,
+and how to check a shape against them. ``N`` = blocks, ``B`` = block size (tokens per block),
+``H`` = KV heads of the rank, ``D`` = head dim, ``L`` = MLA latent width.
+
+========================  ===========================  ==============================================
+name                      shape (one layer)            meaning
+========================  ===========================  ==============================================
+``flash``                 ``[2, N, B, H, D]``          FlashAttention: K/V on dim 0
+``flashinfer``            ``[N, 2, B, H, D]``          FlashInfer: K/V on dim 1
+``flash_hnd``             ``[2, N, H, B, D]``          ``flash`` with heads outside tokens (HND)
+``flashinfer_hnd``        ``[N, 2, H, B, D]``          ``flashinfer`` with heads outside tokens
+``packed``                ``[N, H, B, 2*D]``           FlashAttention packed: K = first half of D
+``tuple``                 ``(K, V)``, each ``[N, B, H, D]``   separate tensors
+``mla``                   ``[N, B, L]``                one latent per token (no heads, no V)
+``vllm_cpu``              ``[N, H, B, 2*D]``           vLLM CPU: per (block, head) a K region then a
+                                                       V region, element order set by the kernel ISA
+========================  ===========================  ==============================================
+
+A permuted view of a ``flash``/``flashinfer`` tensor (vLLM's stride orders) is still that
+layout: kvferry reads views through their strides. The ``*_hnd`` names are for tensors whose
+*dimensions* are in HND order.
+
+``vllm_cpu`` per-token decoding depends on the ISA the engine's CPU kernel wrote with
+(:data:`VLLM_CPU_ISAS`); an unknown ISA is refused, never read as ``packed`` (same shape).
+
+Without a name, only the reference's layouts are recognised, by the reference's shape rules,
+and a shape that two known layouts could both mean is refused naming the candidates
+(:func:`shape_candidates`).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Mapping
+
+import attrs
+
+from kvferry.core.errors import ConfigError
+
+__all__ = [
+    "LAYOUT_NAMES",
+    "REFERENCE_LAYOUTS",
+    "VLLM_CPU_ISAS",
+    "LayoutSpec",
+    "layout_spec",
+    "layout_dims",
+    "check_layer_shape",
+    "shape_candidates",
+]
+
+#: Every layout name kvferry knows, with its dimension names (``tuple``: each tensor's).
+_DIMS: dict[str, tuple[str, ...]] = {
+    "flash": ("kv", "num_blocks", "block_size", "heads", "head_dim"),
+    "flashinfer": ("num_blocks", "kv", "block_size", "heads", "head_dim"),
+    "flash_hnd": ("kv", "num_blocks", "heads", "block_size", "head_dim"),
+    "flashinfer_hnd": ("num_blocks", "kv", "heads", "block_size", "head_dim"),
+    "packed": ("num_blocks", "heads", "block_size", "2*head_dim"),
+    "tuple": ("num_blocks", "block_size", "heads", "head_dim"),
+    "mla": ("num_blocks", "block_size", "latent_dim"),
+    "vllm_cpu": ("num_blocks", "heads", "block_size", "2*head_dim"),
+}
+LAYOUT_NAMES: tuple[str, ...] = tuple(_DIMS)
+#: What the reference recognised by shape (and what kvferry still recognises without a name).
+REFERENCE_LAYOUTS: tuple[str, ...] = ("flash", "flashinfer", "packed", "tuple")
+#: vLLM CPU kernel ISAs whose page order kvferry can decode per token, with their aliases:
+#: ``vec`` (AVX2): K dimension-major ``[head_dim][block_size]``, V token-major.
+VLLM_CPU_ISAS: Mapping[str, str] = {"vec": "vec", "avx2": "vec"}
+
+
+@attrs.frozen
+class LayoutSpec:
+    """A layout name and, for ``vllm_cpu``, the ISA of the kernel that wrote the cache."""
+
+    name: str
+    isa: str | None = None
+
+    @property
+    def has_value(self) -> bool:
+        """False for ``mla``: the payload carries the latent as the key, the value is absent."""
+        return self.name != "mla"
+
+    @property
+    def has_heads(self) -> bool:
+        return self.name != "mla"
+
+    @property
+    def decodable(self) -> bool:
+        """True when per-token K/V can be read (``vllm_cpu`` needs a known ISA)."""
+        return self.name != "vllm_cpu" or self.isa in VLLM_CPU_ISAS
+
+
+def layout_spec(value: Any, field: str = "kv_layout") -> LayoutSpec | None:
+    """Parse a configured layout: None, a name (``"flash"``, ``"vllm_cpu:avx2"``), a mapping
+    ``{"name": ..., "isa": ...}`` or a :class:`LayoutSpec`. ConfigError naming ``field`` for an
+    unknown name (listing the known ones) or an ISA given to a layout that has none."""
+    if value is None or isinstance(value, LayoutSpec):
+        return value
+    isa: Any = None
+    if isinstance(value, Mapping):
+        unknown = sorted(set(value) - {"name", "isa"})
+        if unknown:
+            raise ConfigError(f"{field} has unknown keys {unknown} (known: name, isa)")
+        name, isa = value.get("name"), value.get("isa")
+    elif isinstance(value, str):
+        name, sep, rest = value.strip().partition(":")
+        isa = rest.strip() if sep else None
+    else:
+        raise ConfigError(f"{field} must be a layout name or a mapping, got {value!r}")
+    if not isinstance(name, str) or name.strip() not in _DIMS:
+        raise ConfigError(f"{field}: unknown layout {name!r} (known: {', '.join(LAYOUT_NAMES)})")
+    name = name.strip()
+    if isa is not None:
+        if not isinstance(isa, str) or not isa.strip():
+            raise ConfigError(f"{field}.isa must be a non-empty string, got {isa!r}")
+        if name != "vllm_cpu":
+            raise ConfigError(f"{field}: layout {name!r} takes no isa (only vllm_cpu does), got {isa!r}")
+        isa = isa.strip().lower()
+    return LayoutSpec(name, isa)
+
+
+def layout_dims(name: str) -> tuple[str, ...]:
+    """The dimension names of a layout (``tuple``: of each of its two tensors)."""
+    spec = layout_spec(name)
+    assert spec is not None
+    return _DIMS[spec.name]
+
+
+def check_layer_shape(
+    name: str,
+    shape: tuple[int, ...],
+    *,
+    block_size: int,
+    heads: int | None = None,
+    head_dim: int | None = None,
+    latent_dim: int | None = None,
+    layer: int | None = None,
+) -> None:
+    """ConfigError saying which dimension differs when ``shape`` (of one tensor; for ``tuple``
+    each of the two) does not fit layout ``name``. ``heads``/``head_dim``/``latent_dim``
+    are checked when given (the rank's KV heads, not the model's)."""
+    dims = layout_dims(name)
+    where = f"layer {layer}: " if layer is not None else ""
+    spelled = "[" + ", ".join(dims) + "]"
+    if len(shape) != len(dims):
+        raise ConfigError(
+            f"{where}layout {name!r} is {spelled} ({len(dims)}-D), got a {len(shape)}-D tensor {list(shape)}"
+        )
+    expected: dict[str, int | None] = {
+        "kv": 2,
+        "block_size": block_size,
+        "heads": heads,
+        "head_dim": head_dim,
+        "2*head_dim": None if head_dim is None else 2 * head_dim,
+        "latent_dim": latent_dim,
+    }
+    for index, (dim, size) in enumerate(zip(dims, shape)):
+        want = expected.get(dim)
+        if want is not None and size != want:
+            raise ConfigError(
+                f"{where}layout {name!r} is {spelled}: dim {index} ({dim}) is {size}, expected {want} "
+                f"(shape {list(shape)})"
+            )
+        if dim == "2*head_dim" and size % 2:
+            raise ConfigError(
+                f"{where}layout {name!r} is {spelled}: dim {index} (2*head_dim) is odd ({size}) "
+                f"(shape {list(shape)})"
+            )
+
+
+def shape_candidates(shape: tuple[int, ...], block_size: int | None) -> tuple[str, ...]:
+    """Every known tensor layout (all but ``tuple``) whose shape rule ``shape`` fits, in
+    :data:`LAYOUT_NAMES` order.
+
+    The rules for the reference's layouts are the reference's (``flash``: rank >= 3 and dim 0 is
+    2; ``flashinfer``: rank >= 3 and dim 1 is 2; ``packed``: 4-D, dim 2 is ``block_size``, last
+    dim even); the others need the block size where their layout puts it (``*_hnd``: 5-D, dim 3;
+    ``mla``: 3-D, dim 1; ``vllm_cpu``: the ``packed`` rule).
+    """
+    rank = len(shape)
+    out = []
+    if rank >= 3 and shape[0] == 2:
+        out.append("flash")
+    if rank >= 3 and shape[1] == 2:
+        out.append("flashinfer")
+    if block_size is not None:
+        if rank == 5 and shape[0] == 2 and shape[3] == block_size:
+            out.append("flash_hnd")
+        if rank == 5 and shape[1] == 2 and shape[3] == block_size:
+            out.append("flashinfer_hnd")
+        if rank == 4 and shape[2] == block_size and shape[3] % 2 == 0:
+            out += ["packed"]
+        if rank == 3 and shape[1] == block_size:
+            out.append("mla")
+        if rank == 4 and shape[2] == block_size and shape[3] % 2 == 0:
+            out.append("vllm_cpu")
+    return tuple(n for n in LAYOUT_NAMES if n in out)

@@ -1,0 +1,150 @@
+"""Named cache layouts: each built the way its engine writes it, read back per token bit for bit."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kvferry.adapters.kv_layouts import AmbiguousLayout, split_named, split_unnamed
+from kvferry.core.errors import ConfigError
+from kvferry.core.layouts import LAYOUT_NAMES, check_layer_shape, layout_spec, shape_candidates
+
+N, B, H, D, L = 7, 4, 3, 8, 12
+
+
+def _truth(seed: int = 0, dtype: torch.dtype = torch.bfloat16) -> tuple[torch.Tensor, torch.Tensor]:
+    gen = torch.Generator().manual_seed(seed)
+    k = torch.randint(-30000, 30000, (N, B, H, D), generator=gen, dtype=torch.int16).view(dtype)
+    v = torch.randint(-30000, 30000, (N, B, H, D), generator=gen, dtype=torch.int16).view(dtype)
+    return k, v
+
+
+def _vllm_cpu_vec_pages(k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """What vLLM's CPU attention (AVX2 ``vec`` kernel) writes: per (block, head) page, K as
+    [head_dim][block_size] then V as [block_size][head_dim] (ENGINES.md), element by element."""
+    out = torch.empty(N, H, B, 2 * D, dtype=k.dtype)
+    flat = out.view(N, H, 2 * B * D)
+    for n in range(N):
+        for h in range(H):
+            for tok in range(B):
+                for dim in range(D):
+                    flat[n, h, dim * B + tok] = k[n, tok, h, dim]
+                    flat[n, h, B * D + tok * D + dim] = v[n, tok, h, dim]
+    return out
+
+
+def _engine_layer(name: str, k: torch.Tensor, v: torch.Tensor):
+    if name == "flash":
+        return torch.stack([k, v])
+    if name == "flashinfer":
+        return torch.stack([k, v], dim=1)
+    if name == "flash_hnd":
+        return torch.stack([k.transpose(1, 2), v.transpose(1, 2)]).contiguous()
+    if name == "flashinfer_hnd":
+        return torch.stack([k.transpose(1, 2), v.transpose(1, 2)], dim=1).contiguous()
+    if name == "packed":
+        return torch.cat([k, v], dim=-1).transpose(1, 2).contiguous()
+    if name == "tuple":
+        return (k.clone(), v.clone())
+    if name == "vllm_cpu":
+        return _vllm_cpu_vec_pages(k, v)
+    raise AssertionError(name)
+
+
+def _per_token(blocks: torch.Tensor, ids: list[int], tokens: int) -> torch.Tensor:
+    return blocks[torch.tensor(ids)].flatten(0, 1)[:tokens]
+
+
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    return t.contiguous().view(torch.int16)
+
+
+IDS, TOKENS = [5, 0, 3, 2], 14
+
+
+@pytest.mark.parametrize("name", [n if n != "vllm_cpu" else "vllm_cpu:avx2" for n in LAYOUT_NAMES if n != "mla"])
+def test_each_layout_reads_back_per_token_k_and_v(name: str) -> None:
+    k, v = _truth()
+    layer = _engine_layer(name.partition(":")[0], k, v)
+    key_blocks, value_blocks = split_named(layer, name, block_size=B, heads=H, head_dim=D)
+    assert value_blocks is not None
+    assert key_blocks.shape == value_blocks.shape == (N, B, H, D)
+    assert torch.equal(_bits(_per_token(key_blocks, IDS, TOKENS)), _bits(_per_token(k, IDS, TOKENS)))
+    assert torch.equal(_bits(_per_token(value_blocks, IDS, TOKENS)), _bits(_per_token(v, IDS, TOKENS)))
+
+
+def test_vllm_cpu_pages_read_as_packed_come_out_wrong() -> None:
+    """The control: the same bytes under the packed reading are not the engine's K/V."""
+    k, v = _truth(1)
+    pages = _vllm_cpu_vec_pages(k, v)
+    key_blocks, value_blocks = split_named(pages, "packed", block_size=B)
+    assert value_blocks is not None
+    assert not torch.equal(_bits(key_blocks), _bits(k))
+    assert not torch.equal(_bits(value_blocks), _bits(v))
+
+
+def test_mla_latent_is_the_key_and_the_value_is_absent() -> None:
+    gen = torch.Generator().manual_seed(2)
+    latent = torch.randn(N, B, L, generator=gen).to(torch.bfloat16)
+    key_blocks, value_blocks = split_named(latent, "mla", block_size=B, head_dim=L)
+    assert value_blocks is None
+    assert torch.equal(_bits(_per_token(key_blocks, IDS, TOKENS)), _bits(_per_token(latent, IDS, TOKENS)))
+
+
+@pytest.mark.parametrize("isa", [None, "amx", "neon", "vec16"])
+def test_vllm_cpu_with_an_unknown_isa_is_refused_not_misread(isa: str | None) -> None:
+    k, v = _truth()
+    name = "vllm_cpu" if isa is None else f"vllm_cpu:{isa}"
+    with pytest.raises(ConfigError, match="vllm_cpu.*refusing rather than reading it as 'packed'"):
+        split_named(_vllm_cpu_vec_pages(k, v), name, block_size=B)
+
+
+def test_unknown_name_lists_the_known_ones() -> None:
+    with pytest.raises(ConfigError, match="unknown layout 'nhd'.*flash, flashinfer.*vllm_cpu"):
+        layout_spec("nhd")
+    with pytest.raises(ConfigError, match="takes no isa"):
+        layout_spec("flash:avx2")
+    assert layout_spec({"name": "vllm_cpu", "isa": "AVX2"}).isa == "avx2"
+
+
+def test_shape_mismatch_says_which_dimension_differs() -> None:
+    k, v = _truth()
+    layer = torch.stack([k, v])
+    with pytest.raises(ConfigError, match=r"layer 3: layout 'flash' .* dim 2 \(block_size\) is 4, expected 16"):
+        split_named(layer, "flash", block_size=16, layer=3)
+    with pytest.raises(ConfigError, match=r"dim 3 \(heads\) is 3, expected 2"):
+        split_named(layer, "flash", block_size=B, heads=2)
+    with pytest.raises(ConfigError, match=r"layout 'flashinfer' .* dim 1 \(kv\) is 7, expected 2"):
+        split_named(layer, "flashinfer", block_size=B)
+    with pytest.raises(ConfigError, match=r"layout 'mla' is \[num_blocks, block_size, latent_dim\] \(3-D\), got a 5-D"):
+        split_named(layer, "mla", block_size=B)
+    with pytest.raises(ConfigError, match=r"dim 3 \(2\*head_dim\) is odd"):
+        check_layer_shape("packed", (N, H, B, 7), block_size=B)
+
+
+def test_unnamed_shapes_two_layouts_could_mean_are_refused_naming_them() -> None:
+    k, v = _truth()
+    packed = _engine_layer("packed", k, v)
+    with pytest.raises(AmbiguousLayout, match="fits layouts 'packed', 'vllm_cpu'"):
+        split_unnamed(packed, block_size=B)
+    two_blocks = torch.zeros(2, 2, B, H, D)
+    with pytest.raises(AmbiguousLayout, match="'flash', 'flashinfer'"):
+        split_unnamed(two_blocks, block_size=B)
+    square = torch.zeros(2, N, B, B, D)  # heads == block_size: flash or flash_hnd
+    with pytest.raises(AmbiguousLayout, match="'flash', 'flash_hnd'"):
+        split_unnamed(square, block_size=B)
+    # the reference's unambiguous shapes still read as before
+    key, value = split_unnamed(torch.stack([k, v]), block_size=B)
+    assert torch.equal(_bits(key), _bits(k)) and torch.equal(_bits(value), _bits(v))
+    key, value = split_unnamed(torch.stack([k, v], dim=1), block_size=B)
+    assert torch.equal(_bits(value), _bits(v))
+    # an MLA latent is never guessed: skipped with a reason that says to name it
+    reason = split_unnamed(torch.zeros(N, B, L), block_size=B)
+    assert isinstance(reason, str) and "'mla'" in reason
+
+
+def test_candidates_rules() -> None:
+    assert shape_candidates((2, N, B, H, D), B) == ("flash",)
+    assert shape_candidates((N, 2, H, B, D), B) == ("flashinfer", "flashinfer_hnd")
+    assert shape_candidates((N, B, L), B) == ("mla",)
+    assert shape_candidates((N, H, B, 2 * D), None) == ()
