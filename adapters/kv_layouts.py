@@ -63,14 +63,19 @@ def split_named(
     name = spec.name
     where = f"layer {layer}: " if layer is not None else ""
     if name == "tuple":
-        if not isinstance(layer_kv, (tuple, list)) or len(layer_kv) != 2 or not all(
-            isinstance(t, torch.Tensor) for t in layer_kv
+        if (
+            not isinstance(layer_kv, (tuple, list))
+            or len(layer_kv) != 2
+            or not all(isinstance(t, torch.Tensor) for t in layer_kv)
         ):
-            raise ConfigError(f"{where}layout 'tuple' needs a (key, value) pair of tensors, got {type(layer_kv).__name__}")
+            raise ConfigError(
+                f"{where}layout 'tuple' needs a (key, value) pair of tensors, got {type(layer_kv).__name__}"
+            )
         key, value = layer_kv
         for tensor in (key, value):
-            check_layer_shape(name, tuple(tensor.shape), block_size=block_size, heads=heads, head_dim=head_dim,
-                              layer=layer)
+            check_layer_shape(
+                name, tuple(tensor.shape), block_size=block_size, heads=heads, head_dim=head_dim, layer=layer
+            )
         if key.shape != value.shape:
             raise ConfigError(f"{where}layout 'tuple': key {list(key.shape)} and value {list(value.shape)} differ")
         return key, value
@@ -103,17 +108,22 @@ def split_named(
             f"(name it as 'vllm_cpu:avx2'); refusing rather than reading it as 'packed'"
         )
     if t.stride(-1) != 1 or t.stride(2) != two_d or t.stride(1) != b * two_d:
-        raise ConfigError(f"{where}layout 'vllm_cpu' needs each (block, head) page contiguous, got strides "
-                          f"{list(t.stride())}")
-    pages = t.view(n, h, 2 * b, d) if t.is_contiguous() else t.as_strided(
-        (n, h, 2 * b, d), (t.stride(0), t.stride(1), d, 1))
+        raise ConfigError(
+            f"{where}layout 'vllm_cpu' needs each (block, head) page contiguous, got strides {list(t.stride())}"
+        )
+    pages = (
+        t.view(n, h, 2 * b, d)
+        if t.is_contiguous()
+        else t.as_strided((n, h, 2 * b, d), (t.stride(0), t.stride(1), d, 1))
+    )
     kc, vc = pages.narrow(2, 0, b), pages.narrow(2, b, b)
     key = kc.as_strided((n, h, d, b), (kc.stride(0), kc.stride(1), b, 1), kc.storage_offset()).permute(0, 3, 1, 2)
     return key, vc.transpose(1, 2)
 
 
-def split_unnamed(layer_kv: Any, *, block_size: int | None, layer: int | None = None
-                  ) -> tuple[torch.Tensor, torch.Tensor] | str:
+def split_unnamed(
+    layer_kv: Any, *, block_size: int | None, layer: int | None = None
+) -> tuple[torch.Tensor, torch.Tensor] | str:
     """A layer without a layout name: the reference's layouts by the reference's shape rules.
 
     A shape that two known layouts could both mean raises :class:`AmbiguousLayout` naming the
@@ -140,10 +150,15 @@ def split_unnamed(layer_kv: Any, *, block_size: int | None, layer: int | None = 
         )
     if not candidates or candidates[0] not in REFERENCE_LAYOUTS:
         hint = f" (it fits {candidates[0]!r}, which is never guessed: name it)" if candidates else ""
-        return (f"unsupported KV tensor shape {shape}: expected [2, blocks, ...], "
-                f"[blocks, 2, ...] or packed [blocks, heads, block_size, 2*head_dim]{hint}")
-    key, value = split_named(layer_kv, candidates[0], block_size=block_size or 0, layer=layer) \
-        if candidates[0] == "packed" else _stacked(layer_kv, candidates[0])
+        return (
+            f"unsupported KV tensor shape {shape}: expected [2, blocks, ...], "
+            f"[blocks, 2, ...] or packed [blocks, heads, block_size, 2*head_dim]{hint}"
+        )
+    key, value = (
+        split_named(layer_kv, candidates[0], block_size=block_size or 0, layer=layer)
+        if candidates[0] == "packed"
+        else _stacked(layer_kv, candidates[0])
+    )
     assert value is not None
     return key, value
 

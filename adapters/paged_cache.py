@@ -34,6 +34,7 @@ from typing import Any
 import attrs
 import torch
 
+from kvferry.adapters.kv_layouts import split_named, split_unnamed
 from kvferry.adapters.paged_gather import (
     CROSS_DEVICE_MAX_RUNS,
     DEVICE_MAX_RUNS,
@@ -44,6 +45,7 @@ from kvferry.adapters.paged_gather import (
     split_stride,
 )
 from kvferry.core.errors import ConfigError
+from kvferry.core.layouts import KV_LATENT_KEY, LayoutSpec, layout_spec
 
 __all__ = [
     "GatherMethod",
@@ -124,8 +126,35 @@ def token_split(selected_blocks: int, block_tokens: int, seq_len: int) -> tuple[
     return (tokens, *divmod(tokens, block_tokens))
 
 
-def _split_layer(layer_kv: Any, block_size: int | None) -> tuple[torch.Tensor, torch.Tensor] | str:
-    """``(key_blocks, value_blocks)`` views, or a human reason why the layer is unusable."""
+def _split_layer(
+    layer_kv: Any, block_size: int | None, layout: LayoutSpec | None = None, layer: int | None = None
+) -> tuple[torch.Tensor, torch.Tensor | None] | str:
+    """``(key_blocks, value_blocks)`` views (value None for ``mla``), or a human reason why the
+    layer is unusable. A named layout whose shape does not fit, and an unnamed shape two known
+    layouts could both mean, raise ConfigError (:mod:`kvferry.adapters.kv_layouts`)."""
+    if layout is not None:
+        if block_size is None:
+            raise ConfigError(f"layout {layout.name!r} needs the block size")
+        key, value = split_named(layer_kv, layout, block_size=block_size, layer=layer)
+    else:
+        split = split_unnamed(layer_kv, block_size=block_size, layer=layer)
+        if isinstance(split, str):
+            return split
+        key, value = split
+    if key.ndim < 2 or (value is not None and value.ndim < 2):
+        shown = None if value is None else tuple(value.shape)
+        return f"key/value blocks under 2-D: key={tuple(key.shape)} value={shown}"
+    if key.requires_grad:
+        key = key.detach()
+    if value is not None and value.requires_grad:
+        value = value.detach()
+    return key, value
+
+
+def _reference_split(layer_kv: Any, block_size: int | None) -> tuple[torch.Tensor, torch.Tensor] | str:
+    """The reference's reading by shape (its ``normalize_layer_kv``): ``(key_blocks,
+    value_blocks)`` views, or a human reason why the layer is unusable. It guesses: a vLLM CPU
+    cache reads as packed, a two-block K/V-on-dim-1 cache as K/V on dim 0."""
     if isinstance(layer_kv, torch.Tensor):
         shape = tuple(layer_kv.shape)
         if (
@@ -156,8 +185,13 @@ def _split_layer(layer_kv: Any, block_size: int | None) -> tuple[torch.Tensor, t
 
 
 def normalize_layer_kv(
-    layer_kv: Any, *, req_id: str = "", layer_idx: int = -1, block_size: int | None = None
-) -> tuple[torch.Tensor, torch.Tensor] | None:
+    layer_kv: Any,
+    *,
+    req_id: str = "",
+    layer_idx: int = -1,
+    block_size: int | None = None,
+    layout: Any = None,
+) -> tuple[torch.Tensor, torch.Tensor | None] | None:
     """One layer's cache as ``(key_blocks, value_blocks)`` views, ``[num_blocks, ...]`` each.
 
     Recognised in this order: packed ``[blocks, heads, block_size, 2*head_dim]`` (4-D, only when
@@ -165,8 +199,15 @@ def normalize_layer_kv(
     >= 3, ``dim 0 == 2`` (K/V on dim 0), then ``dim 1 == 2`` (K/V on dim 1); or a ``(key, value)``
     tuple/list of tensors. So ``[2, 2, ...]`` reads as K/V on dim 0. Anything else, or key/value
     under 2-D, gives None and a warning naming request and layer.
+
+    That is the reference's guess, kept for its API. With ``layout`` (a name of
+    :mod:`kvferry.core.layouts`) the layer is read as that layout instead (ConfigError when it
+    does not fit); the typed extraction (:func:`plan_extraction`) never guesses ambiguous shapes.
     """
-    split = _split_layer(layer_kv, block_size)
+    spec = layout_spec(layout, "layout")
+    split = (
+        _reference_split(layer_kv, block_size) if spec is None else _split_layer(layer_kv, block_size, spec, layer_idx)
+    )
     if isinstance(split, str):
         logger.warning("request %s layer %s skipped: %s", req_id, layer_idx, split)
         return None
@@ -192,6 +233,17 @@ class ExtractionPlan:
     @property
     def num_layers(self) -> int:
         return len(self.keys)
+
+    @property
+    def shard_heads(self) -> int | None:
+        """KV heads the cache holds (dim 2 of the first present key blocks ``[N, B, H, D]``);
+        None for an MLA latent or blocks without a head dimension."""
+        if self._metadata.get(KV_LATENT_KEY):
+            return None
+        for gather in self.keys:
+            if gather is not None:
+                return int(gather.blocks.shape[2]) if gather.blocks.dim() >= 4 else None
+        return None
 
     @property
     def metadata(self) -> dict[str, Any]:
@@ -350,15 +402,20 @@ def plan_extraction(
     cache_dtype: Any,
     custom_metadata: Mapping[str, Any] | None = None,
     request_id: str = "",
+    layout: Any = None,
 ) -> ExtractionPlan | ExtractionSkipped:
     """Plan one request's extraction: shapes only, no data moves (see the module docstring).
 
     ``block_ids``: a sequence of ints or a 1-D integer tensor (read once with ``tolist``).
+    ``layout``: the cache's layout name (:mod:`kvferry.core.layouts`; an ``mla`` plan has keys
+    only and metadata ``kv_latent: true``); None: recognised by shape, ambiguous shapes refused.
     Returns :class:`ExtractionSkipped` (falsy, with the reason) when there is nothing to send.
-    Raises ConfigError for non-integer ids/sizes, ``seq_len < 0``, ``block_size < 1`` or a
-    non-mapping ``custom_metadata``.
+    Raises ConfigError for non-integer ids/sizes, ``seq_len < 0``, ``block_size < 1``, a
+    non-mapping ``custom_metadata``, an unknown layout name, a cache that does not fit its named
+    layout (naming the dimension) or an unnamed shape two layouts could mean (naming them).
     """
     ids, seq_len, block_size = _check_args(block_ids, seq_len, block_size, custom_metadata)
+    spec = layout_spec(layout, "layout")
     layers = list(kv_caches)
     if not ids:
         logger.warning("request %s skipped: no block ids", request_id)
@@ -395,14 +452,14 @@ def plan_extraction(
     values: list[TensorGather | None] = [None] * len(layers)
     skipped: list[LayerSkip] = []
     for layer, layer_kv in enumerate(layers):
-        split = _split_layer(layer_kv, block_size)
+        split = _split_layer(layer_kv, block_size, spec, layer)
         if isinstance(split, str):
             logger.warning("request %s layer %s skipped: %s", request_id, layer, split)
             skipped.append(LayerSkip(layer, "unsupported_layout", split))
             continue
         key_blocks, value_blocks = split
-        bound = min(key_blocks.shape[0], value_blocks.shape[0])
-        if key_blocks.shape[0] != value_blocks.shape[0]:
+        bound = key_blocks.shape[0] if value_blocks is None else min(key_blocks.shape[0], value_blocks.shape[0])
+        if value_blocks is not None and key_blocks.shape[0] != value_blocks.shape[0]:
             logger.warning(
                 "request %s layer %s: key has %s blocks, value %s; using the first %s",
                 request_id,
@@ -426,8 +483,8 @@ def plan_extraction(
             skipped.append(LayerSkip(layer, "no_valid_blocks", f"no block id in [0, {bound})"))
             continue
         k = plan_tensor(layer, "key", key_blocks, bound)
-        v = plan_tensor(layer, "value", value_blocks, bound)
-        if k is None or v is None:
+        v = None if value_blocks is None else plan_tensor(layer, "value", value_blocks, bound)
+        if k is None or (v is None and value_blocks is not None):
             skipped.append(LayerSkip(layer, "no_tokens", "the layer would hold zero tokens"))
             continue
         keys[layer], values[layer] = k, v
@@ -441,6 +498,8 @@ def plan_extraction(
         "seq_len": seq_len,
         **(custom_metadata or {}),
     }
+    if spec is not None and not spec.has_value:
+        metadata[KV_LATENT_KEY] = True
     return ExtractionPlan(request_id, ids, seq_len, tuple(keys), tuple(values), metadata, tuple(skipped))
 
 
@@ -454,6 +513,7 @@ def extract_request(
     custom_metadata: Mapping[str, Any] | None = None,
     request_id: str = "",
     method: GatherMethod = "auto",
+    layout: Any = None,
 ) -> ExtractedKV | ExtractionSkipped:
     """:func:`plan_extraction` then :meth:`ExtractionPlan.materialize` (fresh tensors)."""
     plan = plan_extraction(
@@ -464,6 +524,7 @@ def extract_request(
         cache_dtype=cache_dtype,
         custom_metadata=custom_metadata,
         request_id=request_id,
+        layout=layout,
     )
     if isinstance(plan, ExtractionSkipped):
         return plan

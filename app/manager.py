@@ -270,6 +270,8 @@ class KVTransferManager:
             retry=self.retry,
             key_builder=self.kv_send_key_builder,
             checksums=self.checksums,
+            num_heads=self.config.num_kv_heads,
+            layout=self.config.kv_layout,
         )
         self._send_path = (signature, path)
         return path
@@ -351,6 +353,8 @@ class KVTransferManager:
             merger=self.kv_payload_merger,
             slicer=self.kv_payload_slicer,
             limits=self.decode_limits,
+            num_heads=self.config.num_kv_heads,
+            layout=self.config.kv_layout,
         )
         self._recv_path = (signature, path)
         return path

@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import logging
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any, cast
 
 import attrs
@@ -41,9 +41,11 @@ from kvferry.core.errors import KVFerryError, LeaseExpired, PayloadError
 from kvferry.core.head_slices import applied_head_slice, fan_out_slice, tp_head_slice_record
 from kvferry.core.header import DecodeLimits
 from kvferry.core.ids import is_dummy_request, recv_keys
+from kvferry.core.layouts import KV_LATENT_KEY, LayoutSpec
 from kvferry.core.outcomes import ReceiveKind, ReceiveOutcome, SkipReason
 from kvferry.core.policy import Deadline, PollBackoff
 from kvferry.core.ports import BlockingGet, Clock, Connector, Implements
+from kvferry.core.routing import route_heads
 from kvferry.core.sender_info import SenderEndpoint, resolve_sender
 from kvferry.core.topology import TPTopology
 
@@ -175,10 +177,23 @@ class ReceivePath:
     copy_unpooled: bool = False
     #: Bounds on what a received header may claim (header bytes, tensors, layers, dimensions).
     limits: DecodeLimits = attrs.field(factory=DecodeLimits)
+    #: The model's KV heads (all ranks); None: the reference's rank map (see docs/routing.md).
+    num_heads: int | None = None
+    #: The sender's cache layout; ``mla`` routes the latent (one sender per receiver, unsliced).
+    layout: LayoutSpec | None = None
     _is_blocking: Implements = attrs.field(init=False, factory=lambda: Implements(BlockingGet))
 
+    @property
+    def routed_heads(self) -> int | None:
+        """The head count keys and slices are routed with: 1 for an MLA latent, else the
+        configured one (None: the reference's rank map)."""
+        if self.layout is not None and not self.layout.has_heads:
+            return 1
+        return self.num_heads
+
     def keys(self, request_id: str) -> tuple[tuple[str, int | None], ...]:
-        return recv_keys(request_id, self.from_stage, self.to_stage, self.topology, self.key_builder)
+        heads = None if self.topology.is_legacy else self.routed_heads
+        return recv_keys(request_id, self.from_stage, self.to_stage, self.topology, self.key_builder, num_heads=heads)
 
     def key_metadata(self, endpoint: SenderEndpoint | None, from_rank: int | None) -> dict[str, Any] | None:
         """Connector metadata naming the sender rank that serves a key (None: connector default)."""
@@ -425,6 +440,8 @@ class ReceivePath:
         if topo.is_legacy or not topo.is_fan_out:
             return payload
         meta = payload.get("metadata") or {}
+        if isinstance(meta, Mapping) and meta.get(KV_LATENT_KEY):
+            return payload  # an MLA latent: every rank holds it whole, never sliced
         tag = applied_head_slice(meta)
         if tag is not None:
             if tag.get("target_rank") != topo.local_rank:
@@ -435,12 +452,20 @@ class ReceivePath:
                     topo.local_rank,
                 )
             return payload
-        offset, slices = fan_out_slice(topo.source_tp, topo.target_tp, topo.local_rank)
+        heads = self.routed_heads
+        if heads is None:
+            offset, slices = fan_out_slice(topo.source_tp, topo.target_tp, topo.local_rank)
+            source = topo.local_rank // (topo.target_tp // topo.source_tp)
+        else:
+            (route,) = route_heads(topo.source_tp, topo.target_tp, heads).reads(topo.local_rank)
+            offset, slices, source = route.offset_in_shard, route.num_slices, route.source_rank
         blocks = payload["layer_blocks"]
         meta = dict(meta)
         meta["tp_head_slice"] = tp_head_slice_record(
-            "receiver", topo.local_rank // slices, topo.local_rank, topo.source_tp, topo.target_tp, offset, slices
+            "receiver", source, topo.local_rank, topo.source_tp, topo.target_tp, offset, slices
         )
+        if slices == 1:
+            return {**payload, "metadata": meta}
         return {
             **payload,
             "metadata": meta,

@@ -38,9 +38,11 @@ from kvferry.core.errors import KVFerryError, PoolFullError, RoutingError
 from kvferry.core.head_slices import fan_out_slice, slice_bounds, tp_head_slice_record
 from kvferry.core.header import kv_layout_template
 from kvferry.core.ids import send_keys
+from kvferry.core.layouts import KV_LATENT_KEY, LayoutSpec
 from kvferry.core.outcomes import SendOutcome, SendReason
 from kvferry.core.policy import RetryPolicy
 from kvferry.core.ports import Clock, Connector, Implements, Reservable
+from kvferry.core.routing import rank_heads, route_heads
 from kvferry.core.topology import TPTopology, target_ranks
 
 __all__ = ["SendPath", "KeyJob", "slice_plan_heads"]
@@ -61,6 +63,11 @@ def slice_plan_heads(plan: ExtractionPlan, offset_in_shard: int, num_slices: int
     """
     if num_slices == 1:
         return plan
+    if plan.metadata.get(KV_LATENT_KEY):
+        raise RoutingError(
+            "cannot slice an MLA latent by heads: it has no head dimension, and every TP rank holds "
+            "the whole latent (each receiver gets it whole from one sender)"
+        )
 
     bounds: dict[int, tuple[int, int]] = {}  # heads -> (start, length): layers share one
 
@@ -116,24 +123,64 @@ class SendPath:
     key_builder: Callable[..., Any] | None = None
     align: int = 64
     checksums: str | None = None
+    #: The model's KV heads (all ranks); None: the reference's rank map (inferred on fan-out).
+    num_heads: int | None = None
+    #: The paged cache's layout name; None: recognised by shape (:mod:`kvferry.core.layouts`).
+    layout: LayoutSpec | None = None
     _is_reservable: Implements = attrs.field(init=False, factory=lambda: Implements(Reservable))
     _templates: dict[tuple, Any] = attrs.field(init=False, factory=dict)  # see _layout
 
     # ------------------------------------------------------------------------------ planning
-    def jobs(self, request_id: str) -> tuple[KeyJob, ...]:
-        """The payloads this rank puts for ``request_id`` (one per target key)."""
+    def routed_heads(self, shard_heads: int | None = None) -> int | None:
+        """The head count this rank routes with: 1 for an MLA latent; the configured one
+        (checked against ``shard_heads``, the heads the rank's cache holds, when known); on
+        fan-out without one, ``shard_heads * source_tp`` (the receivers' pairs do not depend on
+        it, and it is exact whenever a rank holds more than one head); else None (the
+        reference's rank map)."""
         topo = self.topology
-        keys = send_keys(request_id, self.from_stage, self.to_stage, topo, self.key_builder)
+        if self.layout is not None and not self.layout.has_heads:
+            return 1
+        if self.num_heads is not None:
+            if shard_heads is not None and not topo.is_legacy:
+                start, stop = rank_heads(topo.source_tp, self.num_heads, topo.local_rank)
+                if stop - start != shard_heads:
+                    raise RoutingError(
+                        f"the cache of sender rank {topo.local_rank} holds {shard_heads} KV heads, but "
+                        f"num_kv_heads={self.num_heads} at source_tp={topo.source_tp} gives it {stop - start}"
+                    )
+            return self.num_heads
+        if topo.is_fan_out and shard_heads is not None:
+            return shard_heads * topo.source_tp
+        return None
+
+    def jobs(self, request_id: str, shard_heads: int | None = None) -> tuple[KeyJob, ...]:
+        """The payloads this rank puts for ``request_id`` (one per target key; a sender replica
+        that serves no receiver puts none)."""
+        topo = self.topology
+        heads = self.routed_heads(shard_heads)
+        keys = send_keys(
+            request_id,
+            self.from_stage,
+            self.to_stage,
+            topo,
+            self.key_builder,
+            num_heads=None if topo.is_legacy else heads,
+        )
         if topo.is_legacy:
             return tuple(KeyJob(k, None) for k in keys)
-        targets = target_ranks(topo)
-        if len(keys) != len(targets):  # a hook chose other keys: send whole shards
+        if heads is None:
+            targets = target_ranks(topo)
+            if len(keys) != len(targets):  # a hook chose other keys: send whole shards
+                return tuple(KeyJob(k, None) for k in keys)
+            out = []
+            for key, target in zip(keys, targets):
+                offset, slices = fan_out_slice(topo.source_tp, topo.target_tp, target)
+                out.append(KeyJob(key, target, offset, slices))
+            return tuple(out)
+        routes = route_heads(topo.source_tp, topo.target_tp, heads).sends(topo.local_rank)
+        if len(keys) != len(routes):
             return tuple(KeyJob(k, None) for k in keys)
-        out = []
-        for key, target in zip(keys, targets):
-            offset, slices = fan_out_slice(topo.source_tp, topo.target_tp, target)
-            out.append(KeyJob(key, target, offset, slices))
-        return tuple(out)
+        return tuple(KeyJob(k, r.target_rank, r.offset_in_shard, r.num_slices) for k, r in zip(keys, routes))
 
     # ------------------------------------------------------------------------------- sending
     def send(
@@ -160,6 +207,7 @@ class SendPath:
                 cache_dtype=cache_dtype,
                 custom_metadata=custom_metadata,
                 request_id=request_id,
+                layout=self.layout,
             )
         except KVFerryError as exc:
             return SendOutcome.failed(request_id, SendReason.ERROR, f"extraction: {exc}")
@@ -167,7 +215,7 @@ class SendPath:
             reason = SendReason.NO_BLOCKS if plan.reason == "no_block_ids" else SendReason.NO_PAYLOAD
             return SendOutcome.failed(request_id, reason, plan.detail)
         try:
-            jobs = self.jobs(request_id)
+            jobs = self.jobs(request_id, plan.shard_heads)
         except KVFerryError as exc:
             return SendOutcome.failed(request_id, SendReason.ERROR, f"keys: {exc}")
         sent: list[str] = []
@@ -220,7 +268,8 @@ class SendPath:
 
     def _metadata(self, plan: ExtractionPlan, job: KeyJob) -> dict[str, Any]:
         meta = plan.metadata
-        if job.num_slices > 1 and job.target_rank is not None:
+        if job.target_rank is not None and (job.num_slices > 1 or self.topology.is_fan_out):
+            # every fan-out payload is tagged (a whole one-head shard too): never sliced again
             topo = self.topology
             meta["tp_head_slice"] = tp_head_slice_record(
                 "sender",

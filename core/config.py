@@ -6,7 +6,13 @@ Input shape (every key optional; defaults are the reference's ``OmniKVCacheConfi
      "omni_from_stage": 0, "omni_to_stage": 1, "stage_id": 1,
      "engine_input_source": [0], "need_send_cache": False, "need_recv_cache": True,
      "recv_timeout": 30.0, "rank_mapping": {"from_tp": 2, "to_tp": 4},
-     "enable_kv_async_prefetch": False, "kv_prefetch_min_free_mem_ratio": 0.0}
+     "enable_kv_async_prefetch": False, "kv_prefetch_min_free_mem_ratio": 0.0,
+     "num_kv_heads": 4, "kv_layout": "flash"}
+
+``num_kv_heads`` (the model's KV heads, all ranks together) and ``kv_layout`` (the paged
+cache's layout name, :mod:`kvferry.core.layouts`) are kvferry's: without a head count, ranks
+are routed by the reference's rank map (replicated heads need it, see docs/routing.md); without
+a layout name, the layout is recognised by shape as the reference did, ambiguous shapes refused.
 
 Unknown keys are ignored (engine configs carry more). An invalid value raises ConfigError
 naming the key (``rank_mapping.from_tp``, ``connector_config.zmq_port`` ...). Environment
@@ -26,6 +32,7 @@ import attrs
 
 from kvferry.core.addressing import DEFAULT_BASE_PORT, expand_base_port, replica_id_from_env
 from kvferry.core.errors import ConfigError
+from kvferry.core.layouts import LayoutSpec, layout_spec
 
 __all__ = [
     "REPLICA_ID_ENV",
@@ -126,6 +133,14 @@ def _sources(key: str, value: Any) -> tuple[Stage, ...]:
     return tuple(out)
 
 
+def _heads(key: str, value: Any) -> int | None:
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ConfigError(f"{key} must be an integer >= 1 (the model's KV heads), got {value!r}")
+    return value
+
+
 def _connector(key: str, value: Any) -> Mapping[str, Any] | None:
     if value is None:
         return None
@@ -192,6 +207,10 @@ class TransferConfig:
     base_port: int = attrs.field(default=DEFAULT_BASE_PORT, validator=_validate(_port))
     replica_id: int = attrs.field(default=0, validator=_validate(_replica))
     empty_reason: str | None = None
+    #: The model's KV heads (all TP ranks together); None: route by the reference's rank map.
+    num_kv_heads: int | None = attrs.field(default=None, validator=_validate(_heads))
+    #: The paged cache's layout (:func:`kvferry.core.layouts.layout_spec`); None: by shape.
+    kv_layout: LayoutSpec | None = attrs.field(default=None, converter=layout_spec)
 
     # ----------------------------------------------------------------------------------------
     # named constructors
@@ -232,6 +251,8 @@ class TransferConfig:
             ),
             base_port=base_port,
             replica_id=replica_id_from_env(env.get(REPLICA_ID_ENV)),
+            num_kv_heads=_heads("num_kv_heads", d.get("num_kv_heads")),
+            kv_layout=layout_spec(d.get("kv_layout"), "kv_layout"),
         )
 
     @classmethod

@@ -15,7 +15,9 @@ gives every receiver exactly its own contiguous head range, and every head of th
 delivered to exactly one receiver rank. The tensor adapters apply these integer plans; the
 plans themselves never touch tensors.
 
-Head counts must be divisible by the larger TP size (no replicated KV heads).
+Which sender sends which heads to which receiver, replicated heads (TP > H) included, is
+:func:`kvferry.core.routing.route_heads`; :func:`plan_heads` and :func:`sender_slices` read it.
+:func:`fan_out_slice` and :func:`merge_order` are the reference's rank-map view (no head count).
 """
 
 from __future__ import annotations
@@ -26,7 +28,8 @@ from typing import Any
 import attrs
 
 from kvferry.core.errors import RoutingError
-from kvferry.core.topology import recv_rank_map, send_rank_map, validate_sizes
+from kvferry.core.routing import HeadSlice, rank_heads, route_heads
+from kvferry.core.topology import recv_rank_map, validate_sizes
 from kvferry.core.validate import check_int
 
 __all__ = [
@@ -88,36 +91,6 @@ def merge_order(source_tp: int, target_tp: int, target_rank: int) -> tuple[int, 
 
 
 @attrs.frozen
-class HeadSlice:
-    """The heads one payload carries from ``source_rank`` to ``target_rank``.
-
-    ``head_start:head_stop`` index dim 1 of the sender's shard; ``abs_head_*`` index the full
-    model's heads; ``recv_head_*`` index dim 1 of the receiver's merged shard. All counts are
-    KV heads. ``(offset_in_shard, num_slices)`` is ``(0, 1)`` when nothing is cut.
-    """
-
-    source_rank: int
-    target_rank: int
-    offset_in_shard: int
-    num_slices: int
-    head_start: int
-    head_stop: int
-    abs_head_start: int
-    abs_head_stop: int
-    recv_head_start: int
-    recv_head_stop: int
-
-    @property
-    def num_heads(self) -> int:
-        return self.head_stop - self.head_start
-
-    @property
-    def is_sliced(self) -> bool:
-        """True when the payload is a part of the sender's shard (fan-out)."""
-        return self.num_slices > 1
-
-
-@attrs.frozen
 class TargetHeadPlan:
     """What receiver ``target_rank`` ends up with: its head range and the slices, merge order."""
 
@@ -131,58 +104,28 @@ class TargetHeadPlan:
         return tuple(s.source_rank for s in self.slices)
 
 
-def _shard_sizes(source_tp: int, target_tp: int, num_heads: int) -> tuple[int, int]:
-    validate_sizes(source_tp, target_tp)
-    heads = check_int("num_heads", num_heads, 1, RoutingError)
-    larger = max(source_tp, target_tp)
-    if heads % larger:
-        raise RoutingError(
-            f"num_heads {heads} is not divisible by the larger TP size {larger} "
-            f"(source_tp={source_tp}, target_tp={target_tp})"
-        )
-    return heads // source_tp, heads // target_tp
-
-
-def _slice(source_tp: int, target_tp: int, num_heads: int, source: int, target: int) -> HeadSlice:
-    send_shard, recv_shard = _shard_sizes(source_tp, target_tp, num_heads)
-    offset, slices = fan_out_slice(source_tp, target_tp, target)
-    start, stop = slice_bounds(send_shard, offset, slices)
-    abs_start = source * send_shard + start
-    abs_stop = source * send_shard + stop
-    recv_start = abs_start - target * recv_shard
-    return HeadSlice(
-        source_rank=source,
-        target_rank=target,
-        offset_in_shard=offset,
-        num_slices=slices,
-        head_start=start,
-        head_stop=stop,
-        abs_head_start=abs_start,
-        abs_head_stop=abs_stop,
-        recv_head_start=recv_start,
-        recv_head_stop=recv_start + (stop - start),
-    )
-
-
 def sender_slices(source_tp: int, target_tp: int, num_heads: int, source_rank: int) -> tuple[HeadSlice, ...]:
-    """The payloads sender ``source_rank`` produces, one per receiver it feeds, increasing."""
+    """The payloads sender ``source_rank`` produces, one per receiver it feeds, increasing
+    (:func:`kvferry.core.routing.route_heads`; none for a replica that serves nobody)."""
     rank = check_int("source_rank", source_rank, 0, RoutingError)
-    targets = send_rank_map(source_tp, target_tp)
+    routing = route_heads(source_tp, target_tp, num_heads)
     if rank >= source_tp:
         raise RoutingError(f"source_rank {rank} is not a sender rank (source_tp={source_tp})")
-    return tuple(_slice(source_tp, target_tp, num_heads, rank, t) for t in targets[rank])
+    return routing.sends(rank)
 
 
 def plan_heads(source_tp: int, target_tp: int, num_heads: int) -> tuple[TargetHeadPlan, ...]:
-    """One :class:`TargetHeadPlan` per receiver rank (index = rank) for ``num_heads`` KV heads.
+    """One :class:`TargetHeadPlan` per receiver rank (index = rank) for ``num_heads`` KV heads
+    (:func:`kvferry.core.routing.route_heads`: replicated heads included).
 
-    Raises RoutingError for unmappable sizes or a head count not divisible by the larger TP.
+    Raises RoutingError for unmappable sizes or a head count that neither divides nor is
+    divisible by a TP size.
     """
-    _, recv_shard = _shard_sizes(source_tp, target_tp, num_heads)
+    routing = route_heads(source_tp, target_tp, num_heads)
     plans = []
-    for target, sources in recv_rank_map(source_tp, target_tp).items():
-        slices = tuple(_slice(source_tp, target_tp, num_heads, s, target) for s in sources)
-        plans.append(TargetHeadPlan(target, target * recv_shard, (target + 1) * recv_shard, slices))
+    for target in range(target_tp):
+        start, stop = rank_heads(target_tp, num_heads, target)
+        plans.append(TargetHeadPlan(target, start, stop, routing.reads(target)))
     return tuple(plans)
 
 

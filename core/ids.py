@@ -22,6 +22,7 @@ from typing import Any
 import attrs
 
 from kvferry.core.errors import RoutingError
+from kvferry.core.routing import route_heads
 from kvferry.core.topology import TPTopology, source_ranks, target_ranks
 
 __all__ = [
@@ -39,6 +40,8 @@ __all__ = [
     "recv_keys",
     "parse_connector_key",
     "parse_legacy_key",
+    "feeds",
+    "reads",
 ]
 
 #: The warm-up request id; ids equal to it or starting with ``DUMMY_REQUEST_ID + "/"`` never
@@ -159,18 +162,38 @@ def parse_legacy_key(key: str) -> LegacyKey:
     return LegacyKey(frm, to, rid)
 
 
+def feeds(topo: TPTopology, num_heads: int | None = None) -> tuple[int, ...]:
+    """Receiver ranks sender ``topo.local_rank`` feeds: with a head count, as
+    :func:`~kvferry.core.routing.route_heads` routes them (a replica may feed none); without
+    one, the reference's rank map (:func:`~kvferry.core.topology.target_ranks`)."""
+    if num_heads is None:
+        return target_ranks(topo)
+    target_ranks(topo)  # the rank checks
+    return route_heads(topo.source_tp, topo.target_tp, num_heads).targets(topo.local_rank)
+
+
+def reads(topo: TPTopology, num_heads: int | None = None) -> tuple[int, ...]:
+    """Sender ranks receiver ``topo.local_rank`` reads, in merge order (see :func:`feeds`)."""
+    if num_heads is None:
+        return source_ranks(topo)
+    source_ranks(topo)
+    return route_heads(topo.source_tp, topo.target_tp, num_heads).sources(topo.local_rank)
+
+
 def send_keys(
     request_id: str,
     from_stage: Stage,
     to_stage: Stage,
     topo: TPTopology,
     hook: SendKeyHook | None = None,
+    num_heads: int | None = None,
 ) -> tuple[str, ...]:
     """Keys sender rank ``topo.local_rank`` puts for ``request_id``: one per receiver rank it feeds.
 
     A callable ``hook`` is asked first; a non-empty result is used as the keys. Otherwise: the
     legacy key when both TP sizes are <= 1, else one rank-aware key (chunk 0) per target rank
-    in increasing order. Raises RoutingError for an unmappable topology.
+    in increasing order (:func:`feeds`: with ``num_heads``, the model's KV head count, replicated
+    heads are routed). Raises RoutingError for an unmappable topology or head count.
     """
     if hook is not None:
         custom = hook(request_id, from_stage, to_stage)
@@ -183,7 +206,8 @@ def send_keys(
     if topo.is_legacy:
         return (legacy_key(from_stage, to_stage, request_id),)
     return tuple(
-        connector_key(request_id, from_stage, WHOLE_REQUEST_CHUNK, topo.local_rank, dst) for dst in target_ranks(topo)
+        connector_key(request_id, from_stage, WHOLE_REQUEST_CHUNK, topo.local_rank, dst)
+        for dst in feeds(topo, num_heads)
     )
 
 
@@ -213,14 +237,15 @@ def recv_keys(
     to_stage: Stage,
     topo: TPTopology,
     hook: RecvKeyHook | None = None,
+    num_heads: int | None = None,
 ) -> tuple[tuple[str, int | None], ...]:
     """``(key, from_rank)`` pairs receiver rank ``topo.local_rank`` gets, in merge order.
 
     A callable ``hook`` is asked first; a non-empty result wins: ``(key, from_rank)`` pairs are
     used as is, plain strings get ``from_rank`` from the receive rank map when the counts match,
     else None. Otherwise: ``((legacy_key, None),)`` when both TP sizes are <= 1, else one
-    rank-aware key (chunk 0) per source rank in increasing order. Raises RoutingError for an
-    unmappable topology.
+    rank-aware key (chunk 0) per source rank in merge order (:func:`reads`, with ``num_heads``
+    as for :func:`send_keys`). Raises RoutingError for an unmappable topology or head count.
     """
     if hook is not None:
         custom = hook(request_id, from_stage, to_stage)
@@ -230,5 +255,5 @@ def recv_keys(
         return ((legacy_key(from_stage, to_stage, request_id), None),)
     return tuple(
         (connector_key(request_id, from_stage, WHOLE_REQUEST_CHUNK, src, topo.local_rank), src)
-        for src in source_ranks(topo)
+        for src in reads(topo, num_heads)
     )

@@ -34,13 +34,15 @@ and a shape that two known layouts could both mean is refused naming the candida
 
 from __future__ import annotations
 
-from typing import Any, Mapping
+from collections.abc import Mapping
+from typing import Any
 
 import attrs
 
 from kvferry.core.errors import ConfigError
 
 __all__ = [
+    "KV_LATENT_KEY",
     "LAYOUT_NAMES",
     "REFERENCE_LAYOUTS",
     "VLLM_CPU_ISAS",
@@ -63,6 +65,8 @@ _DIMS: dict[str, tuple[str, ...]] = {
     "vllm_cpu": ("num_blocks", "heads", "block_size", "2*head_dim"),
 }
 LAYOUT_NAMES: tuple[str, ...] = tuple(_DIMS)
+#: Metadata flag of a payload whose key caches are MLA latents (values absent, never sliced).
+KV_LATENT_KEY = "kv_latent"
 #: What the reference recognised by shape (and what kvferry still recognises without a name).
 REFERENCE_LAYOUTS: tuple[str, ...] = ("flash", "flashinfer", "packed", "tuple")
 #: vLLM CPU kernel ISAs whose page order kvferry can decode per token, with their aliases:
@@ -165,19 +169,21 @@ def check_layer_shape(
             )
         if dim == "2*head_dim" and size % 2:
             raise ConfigError(
-                f"{where}layout {name!r} is {spelled}: dim {index} (2*head_dim) is odd ({size}) "
-                f"(shape {list(shape)})"
+                f"{where}layout {name!r} is {spelled}: dim {index} (2*head_dim) is odd ({size}) (shape {list(shape)})"
             )
 
 
 def shape_candidates(shape: tuple[int, ...], block_size: int | None) -> tuple[str, ...]:
-    """Every known tensor layout (all but ``tuple``) whose shape rule ``shape`` fits, in
-    :data:`LAYOUT_NAMES` order.
+    """The known layouts an *unnamed* tensor of ``shape`` could mean, in :data:`LAYOUT_NAMES`
+    order.
 
     The rules for the reference's layouts are the reference's (``flash``: rank >= 3 and dim 0 is
     2; ``flashinfer``: rank >= 3 and dim 1 is 2; ``packed``: 4-D, dim 2 is ``block_size``, last
-    dim even); the others need the block size where their layout puts it (``*_hnd``: 5-D, dim 3;
-    ``mla``: 3-D, dim 1; ``vllm_cpu``: the ``packed`` rule).
+    dim even); ``mla``: 3-D with dim 1 the block size; ``vllm_cpu``: the ``packed`` rule (the CPU
+    backend hands out exactly that shape). The ``*_hnd`` names are never candidates: engines
+    present an HND cache as a strided view of the NHD shape (which reads correctly as
+    ``flash``/``flashinfer``), so a tensor with HND *dimensions* only comes with its name, and
+    counting them would refuse every unnamed cache whose heads equal its block size.
     """
     rank = len(shape)
     out = []
@@ -186,14 +192,8 @@ def shape_candidates(shape: tuple[int, ...], block_size: int | None) -> tuple[st
     if rank >= 3 and shape[1] == 2:
         out.append("flashinfer")
     if block_size is not None:
-        if rank == 5 and shape[0] == 2 and shape[3] == block_size:
-            out.append("flash_hnd")
-        if rank == 5 and shape[1] == 2 and shape[3] == block_size:
-            out.append("flashinfer_hnd")
         if rank == 4 and shape[2] == block_size and shape[3] % 2 == 0:
-            out += ["packed"]
+            out += ["packed", "vllm_cpu"]
         if rank == 3 and shape[1] == block_size:
             out.append("mla")
-        if rank == 4 and shape[2] == block_size and shape[3] % 2 == 0:
-            out.append("vllm_cpu")
     return tuple(n for n in LAYOUT_NAMES if n in out)

@@ -1,7 +1,7 @@
 """A whole transfer plan: every rank of both stages, its keys, ports and head ranges.
 
 The plan only composes the single-source functions (:mod:`~kvferry.core.topology`,
-:mod:`~kvferry.core.ids`, :mod:`~kvferry.core.addressing`, :mod:`~kvferry.core.head_slices`),
+:mod:`~kvferry.core.ids`, :mod:`~kvferry.core.addressing`, :mod:`~kvferry.core.routing`),
 so what it prints is what senders and receivers compute. It is what ``kvferry plan`` shows and
 what an operator compares when the two stages disagree.
 
@@ -16,8 +16,8 @@ from typing import Any
 import attrs
 
 from kvferry.core.addressing import kv_port, pull_port
-from kvferry.core.head_slices import HeadSlice, plan_heads, sender_slices
 from kvferry.core.ids import Stage, recv_keys, send_keys
+from kvferry.core.routing import HeadSlice, rank_heads, route_heads
 from kvferry.core.topology import TPTopology, target_ranks, validate_sizes
 
 __all__ = ["SENDER", "RECEIVER", "KeyRoute", "RankPlan", "stage_plan", "to_json_records"]
@@ -118,65 +118,44 @@ def stage_plan(
     """Plans for every sender rank (``0..from_tp-1``) then every receiver rank (``0..to_tp-1``).
 
     Sender rank ``r`` binds ``kv_port(base_port, from_stage, r, replica, dp_rank, from_tp)``;
-    receivers pull each key from the advertised rank-0 port plus ``source_rank * 16``. Raises
-    RoutingError for unmappable sizes, a head count the sizes cannot split, or any port out of
-    bounds (the message names the field).
+    receivers pull each key from the advertised rank-0 port plus ``source_rank * 16``. With
+    ``num_heads``, pairs and head ranges are :func:`~kvferry.core.routing.route_heads`' (a head
+    count below a TP size is replicated; a sender replica may put no key). Raises RoutingError
+    for unmappable sizes, a head count that does not fit a TP size, or any port out of bounds
+    (the message names the field).
     """
     validate_sizes(from_tp, to_tp)
     stage = str(from_stage)
     sender_ports = tuple(kv_port(base_port, from_stage, r, replica, dp_rank, from_tp) for r in range(from_tp))
     advertised = sender_ports[0]
-    heads_by_target = plan_heads(from_tp, to_tp, num_heads) if num_heads is not None else None
+    routing = route_heads(from_tp, to_tp, num_heads) if num_heads is not None else None
     plans: list[RankPlan] = []
     for rank in range(from_tp):
         topo = TPTopology(from_tp, to_tp, rank)
-        targets = target_ranks(topo)
-        keys = send_keys(request_id, from_stage, to_stage, topo)
-        slices: tuple[HeadSlice | None, ...] = (
-            sender_slices(from_tp, to_tp, num_heads, rank) if num_heads is not None else (None,) * len(targets)
-        )
+        keys = send_keys(request_id, from_stage, to_stage, topo, num_heads=num_heads)
+        if routing is not None:
+            slices: tuple[HeadSlice | None, ...] = routing.sends(rank)
+            targets = tuple(s.target_rank for s in routing.sends(rank))
+        else:
+            targets = target_ranks(topo)
+            slices = (None,) * len(targets)
         routes = tuple(
             KeyRoute(key, target, sender_ports[rank], head)
             for key, target, head in zip(keys, targets, slices, strict=True)
         )
-        shard = (num_heads // from_tp) if num_heads is not None else None
-        plans.append(
-            RankPlan(
-                SENDER,
-                stage,
-                rank,
-                from_tp,
-                replica,
-                dp_rank,
-                sender_ports[rank],
-                routes,
-                None if shard is None else rank * shard,
-                None if shard is None else (rank + 1) * shard,
-            )
-        )
+        shard = rank_heads(from_tp, num_heads, rank) if num_heads is not None else (None, None)
+        plans.append(RankPlan(SENDER, stage, rank, from_tp, replica, dp_rank, sender_ports[rank], routes, *shard))
     to_stage_str = str(to_stage)
     for rank in range(to_tp):
-        pairs = recv_keys(request_id, from_stage, to_stage, TPTopology(from_tp, to_tp, rank))
-        target_plan = heads_by_target[rank] if heads_by_target is not None else None
-        heads = target_plan.slices if target_plan is not None else (None,) * len(pairs)
+        topo = TPTopology(from_tp, to_tp, rank)
+        pairs = recv_keys(request_id, from_stage, to_stage, topo, num_heads=num_heads)
+        heads = routing.reads(rank) if routing is not None else (None,) * len(pairs)
         pulls = tuple(
             KeyRoute(key, src, pull_port(advertised, src, rank), head)
             for (key, src), head in zip(pairs, heads, strict=True)
         )
-        plans.append(
-            RankPlan(
-                RECEIVER,
-                to_stage_str,
-                rank,
-                to_tp,
-                replica,
-                dp_rank,
-                None,
-                pulls,
-                None if target_plan is None else target_plan.abs_head_start,
-                None if target_plan is None else target_plan.abs_head_stop,
-            )
-        )
+        own = rank_heads(to_tp, num_heads, rank) if num_heads is not None else (None, None)
+        plans.append(RankPlan(RECEIVER, to_stage_str, rank, to_tp, replica, dp_rank, None, pulls, *own))
     return tuple(plans)
 
 

@@ -23,7 +23,8 @@ head keeps its sender's scale), so nothing is lost.
 from __future__ import annotations
 
 import math
-from typing import Any, Mapping, Sequence
+from collections.abc import Mapping, Sequence
+from typing import Any
 
 from kvferry.core.errors import ConfigError, PayloadError
 
@@ -82,8 +83,10 @@ def read_scales(metadata: Any) -> dict[str, Any] | None:
     if not isinstance(rec, Mapping) or rec.get("granularity") not in GRANULARITIES or "k_scale" not in rec:
         raise PayloadError(f"malformed {KV_SCALES_KEY} metadata: {rec!r}")
     gran = rec["granularity"]
-    out: dict[str, Any] = {"granularity": gran, "k_scale": _layer_entries("kv_scales.k_scale", gran, rec["k_scale"],
-                                                                          PayloadError)}
+    out: dict[str, Any] = {
+        "granularity": gran,
+        "k_scale": _layer_entries("kv_scales.k_scale", gran, rec["k_scale"], PayloadError),
+    }
     if rec.get("v_scale") is not None:
         out["v_scale"] = _layer_entries("kv_scales.v_scale", gran, rec["v_scale"], PayloadError)
     return out

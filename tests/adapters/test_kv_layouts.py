@@ -130,9 +130,10 @@ def test_unnamed_shapes_two_layouts_could_mean_are_refused_naming_them() -> None
     two_blocks = torch.zeros(2, 2, B, H, D)
     with pytest.raises(AmbiguousLayout, match="'flash', 'flashinfer'"):
         split_unnamed(two_blocks, block_size=B)
-    square = torch.zeros(2, N, B, B, D)  # heads == block_size: flash or flash_hnd
-    with pytest.raises(AmbiguousLayout, match="'flash', 'flash_hnd'"):
-        split_unnamed(square, block_size=B)
+    # heads == block_size: HND dimension order is never guessed, so this is flash
+    square = torch.stack([torch.zeros(N, B, B, D), torch.ones(N, B, B, D)])
+    key, value = split_unnamed(square, block_size=B)
+    assert not key.any() and bool(value.all())
     # the reference's unambiguous shapes still read as before
     key, value = split_unnamed(torch.stack([k, v]), block_size=B)
     assert torch.equal(_bits(key), _bits(k)) and torch.equal(_bits(value), _bits(v))
@@ -145,6 +146,7 @@ def test_unnamed_shapes_two_layouts_could_mean_are_refused_naming_them() -> None
 
 def test_candidates_rules() -> None:
     assert shape_candidates((2, N, B, H, D), B) == ("flash",)
-    assert shape_candidates((N, 2, H, B, D), B) == ("flashinfer", "flashinfer_hnd")
+    assert shape_candidates((N, 2, H, B, D), B) == ("flashinfer",)
+    assert shape_candidates((2, 2, 3, 4), 3) == ("flash", "flashinfer", "packed", "vllm_cpu")
     assert shape_candidates((N, B, L), B) == ("mla",)
     assert shape_candidates((N, H, B, 2 * D), None) == ()

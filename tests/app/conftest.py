@@ -33,6 +33,9 @@ from kvferry.core.config import TransferConfig
 from kvferry.core.roles import GroupLayout
 
 LAYOUTS = ("kv_dim0", "kv_dim1", "packed", "tuple")
+#: The layout name (``kv_layout``) each test layout is sent with: ``packed`` must be named, its
+#: shape is also vLLM CPU's; the others are named too, as an engine would.
+LAYOUT_NAMES = {"kv_dim0": "flash", "kv_dim1": "flashinfer", "packed": "packed", "tuple": "tuple"}
 #: (from_tp, to_tp) pairs the receive tests cover (SPEC 2.1: equal, fan-out, fan-in).
 TOPOLOGIES = ((1, 1), (1, 2), (2, 4), (4, 2), (2, 1), (4, 8))
 THREAD_JOIN_S = 20.0
@@ -378,7 +381,7 @@ def send_all(
     outcomes: list[Any] = []
     for rank in range(from_tp):
         m = KVTransferManager(
-            sender_config(from_tp, to_tp),
+            sender_config(from_tp, to_tp, kv_layout=LAYOUT_NAMES[layout]),
             tp_rank=rank,
             tp_size=from_tp,
             connector=connector,
@@ -452,4 +455,5 @@ def kit() -> types.SimpleNamespace:
         run_ranks=run_ranks,
         LAYOUTS=LAYOUTS,
         TOPOLOGIES=TOPOLOGIES,
+        LAYOUT_NAMES=LAYOUT_NAMES,
     )

@@ -42,7 +42,7 @@ def test_spec7_send_every_layout_delivers_bit_exact(
     """Each SPEC 4 layout, through the pool (reserve + gather) and through zero-copy frames."""
     model = kit.PagedModel()
     conn = memory_connector if path == "reserved" else kit.SpyConnector(memory_connector)
-    sender = make_sender(conn)
+    sender = make_sender(conn, config=kit.sender_config(kv_layout=kit.LAYOUT_NAMES[layout]))
     [outcome] = sender.send_requests(
         {"r1": {**REQ, "custom_metadata": {"note": "x"}}}, model.rank_cache(layout=layout), model.block_size, "float32"
     )

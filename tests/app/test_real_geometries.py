@@ -22,7 +22,8 @@ def _full_cache(heads: int, seed: int = 0) -> tuple[list[torch.Tensor], list[tor
 
     def fresh() -> torch.Tensor:
         return torch.randint(-30000, 30000, (BLOCKS, BLOCK, heads, DIM), generator=gen, dtype=torch.int16).view(
-            torch.bfloat16)
+            torch.bfloat16
+        )
 
     return [fresh() for _ in range(LAYERS)], [fresh() for _ in range(LAYERS)]
 
@@ -35,8 +36,9 @@ def _engine_heads(tp: int, heads: int, rank: int) -> list[int]:
     return [rank * heads // tp]
 
 
-def _rank_cache(full: tuple[list[torch.Tensor], list[torch.Tensor]], tp: int, heads: int, rank: int,
-                layout: str) -> list[Any]:
+def _rank_cache(
+    full: tuple[list[torch.Tensor], list[torch.Tensor]], tp: int, heads: int, rank: int, layout: str
+) -> list[Any]:
     idx = torch.tensor(_engine_heads(tp, heads, rank))
     out: list[Any] = []
     for k, v in zip(*full):
@@ -52,8 +54,9 @@ def _rank_cache(full: tuple[list[torch.Tensor], list[torch.Tensor]], tp: int, he
     return out
 
 
-def _expected(full: tuple[list[torch.Tensor], list[torch.Tensor]], head_list: list[int], spec: dict
-              ) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+def _expected(
+    full: tuple[list[torch.Tensor], list[torch.Tensor]], head_list: list[int], spec: dict
+) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
     ids, seq = spec["block_ids"], spec["seq_len"]
     idx = torch.tensor(head_list)
 
@@ -68,8 +71,15 @@ def _bits(t: torch.Tensor) -> torch.Tensor:
 
 
 def _config(role: str, s: int, t: int, heads: int | None, layout: str | None) -> TransferConfig:
-    common: dict[str, Any] = dict(connector_config={"type": "memory"}, from_stage=0, to_stage=1, from_tp=s,
-                                  to_tp=t, num_kv_heads=heads, kv_layout=layout)
+    common: dict[str, Any] = dict(
+        connector_config={"type": "memory"},
+        from_stage=0,
+        to_stage=1,
+        from_tp=s,
+        to_tp=t,
+        num_kv_heads=heads,
+        kv_layout=layout,
+    )
     if role == "sender":
         return TransferConfig(need_send_cache=True, **common)
     return TransferConfig(need_recv_cache=True, stage_id=1, recv_timeout=2.0, **common)
@@ -78,8 +88,14 @@ def _config(role: str, s: int, t: int, heads: int | None, layout: str | None) ->
 def _send(conn: Any, full: Any, s: int, t: int, heads: int, layout: str, fake: Any) -> list[Any]:
     outcomes = []
     for rank in range(s):
-        m = KVTransferManager(_config("sender", s, t, heads, layout), tp_rank=rank, tp_size=s, connector=conn,
-                              clock=fake, sleep=fake.sleep)
+        m = KVTransferManager(
+            _config("sender", s, t, heads, layout),
+            tp_rank=rank,
+            tp_size=s,
+            connector=conn,
+            clock=fake,
+            sleep=fake.sleep,
+        )
         outcomes += m.send_requests(REQUESTS, _rank_cache(full, s, heads, rank, layout), BLOCK, "bfloat16")
     return outcomes
 
@@ -91,8 +107,7 @@ CASES = [  # (heads, from_tp, to_tp): the replicated ones the reference refused,
 
 
 @pytest.mark.parametrize(("heads", "s", "t"), CASES)
-def test_every_receiver_gets_exactly_its_heads_bit_exact(kit, memory_connector_factory, fake_time, heads, s,
-                                                         t) -> None:
+def test_every_receiver_gets_exactly_its_heads_bit_exact(kit, memory_connector_factory, fake_time, heads, s, t) -> None:
     full = _full_cache(heads)
     conn = memory_connector_factory(pool_bytes=32 << 20)
     sent = _send(conn, full, s, t, heads, "flash", fake_time)
@@ -100,8 +115,14 @@ def test_every_receiver_gets_exactly_its_heads_bit_exact(kit, memory_connector_f
     put_keys = sorted(k for o in sent for k in o.keys)
     got_keys: list[str] = []
     for rank in range(t):
-        m = KVTransferManager(_config("receiver", s, t, heads, "flash"), tp_rank=rank, tp_size=t, connector=conn,
-                              clock=fake_time, sleep=fake_time.sleep)
+        m = KVTransferManager(
+            _config("receiver", s, t, heads, "flash"),
+            tp_rank=rank,
+            tp_size=t,
+            connector=conn,
+            clock=fake_time,
+            sleep=fake_time.sleep,
+        )
         mine = _engine_heads(t, heads, rank)
         for rid, spec in REQUESTS.items():
             result = m.receive(rid)
@@ -120,15 +141,20 @@ def test_every_receiver_gets_exactly_its_heads_bit_exact(kit, memory_connector_f
     assert kit.pool_is_empty(conn)  # every payload put was consumed
 
 
-def test_replicated_fan_in_without_a_head_count_is_not_silently_doubled(memory_connector_factory,
-                                                                        fake_time) -> None:
+def test_replicated_fan_in_without_a_head_count_is_not_silently_doubled(memory_connector_factory, fake_time) -> None:
     """Control for the head count: 8 -> 2 at 4 heads routed by the reference's rank map puts
     four shards per receiver, two of them replicas; kvferry's senders put only the first
     replica of each head, so such a receiver times out instead of doubling its heads."""
     full = _full_cache(4)
     conn = memory_connector_factory(pool_bytes=32 << 20)
     assert all(o.ok for o in _send(conn, full, 8, 2, 4, "flash", fake_time))
-    m = KVTransferManager(_config("receiver", 8, 2, None, "flash"), tp_rank=0, tp_size=2, connector=conn,
-                          clock=fake_time, sleep=fake_time.sleep)
+    m = KVTransferManager(
+        _config("receiver", 8, 2, None, "flash"),
+        tp_rank=0,
+        tp_size=2,
+        connector=conn,
+        clock=fake_time,
+        sleep=fake_time.sleep,
+    )
     result = m.receive("r-a", timeout_s=0.05)
     assert not result.ok and result.outcome.kind.value == "timed_out"

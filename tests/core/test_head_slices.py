@@ -137,8 +137,8 @@ def test_slice_bounds_tile_the_shard(width: int, slices: int, data: st.DataObjec
 @pytest.mark.parametrize(
     ("args", "needle"),
     [
-        ((2, 4, 6), "num_heads 6 is not divisible"),
-        ((4, 2, 2), "num_heads 2 is not divisible"),
+        ((2, 4, 6), "num_heads 6 neither divides nor is divisible by target_tp 4"),
+        ((4, 2, 3), "num_heads 3 neither divides nor is divisible by source_tp 4"),
         ((2, 3, 6), "divisible"),
         ((2, 4, 0), "num_heads"),
     ],

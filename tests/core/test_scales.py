@@ -32,8 +32,11 @@ def test_per_head_scales_are_cut_and_merged_back() -> None:
 
 def test_layer_scales_that_differ_merge_into_head_scales() -> None:
     a, b = scales_record("layer", [1.0], [2.0]), scales_record("layer", [3.0], [4.0])
-    assert merge_scales([a, b], [2, 1]) == {"granularity": "head", "k_scale": [[1.0, 1.0, 3.0]],
-                                              "v_scale": [[2.0, 2.0, 4.0]]}
+    assert merge_scales([a, b], [2, 1]) == {
+        "granularity": "head",
+        "k_scale": [[1.0, 1.0, 3.0]],
+        "v_scale": [[2.0, 2.0, 4.0]],
+    }
     assert merge_scales([a, a], [2, 2]) == a
     blocks = scales_record("block", [[1.0, 2.0]], [[3.0, 4.0]])
     assert slice_scales(blocks, 0, 1) == blocks and merge_scales([blocks, blocks], [1, 1]) == blocks
