@@ -17,6 +17,7 @@ from typing import TextIO
 
 from kvferry.core.addressing import DEFAULT_BASE_PORT, expand_base_port, replica_id_from_env
 from kvferry.core.errors import KVFerryError
+from kvferry.core.models import MODELS, ModelGeometry, model_geometry
 from kvferry.core.plan import RECEIVER, SENDER, RankPlan, stage_plan, to_json_records
 
 __all__ = ["configure", "run"]
@@ -37,7 +38,13 @@ def configure(parser: argparse.ArgumentParser) -> Callable[[argparse.Namespace],
     add("--to-stage", default="1", help="receiver stage id (default 1)")
     add("--from-tp", default="1", help="sender stage TP size (default 1)")
     add("--to-tp", default="1", help="receiver stage TP size (default 1)")
-    add("--heads", default=None, help="KV heads of the full model (optional; adds head ranges)")
+    add(
+        "--heads",
+        default=None,
+        help="KV heads of the full model (optional; adds head ranges); may be below a TP size "
+        "(each head is then replicated on TP/heads ranks)",
+    )
+    add("--model", default=None, help=f"a known model's KV geometry instead of --heads ({', '.join(MODELS)})")
     add(
         "--base-port",
         default=str(DEFAULT_BASE_PORT),
@@ -62,7 +69,8 @@ def run(
     out = sys.stdout if out is None else out
     err = sys.stderr if err is None else err
     try:
-        plans = _plans(args, environ)
+        model = _model(args)
+        plans = _plans(args, environ, model)
     except (_UsageError, KVFerryError) as exc:
         message = " ".join(str(exc).split())
         print(f"kvferry plan: error: {message}", file=err)
@@ -71,7 +79,7 @@ def run(
         json.dump(to_json_records(plans), out, indent=2)
         out.write("\n")
     else:
-        out.write(render_table(plans, args.request_id))
+        out.write(render_table(plans, args.request_id, model=model))
     return 0
 
 
@@ -90,7 +98,16 @@ def _stage_option(text: str) -> int | str:
     return int(value) if _CANONICAL_INT.fullmatch(value) else value
 
 
-def _plans(args: argparse.Namespace, env: dict[str, str]) -> tuple[RankPlan, ...]:
+def _model(args: argparse.Namespace) -> ModelGeometry | None:
+    name = getattr(args, "model", None)
+    if name is None:
+        return None
+    if args.heads is not None:
+        raise _UsageError("--model and --heads both give the KV heads: pass one of them")
+    return model_geometry(name)
+
+
+def _plans(args: argparse.Namespace, env: dict[str, str], model: ModelGeometry | None = None) -> tuple[RankPlan, ...]:
     replica = (
         replica_id_from_env(env.get(REPLICA_ENV)) if args.replica is None else _int_option("--replica", args.replica, 0)
     )
@@ -99,12 +116,35 @@ def _plans(args: argparse.Namespace, env: dict[str, str]) -> tuple[RankPlan, ...
         _stage_option(args.to_stage),
         _int_option("--from-tp", args.from_tp, 1),
         _int_option("--to-tp", args.to_tp, 1),
-        num_heads=None if args.heads is None else _int_option("--heads", args.heads, 1),
+        num_heads=_heads(args, model),
         base_port=expand_base_port(args.base_port, env, field="--base-port"),
         replica=replica,
         dp_rank=_int_option("--dp-rank", args.dp_rank, 0),
         request_id=args.request_id,
     )
+
+
+def _heads(args: argparse.Namespace, model: ModelGeometry | None) -> int | None:
+    if model is not None:  # an MLA latent routes as one head every rank holds
+        return 1 if model.is_mla else model.kv_heads
+    return None if args.heads is None else _int_option("--heads", args.heads, 1)
+
+
+def _geometry_line(model: ModelGeometry | None, heads: int | None, s: int, t: int) -> str | None:
+    if model is not None and model.is_mla:
+        return (
+            f"model {model.name}: MLA latent of {model.latent_dim} per token and layer ({model.layers} layers); "
+            f"every rank holds it whole: each receiver gets it from one sender, never sliced"
+        )
+    if heads is None:
+        return None
+    named = f"model {model.name}: " if model is not None else ""
+    notes = [
+        f"{side} replicate each head on {tp // heads} ranks"
+        for side, tp in (("senders", s), ("receivers", t))
+        if tp > heads
+    ]
+    return f"{named}{heads} KV heads" + (f"; {', '.join(notes)}" if notes else "")
 
 
 def _span(start: int | None, stop: int | None) -> str:
@@ -118,8 +158,9 @@ def _table(header: Sequence[str], rows: list[list[str]]) -> list[str]:
     return lines
 
 
-def render_table(plans: Sequence[RankPlan], request_id: str) -> str:
-    """The human-readable plan: a summary, a sender table and a receiver table."""
+def render_table(plans: Sequence[RankPlan], request_id: str, *, model: ModelGeometry | None = None) -> str:
+    """The human-readable plan: a summary, a sender table and a receiver table. A sender replica
+    that serves no receiver is listed with no key."""
     senders = [p for p in plans if p.role == SENDER]
     receivers = [p for p in plans if p.role == RECEIVER]
     first, last = senders[0], receivers[0]
@@ -129,11 +170,28 @@ def render_table(plans: Sequence[RankPlan], request_id: str) -> str:
         f"request {request_id!r}: stage {first.stage} (TP {s}) -> stage {last.stage} (TP {t}), {kind}",
         f"replica {first.replica}, dp rank {first.dp_rank}; advertised (rank 0) port {first.port}; "
         f"head ranges are start:stop of the full model's KV heads",
-        "",
-        f"senders (stage {first.stage})",
     ]
+    heads = None
+    if first.head_start is not None:
+        heads = max(p.head_stop or 0 for p in plans)
+    geometry = _geometry_line(model, heads, s, t)
+    if geometry is not None:
+        lines.append(geometry)
+    lines += ["", f"senders (stage {first.stage})"]
     rows = []
     for p in senders:
+        if not p.routes:
+            rows.append(
+                [
+                    str(p.tp_rank),
+                    str(p.port),
+                    _span(p.head_start, p.head_stop),
+                    "(none: another replica serves)",
+                    "-",
+                    "-",
+                    "-",
+                ]
+            )
         for i, r in enumerate(p.routes):
             h = r.heads
             rows.append(

@@ -48,6 +48,10 @@ def random_blocks(num_blocks, head_dim, dtype, seed):
     return raw.view(dtype)
 
 
+#: The layout name each test layout is extracted with (``packed`` has vllm_cpu's shape: named).
+NAMES = {"dim0": "flash", "dim1": "flashinfer", "packed": "packed", "tuple": "tuple"}
+
+
 def make_layer(layout, key, value):
     if layout == "dim0":
         return torch.stack([key, value])
@@ -87,7 +91,9 @@ def test_native_gather_is_bit_exact(kernel, dtype, head_bytes):
     value = random_blocks(10, head_dim, dtype, seed=2)
     for layout in ("dim0", "dim1", "packed"):  # a (key, value) tuple reads like dim0
         for ids, seq_len in IDS_CASES:
-            plan = plan_extraction([make_layer(layout, key, value)], ids, seq_len, BLOCK, cache_dtype=str(dtype))
+            plan = plan_extraction(
+                [make_layer(layout, key, value)], ids, seq_len, BLOCK, cache_dtype=str(dtype), layout=NAMES[layout]
+            )
             for start, stop in ((0, HEADS), (1, 3), (3, 4)):
                 gather = plan.tensor(0, "value")  # keys take the same path
                 gather = attrs.evolve(gather, blocks=gather.blocks.narrow(2, start, stop - start))
@@ -321,7 +327,9 @@ def test_gather_slices_writes_what_each_slice_gathers_alone(kernel, split_calls,
     value = random_blocks(10, 256 // itemsize, dtype, seed=4)
     for layout in ("dim0", "dim1", "packed", "tuple"):
         for ids, seq_len in IDS_CASES:
-            plan = plan_extraction([make_layer(layout, key, value)] * 2, ids, seq_len, BLOCK, cache_dtype=str(dtype))
+            plan = plan_extraction(
+                [make_layer(layout, key, value)] * 2, ids, seq_len, BLOCK, cache_dtype=str(dtype), layout=NAMES[layout]
+            )
             parts = _sliced(plan, slices)
             together = [_dests(p) for p in parts]
             gather_slices(parts, together)

@@ -48,7 +48,14 @@ def main() -> None:
     if connector == "shm":
         cfg["namespace"] = namespace
     manager = build_manager(
-        {"connector_config": cfg, "omni_from_stage": 0, "omni_to_stage": 1, "need_send_cache": True}, env={}
+        {
+            "connector_config": cfg,
+            "omni_from_stage": 0,
+            "omni_to_stage": 1,
+            "need_send_cache": True,
+            "kv_layout": layout,
+        },
+        env={},
     )
     caches = [in_layout(layout, k, v) for k, v in blocks(7)]
     print(json.dumps({"ready": manager.sender_port()}), flush=True)

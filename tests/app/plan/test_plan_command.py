@@ -144,3 +144,41 @@ def test_wrong_input_exits_2_with_one_line(
     assert out == ""
     assert err.count("\n") == 1 and err.startswith("kvferry plan: error: ")
     assert needle in err and "Traceback" not in err
+
+
+def test_heads_below_the_tp_sizes_are_planned_with_replicas(capsys: pytest.CaptureFixture[str]) -> None:
+    """The case the reference refused: 4 KV heads from TP 2 to TP 8 (each head on 2 receivers)."""
+    code, out, err = _run(capsys, ["plan", "--from-tp", "2", "--to-tp", "8", "--heads", "4", "--json"])
+    assert code == 0 and err == ""
+    records = json.loads(out)
+    assert records == to_json_records(
+        stage_plan(0, 1, 2, 8, num_heads=4, base_port=50051, replica=0, request_id="req-0")
+    )
+    receivers = [r for r in records if r["role"] == "receiver"]
+    assert [r["heads"] for r in receivers] == [[h, h + 1] for h in (0, 0, 1, 1, 2, 2, 3, 3)]
+    assert [r["keys"][0]["from_rank"] for r in receivers] == [0, 0, 0, 0, 1, 1, 1, 1]
+    for record in records:  # the --json record fields are kept
+        assert {"role", "tp_rank", "heads", "keys"} <= set(record)
+        for key in record["keys"]:
+            assert {"key", "heads", "to_rank" if record["role"] == "sender" else "from_rank"} <= set(key)
+    code, out, _ = _run(capsys, ["plan", "--from-tp", "8", "--to-tp", "2", "--heads", "4"])
+    assert code == 0 and "senders replicate each head on 2 ranks" in out
+    assert out.count("(none: another replica serves)") == 4  # ranks 1, 3, 5, 7
+
+
+def test_model_names_give_the_geometry(capsys: pytest.CaptureFixture[str]) -> None:
+    code, out, _ = _run(capsys, ["plan", "--model", "qwen2.5-7b", "--from-tp", "2", "--to-tp", "8", "--json"])
+    assert code == 0
+    assert json.loads(out) == to_json_records(
+        stage_plan(0, 1, 2, 8, num_heads=4, base_port=50051, replica=0, request_id="req-0")
+    )
+    code, out, _ = _run(capsys, ["plan", "--model", "deepseek-v2-lite", "--from-tp", "4", "--to-tp", "2"])
+    assert code == 0 and "MLA latent of 576" in out and "never sliced" in out
+    receiver_rows = out.split("receivers")[1].splitlines()[2:]
+    assert [row.split()[3] for row in receiver_rows] == ["0", "2"]  # one sender each, spread
+    code, _, err = _run(capsys, ["plan", "--model", "gpt-9"])
+    assert code == 2 and "unknown model 'gpt-9'" in err and "deepseek-v3" in err
+    code, _, err = _run(capsys, ["plan", "--model", "qwen2.5-7b", "--heads", "4"])
+    assert code == 2 and "--model and --heads" in err
+    code, _, err = _run(capsys, ["plan", "--from-tp", "2", "--to-tp", "4", "--heads", "6"])
+    assert code == 2 and "num_heads 6" in err and "target_tp 4" in err and "source_tp=2" in err
