@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from kvferry.adapters.kv_layouts import AmbiguousLayout, split_named, split_unnamed
+from kvferry.adapters.paged_cache import extract_request, plan_extraction
 from kvferry.core.errors import ConfigError
 from kvferry.core.layouts import LAYOUT_NAMES, check_layer_shape, layout_spec, shape_candidates
 
@@ -150,3 +151,39 @@ def test_candidates_rules() -> None:
     assert shape_candidates((2, 2, 3, 4), 3) == ("flash", "flashinfer", "packed", "vllm_cpu")
     assert shape_candidates((N, B, L), B) == ("mla",)
     assert shape_candidates((N, H, B, 2 * D), None) == ()
+
+
+@pytest.mark.parametrize("name", [n if n != "vllm_cpu" else "vllm_cpu:avx2" for n in LAYOUT_NAMES if n != "mla"])
+def test_extraction_api_takes_the_layout_name(name: str) -> None:
+    """plan_extraction / extract_request with a name: per-token K/V bit for bit, any layout."""
+    k, v = _truth(3)
+    layers = [_engine_layer(name.partition(":")[0], k, v)] * 2
+    result = extract_request(layers, IDS, TOKENS, B, cache_dtype="bfloat16", layout=name)
+    for layer in range(2):
+        assert torch.equal(_bits(result.key_cache[layer]), _bits(_per_token(k, IDS, TOKENS)))
+        assert torch.equal(_bits(result.value_cache[layer]), _bits(_per_token(v, IDS, TOKENS)))
+    assert "kv_latent" not in result.metadata
+
+
+def test_extraction_of_an_mla_latent_has_keys_only_and_the_flag() -> None:
+    gen = torch.Generator().manual_seed(4)
+    latent = torch.randint(-30000, 30000, (N, B, L), generator=gen, dtype=torch.int16).view(torch.bfloat16)
+    plan = plan_extraction([latent, latent], IDS, TOKENS, B, cache_dtype="bfloat16", layout="mla")
+    assert plan.values == (None, None) and plan.metadata["kv_latent"] is True and plan.shard_heads is None
+    keys, values = plan.materialize()
+    assert values == [None, None]
+    assert torch.equal(_bits(keys[1]), _bits(_per_token(latent, IDS, TOKENS)))
+
+
+def test_extraction_refuses_ambiguous_and_mismatched_caches() -> None:
+    k, v = _truth()
+    with pytest.raises(AmbiguousLayout, match="layer 0: .*'packed', 'vllm_cpu'"):
+        plan_extraction([_engine_layer("packed", k, v)], IDS, TOKENS, B, cache_dtype="x")
+    with pytest.raises(ConfigError, match=r"layer 1: layout 'flash' .* dim 2 \(block_size\) is 4, expected 8"):
+        plan_extraction(
+            [torch.zeros(2, N, 8, H, D), torch.stack([k, v])], IDS, TOKENS, 8, cache_dtype="x", layout="flash"
+        )
+    with pytest.raises(ConfigError, match="unknown layout 'fa3'"):
+        plan_extraction([torch.stack([k, v])], IDS, TOKENS, B, cache_dtype="x", layout="fa3")
+    with pytest.raises(ConfigError, match="vllm_cpu"):
+        plan_extraction([_vllm_cpu_vec_pages(k, v)], IDS, TOKENS, B, cache_dtype="x", layout="vllm_cpu")

@@ -158,3 +158,71 @@ def test_replicated_fan_in_without_a_head_count_is_not_silently_doubled(memory_c
     )
     result = m.receive("r-a", timeout_s=0.05)
     assert not result.ok and result.outcome.kind.value == "timed_out"
+
+
+LATENT = 12
+
+
+def _latents(s: int) -> list[list[torch.Tensor]]:
+    """Sender rank r's MLA cache: per layer one ``[blocks, block_size, latent]`` tensor. Engines
+    hold the same latent on every rank; here each rank's differs (a marker per rank) so the test
+    sees which sender each receiver's latent came from."""
+    gen = torch.Generator().manual_seed(7)
+    base = [
+        torch.randint(-30000, 30000, (BLOCKS, BLOCK, LATENT), generator=gen, dtype=torch.int16) for _ in range(LAYERS)
+    ]
+    return [[(b + r).view(torch.bfloat16) for b in base] for r in range(s)]
+
+
+@pytest.mark.parametrize(("s", "t"), [(2, 4), (4, 2), (1, 4), (4, 1), (2, 2), (8, 2)])
+def test_mla_latent_goes_whole_from_one_sender_per_receiver(kit, memory_connector_factory, fake_time, s, t) -> None:
+    caches = _latents(s)
+    conn = memory_connector_factory(pool_bytes=32 << 20)
+    sent = []
+    for rank in range(s):
+        m = KVTransferManager(
+            _config("sender", s, t, None, "mla"),
+            tp_rank=rank,
+            tp_size=s,
+            connector=conn,
+            clock=fake_time,
+            sleep=fake_time.sleep,
+        )
+        sent += m.send_requests(REQUESTS, caches[rank], BLOCK, "bfloat16")
+    assert all(o.ok for o in sent)
+    assert sum(len(o.keys) for o in sent) == t * len(REQUESTS)  # one payload per receiver, never more
+    for rank in range(t):
+        source = rank // (t // s) if t >= s else rank * (s // t)  # receivers spread over the senders
+        m = KVTransferManager(
+            _config("receiver", s, t, None, "mla"),
+            tp_rank=rank,
+            tp_size=t,
+            connector=conn,
+            clock=fake_time,
+            sleep=fake_time.sleep,
+        )
+        for rid, spec in REQUESTS.items():
+            result = m.receive(rid)
+            assert result.ok, result.outcome
+            blocks = result.payload["layer_blocks"]
+            assert blocks["value_cache"] == [None] * LAYERS  # no value on the wire
+            assert result.payload["metadata"]["kv_latent"] is True
+            for layer in range(LAYERS):
+                want = caches[source][layer][spec["block_ids"]].reshape(-1, LATENT)[: spec["seq_len"]]
+                assert torch.equal(_bits(blocks["key_cache"][layer]), _bits(want))
+                if s > 1:  # control: another sender's latent differs
+                    other = caches[(source + 1) % s][layer][spec["block_ids"]].reshape(-1, LATENT)[: spec["seq_len"]]
+                    assert not torch.equal(_bits(blocks["key_cache"][layer]), _bits(other))
+            result.release()
+    assert kit.pool_is_empty(conn)
+
+
+def test_a_head_slice_of_an_mla_latent_is_an_error_that_says_why() -> None:
+    from kvferry.adapters.paged_cache import plan_extraction
+    from kvferry.app.send import slice_plan_heads
+    from kvferry.core.errors import RoutingError
+
+    plan = plan_extraction(_latents(1)[0], [1, 2], 8, BLOCK, cache_dtype="bfloat16", layout="mla")
+    assert slice_plan_heads(plan, 0, 1) is plan
+    with pytest.raises(RoutingError, match="MLA latent by heads: it has no head dimension.*whole latent"):
+        slice_plan_heads(plan, 0, 2)
