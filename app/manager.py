@@ -283,9 +283,12 @@ class KVTransferManager:
         block_size: int,
         cache_dtype: Any,
         request_id_resolver: Callable[[str], str] | None = None,
+        kv_scales: Mapping[str, Any] | None = None,
     ) -> list[SendOutcome]:
         """Send every finished request (``{block_ids, seq_len, custom_metadata?}``).
 
+        ``kv_scales``: an FP8 cache's scales (see :meth:`kvferry.app.send.SendPath.send`); they
+        travel with every payload and come back in the receiver's ``metadata["kv_scales"]``.
         One outcome per request, in input order; counted in :attr:`counters`.
         """
         outcomes: list[SendOutcome] = []
@@ -309,6 +312,7 @@ class KVTransferManager:
                     block_size,
                     cache_dtype,
                     spec.get("custom_metadata"),
+                    kv_scales,
                 )
             except Exception as exc:  # one bad request must not stop the others
                 logger.exception("request %s: send failed", rid)

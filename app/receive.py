@@ -46,6 +46,7 @@ from kvferry.core.outcomes import ReceiveKind, ReceiveOutcome, SkipReason
 from kvferry.core.policy import Deadline, PollBackoff
 from kvferry.core.ports import BlockingGet, Clock, Connector, Implements
 from kvferry.core.routing import route_heads
+from kvferry.core.scales import KV_SCALES_KEY, merge_scales, read_scales, slice_scales
 from kvferry.core.sender_info import SenderEndpoint, resolve_sender
 from kvferry.core.topology import TPTopology
 
@@ -65,6 +66,12 @@ class ReceiveResult:
     outcome: ReceiveOutcome
     payload: dict[str, Any] | None = None
     buffers: tuple[Any, ...] = ()
+
+    @property
+    def kv_scales(self) -> dict[str, Any] | None:
+        """The FP8 scales that came with the KV (``metadata["kv_scales"]``, for this rank's
+        heads), or None."""
+        return None if self.payload is None else read_scales(self.payload.get("metadata"))
 
     @property
     def ok(self) -> bool:
@@ -154,6 +161,25 @@ def finalize_tensors(
 
     payload["layer_blocks"] = {name: [fix(t) for t in blocks.get(name, [])] for name in ("key_cache", "value_cache")}
     return payload
+
+
+def _payload_heads(payload: Mapping[str, Any]) -> int | None:
+    """Dim 1 (heads) of the payload's first present key tensor; None without one."""
+    for t in (payload.get("layer_blocks") or {}).get("key_cache") or ():
+        if isinstance(t, torch.Tensor):
+            return int(t.shape[1]) if t.dim() >= 3 else None
+    return None
+
+
+def _merged_metadata(payloads: list[dict[str, Any]]) -> dict[str, Any]:
+    """The first shard's metadata, with the FP8 scales of every shard merged in head order."""
+    meta = dict(payloads[0]["metadata"])
+    records = [read_scales(p.get("metadata")) for p in payloads]
+    heads = [_payload_heads(p) or 0 for p in payloads]
+    merged = merge_scales(records, heads)
+    if merged is not None:
+        meta[KV_SCALES_KEY] = merged
+    return meta
 
 
 @attrs.define(eq=False)
@@ -425,7 +451,7 @@ class ReceivePath:
             merged = {
                 "request_id": first["request_id"],
                 "block_ids": list(first["block_ids"]),
-                "metadata": dict(first["metadata"]),
+                "metadata": _merged_metadata(payloads),
                 "layer_blocks": {
                     name: merge_layers([p["layer_blocks"][name] for p in payloads])
                     for name in ("key_cache", "value_cache")
@@ -461,6 +487,11 @@ class ReceivePath:
             offset, slices, source = route.offset_in_shard, route.num_slices, route.source_rank
         blocks = payload["layer_blocks"]
         meta = dict(meta)
+        scales = read_scales(meta)
+        heads_in = _payload_heads(payload)
+        if scales is not None and slices > 1 and heads_in is not None:
+            width = heads_in // slices
+            meta[KV_SCALES_KEY] = slice_scales(scales, offset * width, (offset + 1) * width)
         meta["tp_head_slice"] = tp_head_slice_record(
             "receiver", source, topo.local_rank, topo.source_tp, topo.target_tp, offset, slices
         )

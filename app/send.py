@@ -34,7 +34,7 @@ from kvferry.adapters.paged_cache import (
     plan_extraction,
 )
 from kvferry.adapters.torch_frames import dest_views, encode_frames, finish_payload_in
-from kvferry.core.errors import KVFerryError, PoolFullError, RoutingError
+from kvferry.core.errors import ConfigError, KVFerryError, PoolFullError, RoutingError
 from kvferry.core.head_slices import fan_out_slice, slice_bounds, tp_head_slice_record
 from kvferry.core.header import kv_layout_template
 from kvferry.core.ids import send_keys
@@ -43,9 +43,10 @@ from kvferry.core.outcomes import SendOutcome, SendReason
 from kvferry.core.policy import RetryPolicy
 from kvferry.core.ports import Clock, Connector, Implements, Reservable
 from kvferry.core.routing import rank_heads, route_heads
+from kvferry.core.scales import KV_SCALES_KEY, scales_record, slice_scales
 from kvferry.core.topology import TPTopology, target_ranks
 
-__all__ = ["SendPath", "KeyJob", "slice_plan_heads"]
+__all__ = ["SendPath", "KeyJob", "slice_plan_heads", "request_scales"]
 
 logger = logging.getLogger(__name__)
 
@@ -96,6 +97,43 @@ def slice_plan_heads(plan: ExtractionPlan, offset_in_shard: int, num_slices: int
     return attrs.evolve(
         plan, keys=tuple(map(narrow, plan.keys)), values=tuple(map(narrow, plan.values)), metadata=plan.metadata
     )
+
+
+def request_scales(kv_scales: Mapping[str, Any], plan: ExtractionPlan) -> dict[str, Any]:
+    """The ``kv_scales`` record of one request (:func:`kvferry.core.scales.scales_record`) from
+    the cache's scales: per-block scales are picked for the blocks each layer's payload carries,
+    in order; absent layers get None. ConfigError naming the field for a layer count that is not
+    the cache's or a block id the scales do not cover."""
+    if not isinstance(kv_scales, Mapping):
+        raise ConfigError(f"kv_scales must be a mapping, got {type(kv_scales).__name__}")
+    granularity = kv_scales.get("granularity", "layer")
+
+    def per_layer(name: str) -> list[Any] | None:
+        values = kv_scales.get(name)
+        if values is None:
+            return None
+        if len(values) != plan.num_layers:
+            raise ConfigError(f"kv_scales.{name} has {len(values)} layers, the cache {plan.num_layers}")
+        out: list[Any] = []
+        for layer, (entry, gather) in enumerate(zip(values, plan.keys)):  # K and V share block ids
+            if entry is None or gather is None:
+                out.append(None)
+                continue
+            entry = entry.tolist() if hasattr(entry, "tolist") else entry
+            if granularity == "block":
+                try:
+                    entry = [entry[b] for b in gather.block_ids]
+                except (IndexError, TypeError):
+                    raise ConfigError(
+                        f"kv_scales.{name}[{layer}] does not cover block ids {list(gather.block_ids)}"
+                    ) from None
+            out.append(entry)
+        return out
+
+    k = per_layer("k_scale")
+    if k is None:
+        raise ConfigError("kv_scales.k_scale is required")
+    return scales_record(granularity, k, per_layer("v_scale"))
 
 
 @attrs.frozen
@@ -192,8 +230,15 @@ class SendPath:
         block_size: int,
         cache_dtype: Any,
         custom_metadata: Mapping[str, Any] | None = None,
+        kv_scales: Mapping[str, Any] | None = None,
     ) -> SendOutcome:
-        """Extract, encode and put one request; never raises for transfer faults."""
+        """Extract, encode and put one request; never raises for transfer faults.
+
+        ``kv_scales``: the FP8 cache's dequantisation scales, ``{"granularity": "layer" | "head"
+        | "block", "k_scale": [...], "v_scale": [...]}`` with one entry per layer of the cache (a
+        number; a list per head of this rank; a list or 1-D tensor indexed by block id). They
+        travel in the payload's metadata (``kv_scales``, :mod:`kvferry.core.scales`): per-block
+        ones for the request's blocks only, per-head ones cut with the heads."""
         start = self.clock.monotonic()
         connector = self.get_connector()
         if connector is None:
@@ -214,6 +259,11 @@ class SendPath:
         if isinstance(plan, ExtractionSkipped):
             reason = SendReason.NO_BLOCKS if plan.reason == "no_block_ids" else SendReason.NO_PAYLOAD
             return SendOutcome.failed(request_id, reason, plan.detail)
+        if kv_scales is not None:
+            try:
+                plan = attrs.evolve(plan, metadata={**plan.metadata, KV_SCALES_KEY: request_scales(kv_scales, plan)})
+            except KVFerryError as exc:
+                return SendOutcome.failed(request_id, SendReason.ERROR, f"kv_scales: {exc}")
         try:
             jobs = self.jobs(request_id, plan.shard_heads)
         except KVFerryError as exc:
@@ -268,6 +318,10 @@ class SendPath:
 
     def _metadata(self, plan: ExtractionPlan, job: KeyJob) -> dict[str, Any]:
         meta = plan.metadata
+        scales = meta.get(KV_SCALES_KEY)
+        if scales is not None and job.num_slices > 1 and plan.shard_heads is not None:
+            width = plan.shard_heads // job.num_slices
+            meta[KV_SCALES_KEY] = slice_scales(scales, job.offset_in_shard * width, (job.offset_in_shard + 1) * width)
         if job.target_rank is not None and (job.num_slices > 1 or self.topology.is_fan_out):
             # every fan-out payload is tagged (a whole one-head shard too): never sliced again
             topo = self.topology
