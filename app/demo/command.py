@@ -27,7 +27,8 @@ from typing import Any
 import attrs
 
 from kvferry.adapters.platform import free_base_port, free_port
-from kvferry.app.demo.model import CONNECTOR_CHOICES, PRESETS, DemoSpec, request_plan
+from kvferry.app.demo.model import CONNECTOR_CHOICES, PRESETS, DemoSpec, model_preset, request_plan
+from kvferry.core.models import MODELS
 from kvferry.core.plan import stage_plan
 
 __all__ = ["configure", "run_demo", "DemoReport"]
@@ -173,7 +174,7 @@ def run_demo(spec: DemoSpec, progress: Callable[[int, int], None] | None = None)
     routing = tuple(
         p.to_json()
         for p in stage_plan(
-            0, 1, spec.from_tp, spec.to_tp, num_heads=spec.kv_heads, base_port=spec.base_port, request_id="<rid>"
+            0, 1, spec.from_tp, spec.to_tp, num_heads=spec.routed_heads, base_port=spec.base_port, request_id="<rid>"
         )
     )
     return DemoReport(
@@ -246,6 +247,10 @@ def configure(sub: argparse.ArgumentParser) -> Callable[[argparse.Namespace], in
     sub.add_argument("--from-tp", type=int, default=2)
     sub.add_argument("--to-tp", type=int, default=4)
     sub.add_argument("--preset", choices=sorted(PRESETS), default="qwen2.5-7b")
+    sub.add_argument(
+        "--model",
+        help=f"a real model's KV geometry, overriding --preset ({', '.join(MODELS)}); MLA models move latents",
+    )
     sub.add_argument("--layers", type=int)
     sub.add_argument("--kv-heads", type=int)
     sub.add_argument("--head-dim", type=int)
@@ -279,7 +284,14 @@ def _run(args: argparse.Namespace) -> int:
 
 def _run_in(args: argparse.Namespace, tmp: str) -> int:
     model, layers, heads, head_dim, dtype, block = PRESETS[args.preset]
+    latent = 0
     try:
+        if getattr(args, "model", None):
+            geo = model_preset(args.model)
+            model, layers, heads, head_dim, dtype = (
+                geo[k] for k in ("model", "layers", "kv_heads", "head_dim", "dtype")
+            )
+            latent = geo.get("latent_dim", 0)
         spec = DemoSpec(
             connector=args.connector,
             from_tp=args.from_tp,
@@ -300,10 +312,11 @@ def _run_in(args: argparse.Namespace, tmp: str) -> int:
             namespace=f"demo{os.getpid()}",
             done_file=os.path.join(tmp, "done"),
             dump_dir=args.dump,
+            latent_dim=latent,
         )
         request_plan(spec)
         spec.head_range(0)
-    except (ValueError, RuntimeError) as exc:
+    except (ValueError, RuntimeError) as exc:  # ConfigError and RoutingError are ValueErrors
         print(f"kvferry demo: error: {exc}", file=sys.stderr)
         return 2
     if args.dump:
@@ -311,9 +324,12 @@ def _run_in(args: argparse.Namespace, tmp: str) -> int:
 
         dump_payloads(spec, args.dump)
     if not args.json:
+        shape = (
+            f"MLA latent {spec.latent_dim}" if spec.is_mla else f"{spec.kv_heads} KV heads, head_dim {spec.head_dim}"
+        )
         print(
             f"kvferry demo: {spec.requests} requests of {spec.min_tokens}-{spec.max_tokens} tokens, "
-            f"{model} geometry ({spec.layers} layers, {spec.kv_heads} KV heads, head_dim {spec.head_dim}, "
+            f"{model} geometry ({spec.layers} layers, {shape}, "
             f"{spec.dtype}, block {spec.block_size}); sender TP {spec.from_tp} -> receiver TP {spec.to_tp} "
             f"over {spec.connector}",
             flush=True,

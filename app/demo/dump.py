@@ -25,7 +25,13 @@ def dump_payloads(spec: DemoSpec, directory: str, count: int = 2) -> list[str]:
     paths = []
     for req in request_plan(spec)[:count]:
         plan = plan_extraction(
-            cache, list(req.block_ids), req.seq_len, spec.block_size, cache_dtype=spec.dtype, request_id=req.request_id
+            cache,
+            list(req.block_ids),
+            req.seq_len,
+            spec.block_size,
+            cache_dtype=spec.dtype,
+            request_id=req.request_id,
+            layout="mla" if spec.is_mla else "flash",
         )
         if isinstance(plan, ExtractionSkipped):
             continue

@@ -12,9 +12,10 @@ from typing import Any
 import attrs
 
 from kvferry.core.addressing import kv_port
-from kvferry.core.head_slices import plan_heads
+from kvferry.core.models import model_geometry
+from kvferry.core.routing import rank_heads, route_heads
 
-__all__ = ["PRESETS", "DemoSpec", "DemoRequest", "request_plan", "CONNECTOR_CHOICES"]
+__all__ = ["PRESETS", "DemoSpec", "DemoRequest", "request_plan", "CONNECTOR_CHOICES", "model_preset"]
 
 #: name -> (model, layers, kv heads, head dim, dtype, block size)
 PRESETS: dict[str, tuple[str, int, int, int, str, int]] = {
@@ -23,6 +24,28 @@ PRESETS: dict[str, tuple[str, int, int, int, str, int]] = {
     "qwen2.5-0.5b": ("Qwen2.5-0.5B", 24, 2, 64, "bfloat16", 16),
     "tiny": ("tiny test model", 2, 8, 16, "bfloat16", 16),
 }
+
+
+def model_preset(name: str, block_size: int = 16) -> dict[str, Any]:
+    """DemoSpec fields for a model of :data:`kvferry.core.models.MODELS` (ConfigError listing
+    the known names for another)."""
+    m = model_geometry(name)
+    if m.is_mla:
+        assert m.latent_dim is not None
+        return dict(
+            model=m.name,
+            layers=m.layers,
+            kv_heads=1,
+            head_dim=m.latent_dim,
+            dtype=m.dtype,
+            block_size=block_size,
+            latent_dim=m.latent_dim,
+        )
+    assert m.kv_heads is not None and m.head_dim is not None
+    return dict(
+        model=m.name, layers=m.layers, kv_heads=m.kv_heads, head_dim=m.head_dim, dtype=m.dtype, block_size=block_size
+    )
+
 
 #: CLI connector name -> connector_config dict (without ports, which the manager derives)
 CONNECTOR_CHOICES: dict[str, dict[str, Any]] = {
@@ -65,6 +88,22 @@ class DemoSpec:
     namespace: str = "demo"
     done_file: str = ""
     dump_dir: str | None = None
+    #: MLA models: the latent width (``kv_lora_rank + qk_rope_head_dim``); 0 for K/V heads.
+    latent_dim: int = 0
+
+    @property
+    def is_mla(self) -> bool:
+        return self.latent_dim > 0
+
+    @property
+    def routed_heads(self) -> int:
+        """The head count routing uses: 1 for an MLA latent (every rank holds it whole)."""
+        return 1 if self.is_mla else self.kv_heads
+
+    def sender_heads(self, sender_rank: int) -> tuple[int, int]:
+        """The KV heads (start, stop) sender rank ``sender_rank`` holds, as the engine places them
+        (a head below the TP size is replicated)."""
+        return rank_heads(self.from_tp, self.routed_heads, sender_rank)
 
     @property
     def num_blocks(self) -> int:
@@ -78,11 +117,13 @@ class DemoSpec:
 
     def head_range(self, receiver_rank: int) -> tuple[int, int]:
         """The receiver rank's KV heads in the full model (start, stop)."""
-        plan = plan_heads(self.from_tp, self.to_tp, self.kv_heads)[receiver_rank]
-        return plan.abs_head_start, plan.abs_head_stop
+        route_heads(self.from_tp, self.to_tp, self.routed_heads)  # errors name the sizes and heads
+        return rank_heads(self.to_tp, self.routed_heads, receiver_rank)
 
     def request_bytes(self, req: DemoRequest) -> int:
         itemsize = 4 if self.dtype == "float32" else 2
+        if self.is_mla:
+            return self.layers * req.seq_len * self.latent_dim * itemsize
         return self.layers * 2 * req.seq_len * self.kv_heads * self.head_dim * itemsize
 
     def omni_kv_config(self, role: str) -> dict[str, Any]:
@@ -97,7 +138,10 @@ class DemoSpec:
             "connector_config": connector,
             "rank_mapping": {"from_tp": self.from_tp, "to_tp": self.to_tp},
             "recv_timeout": self.timeout_s,
+            "kv_layout": "mla" if self.is_mla else "flash",
         }
+        if not self.is_mla:
+            common["num_kv_heads"] = self.kv_heads
         if role == "sender":
             return {**common, "omni_from_stage": 0, "omni_to_stage": 1, "stage_id": 0, "need_send_cache": True}
         return {**common, "stage_id": 1, "engine_input_source": [0], "need_recv_cache": True}

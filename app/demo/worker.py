@@ -20,23 +20,37 @@ import torch
 from kvferry.app.demo.model import DemoSpec, request_plan
 from kvferry.core.policy import RetryPolicy
 
-__all__ = ["synthetic_cache", "expected_kv", "run_worker"]
+__all__ = ["head_cache", "synthetic_cache", "expected_kv", "run_worker"]
 
 _DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 
 
-def synthetic_cache(spec: DemoSpec, sender_rank: int) -> list[torch.Tensor]:
-    """Sender rank's paged cache: per layer ``[2, num_blocks, block, heads/TP, head_dim]``."""
-    gen = torch.Generator().manual_seed(spec.seed * 1000 + sender_rank)
-    heads = spec.kv_heads // spec.from_tp
-    shape = (2, spec.num_blocks, spec.block_size, heads, spec.head_dim)
+def head_cache(spec: DemoSpec, heads: tuple[int, int]) -> list[torch.Tensor]:
+    """The model's cache for the KV heads ``heads`` (start, stop): per layer ``[2, num_blocks,
+    block, heads, head_dim]``. Each head's bits come from a generator of its own, so any two ranks
+    holding a head (replicas) hold the same bytes, as in an engine. MLA: per layer one latent
+    ``[num_blocks, block, latent_dim]``, the same for every rank."""
     dtype = _DTYPES[spec.dtype]
-    out = []
-    for _ in range(spec.layers):
+
+    def bits(gen: torch.Generator, shape: tuple[int, ...]) -> torch.Tensor:
         # random bits reinterpreted: every bit pattern (NaNs included) must arrive exactly
-        bits = torch.randint(-(2**15), 2**15, shape, generator=gen, dtype=torch.int16)
-        out.append(bits.view(dtype) if dtype.itemsize == 2 else bits.to(torch.float32).to(dtype))
-    return out
+        raw = torch.randint(-(2**15), 2**15, shape, generator=gen, dtype=torch.int16)
+        return raw.view(dtype) if dtype.itemsize == 2 else raw.to(torch.float32).to(dtype)
+
+    if spec.is_mla:
+        gen = torch.Generator().manual_seed(spec.seed * 1000 + 999)
+        return [bits(gen, (spec.num_blocks, spec.block_size, spec.latent_dim)) for _ in range(spec.layers)]
+    per_head = []
+    for head in range(*heads):
+        gen = torch.Generator().manual_seed(spec.seed * 1000 + head)
+        per_head.append([bits(gen, (2, spec.num_blocks, spec.block_size, spec.head_dim)) for _ in range(spec.layers)])
+    return [torch.stack([h[layer] for h in per_head], dim=3) for layer in range(spec.layers)]
+
+
+def synthetic_cache(spec: DemoSpec, sender_rank: int) -> list[torch.Tensor]:
+    """Sender rank's paged cache: its heads of :func:`head_cache` (``flash`` layout; MLA: the
+    latent)."""
+    return head_cache(spec, spec.sender_heads(sender_rank))
 
 
 def expected_kv(
@@ -47,6 +61,9 @@ def expected_kv(
     Computed independently of kvferry's extraction (plain advanced indexing); one copy of
     just the heads needed.
     """
+    if cache[layer].dim() == 3:  # an MLA latent: the key only
+        blocks = cache[layer][torch.tensor(block_ids, dtype=torch.int64)]
+        return blocks.reshape(-1, *blocks.shape[2:])[:seq_len]
     heads = cache[layer][which][:, :, head_range[0] : head_range[1]]
     blocks = heads[torch.tensor(block_ids, dtype=torch.int64)]
     return blocks.reshape(-1, *blocks.shape[2:])[:seq_len]
@@ -155,13 +172,11 @@ def _wait_drained(manager: Any, spec: DemoSpec) -> None:
 
 def _receiver(spec: DemoSpec, rank: int, queue: Any, groups: Any, connector: Any) -> None:
     manager = _manager(spec, "receiver", rank, groups, connector)
-    plan_heads = spec.head_range(rank)
-    caches: dict[int, list[torch.Tensor]] = {}
-    from kvferry.core.head_slices import merge_order
-
-    sources = merge_order(spec.from_tp, spec.to_tp, rank)
-    for s in sources:
-        caches[s] = synthetic_cache(spec, s)
+    own = spec.head_range(rank)
+    # what this rank must end up with, generated from the model's per-head bits (not from the
+    # senders' caches): right only if routing fetched exactly this rank's heads
+    mine = head_cache(spec, own)
+    width = own[1] - own[0]
     queue.put({"kind": "ready", "role": "receiver", "rank": rank})
     sender_info = {"host": "127.0.0.1", "zmq_port": spec.advertised_port}
     from kvferry.app.distribute import Distributor
@@ -190,11 +205,13 @@ def _receiver(spec: DemoSpec, rank: int, queue: Any, groups: Any, connector: Any
                 exact = all(
                     _bits_equal(
                         kv.key_cache[layer] if which == 0 else kv.value_cache[layer],
-                        _expected_merged(caches, sources, spec, req, which, layer, plan_heads),
+                        expected_kv(mine, list(req.block_ids), req.seq_len, (0, width), which, layer),
                     )
                     for layer in range(spec.layers)
-                    for which in (0, 1)
+                    for which in ((0,) if spec.is_mla else (0, 1))
                 )
+                if spec.is_mla:
+                    exact = exact and all(v is None for v in kv.value_cache)
             res = result_box.get("result")
             if res is not None:  # verified: drop the views, then give the pool buffers back
                 holder.past_key_values = None
@@ -215,20 +232,6 @@ def _receiver(spec: DemoSpec, rank: int, queue: Any, groups: Any, connector: Any
             )
     finally:
         manager.close()
-
-
-def _expected_merged(
-    caches: dict, sources: tuple, spec: DemoSpec, req: Any, which: int, layer: int, heads: tuple[int, int]
-) -> torch.Tensor:
-    """The full-model head range ``heads`` of this request, from the owning senders' caches."""
-    per_sender = spec.kv_heads // spec.from_tp
-    parts = []
-    for s in sources:
-        lo, hi = s * per_sender, (s + 1) * per_sender
-        a, b = max(lo, heads[0]), min(hi, heads[1])
-        if a < b:
-            parts.append(expected_kv(caches[s], list(req.block_ids), req.seq_len, (a - lo, b - lo), which, layer))
-    return parts[0] if len(parts) == 1 else torch.cat(parts, dim=1)
 
 
 @attrs.define(eq=False)

@@ -141,3 +141,31 @@ def test_the_demo_command_runs_and_reports_json(
     assert doc["bytes"] > 0 and doc["seconds"] > 0 and doc["errors"] == []
     assert any((tmp_path / "dump").iterdir())  # payload files for `kvferry inspect`
     assert set(glob.glob(scratch)) <= before  # the run's scratch folder is gone
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["--model", "qwen2.5-7b", "--from-tp", "2", "--to-tp", "8"],  # 4 KV heads: each on 2 receivers
+        ["--model", "qwen2.5-7b", "--from-tp", "8", "--to-tp", "2"],  # replicated senders, fan-in
+        ["--model", "deepseek-v2-lite"],  # MLA latent, TP 2 -> 4
+    ],
+)
+def test_the_demo_moves_real_geometries_bit_exact_across_processes(
+    capsys: pytest.CaptureFixture[str], tmp_path: pathlib.Path, argv: list[str]
+) -> None:
+    """Replicated heads and MLA latents, one process per rank over shared memory; each receiver
+    checks its tensors against the model's per-head (or latent) bits, not the senders' caches."""
+    import json
+
+    from kvferry.app.cli import main
+
+    code = main(["demo", "--connector", "shm", *argv, "--layers", "2", "--requests", "3", "--min-tokens", "8",
+                 "--max-tokens", "40", "--json", "--dump", str(tmp_path / "dump")])  # fmt: skip
+    doc = json.loads(capsys.readouterr().out)
+    assert code == 0, doc
+    assert doc["requests"] == 3 and doc["bit_exact"] == 3 and doc["outcomes"] == {"received": 3}, doc
+    receivers = [r for r in doc["routing"] if r["role"] == "receiver"]
+    assert all(len(r["keys"]) >= 1 for r in receivers)
