@@ -42,6 +42,8 @@ RATIO_NAMES: tuple[str, ...] = (
     "zmq_8req_vs_raw",
     "zmq_speedup_vs_baseline",
     "hetero_vs_homo",
+    "replicated_vs_homo",
+    "mla_vs_homo",
     "readiness_p50_ms",
     "faults_per_mb_sender",
     "faults_per_mb_receiver",
@@ -78,6 +80,9 @@ TARGETS: Mapping[str, Target] = {
     "zmq_8req_vs_raw": Target(">=", 1.4),
     "zmq_speedup_vs_baseline": Target(">=", 5.0),
     "hetero_vs_homo": Target(">=", 0.8),
+    # the same bytes as homo_2_2 too (8 one-head payloads, 4 latent payloads): held to hetero's bound
+    "replicated_vs_homo": Target(">=", 0.8),
+    "mla_vs_homo": Target(">=", 0.8),
     "readiness_p50_ms": Target("<=", 1.0),
     "faults_per_mb_sender": Target("<", 10.0),
     "faults_per_mb_receiver": Target("<", 10.0),
@@ -229,7 +234,7 @@ def compute_ratios(stats: Mapping[str, Stat], requests: int) -> dict[str, float]
     Keys read (seconds unless noted): ``memcpy``, ``raw_zmq``, ``extraction``,
     ``kvferry_encode``, ``kvferry_decode``, ``kvferry_codec`` (encode + decode),
     ``baseline_encode``, ``baseline_e2e``, ``shm_e2e_1``, ``zmq_e2e_1``, ``zmq_e2e_n``
-    (``requests`` requests), ``homo_2_2``, ``hetero_2_4``, ``readiness_shm``; counts
+    (``requests`` requests), ``homo_2_2``, ``hetero_2_4``, ``replicated_2_8``, ``mla_2_4``, ``readiness_shm``; counts
     ``faults_per_mb_sender``/``faults_per_mb_receiver`` and ``rss_ratio_receiver``.
     """
     m = lambda name: _median(stats, name)  # noqa: E731
@@ -246,6 +251,8 @@ def compute_ratios(stats: Mapping[str, Stat], requests: int) -> dict[str, float]
         "zmq_8req_vs_raw": ratio_of(requests * m("raw_zmq"), m("zmq_e2e_n")),
         "zmq_speedup_vs_baseline": ratio_of(m("baseline_e2e"), m("zmq_e2e_1")),
         "hetero_vs_homo": ratio_of(m("homo_2_2"), m("hetero_2_4")),
+        "replicated_vs_homo": ratio_of(m("homo_2_2"), m("replicated_2_8")),
+        "mla_vs_homo": ratio_of(m("homo_2_2"), m("mla_2_4")),
         "readiness_p50_ms": m("readiness_shm") * 1e3,
         "faults_per_mb_sender": m("faults_per_mb_sender"),
         "faults_per_mb_receiver": m("faults_per_mb_receiver"),

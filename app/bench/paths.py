@@ -139,6 +139,7 @@ def _fresh(
     ranks: int = 1,
     from_tp: int = 1,
     to_tp: int = 1,
+    manager_options: dict | None = None,
 ) -> list[ScenarioResult | None]:
     """Run ``(scenario, figure)`` pairs against a fresh receiver process: connector ``name``
     (and managers ``group`` for ``ranks`` receiver ranks) opened, RSS baseline taken, then the
@@ -159,6 +160,7 @@ def _fresh(
                 to_tp=to_tp,
                 timeout_s=t,
                 connectors=[name] * ranks,
+                **(manager_options or {}),
             )
         base_kb = receiver.call("rss_reset", t)["rss_kb"]
         for i, (scenario, figure) in enumerate(scenarios):
@@ -373,20 +375,30 @@ def tp_paths(run: RunState, sender: Peer, name: str, send_cfg: dict, recv_cfg: d
         run.failures[f"{name} TP paths"] = " ".join(str(exc).split())[:800]
         return
     try:
-        for label, figure, to_tp in (
-            ("homogeneous TP 2->2", "homo_2_2", 2),
-            ("heterogeneous TP 2->4", "hetero_2_4", 4),
-        ):
-            group = f"{name}_tp{to_tp}"
+        # (label, figure, to_tp, model KV heads, cache view, layout): every row moves 2 * g.nbytes
+        rows: list[tuple[str, str, int, int | None, str | None, str | None]] = [
+            ("homogeneous TP 2->2", "homo_2_2", 2, None, None, None),
+            ("heterogeneous TP 2->4", "hetero_2_4", 4, None, None, None),
+        ]
+        if g.heads >= 2 and g.heads % 2 == 0 and g.heads < 8:  # each rank holds g.heads/2: replicated at TP 8
+            rows.append((f"replicated TP 2->8 at {g.heads} KV heads", "replicated_2_8", 8, g.heads, "half", "flash"))
+        rows.append(("MLA latent TP 2->4", "mla_2_4", 4, 1, "latent", "mla"))
+        for label, figure, to_tp, kv_heads, view, layout in rows:
+            group = f"{name}_{figure}"
+            routing_kw = {"num_kv_heads": None if layout == "mla" else kv_heads, "kv_layout": layout}
             sender.call(
-                "mgr_open", t, name=group, role="sender", ranks=[0, 1], from_tp=2, to_tp=to_tp, connectors=[name, rank1]
-            )
+                "mgr_open", t, name=group, role="sender", ranks=[0, 1], from_tp=2, to_tp=to_tp,
+                connectors=[name, rank1], **routing_kw,
+            )  # fmt: skip
+            cache = "main" if view is None else f"main:{view}"
 
-            def items(i: int, to_tp: int = to_tp) -> tuple[list[dict], list[dict], Any]:
-                return tp_items(f"{name}tp{to_tp}", i, 2, to_tp, g.heads)
+            def items(
+                i: int, to_tp: int = to_tp, kv_heads: int | None = kv_heads, cache: str = cache, figure: str = figure
+            ) -> tuple[list[dict], list[dict], Any]:
+                return tp_items(f"{name}{figure}", i, 2, to_tp, g.heads, num_kv_heads=kv_heads, cache=cache)
 
-            def send_args(i: int, items: _TPItems = items, group: str = group) -> dict[str, Any]:
-                return {"name": group, "cache": "main", "items": items(i)[0]}
+            def send_args(i: int, items: _TPItems = items, group: str = group, cache: str = cache) -> dict[str, Any]:
+                return {"name": group, "cache": cache, "items": items(i)[0]}
 
             def recv_args(i: int, items: _TPItems = items, group: str = group) -> dict[str, Any]:
                 return {"name": group, "items": items(i)[1], "sender": where}
@@ -415,6 +427,7 @@ def tp_paths(run: RunState, sender: Peer, name: str, send_cfg: dict, recv_cfg: d
                 ranks=to_tp,
                 from_tp=2,
                 to_tp=to_tp,
+                manager_options=routing_kw,
             )
     except KVFerryError as exc:
         run.failures[f"{name} TP paths"] = " ".join(str(exc).split())[:800]

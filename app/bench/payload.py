@@ -42,6 +42,8 @@ __all__ = [
     "make_paged_cache",
     "plan_request",
     "layout_for",
+    "cache_layers",
+    "CACHE_VIEWS",
     "gather_payload_into",
     "encode_request",
     "payload_crc",
@@ -110,18 +112,50 @@ def make_paged_cache(geometry: Geometry, requests: int, *, seed: int, spare_bloc
     return PagedCache(g, tuple(layers), ids)
 
 
+#: Views of a bench cache other rows send: ``half`` (the first half of each rank's heads, as an
+#: engine with half the KV heads per rank holds them) and ``latent`` (each layer's K half read as
+#: an MLA latent ``[num_blocks, block_size, heads*head_dim]``, so the same bytes as one K cache).
+CACHE_VIEWS = ("half", "latent")
+
+
+def cache_layers(cache: PagedCache, view: str | None = None) -> list[torch.Tensor]:
+    """The cache's layers as ``view`` (None: as they are; see :data:`CACHE_VIEWS`); views, no copy."""
+    if view is None:
+        return list(cache.layers)
+    g = cache.geometry
+    if view == "half":
+        return [t[:, :, :, : g.heads // 2] for t in cache.layers]
+    if view == "latent":
+        return [t[0].view(t.shape[1], g.block_size, g.heads * g.head_dim) for t in cache.layers]
+    raise ConfigError(f"unknown cache view {view!r} (known: {', '.join(CACHE_VIEWS)})")
+
+
 def _head_view(layer: torch.Tensor, heads: tuple[int, int] | None) -> torch.Tensor:
     return layer if heads is None else layer[:, :, :, heads[0] : heads[1]]
 
 
 def plan_request(
-    cache: PagedCache, request: int, *, request_id: str, heads: tuple[int, int] | None = None
+    cache: PagedCache,
+    request: int,
+    *,
+    request_id: str,
+    heads: tuple[int, int] | None = None,
+    view: str | None = None,
 ) -> ExtractionPlan:
     """kvferry's extraction plan for request ``request`` (optionally only heads
-    ``heads[0]:heads[1]``, read through strided views of the cache: still one copy)."""
+    ``heads[0]:heads[1]``, read through strided views of the cache: still one copy; ``view``: a
+    :data:`CACHE_VIEWS` view, ``latent`` planned as an MLA cache)."""
     g = cache.geometry
+    if view == "latent":
+        plan = plan_extraction(
+            cache_layers(cache, view), cache.block_ids[request], g.tokens, g.block_size, cache_dtype=g.dtype,
+            request_id=request_id, layout="mla",
+        )  # fmt: skip
+        if isinstance(plan, ExtractionSkipped):
+            raise ConfigError(f"benchmark request {request} produced no payload: {plan.detail}")
+        return plan
     plan = plan_extraction(
-        [_head_view(t, heads) for t in cache.layers],
+        [_head_view(t, heads) for t in cache_layers(cache, view)],
         cache.block_ids[request],
         g.tokens,
         g.block_size,

@@ -35,6 +35,8 @@ _PLOTTED: tuple[tuple[str, str, str], ...] = (
     ("shm_e2e_n", "kvferry shm e2e, N req", "kvferry"),
     ("homo_2_2", "kvferry shm TP 2->2", "kvferry"),
     ("hetero_2_4", "kvferry shm TP 2->4", "kvferry"),
+    ("replicated_2_8", "kvferry shm TP 2->8 replicated", "kvferry"),
+    ("mla_2_4", "kvferry shm TP 2->4 MLA", "kvferry"),
     ("raw_zmq", "raw zmq tcp", "limit"),
     ("zmq_direct_1", "kvferry zmq primitives, 1 req", "kvferry"),
     ("zmq_e2e_1", "kvferry zmq e2e, 1 req", "kvferry"),

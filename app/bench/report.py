@@ -28,6 +28,8 @@ _FIGURE_LABELS: tuple[tuple[str, str], ...] = (
     ("shm_e2e_n", "kvferry shm e2e, N requests"),
     ("homo_2_2", "kvferry shm TP 2->2 (2 payloads)"),
     ("hetero_2_4", "kvferry shm TP 2->4 (4 half payloads)"),
+    ("replicated_2_8", "kvferry shm TP 2->8, replicated heads (8 quarter payloads)"),
+    ("mla_2_4", "kvferry shm TP 2->4, MLA latent (4 half payloads, no values)"),
     ("zmq_direct_1", "kvferry zmq tcp primitives e2e, 1 request"),
     ("zmq_e2e_1", "kvferry zmq tcp e2e, 1 request"),
     ("zmq_e2e_n", "kvferry zmq tcp e2e, N requests"),

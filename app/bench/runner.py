@@ -10,7 +10,8 @@
 - kvferry: extraction, encode, decode, end-to-end transfers over shm (same host) and zmq tcp
   of 1 and ``requests`` requests through the transfer manager's default (zero-copy) receive,
   and, beside them, the copying receive (``zero_copy=False``, the compat layer's),
-  heterogeneous TP 2->4 against 2->2 for the same bytes,
+  heterogeneous TP 2->4, replicated-head TP 2->8 (4 KV heads) and an MLA latent TP 2->4
+  against 2->2 for the same bytes,
   readiness latency of a small request, page faults per MB and peak RSS of both sides, the
   cost of crc32 checksums; optional connectors (``mooncake``) beside them.
 
@@ -71,6 +72,8 @@ RATIO_INPUTS: dict[str, tuple[str, ...]] = {
     "zmq_8req_vs_raw": ("raw_zmq", "zmq_e2e_n"),
     "zmq_speedup_vs_baseline": ("baseline_e2e", "zmq_e2e_1"),
     "hetero_vs_homo": ("homo_2_2", "hetero_2_4"),
+    "replicated_vs_homo": ("homo_2_2", "replicated_2_8"),
+    "mla_vs_homo": ("homo_2_2", "mla_2_4"),
     "readiness_p50_ms": ("readiness_shm",),
     "faults_per_mb_sender": ("faults_per_mb_sender",),
     "faults_per_mb_receiver": ("faults_per_mb_receiver",),

@@ -25,6 +25,7 @@ from kvferry.app.bench.proc import Peer
 from kvferry.core.errors import ConfigError, KVFerryError
 from kvferry.core.head_slices import fan_out_slice, slice_bounds
 from kvferry.core.ids import connector_key
+from kvferry.core.routing import route_heads
 from kvferry.core.topology import TPTopology, source_ranks
 
 __all__ = ["Scenario", "ScenarioResult", "run_scenario", "key_items", "manager_items", "tp_items"]
@@ -91,15 +92,34 @@ def manager_items(tag: str, rep: int, requests: int) -> tuple[list[dict], list[d
 
 
 def tp_items(
-    tag: str, rep: int, from_tp: int, to_tp: int, heads: int
+    tag: str,
+    rep: int,
+    from_tp: int,
+    to_tp: int,
+    heads: int,
+    *,
+    num_kv_heads: int | None = None,
+    cache: str = "main",
 ) -> tuple[list[dict], list[dict], tuple[tuple[str, int, tuple[int, int] | None], ...]]:
     """Manager items for one request across TP ``from_tp -> to_tp`` (fan-out or equal
     sizes): sender rank ``r`` holds request ``r`` of the ``main`` cache (one rank's
     ``heads``); every receiver rank receives; the third element is what each must hold
-    (``(cache, request, head range or None)``), from the same functions the library routes by."""
+    (``(cache, request, head range or None)``), from the same functions the library routes by.
+    With ``num_kv_heads`` (the model's, replicated heads included; 1 for an MLA latent) by
+    :func:`kvferry.core.routing.route_heads`; ``cache`` may name a view (``"main:half"``)."""
     rid = f"{tag}-{rep}"
     sends = [{"rank": r, "request": r, "rid": rid} for r in range(from_tp)]
     recvs, expected = [], []
+    if num_kv_heads is not None:
+        routing = route_heads(from_tp, to_tp, num_kv_heads)
+        for t in range(to_tp):
+            reads = routing.reads(t)
+            if len(reads) != 1:
+                raise ConfigError("the benchmark's TP cases are fan-out or equal sizes, not fan-in")
+            (x,) = reads
+            recvs.append({"rank": t, "rid": rid})
+            expected.append((cache, x.source_rank, (x.head_start, x.head_stop) if x.is_sliced else None))
+        return sends, recvs, tuple(expected)
     for t in range(to_tp):
         source = source_ranks(TPTopology(from_tp, to_tp, t))
         if len(source) != 1:

@@ -61,11 +61,17 @@ class Worker(KvCommands):
         return memory_kb()
 
     def cmd_expected_crc(self, cache: str, request: int, heads: list[int] | None = None) -> dict[str, Any]:
-        """crc32 of what kvferry should deliver for ``request`` (optionally a head range)."""
+        """crc32 of what kvferry should deliver for ``request`` (optionally a head range);
+        ``cache`` may name a view, ``"main:half"`` (see ``payload.CACHE_VIEWS``)."""
         from kvferry.app.bench.payload import kv_crc, plan_request
 
+        name, _, view = cache.partition(":")
         plan = plan_request(
-            self.caches[cache], request, request_id="crc", heads=None if heads is None else (heads[0], heads[1])
+            self.caches[name],
+            request,
+            request_id="crc",
+            heads=None if heads is None else (heads[0], heads[1]),
+            view=view or None,
         )
         keys, values = plan.materialize()
         return {"crc": kv_crc(keys, values)}

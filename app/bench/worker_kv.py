@@ -231,6 +231,8 @@ class KvCommands:
         to_tp: int,
         timeout_s: float = 60.0,
         connectors: list[str] | None = None,
+        num_kv_heads: int | None = None,
+        kv_layout: str | None = None,
     ) -> dict[str, Any]:
         """Managers group ``name``: one :class:`~kvferry.app.manager.KVTransferManager` per TP
         rank of this side (stage 0 sends to stage 1). Rank ``ranks[i]`` uses the connector
@@ -245,6 +247,8 @@ class KvCommands:
             "omni_from_stage": 0,
             "omni_to_stage": 1,
             "rank_mapping": {"from_tp": from_tp, "to_tp": to_tp},
+            "num_kv_heads": num_kv_heads,
+            "kv_layout": kv_layout,
         }
         if role == "sender":
             raw["need_send_cache"] = True
@@ -266,10 +270,13 @@ class KvCommands:
     def cmd_mgr_send(self, name: str, cache: str, items: list[dict]) -> dict[str, Any]:
         """``send_requests`` on each item's rank (``{"rank", "request", "rid"}``); one call per
         rank with all its requests, so the manager may overlap extraction and transfer."""
+        from kvferry.app.bench.payload import cache_layers
         from kvferry.core.errors import TransferError
 
-        c = self.caches[cache]
+        name_, _, view = cache.partition(":")  # "main:half": a view of the cache (payload.CACHE_VIEWS)
+        c = self.caches[name_]
         g = c.geometry
+        layers = cache_layers(c, view or None)
         by_rank: dict[int, dict[str, dict]] = {}
         for item in items:
             by_rank.setdefault(item["rank"], {})[item["rid"]] = {
@@ -281,7 +288,7 @@ class KvCommands:
         t_go = time.monotonic()
         total = 0
         for rank, finished in by_rank.items():
-            outcomes = self.managers[name][rank].send_requests(finished, list(c.layers), g.block_size, g.dtype)
+            outcomes = self.managers[name][rank].send_requests(finished, layers, g.block_size, g.dtype)
             for outcome in outcomes:
                 if not outcome.ok:
                     raise TransferError(f"rank {rank}: send of {outcome.request_id} failed: {outcome}")
