@@ -49,6 +49,11 @@ def _rank_cache(
             out.append(torch.stack([k.transpose(1, 2), v.transpose(1, 2)], dim=1).contiguous())
         elif layout == "packed":
             out.append(torch.cat([k, v], dim=-1).transpose(1, 2).contiguous())
+        elif layout == "vllm_cpu:avx2":  # per (block, head) page: K as [dim][token], then V as [token][dim]
+            n, b, h, d = k.shape
+            kc = k.permute(0, 2, 3, 1).reshape(n, h, b * d)
+            vc = v.permute(0, 2, 1, 3).reshape(n, h, b * d)
+            out.append(torch.cat([kc, vc], dim=-1).view(n, h, b, 2 * d))
         else:
             raise AssertionError(layout)
     return out
@@ -139,6 +144,42 @@ def test_every_receiver_gets_exactly_its_heads_bit_exact(kit, memory_connector_f
             result.release()
     assert sorted(got_keys) == put_keys  # both sides' key sets agree, nothing read twice
     assert kit.pool_is_empty(conn)  # every payload put was consumed
+
+
+@pytest.mark.parametrize("layout", ["flashinfer_hnd", "packed", "vllm_cpu:avx2"])
+def test_named_layouts_through_the_manager_with_replicated_heads(
+    kit, memory_connector_factory, fake_time, layout
+) -> None:
+    full = _full_cache(4, seed=5)
+    conn = memory_connector_factory(pool_bytes=32 << 20)
+    assert all(o.ok for o in _send(conn, full, 2, 8, 4, layout, fake_time))
+    for rank in range(8):
+        m = KVTransferManager(
+            _config("receiver", 2, 8, 4, layout),
+            tp_rank=rank,
+            tp_size=8,
+            connector=conn,
+            clock=fake_time,
+            sleep=fake_time.sleep,
+        )
+        result = m.receive("r-a")
+        assert result.ok, result.outcome
+        keys, values = _expected(full, _engine_heads(8, 4, rank), REQUESTS["r-a"])
+        blocks = result.payload["layer_blocks"]
+        for layer in range(LAYERS):
+            assert torch.equal(_bits(blocks["key_cache"][layer]), _bits(keys[layer]))
+            assert torch.equal(_bits(blocks["value_cache"][layer]), _bits(values[layer]))
+        result.release()
+
+
+def test_an_unnamed_vllm_cpu_cache_is_refused_not_misread(memory_connector_factory, fake_time) -> None:
+    full = _full_cache(2)
+    conn = memory_connector_factory()
+    sender = KVTransferManager(_config("sender", 1, 1, 2, None), connector=conn, clock=fake_time, sleep=fake_time.sleep)
+    [outcome] = sender.send_requests(
+        {"r-a": REQUESTS["r-a"]}, _rank_cache(full, 1, 2, 0, "vllm_cpu:avx2"), BLOCK, "bfloat16"
+    )
+    assert not outcome.ok and "'packed', 'vllm_cpu'" in outcome.detail and "name the layout" in outcome.detail
 
 
 def test_replicated_fan_in_without_a_head_count_is_not_silently_doubled(memory_connector_factory, fake_time) -> None:
