@@ -94,6 +94,8 @@ from kvferry.core.ids import (
     recv_keys,
     send_keys,
 )
+from kvferry.core.layouts import LAYOUT_NAMES, LayoutSpec, layout_spec
+from kvferry.core.models import MODELS, ModelGeometry, model_geometry
 from kvferry.core.outcomes import (
     Counters,
     ReceiveKind,
@@ -165,6 +167,7 @@ from kvferry.core.roles import (
     receive_role,
     tp_active,
 )
+from kvferry.core.routing import Routing, rank_heads, route_heads, route_latent
 from kvferry.core.sender_info import (
     HOST_KEY,
     PORT_KEY,
@@ -312,6 +315,16 @@ __all__ = [
     "expand_base_port",
     "extract_omni_kv_config",
     "fan_out_slice",
+    "Routing",
+    "rank_heads",
+    "route_heads",
+    "route_latent",
+    "LAYOUT_NAMES",
+    "LayoutSpec",
+    "layout_spec",
+    "MODELS",
+    "ModelGeometry",
+    "model_geometry",
     "is_dummy_request",
     "kv_port",
     "kv_tensor_specs",
