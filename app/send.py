@@ -374,16 +374,19 @@ class SendPath:
         self, connector: Connector, plan: ExtractionPlan, jobs: tuple[KeyJob, ...]
     ) -> dict[str, int]:
         """Fan-out into a reservable connector: every key's region reserved, every head slice
-        gathered in one pass over the cache (``gather_slices``), then each key committed.
+        gathered in one pass over the cache (``gather_slices``), then each key committed. Keys
+        that carry the same slice (replicated receivers, an MLA latent to several receivers) are
+        gathered once; the others get a copy of its tensor bytes (one contiguous copy).
         Returns ``{key: size}`` of the keys put; a key missing from it (nothing applies, a
         reservation, a local fault or a commit failed) goes through :meth:`_put_one` (with its
         retries) instead."""
-        if (
-            len(jobs) < 2
-            or any(j.num_slices < 2 or j.target_rank is None for j in jobs)
-            or not self._is_reservable(connector)
-        ):
+        if len(jobs) < 2 or any(j.target_rank is None for j in jobs) or not self._is_reservable(connector):
             return {}
+        slots = [(j.offset_in_shard, j.num_slices) for j in jobs]
+        first = {slot: i for i, slot in reversed(list(enumerate(slots)))}  # slot -> its first job
+        same_as = [None if first[slot] == i else first[slot] for i, slot in enumerate(slots)]
+        if all(k is None for k in same_as) and any(j.num_slices < 2 for j in jobs):
+            return {}  # nothing shared: the one-pass gather needs slices
         try:
             filled = self._fill_reserved(
                 connector,
@@ -391,6 +394,7 @@ class SendPath:
                     (slice_plan_heads(plan, j.offset_in_shard, j.num_slices), j.key, self._metadata(plan, j))
                     for j in jobs
                 ],
+                same_as,
             )
         except KVFerryError:  # a full pool, a local fault: each key takes the single path
             return {}
@@ -401,10 +405,17 @@ class SendPath:
                 put[job.key] = size
         return put
 
-    def _fill_reserved(self, connector: Any, items: Sequence[tuple[ExtractionPlan, str, dict[str, Any]]]) -> list[Any]:
+    def _fill_reserved(
+        self,
+        connector: Any,
+        items: Sequence[tuple[ExtractionPlan, str, dict[str, Any]]],
+        same_as: Sequence[int | None] | None = None,
+    ) -> list[Any]:
         """Reserve a region per ``(plan, key, metadata)``, gather every plan into its region
         (several: the one-pass ``gather_slices``) and write the headers; the reservations,
-        ready to commit. Any exception aborts every reservation taken."""
+        ready to commit. ``same_as[i] = k`` (``k < i``): item ``i`` carries the same tensors as
+        item ``k``, so its tensor bytes are copied from ``k``'s region instead of gathered. Any
+        exception aborts every reservation taken."""
         reservations: list[Any] = []
         try:
             layouts = [self._layout(p, meta) for p, _, meta in items]
@@ -412,12 +423,23 @@ class SendPath:
                 reservations.append(
                     connector.reserve(str(self.from_stage), str(self.to_stage), key, layout.total_nbytes)
                 )
-            views = [dest_views(r.buffer, layout) for r, layout in zip(reservations, layouts)]
-            dests = [(v[: p.num_layers], v[p.num_layers :]) for v, (p, _, _) in zip(views, items)]
-            if len(items) == 1:
-                items[0][0].gather_all(dests[0])
+            shared = list(same_as) if same_as is not None else [None] * len(items)
+            gathered = [i for i, k in enumerate(shared) if k is None]
+            views = [dest_views(reservations[i].buffer, layouts[i]) for i in gathered]
+            dests = [(v[: items[i][0].num_layers], v[items[i][0].num_layers :]) for v, i in zip(views, gathered)]
+            if len(gathered) == 1:
+                items[gathered[0]][0].gather_all(dests[0])
             else:
-                gather_slices([p for p, _, _ in items], dests)
+                gather_slices([items[i][0] for i in gathered], dests)
+            for i, k in enumerate(shared):
+                if k is not None:  # same tensors, same offsets from the data start: one copy
+                    src, dst = layouts[k], layouts[i]
+                    count = src.total_nbytes - src.data_start
+                    if count != dst.total_nbytes - dst.data_start:
+                        raise ConfigError(f"{items[i][1]}: payload differs in size from {items[k][1]}")
+                    reservations[i].buffer[dst.data_start : dst.total_nbytes].copy_(
+                        reservations[k].buffer[src.data_start : src.total_nbytes]
+                    )
             for reservation, layout in zip(reservations, layouts):
                 finish_payload_in(reservation.buffer, layout)
         except BaseException:
