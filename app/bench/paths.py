@@ -375,22 +375,26 @@ def tp_paths(run: RunState, sender: Peer, name: str, send_cfg: dict, recv_cfg: d
         run.failures[f"{name} TP paths"] = " ".join(str(exc).split())[:800]
         return
     try:
-        # (label, figure, to_tp, model KV heads, cache view, layout): every row moves 2 * g.nbytes
-        rows: list[tuple[str, str, int, int | None, str | None, str | None]] = [
-            ("homogeneous TP 2->2", "homo_2_2", 2, None, None, None),
-            ("heterogeneous TP 2->4", "hetero_2_4", 4, None, None, None),
+        # (label, figure, to_tp, model KV heads, cache, layout): every row moves 2 * g.nbytes
+        rows: list[tuple[str, str, int, int | None, str, str | None]] = [
+            ("homogeneous TP 2->2", "homo_2_2", 2, None, "main", None),
+            ("heterogeneous TP 2->4", "hetero_2_4", 4, None, "main", None),
         ]
-        if g.heads >= 2 and g.heads % 2 == 0 and g.heads < 8:  # each rank holds g.heads/2: replicated at TP 8
+        if g.heads >= 2 and g.heads % 2 == 0 and g.heads < 8:
+            # each sender rank holds g.heads/2 of the model's g.heads KV heads (a cache of its own,
+            # contiguous as an engine's), so at TP 8 every head is on two receivers
+            half = attrs.evolve(g, heads=g.heads // 2)
+            sender.call("setup", t + 60, name="half", geometry=half.to_json(), requests=2, seed=run.settings.seed + 2)
             rows.append((f"replicated TP 2->8 at {g.heads} KV heads", "replicated_2_8", 8, g.heads, "half", "flash"))
-        rows.append(("MLA latent TP 2->4", "mla_2_4", 4, 1, "latent", "mla"))
-        for label, figure, to_tp, kv_heads, view, layout in rows:
+        # an MLA latent: each layer's K half read as [blocks, block_size, heads*head_dim]
+        rows.append(("MLA latent TP 2->4", "mla_2_4", 4, 1, "main:latent", "mla"))
+        for label, figure, to_tp, kv_heads, cache, layout in rows:
             group = f"{name}_{figure}"
             routing_kw = {"num_kv_heads": None if layout == "mla" else kv_heads, "kv_layout": layout}
             sender.call(
                 "mgr_open", t, name=group, role="sender", ranks=[0, 1], from_tp=2, to_tp=to_tp,
                 connectors=[name, rank1], **routing_kw,
             )  # fmt: skip
-            cache = "main" if view is None else f"main:{view}"
 
             def items(
                 i: int, to_tp: int = to_tp, kv_heads: int | None = kv_heads, cache: str = cache, figure: str = figure

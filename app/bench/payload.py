@@ -112,10 +112,9 @@ def make_paged_cache(geometry: Geometry, requests: int, *, seed: int, spare_bloc
     return PagedCache(g, tuple(layers), ids)
 
 
-#: Views of a bench cache other rows send: ``half`` (the first half of each rank's heads, as an
-#: engine with half the KV heads per rank holds them) and ``latent`` (each layer's K half read as
-#: an MLA latent ``[num_blocks, block_size, heads*head_dim]``, so the same bytes as one K cache).
-CACHE_VIEWS = ("half", "latent")
+#: Views of a bench cache other rows send: ``latent`` (each layer's K half read as an MLA latent
+#: ``[num_blocks, block_size, heads*head_dim]``, contiguous, the same bytes as one K cache).
+CACHE_VIEWS = ("latent",)
 
 
 def cache_layers(cache: PagedCache, view: str | None = None) -> list[torch.Tensor]:
@@ -123,8 +122,6 @@ def cache_layers(cache: PagedCache, view: str | None = None) -> list[torch.Tenso
     if view is None:
         return list(cache.layers)
     g = cache.geometry
-    if view == "half":
-        return [t[:, :, :, : g.heads // 2] for t in cache.layers]
     if view == "latent":
         return [t[0].view(t.shape[1], g.block_size, g.heads * g.head_dim) for t in cache.layers]
     raise ConfigError(f"unknown cache view {view!r} (known: {', '.join(CACHE_VIEWS)})")

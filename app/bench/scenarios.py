@@ -106,7 +106,7 @@ def tp_items(
     ``heads``); every receiver rank receives; the third element is what each must hold
     (``(cache, request, head range or None)``), from the same functions the library routes by.
     With ``num_kv_heads`` (the model's, replicated heads included; 1 for an MLA latent) by
-    :func:`kvferry.core.routing.route_heads`; ``cache`` may name a view (``"main:half"``)."""
+    :func:`kvferry.core.routing.route_heads`; ``cache`` may name a view (``"main:latent"``)."""
     rid = f"{tag}-{rep}"
     sends = [{"rank": r, "request": r, "rid": rid} for r in range(from_tp)]
     recvs, expected = [], []

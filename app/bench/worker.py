@@ -62,7 +62,7 @@ class Worker(KvCommands):
 
     def cmd_expected_crc(self, cache: str, request: int, heads: list[int] | None = None) -> dict[str, Any]:
         """crc32 of what kvferry should deliver for ``request`` (optionally a head range);
-        ``cache`` may name a view, ``"main:half"`` (see ``payload.CACHE_VIEWS``)."""
+        ``cache`` may name a view, ``"main:latent"`` (see ``payload.CACHE_VIEWS``)."""
         from kvferry.app.bench.payload import kv_crc, plan_request
 
         name, _, view = cache.partition(":")

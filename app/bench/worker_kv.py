@@ -273,7 +273,7 @@ class KvCommands:
         from kvferry.app.bench.payload import cache_layers
         from kvferry.core.errors import TransferError
 
-        name_, _, view = cache.partition(":")  # "main:half": a view of the cache (payload.CACHE_VIEWS)
+        name_, _, view = cache.partition(":")  # "main:latent": a view of the cache (payload.CACHE_VIEWS)
         c = self.caches[name_]
         g = c.geometry
         layers = cache_layers(c, view or None)

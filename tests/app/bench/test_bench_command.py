@@ -154,10 +154,10 @@ def test_tp_items_route_every_head_once() -> None:
     assert [s["rank"] for s in sends] == [0, 1] and [r["rank"] for r in recvs] == [0, 1, 2, 3]
     assert list(expected) == [("main", 0, (0, 2)), ("main", 0, (2, 4)), ("main", 1, (0, 2)), ("main", 1, (2, 4))]
     assert [e[1:] for e in tp_items("t", 0, 2, 2, 4)[2]] == [(0, None), (1, None)]
-    # replicated heads: 4 KV heads (each sender rank holds 2, a view of the main cache) on 8 ranks
-    _, recvs, expected = tp_items("t", 0, 2, 8, 4, num_kv_heads=4, cache="main:half")
+    # replicated heads: 4 KV heads (each sender rank holds 2, the "half" cache) on 8 ranks
+    _, recvs, expected = tp_items("t", 0, 2, 8, 2, num_kv_heads=4, cache="half")
     assert len(recvs) == 8
-    assert list(expected) == [("main:half", t // 4, ((t // 2) % 2, (t // 2) % 2 + 1)) for t in range(8)]
+    assert list(expected) == [("half", t // 4, ((t // 2) % 2, (t // 2) % 2 + 1)) for t in range(8)]
     # an MLA latent: whole, one sender per receiver
     assert list(tp_items("t", 0, 2, 4, 4, num_kv_heads=1, cache="main:latent")[2]) == [
         ("main:latent", t // 2, None) for t in range(4)
