@@ -9,6 +9,7 @@ options (one line on stderr).
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 from collections.abc import Callable
 from typing import Any, TextIO
@@ -16,7 +17,7 @@ from typing import Any, TextIO
 from kvferry.app.bench.model import BenchSettings, Geometry
 from kvferry.core.errors import ConfigError
 
-__all__ = ["configure", "run", "settings_from_args", "EXTRA_CONNECTORS"]
+__all__ = ["configure", "run", "run_hosts", "settings_from_args", "EXTRA_CONNECTORS"]
 
 #: Connectors ``--connector`` may add beside shm and zmq (which always run).
 EXTRA_CONNECTORS = ("mooncake",)
@@ -48,7 +49,46 @@ def configure(parser: argparse.ArgumentParser) -> Callable[[argparse.Namespace],
     add("--timeout", type=float, default=None, help="seconds to wait for a peer process (default 120)")
     add("--seed", type=int, default=0, help="seed of the synthetic cache (default 0)")
     add("--quiet", action="store_true", help="no progress lines on stderr")
+    add(
+        "--hosts",
+        action="store_true",
+        help="root only: zmq tcp vs plain TCP between two network-namespace hosts over tbf-shaped links",
+    )
+    add("--rates", default=None, metavar="R1,R2", help="--hosts link rates, tc syntax (default 1gbit,10gbit)")
+    add("--nbytes", type=int, default=None, help="--hosts payload bytes (default 235000000)")
     return run
+
+
+def run_hosts(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
+    """``--hosts``: the two-host link benchmark (:mod:`kvferry.app.bench.hosts`)."""
+    from kvferry.app.bench.hosts import DEFAULT_NBYTES, RATES, render_hosts, run_hosts_bench
+    from kvferry.app.bench.netns import NetError
+
+    rates = tuple(r.strip() for r in args.rates.split(",") if r.strip()) if args.rates else RATES
+    nbytes = DEFAULT_NBYTES if args.nbytes is None else args.nbytes
+    reps = 5 if args.reps is None else args.reps
+    if nbytes < 1 or reps < 1 or not rates:
+        print("kvferry bench: error: --nbytes and --reps must be >= 1 and --rates not empty", file=err)
+        return 2
+
+    def progress(line: str) -> None:
+        if not args.quiet:
+            print(f"  {line}", file=err, flush=True)
+
+    try:
+        report = run_hosts_bench(rates, nbytes, reps, progress)
+    except (NetError, ValueError) as exc:
+        print(f"kvferry bench --hosts: error: {' '.join(str(exc).split())}", file=err)
+        return 2
+    out.write(render_hosts(report) + "\n")
+    try:
+        with open(args.json, "w", encoding="utf-8") as f:
+            json.dump(report, f, indent=1)
+    except OSError as exc:
+        print(f"kvferry bench: error: cannot write the report: {exc}", file=err)
+        return 2
+    print(f"wrote {args.json}", file=out)
+    return 1 if any(row["mismatches"] for row in report["rows"]) else 0
 
 
 def settings_from_args(args: argparse.Namespace) -> BenchSettings:
@@ -107,6 +147,8 @@ def run(args: argparse.Namespace, *, out: TextIO | None = None, err: TextIO | No
 
     out = sys.stdout if out is None else out
     err = sys.stderr if err is None else err
+    if getattr(args, "hosts", False):
+        return run_hosts(args, out, err)
     try:
         settings = settings_from_args(args)
     except ConfigError as exc:

@@ -24,7 +24,8 @@ import select
 import signal
 import sys
 import threading
-from typing import Any, Iterator
+from collections.abc import Iterator
+from typing import Any
 
 import pytest
 
@@ -32,7 +33,7 @@ HERE = pathlib.Path(__file__).resolve().parent
 if str(HERE) not in sys.path:
     sys.path.insert(0, str(HERE))
 
-from netns import Net, unavailable_reason  # noqa: E402
+from kvferry.app.bench.netns import Net, unavailable_reason  # noqa: E402
 
 #: Deadline of one read from a worker when nothing else bounds it (seconds; a shared machine).
 READ_S = 60.0
@@ -91,7 +92,10 @@ class HostWorker:
             os.close(out_w)
         self.stdin = os.fdopen(in_w, "w", buffering=1)
         self.stdout = os.fdopen(out_r, "r")
-        self._pidfd = os.pidfd_open(self.pid)
+        try:
+            self._pidfd: int | None = os.pidfd_open(self.pid)
+        except ProcessLookupError:  # it already ran to its end (the kernel reaped it)
+            self._pidfd = None
         self.lines: queue.Queue[str | None] = queue.Queue()
         self.said: list[dict[str, Any]] = []
         self._reader = threading.Thread(target=self._pump, daemon=True, name=f"host-worker-{self.pid}")
@@ -113,18 +117,19 @@ class HostWorker:
             return ""
 
     def alive(self) -> bool:
-        return not select.select([self._pidfd], [], [], 0)[0]
+        return self._pidfd is not None and not select.select([self._pidfd], [], [], 0)[0]
 
     def wait_gone(self, timeout_s: float = READ_S) -> bool:
         """True once the process has ended (within ``timeout_s``)."""
-        return bool(select.select([self._pidfd], [], [], timeout_s)[0])
+        return self._pidfd is None or bool(select.select([self._pidfd], [], [], timeout_s)[0])
 
     def read(self, timeout_s: float = READ_S) -> dict[str, Any]:
         try:
             line = self.lines.get(timeout=timeout_s)
         except queue.Empty:
-            raise AssertionError(f"worker {self.pid} on {self.host.label} said nothing within {timeout_s} s\n"
-                                 f"{self.log_tail()}") from None
+            raise AssertionError(
+                f"worker {self.pid} on {self.host.label} said nothing within {timeout_s} s\n{self.log_tail()}"
+            ) from None
         if line is None:
             self.lines.put(None)
             gone = self.wait_gone()
@@ -163,6 +168,8 @@ class HostWorker:
 
     def kill(self) -> None:
         """SIGKILL and wait until the process is gone."""
+        if self._pidfd is None:
+            return
         with contextlib.suppress(ProcessLookupError):
             signal.pidfd_send_signal(self._pidfd, signal.SIGKILL)
         if not self.wait_gone(READ_S):
@@ -174,8 +181,10 @@ class HostWorker:
         self._reader.join(READ_S)
         with contextlib.suppress(OSError, ValueError):
             self.stdout.close()
-        with contextlib.suppress(OSError):
-            os.close(self._pidfd)
+        if self._pidfd is not None:
+            with contextlib.suppress(OSError):
+                os.close(self._pidfd)
+            self._pidfd = None
         self._log.close()
 
     def kill_quietly(self) -> None:

@@ -57,8 +57,24 @@ def pool_state(health: dict[str, Any] | None) -> dict[str, Any]:
     """The numbers of a connector's ``health()`` that say whether memory was given back."""
     if not health:
         return {}
-    keys = ("held_payloads", "held_bytes", "reserved_bytes", "in_flight", "pool_used_bytes", "parked",
-            "recv_pool_in_use", "stash_payloads", "stash_bytes", "claims", "used_bytes", "regions")
+    keys = (
+        "held_payloads",
+        "held_bytes",
+        "reserved_bytes",
+        "in_flight",
+        "pool_used_bytes",
+        "parked",
+        "recv_pool_in_use",
+        "stash_payloads",
+        "stash_bytes",
+        "used_bytes",
+        "live_regions",
+        "reserved",
+        "entries",
+        "parked_lookups",
+        "room",
+        "pool_bytes",
+    )
     out: dict[str, Any] = {}
     for section in (health, health.get("sender") or {}, health.get("receiver") or {}):
         if isinstance(section, dict):
@@ -82,23 +98,35 @@ def _wait_until(predicate: Any, timeout_s: float) -> bool:
 def _parked(manager: Any) -> int:
     health = manager.health().get("sender") or {}
     inner = health.get("sender") if isinstance(health.get("sender"), dict) else {}
-    return int(health.get("parked") or inner.get("parked") or 0)
+    return int(health.get("parked") or inner.get("parked") or health.get("parked_lookups") or 0)
 
 
 def sender_main(rank: int, spec_json: dict[str, Any], options: dict[str, Any]) -> None:
     import torch
 
-    from kvferry.app.demo_worker import synthetic_cache
+    from kvferry.app.demo.worker import synthetic_cache
     from kvferry.app.wiring import build_manager
 
     torch.set_num_threads(1)
     spec = make_spec(**spec_json)
-    manager = build_manager(omni_config(spec, "sender", options), tp_rank=rank, tp_size=spec.from_tp,
-                            env=os.environ, bind_host=options["bind_host"])
+    manager = build_manager(
+        omni_config(spec, "sender", options),
+        tp_rank=rank,
+        tp_size=spec.from_tp,
+        env=os.environ,
+        bind_host=options["bind_host"],
+    )
     cache = synthetic_cache(spec, rank)
     health = manager.health().get("sender") or {}
-    say({"ready": rank, "pid": os.getpid(), "port": manager.sender_port(), "host": health.get("host"),
-         "endpoint": health.get("endpoint")})
+    say(
+        {
+            "ready": rank,
+            "pid": os.getpid(),
+            "port": manager.sender_port(),
+            "host": health.get("host"),
+            "endpoint": health.get("endpoint"),
+        }
+    )
     try:
         for line in sys.stdin:
             command = json.loads(line)
@@ -106,10 +134,17 @@ def sender_main(rank: int, spec_json: dict[str, Any], options: dict[str, Any]) -
             if op == "exit":
                 break
             if op == "send":
-                outcome = manager.send_requests(finished_request(spec, command["rid"]), cache, spec.block_size,
-                                                spec.dtype)[0]
-                say({"sent": command["rid"], "ok": outcome.ok, "keys": list(outcome.keys),
-                     "reason": None if outcome.ok else f"{outcome.reason.value}: {outcome.detail}"})
+                outcome = manager.send_requests(
+                    finished_request(spec, command["rid"]), cache, spec.block_size, spec.dtype
+                )[0]
+                say(
+                    {
+                        "sent": command["rid"],
+                        "ok": outcome.ok,
+                        "keys": list(outcome.keys),
+                        "reason": None if outcome.ok else f"{outcome.reason.value}: {outcome.detail}",
+                    }
+                )
             elif op == "wait_parked":
                 reached = _wait_until(lambda: _parked(manager) >= command["n"], PARKED_WAIT_S)
                 say({"parked": _parked(manager), "reached": reached})
@@ -126,27 +161,34 @@ def sender_main(rank: int, spec_json: dict[str, Any], options: dict[str, Any]) -
 # ------------------------------------------------------------------------------- receiver
 def _request(rid: str, info: Any) -> Any:
     params = types.SimpleNamespace(past_key_values=None, kv_metadata=None, cfg_kv_request_ids=None)
-    return types.SimpleNamespace(request_id=rid, past_key_values=None, kv_metadata=None, sampling_params=params,
-                                 kv_sender_info=info)
+    return types.SimpleNamespace(
+        request_id=rid, past_key_values=None, kv_metadata=None, sampling_params=params, kv_sender_info=info
+    )
 
 
-def receiver_main(rank: int, world_size: int, store_file: str, spec_json: dict[str, Any],
-                  options: dict[str, Any]) -> None:
+def receiver_main(
+    rank: int, world_size: int, store_file: str, spec_json: dict[str, Any], options: dict[str, Any]
+) -> None:
     import datetime
 
     import torch
     import torch.distributed as dist
 
     from kvferry.adapters.collectives import TorchDistGroup, build_parallel_groups
-    from kvferry.app.compat_manager import OmniKVTransferManager
+    from kvferry.app.compat.manager import OmniKVTransferManager
     from kvferry.app.manager import StageGroups
     from kvferry.core.config import TransferConfig
     from kvferry.core.roles import GroupLayout
 
     torch.set_num_threads(1)
     spec = make_spec(**spec_json)
-    dist.init_process_group("gloo", store=dist.FileStore(store_file, world_size), rank=rank,
-                            world_size=world_size, timeout=datetime.timedelta(seconds=INIT_TIMEOUT_S))
+    dist.init_process_group(
+        "gloo",
+        store=dist.FileStore(store_file, world_size),
+        rank=rank,
+        world_size=world_size,
+        timeout=datetime.timedelta(seconds=INIT_TIMEOUT_S),
+    )
     world = TorchDistGroup()
     layout = GroupLayout(tp_size=world_size, sp_size=1, cfg_size=1)
     g = build_parallel_groups(layout, rank, world, lambda ranks: TorchDistGroup.new(ranks, timeout_s=INIT_TIMEOUT_S))
@@ -156,8 +198,9 @@ def receiver_main(rank: int, world_size: int, store_file: str, spec_json: dict[s
     def manager_for(timeout: float) -> Any:
         if timeout not in managers:
             omni = dict(omni_config(spec, "receiver", options), recv_timeout=timeout)
-            managers[timeout] = OmniKVTransferManager(TransferConfig.from_omni_kv_config(omni, os.environ),
-                                                      tp_rank=rank, tp_size=world_size, groups=groups)
+            managers[timeout] = OmniKVTransferManager(
+                TransferConfig.from_omni_kv_config(omni, os.environ), tp_rank=rank, tp_size=world_size, groups=groups
+            )
         return managers[timeout]
 
     def pools() -> dict[str, Any]:
@@ -181,11 +224,18 @@ def receiver_main(rank: int, world_size: int, store_file: str, spec_json: dict[s
                 seconds = time.monotonic() - start
                 outcome = manager.last_receive_outcome
                 kv = req.past_key_values
-                say({"rank": rank, "rid": command["rid"], "ok": bool(ok), "seconds": seconds,
-                     "outcome": outcome.kind.value if outcome is not None else None,
-                     "detail": outcome.detail if outcome is not None else None,
-                     "digest": kv_digest(kv.key_cache, kv.value_cache) if kv is not None else None,
-                     "pools": pools()})
+                say(
+                    {
+                        "rank": rank,
+                        "rid": command["rid"],
+                        "ok": bool(ok),
+                        "seconds": seconds,
+                        "outcome": outcome.kind.value if outcome is not None else None,
+                        "detail": outcome.detail if outcome is not None else None,
+                        "digest": kv_digest(kv.key_cache, kv.value_cache) if kv is not None else None,
+                        "pools": pools(),
+                    }
+                )
             elif op == "health":
                 say({"rank": rank, "pools": pools()})
             else:
@@ -220,7 +270,7 @@ def _tcp_probe(host: str, port: int, timeout_s: float) -> dict[str, Any]:
 def probe_main(plan: dict[str, Any]) -> None:
     """What a host that is not a configured peer can get: zmq receivers with the given configs
     asking for keys (``gets``) and plain TCP connections (``tcp``); one JSON line of results."""
-    from kvferry.adapters.connectors.zmq_connector import ZmqConnector
+    from kvferry.adapters.connectors.zmq.connector import ZmqConnector
 
     results: dict[str, Any] = {"gets": [], "tcp": []}
     for attempt in plan.get("gets", []):
@@ -232,8 +282,9 @@ def probe_main(plan: dict[str, Any]) -> None:
                 frames, size = got
                 data = {"size": size, "bytes": b"".join(bytes(f) for f in frames).hex()[:64]}
             health = conn.health()
-        results["gets"].append({"name": attempt["name"], "data": data, "hits": health["hits"],
-                                "seconds": time.monotonic() - start})
+        results["gets"].append(
+            {"name": attempt["name"], "data": data, "hits": health["hits"], "seconds": time.monotonic() - start}
+        )
     for host, port in plan.get("tcp", []):
         results["tcp"].append({"host": host, "port": port, **_tcp_probe(host, port, plan.get("tcp_timeout", 1.0))})
     say(results)
@@ -246,9 +297,9 @@ def preload() -> None:
     import zmq  # noqa: F401
 
     import kvferry.adapters.collectives  # noqa: F401
-    import kvferry.adapters.connectors.zmq_connector  # noqa: F401
-    import kvferry.app.compat_manager  # noqa: F401
-    import kvferry.app.demo_worker  # noqa: F401
+    import kvferry.adapters.connectors.zmq.connector  # noqa: F401
+    import kvferry.app.compat.manager  # noqa: F401
+    import kvferry.app.demo.worker  # noqa: F401
     import kvferry.app.wiring  # noqa: F401
 
 

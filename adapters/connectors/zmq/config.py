@@ -204,6 +204,15 @@ def _host(raw: Mapping[str, Any], key: str, default: str | None) -> str | None:
     return value.strip()
 
 
+def _device(raw: Mapping[str, Any]) -> str | None:
+    value = raw.get("bind_device")
+    if value is None:
+        return None
+    if not isinstance(value, str) or not value or len(value) > 15 or "/" in value or value.strip() != value:
+        raise ConfigError(f"bind_device must be a network interface name (1..15 characters), got {value!r}")
+    return value
+
+
 _KNOWN = {
     "type",
     "role",
@@ -211,6 +220,7 @@ _KNOWN = {
     "host",
     "port",
     "advertise_host",
+    "bind_device",
     "ipc_dir",
     "pool_bytes",
     "max_payloads",
@@ -244,6 +254,9 @@ class ZmqConfig:
     - ``host``/``port``: where a sender binds (loopback by default; ``port`` 0 with tcp lets
       the OS choose, reported in ``health()`` and put metadata). ``advertise_host`` is the host
       put metadata names (default ``host``; required when ``host`` is a wildcard).
+    - ``bind_device``: a sender's listening socket accepts connections only through this
+      interface (SO_BINDTODEVICE): binding an address alone does not stop Linux from taking
+      connections to it that arrive on another interface (the weak host model).
     - ``transport`` ``"ipc"``: the sender binds ``ipc_path(ipc_dir, port)`` instead.
     - ``pool_bytes``/``max_payloads``: bounds of what a sender holds; ``readers`` gets per
       payload (default 1); ``lease_s``: an unread payload is dropped after this.
@@ -269,6 +282,7 @@ class ZmqConfig:
     host: str = "127.0.0.1"
     port: int | None = None
     advertise_host: str | None = None
+    bind_device: str | None = None
     ipc_dir: str = attrs.field(factory=tempfile.gettempdir)
     pool_bytes: int = 2 << 30
     max_payloads: int = 4096
@@ -329,6 +343,7 @@ class ZmqConfig:
             host=host or "127.0.0.1",
             port=port,
             advertise_host=advertise,
+            bind_device=_device(raw),
             ipc_dir=ipc_dir,
             pool_bytes=_int(raw, "pool_bytes", 2 << 30, 1),
             max_payloads=_int(raw, "max_payloads", 4096, 1),

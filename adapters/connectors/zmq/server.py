@@ -203,6 +203,8 @@ class ZmqServer:
             return
         if ":" in cfg.host.strip("[]"):
             sock.ipv6 = True
+        if cfg.bind_device is not None:
+            sock.setsockopt(zmq.BINDTODEVICE, cfg.bind_device.encode())
         sock.bind(tcp_endpoint(cfg.host, cfg.port if cfg.port else "*"))
         self.endpoint = sock.getsockopt_string(zmq.LAST_ENDPOINT)
         self.port = int(self.endpoint.rsplit(":", 1)[1])

@@ -1,4 +1,7 @@
-"""Hosts made of Linux network namespaces, for tests that need more than one network stack.
+"""Hosts made of Linux network namespaces: several network stacks on one machine (root only).
+
+``kvferry bench --hosts`` and the multi-host tests (``tests/hosts``) use it; so can an
+operator rehearsing a deployment (docs/deploying.md has the same steps as ``ip`` commands).
 
 A :class:`Net` owns every namespace it makes (their names start with its unique ``prefix``,
 ``kvf-<pid>-<n>``). A host is a namespace with loopback up; a wire is a veth pair whose two
@@ -26,8 +29,9 @@ import signal
 import subprocess
 import threading
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any, Sequence
+from typing import Any
 
 __all__ = ["NetError", "Net", "Host", "Wire", "Segment", "ns_inode", "processes_in", "unavailable_reason"]
 
@@ -96,7 +100,7 @@ class Host:
     """One namespace: ``name`` (the namespace), ``label`` (the test's name for it), and the
     addresses given to it (``addresses[device] = ip``)."""
 
-    net: "Net"
+    net: Net
     label: str
     name: str
     addresses: dict[str, str] = field(default_factory=dict)
@@ -165,7 +169,7 @@ def _proc_address(hex_text: str) -> str:
     import ipaddress
 
     raw = bytes.fromhex(hex_text)
-    words = b"".join(raw[i:i + 4][::-1] for i in range(0, len(raw), 4))
+    words = b"".join(raw[i : i + 4][::-1] for i in range(0, len(raw), 4))
     return str(ipaddress.ip_address(words))
 
 
@@ -191,8 +195,23 @@ class Wire:
         for host, dev in self.ends:
             run_cmd("tc", "-n", host.name, "qdisc", "del", "dev", dev, "root", check=False)
             if rate is not None:
-                run_cmd("tc", "-n", host.name, "qdisc", "add", "dev", dev, "root", "tbf", "rate", rate,
-                        "burst", burst or f"{max(64 << 10, tbf_bytes_per_s(rate) // 250)}b", "latency", "100ms")
+                run_cmd(
+                    "tc",
+                    "-n",
+                    host.name,
+                    "qdisc",
+                    "add",
+                    "dev",
+                    dev,
+                    "root",
+                    "tbf",
+                    "rate",
+                    rate,
+                    "burst",
+                    burst or f"{max(64 << 10, tbf_bytes_per_s(rate) // 250)}b",
+                    "latency",
+                    "100ms",
+                )
         self.rate = rate
 
     def cut(self) -> None:
@@ -202,7 +221,8 @@ class Wire:
             run_cmd("ip", "-n", host.name, "link", "set", dev, "down")
 
     def restore(self) -> None:
-        """Bring both ends up again (addresses and routes of the devices come back with them)."""
+        """Bring both ends up again (addresses and routes of the devices come back with them).
+        Idempotent."""
         for host, dev in self.ends:
             run_cmd("ip", "-n", host.name, "link", "set", dev, "up")
         for host, dev in self.ends:
@@ -277,8 +297,9 @@ class Net:
         return f"10.99.{n}"
 
     def _veth(self, a: Host, dev_a: str, b: Host, dev_b: str) -> Wire:
-        run_cmd("ip", "link", "add", "name", dev_a, "netns", a.name, "type", "veth",
-                "peer", "name", dev_b, "netns", b.name)
+        run_cmd(
+            "ip", "link", "add", "name", dev_a, "netns", a.name, "type", "veth", "peer", "name", dev_b, "netns", b.name
+        )
         wire = Wire(((a, dev_a), (b, dev_b)))
         self.wires.append(wire)
         return wire
@@ -349,12 +370,14 @@ class Net:
         """What of this net still exists: namespaces, root-namespace links and processes."""
         names = run_cmd("ip", "netns", "list", check=False).stdout.split("\n")
         spaces = [n.split()[0] for n in names if n.strip() and n.split()[0].startswith(self.prefix)]
-        links = [line for line in run_cmd("ip", "-o", "link", "show", check=False).stdout.splitlines()
-                 if self.prefix in line]
-        return {k: v for k, v in (("namespaces", spaces), ("links", links),
-                                  ("processes", processes_in(self._inodes))) if v}
+        links = [
+            line for line in run_cmd("ip", "-o", "link", "show", check=False).stdout.splitlines() if self.prefix in line
+        ]
+        return {
+            k: v for k, v in (("namespaces", spaces), ("links", links), ("processes", processes_in(self._inodes))) if v
+        }
 
-    def __enter__(self) -> "Net":
+    def __enter__(self) -> Net:
         return self
 
     def __exit__(self, *exc: Any) -> None:
