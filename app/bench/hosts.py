@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import os
+import pathlib
 import statistics
 import subprocess
 import sys
@@ -28,6 +29,7 @@ RATES = ("1gbit", "10gbit")
 DEFAULT_NBYTES = 235_000_000
 TCP_PORT, ZMQ_PORT = 40001, 50151
 READ_S = 300.0
+WORKER = pathlib.Path(__file__).resolve().with_name("hosts_worker.py")
 
 
 class _Worker:
@@ -35,28 +37,32 @@ class _Worker:
 
     def __init__(self, host: Host, kind: str, address: str, port: int, nbytes: int) -> None:
         self.kind = kind
-        argv = [sys.executable, "-m", "kvferry.app.bench.hosts_worker", kind, address, str(port), str(nbytes)]
+        # run by path, not as kvferry.app.bench.hosts_worker: importing kvferry.app would import
+        # torch (seconds per process), which the plain TCP ends do not need
+        argv = [sys.executable, str(WORKER), kind, address, str(port), str(nbytes)]
         self.proc = host.popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+        assert self.proc.stdin is not None and self.proc.stdout is not None  # both are pipes
+        self.stdin, self.stdout = self.proc.stdin, self.proc.stdout
 
     def read(self, timeout_s: float = READ_S) -> dict[str, Any]:
         import select
 
-        if not select.select([self.proc.stdout], [], [], timeout_s)[0]:
+        if not select.select([self.stdout], [], [], timeout_s)[0]:
             raise RuntimeError(f"{self.kind}: no answer within {timeout_s} s")
-        line = self.proc.stdout.readline()
+        line = self.stdout.readline()
         if not line:
             raise RuntimeError(f"{self.kind} exited with {self.proc.wait(timeout=READ_S)}")
         return json.loads(line)
 
     def go(self) -> None:
-        self.proc.stdin.write("go\n")
-        self.proc.stdin.flush()
+        self.stdin.write("go\n")
+        self.stdin.flush()
 
     def close(self) -> None:
         if self.proc.poll() is None:
             try:
-                self.proc.stdin.write("exit\n")
-                self.proc.stdin.close()
+                self.stdin.write("exit\n")
+                self.stdin.close()
             except OSError:
                 pass
             try:

@@ -1,6 +1,7 @@
 """One end of a ``kvferry bench --hosts`` link, run inside a namespace host.
 
-``python -m kvferry.app.bench.hosts_worker KIND ADDRESS PORT NBYTES``, KIND one of
+``python .../kvferry/app/bench/hosts_worker.py KIND ADDRESS PORT NBYTES`` (run by path: the
+plain TCP ends then import nothing of kvferry), KIND one of
 ``tcp-send``, ``tcp-recv``, ``zmq-send``, ``zmq-recv``. It says ``{"ready": ...}`` on stdout,
 then does one repetition per ``go`` line on stdin and answers with a JSON line; ``exit`` (or
 end of input) ends it.

@@ -290,6 +290,19 @@ def probe_main(plan: dict[str, Any]) -> None:
     say(results)
 
 
+def bind_check(config: dict[str, Any]) -> None:
+    """Start a zmq sender with ``config``; say whether it bound or which BindError it raised."""
+    from kvferry.adapters.connectors.zmq.connector import ZmqConnector
+    from kvferry.core.errors import BindError
+
+    try:
+        ZmqConnector.from_config({"role": "sender", **config}).close()
+    except BindError as exc:
+        say({"bind_error": str(exc)})
+        return
+    say({"bound": True})
+
+
 def preload() -> None:
     """Import what every worker needs (the zygote calls this once, before it forks)."""
     import torch  # noqa: F401
@@ -311,6 +324,8 @@ def main(argv: list[str]) -> None:
         receiver_main(int(argv[1]), int(argv[2]), argv[3], json.loads(argv[4]), json.loads(argv[5]))
     elif kind == "probe":
         probe_main(json.loads(argv[1]))
+    elif kind == "bind_check":
+        bind_check(json.loads(argv[1]))
     else:
         raise SystemExit(f"unknown worker kind {kind!r}")
 

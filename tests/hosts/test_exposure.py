@@ -224,3 +224,19 @@ def test_what_the_mooncake_engine_exposes(zygote: Any, lan: Any, tmp_path: Any) 
         stage.close()
     finally:
         stage.kill()
+
+
+def test_bind_device_that_does_not_exist_is_a_bind_error(zygote: Any, lan: Any, tmp_path: Any) -> None:
+    """SO_BINDTODEVICE on a missing interface fails the sender's start, naming host and port;
+    the interface that exists binds (control)."""
+    net, a, b, c = lan
+    said = []
+    for device in ("no-such-dev", "to-b"):
+        config = {"host": a.addresses["to-b"], "port": 50999, "bind_device": device}
+        worker = HostWorker(zygote, a, ["bind_check", json.dumps(config)], tmp_path / f"bind-{device}.log")
+        try:
+            said.append(worker.read())
+        finally:
+            worker.finish()
+    assert "50999" in said[0].get("bind_error", ""), said
+    assert said[1] == {"bound": True}, said

@@ -303,6 +303,9 @@ def test_config_errors_name_the_key():
         ({"ipc_dir": "rel"}, "ipc_dir"),
         ({"curve": {"server_public": "short"}}, "server_public"),
         ({"curve": {"bogus": 1}}, "unknown"),
+        ({"role": "sender", "port": 1, "bind_device": ""}, "bind_device"),
+        ({"role": "sender", "port": 1, "bind_device": "a-name-over-15-chars"}, "bind_device"),
+        ({"role": "sender", "port": 1, "bind_device": 3}, "bind_device"),
     ]
     for raw, word in cases:
         with pytest.raises(ConfigError, match=word):
@@ -313,6 +316,7 @@ def test_config_errors_name_the_key():
         ZmqConfig.from_mapping({"curve": keys})
     cfg = ZmqConfig.from_mapping({"type": "zmq", "sender_zmq_port": "50151", "typo": 1})
     assert cfg.sender_port == 50151 and cfg.ignored_keys == ("typo",)
+    assert ZmqConfig.from_mapping({"role": "sender", "port": 1, "bind_device": "lo"}).bind_device == "lo"
 
 
 # ----------------------------------------------------------------------------- connector
