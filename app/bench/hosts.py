@@ -5,7 +5,8 @@ The two hosts are network namespaces joined by a veth pair shaped with a token-b
 known rate between them. For each rate, the same payload (default 235 MB: one 4096-token
 Qwen2.5-7B request) goes from host A to host B by plain TCP (``sendall`` / ``recv_into``) and by
 kvferry's zmq connector (``reserve`` + ``commit`` on A, ``get_blocking`` on B), repetitions
-interleaved (TCP, zmq, TCP, zmq, ...) so both see the same moments of a shared machine.
+interleaved (TCP, zmq, TCP, zmq, ...) so both see the same moments of a shared machine,
+after one untimed warm-up repetition of each.
 Reported per rate: the median wire time of each, its throughput (Gbit/s = 1e9 bit/s) and the
 ratio zmq / TCP (target >= 0.9); every repetition is checked by CRC-32 on both ends.
 """
@@ -29,6 +30,8 @@ RATES = ("1gbit", "10gbit")
 DEFAULT_NBYTES = 235_000_000
 TCP_PORT, ZMQ_PORT = 40001, 50151
 READ_S = 300.0
+#: Untimed repetitions first (page faults of fresh buffers and pools, connection start).
+WARMUP = 1
 WORKER = pathlib.Path(__file__).resolve().with_name("hosts_worker.py")
 
 
@@ -90,16 +93,20 @@ def _one_rate(rate: str, nbytes: int, reps: int, progress: Callable[[str], None]
                 w.read()
             times: dict[str, list[float]] = {"tcp": [], "zmq": []}
             mismatches = 0
-            for rep in range(reps):
+            for rep in range(-WARMUP, reps):  # the first repetitions touch the buffers: untimed
                 tcp_send.go()
                 sent, got = tcp_send.read(), tcp_recv.read()
-                times["tcp"].append(got["t_recv"] - sent["t_send"])
+                tcp_s = got["t_recv"] - sent["t_send"]
                 mismatches += sent["crc"] != got["crc"]
                 zmq_recv.go()
                 zmq_send.go()
                 sent, got = zmq_send.read(), zmq_recv.read()
-                times["zmq"].append(got["t_recv"] - sent["t_send"])
+                zmq_s = got["t_recv"] - sent["t_send"]
                 mismatches += sent["crc"] != got["crc"] or got["size"] != nbytes
+                if rep < 0:
+                    continue
+                times["tcp"].append(tcp_s)
+                times["zmq"].append(zmq_s)
                 progress(f"{rate} rep {rep + 1}/{reps}: tcp {times['tcp'][-1]:.3f} s, zmq {times['zmq'][-1]:.3f} s")
             qdisc = wire.qdisc()
         finally:
