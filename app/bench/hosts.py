@@ -24,7 +24,7 @@ from typing import Any
 
 from kvferry.app.bench.netns import Host, Net, NetError, unavailable_reason
 
-__all__ = ["RATES", "DEFAULT_NBYTES", "run_hosts_bench", "render_hosts"]
+__all__ = ["RATES", "DEFAULT_NBYTES", "WorkerFactory", "run_hosts_bench", "render_hosts"]
 
 RATES = ("1gbit", "10gbit")
 DEFAULT_NBYTES = 235_000_000
@@ -75,19 +75,25 @@ class _Worker:
                 self.proc.wait(timeout=30)
 
 
-def _one_rate(rate: str, nbytes: int, reps: int, progress: Callable[[str], None]) -> dict[str, Any]:
+#: ``start(host, kind, address, port, nbytes)`` -> a worker with ``read()``, ``go()``, ``close()``.
+WorkerFactory = Callable[[Host, str, str, int, int], Any]
+
+
+def _one_rate(
+    rate: str, nbytes: int, reps: int, progress: Callable[[str], None], start: WorkerFactory
+) -> dict[str, Any]:
     with Net("b") as net:
         a, b = net.host("a"), net.host("b")
         wire = net.wire(a, b, rate=rate)
         addr_a, addr_b = a.addresses["to-b"], b.addresses["to-a"]
-        workers: list[_Worker] = []
+        workers: list[Any] = []
         try:
-            tcp_recv = _Worker(b, "tcp-recv", addr_b, TCP_PORT, nbytes)
+            tcp_recv = start(b, "tcp-recv", addr_b, TCP_PORT, nbytes)
             workers.append(tcp_recv)
             tcp_recv.read()
-            tcp_send = _Worker(a, "tcp-send", addr_b, TCP_PORT, nbytes)
-            zmq_send = _Worker(a, "zmq-send", addr_a, ZMQ_PORT, nbytes)
-            zmq_recv = _Worker(b, "zmq-recv", addr_a, ZMQ_PORT, nbytes)
+            tcp_send = start(a, "tcp-send", addr_b, TCP_PORT, nbytes)
+            zmq_send = start(a, "zmq-send", addr_a, ZMQ_PORT, nbytes)
+            zmq_recv = start(b, "zmq-recv", addr_a, ZMQ_PORT, nbytes)
             workers += [tcp_send, zmq_send, zmq_recv]
             for w in (tcp_send, zmq_send, zmq_recv):
                 w.read()
@@ -110,7 +116,7 @@ def _one_rate(rate: str, nbytes: int, reps: int, progress: Callable[[str], None]
                 progress(f"{rate} rep {rep + 1}/{reps}: tcp {times['tcp'][-1]:.3f} s, zmq {times['zmq'][-1]:.3f} s")
             qdisc = wire.qdisc()
         finally:
-            for w in workers:
+            for w in reversed(workers):  # senders first: the TCP receiver ends when its peer closes
                 w.close()
     tcp, zmq = statistics.median(times["tcp"]), statistics.median(times["zmq"])
     return {
@@ -134,12 +140,17 @@ def run_hosts_bench(
     nbytes: int = DEFAULT_NBYTES,
     reps: int = 5,
     progress: Callable[[str], None] = lambda line: None,
+    start: WorkerFactory | None = None,
 ) -> dict[str, Any]:
-    """Measure every rate; raises NetError when namespaces cannot be made (not root...)."""
+    """Measure every rate; raises NetError when namespaces cannot be made (not root...).
+
+    ``start`` makes the link's end processes (default: ``hosts_worker.py`` run inside the host
+    by ``ip netns exec``); tests pass one that forks them from a process that already imported
+    torch."""
     reason = unavailable_reason()
     if reason is not None:
         raise NetError(reason)
-    rows = [_one_rate(rate, nbytes, reps, progress) for rate in rates]
+    rows = [_one_rate(rate, nbytes, reps, progress, start or _Worker) for rate in rates]
     return {"kind": "hosts", "rows": rows, "load_avg": os.getloadavg(), "cpus": os.cpu_count()}
 
 

@@ -311,6 +311,7 @@ def preload() -> None:
 
     import kvferry.adapters.collectives  # noqa: F401
     import kvferry.adapters.connectors.zmq.connector  # noqa: F401
+    import kvferry.app.bench.hosts_worker  # noqa: F401
     import kvferry.app.compat.manager  # noqa: F401
     import kvferry.app.demo.worker  # noqa: F401
     import kvferry.app.wiring  # noqa: F401
@@ -324,6 +325,10 @@ def main(argv: list[str]) -> None:
         receiver_main(int(argv[1]), int(argv[2]), argv[3], json.loads(argv[4]), json.loads(argv[5]))
     elif kind == "probe":
         probe_main(json.loads(argv[1]))
+    elif kind == "bench":  # one end of a ``kvferry bench --hosts`` link
+        from kvferry.app.bench.hosts_worker import main as bench_main
+
+        bench_main(argv[1:])
     elif kind == "bind_check":
         bind_check(json.loads(argv[1]))
     else:

@@ -14,7 +14,10 @@ from kvferry.app.bench.netns import Net, NetError, processes_in, run_cmd
 
 pytestmark = pytest.mark.timeout(60)
 
-SERVER = "import socket;s=socket.socket();s.bind(({addr!r},7000));s.listen();print('up',flush=True)\nwhile True: s.accept()[0].close()"
+SERVER = (
+    "import socket;s=socket.socket();s.bind(({addr!r},7000));s.listen();print('up',flush=True)\n"
+    "while True: s.accept()[0].close()"
+)
 CLIENT = "import socket;socket.create_connection(({addr!r},7000),timeout=1)"
 
 
