@@ -26,7 +26,7 @@ from stage_worker import expected_digest, make_spec, sender_caches, spec_to_json
 #: Seconds past a receive deadline within which every rank must have answered: the receive,
 #: then the TP consensus, on a shared 2-core machine. A hang would take the collective's 30 s
 #: margin or the worker read deadline, far above this.
-SLACK_S = 8.0
+SLACK_S = 12.0
 
 
 class TwoHostStage:
