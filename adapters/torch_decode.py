@@ -22,6 +22,7 @@ from typing import Any
 import attrs
 import torch
 
+from kvferry.core.phrases import phrase
 from kvferry.core.errors import ConfigError, PayloadError
 from kvferry.core.header import (
     DTYPE_ITEMSIZE,
@@ -271,7 +272,7 @@ def _tensors(data: Any, limits: DecodeLimits) -> tuple[DecodedHeader, list]:
     """The validated header and ``[(slot, tensor)]`` of every present tensor."""
     if isinstance(data, torch.Tensor) and data.device.type != "cpu":
         if data.dtype != torch.uint8 or data.dim() != 1:
-            raise PayloadError("invalid KV payload: a packed payload tensor must be 1-D uint8")
+            raise PayloadError(f"invalid KV payload: {phrase('device_tensor')}")
         decoded = _decode_head(lambda a, n: bytes(data[a : a + n].cpu().numpy()), data.numel(), limits)
         return decoded, [
             (slot, _typed_view(data, decoded.data_start + slot[2].offset, slot[2], copy_if_misaligned=True))

@@ -17,13 +17,14 @@ Data vocabulary used below:
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any, Protocol, runtime_checkable
 
 __all__ = [
     "PutResult",
     "GetResult",
     "Connector",
+    "FramesPut",
     "BlockingGet",
     "SenderAware",
     "Reservable",
@@ -86,6 +87,24 @@ class Connector(Protocol):
 
     def close(self) -> None:
         """Release every resource. Idempotent; connectors are also context managers."""
+        ...
+
+
+@runtime_checkable
+class FramesPut(Protocol):
+    """Optional: a connector that takes a payload as zero-copy frames (kvferry's own do).
+
+    ``frames`` is a sequence of bytes-like buffers (a header, then tensor memoryviews and zero
+    padding) whose concatenation is the payload; the connector copies them into its store
+    without joining them first. A connector without this ability gets exactly what the
+    reference hands every connector: one bytes-like payload, or, when its class says
+    ``supports_raw_data = True`` and the KV lives on a device, the payload as one device
+    ``uint8`` tensor. (The reference's connectors serialize whatever ``put`` is given, so a
+    list of frames would reach a reference receiver as a list, not as a payload.)
+    """
+
+    def put_frames(self, from_stage: str, to_stage: str, put_key: str, frames: Sequence[Any]) -> PutResult:
+        """Store the concatenation of ``frames`` under ``put_key``; results as :meth:`Connector.put`."""
         ...
 
 

@@ -21,6 +21,7 @@ from typing import Any
 import torch
 
 from kvferry.adapters.torch_frames import decode_payload, encode_bytes, encode_device_tensor
+from kvferry.core.phrases import phrase
 from kvferry.core.config import TransferConfig
 from kvferry.core.errors import ConfigError, PayloadError, TransferError
 
@@ -93,7 +94,7 @@ class KVCacheTransferData:
         contiguous first (one copy).
         """
         if not isinstance(tensor, torch.Tensor) or tensor.dtype != torch.uint8 or tensor.dim() != 1:
-            raise PayloadError("invalid KV payload: from_bytes_device needs a 1-D uint8 tensor")
+            raise PayloadError(f"invalid KV payload: {phrase('device_tensor')}")
         return decode_payload(tensor.contiguous()).to_reference_dict()
 
     from_bytes_gpu = from_bytes_device

@@ -27,6 +27,7 @@ from typing import Any, TypeGuard, cast
 import attrs
 
 from kvferry.core.errors import ConfigError
+from kvferry.core.phrases import phrase
 from kvferry.core.header.json_reader import _parse, _remember, _Reused
 from kvferry.core.header.values import (
     _MAX_INT,
@@ -156,6 +157,21 @@ HEADER_FIELDS: tuple[_Field, ...] = (
 )
 
 
+def _want_layer(value: Any, name: str) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= _MAX_INT:
+        raise _fail(phrase("layer", layer=_short(value)), name)
+    return value
+
+
+def _want_span_int(value: Any, what: str, item: dict, name: str) -> int:
+    """An offset or byte count: a negative integer is the reference's span fault."""
+    if isinstance(value, int) and not isinstance(value, bool) and value < 0:
+        raise _fail(
+            phrase("span", name=name, offset=_short(item.get("o")), nbytes=_short(item.get("b")), data="?"), name
+        )
+    return _want_int(value, what, name)
+
+
 def _dec_shape(value: Any, limits: DecodeLimits, name: str) -> tuple[int, ...]:
     if not isinstance(value, list) or len(value) > limits.max_ndim:
         raise _fail(f"shape must be a list of at most {limits.max_ndim} integers", name)
@@ -171,11 +187,11 @@ def _dec_checksum(value: Any, name: str) -> int:
 #: Present-descriptor keys in wire order; ``i`` and ``c`` are optional on decode.
 DESCRIPTOR_FIELDS: tuple[_Field, ...] = (
     _Field("n", "name", lambda v, c: v),
-    _Field("i", "layer", lambda v, c: _want_int(v, "layer index i", c[1]), required=False),
+    _Field("i", "layer", lambda v, c: _want_layer(v, c[1]), required=False),
     _Field("d", "dtype", lambda v, c: _want_str(v, "dtype d", c[1])),
     _Field("s", "shape", lambda v, c: _dec_shape(v, c[0], c[1]), list),
-    _Field("o", "offset", lambda v, c: _want_int(v, "offset o", c[1])),
-    _Field("b", "nbytes", lambda v, c: _want_int(v, "byte count b", c[1])),
+    _Field("o", "offset", lambda v, c: _want_span_int(v, "offset o", c[2], c[1])),
+    _Field("b", "nbytes", lambda v, c: _want_span_int(v, "byte count b", c[2], c[1])),
     _Field("c", "checksum", lambda v, c: _dec_checksum(v, c[1]), lambda v: f"{v:08x}", required=False),
 )
 
@@ -289,13 +305,13 @@ def _dec_descriptor(item: Any, limits: DecodeLimits) -> Entry:
         values: dict[str, Any] = {}
         for f in DESCRIPTOR_FIELDS:
             if f.key in item:
-                values[f.attr] = f.decode(item[f.key], (limits, name))
+                values[f.attr] = f.decode(item[f.key], (limits, name, item))
             elif f.required:
                 raise _fail(f"descriptor lacks {f.key!r}", name)
         if "layer" not in values:  # older senders: the layer is the name's suffix
             parsed = _parse_name(name)
             if parsed is None:
-                raise _fail("no layer index and the name has no layer suffix", name)
+                raise _fail(phrase("name", name=_short(name)), name)
             values["layer"] = parsed[1]
         fields = (
             name,
@@ -345,13 +361,13 @@ def decode_header(buf: Any, total_len: int | None = None, *, limits: DecodeLimit
     if isinstance(total, bool) or not isinstance(total, int) or total < len(view):
         raise _fail(f"total_len {total_len!r} is smaller than the buffer")
     if len(view) < PREFIX_NBYTES:
-        raise _fail("missing 4-byte header length")
+        raise _fail(phrase("short_prefix"))
     (header_len,) = _PREFIX.unpack(view[:PREFIX_NBYTES])
     if header_len > limits.max_header_bytes:
         raise _fail(f"header_len={header_len} exceeds the limit {limits.max_header_bytes}")
     data_start = PREFIX_NBYTES + header_len
     if data_start > len(view):
-        raise _fail(f"header_len={header_len} exceeds buffer size={len(view)}")
+        raise _fail(phrase("header_len", header_len=header_len, size=len(view)))
     try:
         text = str(view[PREFIX_NBYTES:data_start], "utf-8")
     except UnicodeDecodeError as exc:
@@ -385,8 +401,7 @@ def decode_header(buf: Any, total_len: int | None = None, *, limits: DecodeLimit
             continue
         if entry.offset + entry.nbytes > data_len:
             raise _fail(
-                f"span offset={entry.offset}, bytes={entry.nbytes} lies outside the {data_len} bytes of tensor data",
-                entry.name,
+                phrase("span", name=entry.name, offset=entry.offset, nbytes=entry.nbytes, data=data_len), entry.name
             )
         out.append((data_start + entry.offset, entry.nbytes))
     return DecodedHeader(header, data_start, total, tuple(out))

@@ -22,6 +22,7 @@ from typing import Any
 import attrs
 
 from kvferry.core.errors import ConfigError, PayloadError
+from kvferry.core.phrases import phrase
 
 __all__ = [
     "DTYPE_ITEMSIZE",
@@ -102,19 +103,24 @@ def _parse_name(name: str) -> tuple[str, int] | None:
     return _match_name(name)
 
 
+_ROLE_PREFIXES = tuple(_KINDS.values())
+
+
 def _name_problem(name: str, layer: int) -> str | None:
-    parsed = _parse_name(name)
-    if parsed is None:
-        return "name is not key_cache_<layer> or value_cache_<layer>"
-    if parsed[1] != layer:
-        return f"layer index {layer} disagrees with the name"
+    """The name gives only the role (its prefix), as in the reference: the layer is ``i``.
+
+    ``key_cache_extra_suffix`` with ``i: 0`` is layer 0's key; a suffix that disagrees with
+    ``i`` is not a fault. A name that is neither ``key_cache_*`` nor ``value_cache_*`` is
+    refused (the reference would drop that tensor without a word)."""
+    if type(name) is not str or not name.startswith(_ROLE_PREFIXES):
+        return phrase("name", name=name)
     return None
 
 
 def _size_problem(dtype: str, shape: tuple[int, ...]) -> tuple[str | None, int]:
     """``(problem, nbytes)`` of ``dtype`` x ``shape``; nbytes is 0 when there is a problem."""
     if dtype not in DTYPE_ITEMSIZE:
-        return f"unsupported dtype {dtype!r}", 0
+        return phrase("dtype", dtype=dtype), 0
     if any(isinstance(d, bool) or not isinstance(d, int) or d < 0 or d > _MAX_INT for d in shape):
         return f"shape {list(shape)} has a dimension that is not a non-negative integer", 0
     if math.prod(max(d, 1) for d in shape) * DTYPE_ITEMSIZE[dtype] > _MAX_INT:
@@ -137,7 +143,7 @@ def _exact(values: tuple[Any, ...]) -> bool:
 def _element_info(name: Any, layer: Any, dtype: Any, shape: tuple[Any, ...]) -> tuple[str | None, int]:
     """``(problem, nbytes)`` of one tensor; the checks run in the order of the error messages."""
     if type(layer) is not int and (isinstance(layer, bool) or not isinstance(layer, int)):
-        return f"layer index {layer!r} is not an integer", 0
+        return phrase("layer", layer=repr(layer)), 0
     problem = _name_problem(name, layer)
     if problem:
         return problem, 0
@@ -201,7 +207,7 @@ class TensorDescriptor:
     @property
     def kind(self) -> str:
         """``"key"`` or ``"value"``."""
-        return "key" if self.name.startswith("key") else "value"
+        return "key" if self.name.startswith("key_cache_") else "value"
 
 
 @attrs.frozen
@@ -245,7 +251,7 @@ def _checked(entries: Any) -> tuple[Entry, ...]:
             continue
         if type(entry) is not TensorDescriptor:
             return items
-        slot = (entry.name.startswith("key"), entry.layer)
+        slot = (entry.name.startswith("key_cache_"), entry.layer)
         has_checksum = entry.checksum is not None
         if slot in seen or (checksummed is not None and checksummed != has_checksum):
             return items
@@ -341,7 +347,9 @@ class PayloadHeader:
             if not isinstance(entry, TensorDescriptor):
                 raise ConfigError(f"tensors must be descriptors, got {entry!r}")
             if entry.layer >= self.num_layers:
-                raise ConfigError(f"tensor {entry.name!r}: layer outside [0, {self.num_layers})")
+                raise ConfigError(
+                    f"tensor {entry.name!r}: {phrase('layer_range', layer=entry.layer, num_layers=self.num_layers)}"
+                )
             if (entry.kind, entry.layer) in seen:
                 raise ConfigError(f"tensor {entry.name!r} appears twice")
             seen.add((entry.kind, entry.layer))

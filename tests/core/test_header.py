@@ -233,14 +233,21 @@ BAD_CASES = {
     "shape too many dims": (_with({**VALID_DESC, "s": [1] * 65}), "shape", "key_cache_0"),
     "offset negative": (_with({**VALID_DESC, "o": -1}), "offset", "key_cache_0"),
     "offset huge": (_with({**VALID_DESC, "o": 2**64}), "offset", "key_cache_0"),
-    "span outside": (_with({**VALID_DESC, "o": 6}), "outside", "key_cache_0"),
-    "span huge": (_with({**VALID_DESC, "s": [2**40], "b": 2**40}), "outside", "key_cache_0"),
+    "span outside": (_with({**VALID_DESC, "o": 6}), "tensor span", "key_cache_0"),
+    "span huge": (_with({**VALID_DESC, "s": [2**40], "b": 2**40}), "tensor span", "key_cache_0"),
     "missing b": (_with({k: v for k, v in VALID_DESC.items() if k != "b"}), "'b'", "key_cache_0"),
     "layer outside": (_with({**VALID_DESC, "n": "key_cache_1", "i": 1}), "layer", "key_cache_1"),
-    "layer disagrees with name": (_with({**VALID_DESC, "i": 2}, nl=3), "disagrees", "key_cache_0"),
-    "no layer, bad name": (_with({k: v for k, v in VALID_DESC.items() if k != "i"} | {"n": "k_0"}), "layer", "k_0"),
+    "no layer, bad name": (
+        _with({k: v for k, v in VALID_DESC.items() if k != "i"} | {"n": "k_0"}),
+        "Invalid KV tensor name",
+        "k_0",
+    ),
+    "no layer, no suffix": (
+        _with({k: v for k, v in VALID_DESC.items() if k != "i"} | {"n": "key_cache_x"}),
+        "Invalid KV tensor name",
+        "key_cache_x",
+    ),
     "name not a cache": (_with({**VALID_DESC, "n": "other_0"}), "name", "other_0"),
-    "name with sign": (_with({**VALID_DESC, "n": "key_cache_+0"}), "name", "key_cache_+0"),
     "layer bool": (_with({**VALID_DESC, "i": False}), "layer", "key_cache_0"),
     "duplicate tensor": (_with(td=[VALID_DESC, VALID_DESC]), "twice", "key_cache_0"),
     "version unknown": (_with(v=2), "version", None),
@@ -263,6 +270,20 @@ def test_each_malformed_header_raises_payload_error_with_reason(case: str) -> No
     if tensor is not None:
         assert repr(tensor) in message
     assert isinstance(info.value, ValueError)  # what callers of the reference catch
+
+
+@pytest.mark.parametrize(
+    "desc, nl, kind, layer",
+    [
+        ({**VALID_DESC, "i": 2}, 3, "key", 2),  # the name's suffix disagrees with i: i wins
+        ({**VALID_DESC, "n": "key_cache_extra_suffix"}, 1, "key", 0),  # the name gives the role only
+        ({**VALID_DESC, "n": "value_cache_+7"}, 1, "value", 0),
+    ],
+)
+def test_layer_comes_from_i_and_role_from_the_name_prefix(desc: dict, nl: int, kind: str, layer: int) -> None:
+    """As the reference decodes a descriptor: ``i`` is the layer, the prefix key/value."""
+    [entry] = decode_header(_with(desc, nl=nl)).header.tensors
+    assert (entry.kind, entry.layer) == (kind, layer)
 
 
 @pytest.mark.parametrize(
@@ -304,7 +325,7 @@ def test_length_lies_fail_fast_without_allocating() -> None:
         '{"rid":"r","bids":[],"meta":{},"td":[{"n":"key_cache_0","i":0,"d":"float32",'
         '"s":[1073741824],"o":0,"b":4294967296}],"nl":1}'
     )
-    with pytest.raises(PayloadError, match="outside"):
+    with pytest.raises(PayloadError, match="tensor span"):
         decode_header(_golden(header, b"x" * 10))
     tracemalloc.start()
     try:

@@ -101,7 +101,7 @@ def test_span_outside_data_is_invalid(tmp_path: pathlib.Path, capsys: pytest.Cap
     keys, values = _kv(absent=None)
     data = encode_bytes("req-s", keys, values, [1], {}, align=1, version=False)
     code, _, err = _run(capsys, [_write(tmp_path / "s.kv", data[:-1])])
-    assert code == 1 and "lies outside" in err
+    assert code == 1 and "tensor span" in err
 
 
 def test_unreadable_path_is_a_usage_error(tmp_path: pathlib.Path, capsys: pytest.CaptureFixture[str]) -> None:
