@@ -382,13 +382,11 @@ class KVTransferManager:
         ``zero_copy=False``). ``zero_copy=False`` copies the tensors out and releases the
         buffers before returning (what the reference does; :mod:`kvferry.app.compat` uses it).
         """
-        info = sender_info
-        if info is None and self._sender is not None:
-            info = {"host": self._sender.host, "zmq_port": self._sender.port}
         try:
             result = self.receive_path().receive(
                 str(request_id) if request_id is not None else "",
-                sender_info=info,
+                sender_info=sender_info,
+                stored_sender=self._sender,
                 target_device=target_device,
                 timeout_s=timeout_s,
                 receiving=self.receiving,

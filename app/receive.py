@@ -36,7 +36,7 @@ import torch
 
 from kvferry.adapters.connectors.pool_buffer import PooledBuffer, release_soon
 from kvferry.adapters.torch_frames import DecodedKV, decode_payload, merge_layers, slice_layers
-from kvferry.core.addressing import pull_port
+from kvferry.core.addressing import get_metadata
 from kvferry.core.errors import KVFerryError, LeaseExpired, PayloadError
 from kvferry.core.head_slices import applied_head_slice, fan_out_slice, tp_head_slice_record
 from kvferry.core.header import DecodeLimits
@@ -144,6 +144,26 @@ def _still_viewed(payload: dict[str, Any], holds: list[Any]) -> tuple[Any, ...]:
     return tuple(h for h in holds if any(_views_any(t, [h.tensor]) for t in tensors))
 
 
+def _already_decoded(data: Any, key: str) -> dict[str, Any] | None:
+    """A payload dict a connector decoded itself (the reference uses it as is), else None.
+
+    It must have the decoder's shape (``layer_blocks`` with ``key_cache``/``value_cache``
+    lists): a dict without it is a PayloadError here, where the reference would report success
+    and leave the request without KV."""
+    if not isinstance(data, Mapping):
+        return None
+    blocks = data.get("layer_blocks")
+    if not isinstance(blocks, Mapping) or not all(
+        isinstance(blocks.get(n, []), (list, tuple)) for n in ("key_cache", "value_cache")
+    ):
+        raise PayloadError(f"invalid KV payload: the decoded payload dict under {key!r} has no layer_blocks lists")
+    out = data if isinstance(data, dict) else dict(data)
+    out["layer_blocks"] = {n: list(blocks.get(n) or ()) for n in ("key_cache", "value_cache")}  # same tensors
+    out.setdefault("block_ids", [])
+    out.setdefault("metadata", {})
+    return out
+
+
 def finalize_tensors(
     payload: dict[str, Any], device: Any, must_copy: bool | Callable[[torch.Tensor], bool]
 ) -> dict[str, Any]:
@@ -221,14 +241,14 @@ class ReceivePath:
         heads = None if self.topology.is_legacy else self.routed_heads
         return recv_keys(request_id, self.from_stage, self.to_stage, self.topology, self.key_builder, num_heads=heads)
 
-    def key_metadata(self, endpoint: SenderEndpoint | None, from_rank: int | None) -> dict[str, Any] | None:
-        """Connector metadata naming the sender rank that serves a key (None: connector default)."""
+    def key_metadata(
+        self, endpoint: SenderEndpoint | None, from_rank: int | None, *, request_scoped: bool = False
+    ) -> dict[str, Any] | None:
+        """Connector metadata for one key, as the reference builds it
+        (:func:`kvferry.core.addressing.get_metadata`; None: the connector's default sender)."""
         if endpoint is None:
             return None
-        meta: dict[str, Any] = {"source_host": endpoint.host}
-        if endpoint.port is not None:
-            meta["source_port"] = pull_port(endpoint.port, from_rank, self.topology.local_rank)
-        return meta
+        return get_metadata(endpoint.host, endpoint.port, from_rank, request_scoped=request_scoped)
 
     # ------------------------------------------------------------------------------ receive
     def receive(
@@ -240,9 +260,12 @@ class ReceivePath:
         timeout_s: float | None = None,
         receiving: bool = True,
         zero_copy: bool = True,
+        stored_sender: SenderEndpoint | None = None,
     ) -> ReceiveResult:
         """Receive one request (see the module docstring). Never raises for remote faults.
-        ``zero_copy``: see the module doc (the typed API's default)."""
+        ``zero_copy``: see the module doc (the typed API's default). ``sender_info`` is the
+        request's own sender (it must resolve to a host and a port); ``stored_sender`` the
+        default one (metadata per key: :meth:`key_metadata`)."""
         if not request_id:
             return ReceiveResult(ReceiveOutcome.skipped("", SkipReason.NO_REQUEST_ID))
         if is_dummy_request(request_id):
@@ -250,14 +273,16 @@ class ReceivePath:
         if not receiving:
             return ReceiveResult(ReceiveOutcome.skipped(request_id, SkipReason.NOT_RECEIVING))
         start = self.clock.monotonic()
-        endpoint = None
-        if sender_info is not None:
+        endpoint = stored_sender
+        request_scoped = sender_info is not None
+        if request_scoped:
             resolution = resolve_sender(sender_info, self.from_stage)
-            if not resolution.resolved:
-                logger.warning("request %s: sender info unresolved: %s", request_id, resolution.reason)
-                return ReceiveResult(
-                    ReceiveOutcome.failed(request_id, ReceiveKind.SENDER_UNRESOLVED, str(resolution.reason))
-                )
+            reason = None if resolution.resolved else str(resolution.reason)
+            if reason is None and resolution.endpoint.port is None:
+                reason = "the request's sender info has a host but no port"  # the reference aborts too
+            if reason is not None:
+                logger.warning("request %s: sender info unresolved: %s", request_id, reason)
+                return ReceiveResult(ReceiveOutcome.failed(request_id, ReceiveKind.SENDER_UNRESOLVED, reason))
             endpoint = resolution.endpoint
         connector = self.get_connector()
         if connector is None:
@@ -266,7 +291,7 @@ class ReceivePath:
             )
         try:
             keys = self.keys(request_id)
-            metas = [self.key_metadata(endpoint, rank) for _, rank in keys]
+            metas = [self.key_metadata(endpoint, rank, request_scoped=request_scoped) for _, rank in keys]
         except KVFerryError as exc:
             return ReceiveResult(ReceiveOutcome.failed(request_id, ReceiveKind.ERROR, f"keys: {exc}"))
         deadline = Deadline(start, self.timeout_s if timeout_s is None else timeout_s)
@@ -377,16 +402,15 @@ class ReceivePath:
     ) -> ReceiveResult:
         names = tuple(k for k, _ in keys)
         total = sum(int(size) for _, size in got)
-        decoded: list[DecodedKV] = []
+        decoded: list[DecodedKV | dict[str, Any]] = []
         try:
-            for source in sources:
-                decoded.append(decode_payload(source, limits=self.limits))
+            for source, key in zip(sources, names):
+                decoded.append(_already_decoded(source, key) or decode_payload(source, limits=self.limits))
             if self.key_builder is None:  # kvferry's keys carry the id the sender wrote inside
-                for d, (key, _) in zip(decoded, keys):
-                    if d.request_id != request_id:
-                        raise PayloadError(
-                            f"payload under {key!r} belongs to request {d.request_id!r}, not {request_id!r}"
-                        )
+                for d, key in zip(decoded, names):
+                    rid = d.get("request_id") if isinstance(d, dict) else d.request_id
+                    if rid != request_id:
+                        raise PayloadError(f"payload under {key!r} belongs to request {rid!r}, not {request_id!r}")
         except PayloadError as exc:
             logger.warning("request %s: undecodable payload: %s", request_id, exc)
             return ReceiveResult(
@@ -400,7 +424,7 @@ class ReceivePath:
                 )
             )
         try:
-            payload = self._combine([d.to_reference_dict() for d in decoded])
+            payload = self._combine([d if isinstance(d, dict) else d.to_reference_dict() for d in decoded])
             del decoded
             kept: tuple[Any, ...] = ()
             if holds:

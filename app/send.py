@@ -5,8 +5,11 @@ each key write the payload by the connector's fastest path:
 
 - a :class:`~kvferry.core.ports.Reservable` connector gets the payload gathered straight into
   its pool (the only copy of the tensor bytes on the sender);
-- any other connector gets zero-copy frames (header + tensor memoryviews) of tensors gathered
-  once into fresh memory.
+- a :class:`~kvferry.core.ports.FramesPut` connector (kvferry's own) gets zero-copy frames
+  (header + tensor memoryviews) of tensors gathered once into fresh memory;
+- any other connector (one written for the reference) gets what the reference gives it: one
+  ``bytes`` payload, or one device ``uint8`` tensor when it says ``supports_raw_data`` and the
+  KV is on a device.
 
 When fanning out (sender TP < receiver TP) each key carries only its receiver's heads: the
 gather reads just those heads of every block, and the payload is tagged ``tp_head_slice``
@@ -33,7 +36,7 @@ from kvferry.adapters.paged_cache import (
     gather_slices,
     plan_extraction,
 )
-from kvferry.adapters.torch_frames import dest_views, encode_frames, finish_payload_in
+from kvferry.adapters.torch_frames import dest_views, encode_bytes, encode_device_tensor, encode_frames, finish_payload_in
 from kvferry.core.errors import ConfigError, KVFerryError, PoolFullError, RoutingError
 from kvferry.core.head_slices import fan_out_slice, slice_bounds, tp_head_slice_record
 from kvferry.core.header import kv_layout_template
@@ -41,7 +44,7 @@ from kvferry.core.ids import send_keys
 from kvferry.core.layouts import KV_LATENT_KEY, LayoutSpec
 from kvferry.core.outcomes import SendOutcome, SendReason
 from kvferry.core.policy import RetryPolicy
-from kvferry.core.ports import Clock, Connector, Implements, Reservable
+from kvferry.core.ports import Clock, Connector, FramesPut, Implements, Reservable
 from kvferry.core.routing import rank_heads, route_heads
 from kvferry.core.scales import KV_SCALES_KEY, scales_record, slice_scales
 from kvferry.core.topology import TPTopology, target_ranks
@@ -166,6 +169,7 @@ class SendPath:
     #: The paged cache's layout name; None: recognised by shape (:mod:`kvferry.core.layouts`).
     layout: LayoutSpec | None = None
     _is_reservable: Implements = attrs.field(init=False, factory=lambda: Implements(Reservable))
+    _takes_frames: Implements = attrs.field(init=False, factory=lambda: Implements(FramesPut))
     _templates: dict[tuple, Any] = attrs.field(init=False, factory=dict)  # see _layout
 
     # ------------------------------------------------------------------------------ planning
@@ -470,13 +474,25 @@ class SendPath:
     def _put_frames(
         self, connector: Connector, plan: ExtractionPlan, job: KeyJob, meta: dict[str, Any], materialized: dict
     ) -> tuple[bool, int, Any]:
+        """Put tensors gathered into fresh memory: as zero-copy frames to a connector that takes
+        them (:class:`~kvferry.core.ports.FramesPut`), else as the reference hands a connector
+        its payload: one device ``uint8`` tensor when the connector says ``supports_raw_data``
+        and the KV is on a device, otherwise one ``bytes`` object."""
         slot = (job.offset_in_shard, job.num_slices)
         if slot not in materialized:  # gather once per head slice, even across retries
             materialized[slot] = plan.materialize()
         keys, values = materialized[slot]
-        encoded = encode_frames(
-            plan.request_id, keys, values, plan.block_ids, meta, align=self.align, checksums=self.checksums
-        )
-        return connector.put(
-            from_stage=str(self.from_stage), to_stage=str(self.to_stage), put_key=job.key, data=list(encoded.frames)
-        )
+        args = (plan.request_id, keys, values, plan.block_ids, meta)
+        options: dict[str, Any] = {"align": self.align, "checksums": self.checksums}
+        stages = str(self.from_stage), str(self.to_stage)
+        if self._takes_frames(connector):
+            encoded = encode_frames(*args, **options)
+            return connector.put_frames(*stages, job.key, list(encoded.frames))  # type: ignore[attr-defined]
+        data: Any = None
+        if getattr(connector, "supports_raw_data", False) is True and any(
+            t is not None and t.device.type != "cpu" for t in (*keys, *values)
+        ):
+            data = encode_device_tensor(*args, **options)
+        else:
+            data = encode_bytes(*args, **options)
+        return connector.put(from_stage=stages[0], to_stage=stages[1], put_key=job.key, data=data)

@@ -36,6 +36,7 @@ __all__ = [
     "kv_port",
     "sender_endpoint_port",
     "pull_port",
+    "get_metadata",
     "replica_id_from_env",
     "expand_base_port",
 ]
@@ -137,6 +138,24 @@ def pull_port(advertised_port: int, from_rank: int | None, local_rank: int) -> i
     local_rank*16``. Same errors as :func:`sender_endpoint_port`.
     """
     return sender_endpoint_port(advertised_port, local_rank if from_rank is None else from_rank)
+
+
+def get_metadata(
+    host: str | None, advertised_port: int | None, from_rank: int | None, *, request_scoped: bool
+) -> dict[str, Any] | None:
+    """The metadata a receiver hands ``connector.get`` for one key, as the reference builds it.
+
+    ``host``/``advertised_port``: the sender's endpoint (the request's own when
+    ``request_scoped``, else the stored default; None when there is none). With a known
+    source rank (TP > 1) or a request-scoped sender, and an endpoint with both host and port:
+    ``{"source_host": host, "source_port": advertised + (from_rank or 0)*16}``. Otherwise None:
+    the connector uses its default sender (the legacy single-rank case, TP 1/1, passes None
+    even when a sender was stored, which a third-party connector may rely on). Same errors as
+    :func:`sender_endpoint_port`.
+    """
+    if host is None or advertised_port is None or (from_rank is None and not request_scoped):
+        return None
+    return {"source_host": host, "source_port": sender_endpoint_port(advertised_port, from_rank or 0)}
 
 
 def replica_id_from_env(raw: str | None) -> int:

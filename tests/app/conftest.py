@@ -5,8 +5,8 @@
 - :class:`PagedModel`: a synthetic full-head paged KV cache; ``rank_cache`` gives one sender
   rank's head shard in any SPEC 4 layout, ``expected`` the tensors a receiver rank must get.
 - :class:`SpyConnector` / :class:`BlockingSpyConnector`: wrap a real connector and record every
-  call. The plain spy offers only the base Connector protocol (the manager polls ``get`` and
-  sends frames); the blocking one also forwards ``get_blocking`` and ``reserve``. Knobs:
+  call. The plain spy offers the base Connector protocol plus FramesPut (the manager polls
+  ``get`` and sends frames); the blocking one also forwards ``get_blocking`` and ``reserve``. Knobs:
   scripted put results, hidden keys, a gate that holds a key's get, an exception on get.
 - ``make_sender`` / ``make_receiver``: typed managers wired to a connector and a FakeTime.
 - ``run_ranks``: run one function per rank of an :class:`InProcessWorld` on threads, with each
@@ -224,6 +224,15 @@ class SpyConnector:
         if scripted is not None:
             return scripted
         return self.inner.put(from_stage=from_stage, to_stage=to_stage, put_key=put_key, data=data)
+
+    def put_frames(self, from_stage: Any, to_stage: Any, put_key: str, frames: Any) -> Any:
+        """The FramesPut ability of kvferry's connectors (recorded like a put)."""
+        with self._lock:
+            self.puts.append((put_key, frames))
+            scripted = self.put_script.pop(0) if self.put_script else None
+        if scripted is not None:
+            return scripted
+        return self.inner.put_frames(from_stage, to_stage, put_key, frames)
 
     def get(self, from_stage: Any, to_stage: Any, get_key: str, metadata: Any = None) -> Any:
         if self._record_get(get_key, metadata) is None:

@@ -196,11 +196,43 @@ def test_spec7_per_call_sender_info_overrides_but_does_not_replace_the_stored_on
     assert stored is not None and spy.sender_updates == [("stored", 5000)]
     receiver.receive("a", sender_info={"host": "override", "zmq_port": 6000})
     receiver.receive("b")
-    assert [m for _, m, _ in spy.gets] == [
-        {"source_host": "override", "source_port": 6000},
-        {"source_host": "stored", "source_port": 5000},
-    ]
+    # TP 1/1: the stored sender reaches the connector as its default (update_sender_info), and
+    # get() is called without metadata, as the reference calls it
+    assert [m for _, m, _ in spy.gets] == [{"source_host": "override", "source_port": 6000}, None]
     assert receiver.sender_endpoint.host == "stored" and spy.sender_updates == [("stored", 5000)]
+
+
+@pytest.mark.parametrize(
+    "from_tp, to_tp, rank, stored, per_call, expected",
+    [
+        # TP 1/1 (legacy keys, no source rank): metadata only for a request-scoped sender
+        (1, 1, 0, None, None, [None]),
+        (1, 1, 0, ("h", 5000), None, [None]),
+        (1, 1, 0, ("h", 5000), ("p", 7000), [{"source_host": "p", "source_port": 7000}]),
+        # TP > 1: each key names its source rank's port, from the stored or the request's sender
+        (2, 2, 1, ("h", 5000), None, [{"source_host": "h", "source_port": 5016}]),
+        (2, 2, 1, None, None, [None]),
+        (4, 2, 1, None, ("p", 7000), [{"source_host": "p", "source_port": 7032}, {"source_host": "p", "source_port": 7048}]),
+        (2, 4, 3, ("h", 5000), None, [{"source_host": "h", "source_port": 5016}]),
+    ],
+)
+def test_get_metadata_per_tp_case_as_the_reference(
+    kit, memory_connector, make_receiver, from_tp, to_tp, rank, stored, per_call, expected
+) -> None:
+    spy = kit.SpyConnector(memory_connector)
+    receiver = make_receiver(spy, from_tp, to_tp, rank=rank, config=kit.receiver_config(from_tp, to_tp, recv_timeout=0.0))
+    if stored is not None:
+        receiver.update_sender_info({"host": stored[0], "zmq_port": stored[1]})
+    info = None if per_call is None else {"host": per_call[0], "zmq_port": per_call[1]}
+    receiver.receive("r", sender_info=info)
+    assert [m for _, m, _ in spy.gets] == expected
+
+
+def test_request_scoped_sender_without_port_is_unresolved(kit, memory_connector, make_receiver, fake_time) -> None:
+    spy = kit.SpyConnector(memory_connector)
+    result = make_receiver(spy).receive("r", sender_info={"host": "h"})
+    assert result.outcome.kind is ReceiveKind.SENDER_UNRESOLVED and "no port" in result.outcome.detail
+    assert spy.gets == [] and fake_time.elapsed == 0.0
 
 
 def test_spec2_5_update_sender_info_rank_adjusts_the_connector_default(kit, memory_connector, make_receiver) -> None:

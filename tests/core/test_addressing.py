@@ -14,6 +14,7 @@ from kvferry.core.addressing import (
     MAX_RANK_SLOTS,
     expand_base_port,
     kv_port,
+    get_metadata,
     pull_port,
     replica_id_from_env,
     sender_endpoint_port,
@@ -206,3 +207,18 @@ def test_pull_port() -> None:
     assert pull_port(50151, None, 3) == 50199
     with pytest.raises(RoutingError, match="source_rank"):
         pull_port(50151, None, -1)
+
+
+@given(
+    host=st.one_of(st.none(), st.text(min_size=1, max_size=8)),
+    port=st.one_of(st.none(), st.integers(1, 60000)),
+    from_rank=st.one_of(st.none(), st.integers(0, 63)),
+    request_scoped=st.booleans(),
+)
+def test_get_metadata_is_the_reference_rule(host, port, from_rank, request_scoped) -> None:
+    meta = get_metadata(host, port, from_rank, request_scoped=request_scoped)
+    builds = from_rank is not None or request_scoped
+    if not builds or host is None or port is None:
+        assert meta is None
+    else:
+        assert meta == {"source_host": host, "source_port": port + (from_rank or 0) * 16}

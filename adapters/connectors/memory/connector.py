@@ -118,6 +118,10 @@ class MemoryConnector:
         ok, size, meta = self.pool.put(put_key, data)
         return (ok, size, {"key": put_key, "size": size}) if ok else (ok, size, meta)
 
+    def put_frames(self, from_stage: Any, to_stage: Any, put_key: str, frames: Any) -> PutResult:
+        """:meth:`put` of the frames' concatenation, never joined first (the FramesPut ability)."""
+        return self.put(from_stage, to_stage, put_key, frames)
+
     def get(
         self,
         from_stage: Any,

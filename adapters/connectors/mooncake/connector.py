@@ -230,6 +230,10 @@ class MooncakeConnector:
         self._fill(region, views)
         return self._publish(put_key, region)
 
+    def put_frames(self, from_stage: Any, to_stage: Any, put_key: str, frames: Any) -> tuple[bool, int, Any]:
+        """:meth:`put` of the frames' concatenation, never joined first (the FramesPut ability)."""
+        return self.put(from_stage, to_stage, put_key, frames)
+
     def reserve(self, from_stage: Any, to_stage: Any, put_key: str, nbytes: int) -> MooncakeReservation:
         """Reserve ``nbytes`` of the sender pool for ``put_key``; PoolFullError when no room."""
         region = self._reserve_region(put_key, nbytes)

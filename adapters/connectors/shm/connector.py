@@ -136,6 +136,10 @@ class ShmConnector:
         ok, size, meta = self._sender.pool.put(put_key, data)
         return (True, size, self._metadata(put_key, size)) if ok else (ok, size, meta)
 
+    def put_frames(self, from_stage: Any, to_stage: Any, put_key: str, frames: Any) -> PutResult:
+        """:meth:`put` of the frames' concatenation, never joined first (the FramesPut ability)."""
+        return self.put(from_stage, to_stage, put_key, frames)
+
     def reserve(self, from_stage: Any, to_stage: Any, put_key: str, nbytes: int) -> PoolReservation:
         """A writable view of the segment for ``put_key``; raises PoolFullError when full."""
         if self._sender is None:

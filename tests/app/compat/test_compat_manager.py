@@ -251,7 +251,7 @@ def test_receive_kv_cache_applies_the_requests_sender_info(kit, compat, memory_c
     req = kit.make_request("r1", sender_info={"0": {"host": "h0", "zmq_port": 7000}})
     assert m.receive_kv_cache(req) is True
     assert m.config.connector_config["sender_host"] == "h0" and m.config.connector_config["sender_zmq_port"] == 7000
-    assert spy.gets[0][1] == {"source_host": "h0", "source_port": 7000}
+    assert spy.gets[0][1] is None  # stored as the default sender; TP 1/1 gets no metadata (the reference's call)
     keys, values = model.expected(SPEC["block_ids"], SPEC["seq_len"])
     assert all(kit.bits_equal(a, b) for a, b in zip(req.past_key_values.key_cache, keys))
     assert all(kit.bits_equal(a, b) for a, b in zip(req.sampling_params.past_key_values.value_cache, values))
@@ -283,7 +283,8 @@ def test_receive_kv_cache_for_request_sender_info_does_not_change_the_stored_one
     m.update_sender_info(INFO)
     m.receive_kv_cache_for_request("a", sender_info={"host": "per-call", "zmq_port": 6000})
     m.receive_kv_cache_for_request("b")
-    assert [meta["source_host"] for _, meta, _ in spy.gets] == ["per-call", "10.0.0.9"]
+    # TP 1/1: the per-call sender as metadata; the stored one is the connector's default (None)
+    assert [meta and meta["source_host"] for _, meta, _ in spy.gets] == ["per-call", None]
     assert m.config.connector_config["sender_host"] == "10.0.0.9"
 
 
