@@ -22,7 +22,6 @@ from typing import Any
 import attrs
 import torch
 
-from kvferry.core.phrases import phrase
 from kvferry.core.errors import ConfigError, PayloadError
 from kvferry.core.header import (
     DTYPE_ITEMSIZE,
@@ -33,6 +32,7 @@ from kvferry.core.header import (
     decode_header,
     verify_checksum,
 )
+from kvferry.core.phrases import phrase
 from kvferry.core.ports import PoolBuffer
 
 __all__ = ["TORCH_DTYPES", "dtype_name", "torch_dtype", "host_byte_view", "DecodedKV", "decode_payload"]

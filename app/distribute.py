@@ -26,6 +26,7 @@ import torch
 from kvferry.adapters.side_codec import pack_request_kv, unpack_request_kv
 from kvferry.core.errors import ConfigError, KVFerryError
 from kvferry.core.roles import (
+    PREFERRED_CFG_ROLES,
     DistributionKind,
     ReceiveRole,
     cfg_payload_plan,
@@ -56,14 +57,26 @@ _NO_KV, _AS_OBJECT = 0, -1
 
 
 # ------------------------------------------------------------------------------ request fields
+#: CFG bookkeeping fields that travel with the KV (the reference collects them too).
+CFG_FIELDS = ("cfg_kv_request_ids", "cfg_active_branch", "cfg_branch_roles")
+#: ``{role: ...}`` maps of the branch KV and its metadata (``cfg_branch_*``).
+BRANCH_KV_MAP, BRANCH_METADATA_MAP = "cfg_branch_past_key_values", "cfg_branch_kv_metadata"
+
+
 def _branch_attrs(params: Any) -> dict[str, Any]:
+    """Every ``cfg_*`` KV field of the sampling params that is set: per-role branch KV and
+    metadata, the ``cfg_branch_*`` maps and :data:`CFG_FIELDS`."""
     if params is None:
         return {}
     try:
         items = vars(params).items()
     except TypeError:
         return {}
-    return {k: v for k, v in items if k.startswith("cfg_") and k.endswith(_KV_SUFFIXES) and v is not None}
+    return {
+        k: v
+        for k, v in items
+        if k.startswith("cfg_") and (k.endswith(_KV_SUFFIXES) or k in CFG_FIELDS) and v is not None
+    }
 
 
 def kv_fields_of(req: Any) -> dict[str, Any] | None:
@@ -215,29 +228,61 @@ def tp_consensus(group: Any, received: bool, applied_fields: Any, *, timeout_s: 
 
 
 # ---------------------------------------------------------------------------------- distributor
-def _cfg_payloads(fields: dict[str, Any] | None, cfg_size: int) -> list[dict[str, Any] | None]:
-    """Per CFG rank, what the leader hands it (SPEC 6): index 0 is the leader's own."""
-    if fields is None:
-        return [None] * cfg_size
+def _branch_roles(fields: dict[str, Any]) -> tuple[str, ...]:
+    """The request's CFG branch roles in the reference's order: ``cfg_text``, ``cfg_img`` when
+    named in the branch map or set as ``{role}_past_key_values``, then the map's other roles
+    with KV, then roles found only as ``{role}_past_key_values``."""
+    branch_map = fields.get(BRANCH_KV_MAP) or {}
+    map_roles = [r for r, kv in branch_map.items() if kv is not None or r in PREFERRED_CFG_ROLES]
     attr_roles = [
         name[: -len("_past_key_values")]
         for name in fields
-        if name.startswith("cfg_") and name.endswith("_past_key_values")
+        if name.startswith("cfg_") and name.endswith("_past_key_values") and name != BRANCH_KV_MAP
     ]
-    roles = order_branch_roles((), attr_roles)
+    return order_branch_roles(map_roles, attr_roles)
+
+
+def _cfg_payloads(fields: dict[str, Any] | None, cfg_size: int) -> list[dict[str, Any] | None]:
+    """Per CFG rank, the fields the leader hands it (SPEC 6; the reference's per-rank payloads):
+    index 0 is the leader's own (and, with SP, what its SP group gets).
+
+    Every payload has the primary KV and its metadata. With branch roles: rank 0 also gets the
+    list of roles and no active branch; rank ``i`` gets branch ``roles[i-1]``'s KV (from the
+    ``cfg_branch_past_key_values`` map, else ``{role}_past_key_values``) both as
+    ``{role}_past_key_values`` and as the one-entry map, the same for its metadata, the role as
+    ``cfg_active_branch`` and the list of roles; a rank whose branch has no KV gets None.
+    Without roles and ``cfg_size == 2``, rank 1 gets the primary alone.
+    """
+    if fields is None:
+        return [None] * cfg_size
+    roles = _branch_roles(fields)
     base = {PRIMARY_FIELD: fields[PRIMARY_FIELD], "kv_metadata": fields.get("kv_metadata") or {}}
+    listed = {"cfg_branch_roles": list(roles), "cfg_active_branch": None} if roles else {}
+    kv_map = fields.get(BRANCH_KV_MAP) or {}
+    metadata_map = fields.get(BRANCH_METADATA_MAP) or {}
     out: list[dict[str, Any] | None] = []
     for assignment in cfg_payload_plan(cfg_size, roles):
         if assignment is None:
             out.append(None)
         elif assignment.cfg_rank == 0:
-            out.append({**fields, "cfg_branch_roles": list(roles)})
+            out.append({**base, **listed})
         elif assignment.active_branch is not None:
             role = assignment.active_branch
-            extra = {k: v for k, v in fields.items() if k.startswith(role + "_")}
-            out.append({**base, **extra, "cfg_active_branch": role, "cfg_branch_roles": list(roles)})
-        else:  # copy_of_primary
-            out.append({**base, "cfg_active_branch": None, "cfg_branch_roles": []})
+            kv = kv_map.get(role)
+            kv = fields.get(f"{role}_past_key_values") if kv is None else kv
+            if kv is None:
+                out.append(None)
+                continue
+            payload = {**base, **listed, "cfg_active_branch": role, BRANCH_KV_MAP: {role: kv}}
+            payload[f"{role}_past_key_values"] = kv
+            meta = metadata_map.get(role)
+            meta = fields.get(f"{role}_kv_metadata") if meta is None else meta
+            if meta is not None:
+                payload[BRANCH_METADATA_MAP] = {role: meta}
+                payload[f"{role}_kv_metadata"] = meta
+            out.append(payload)
+        else:  # copy_of_primary: the request did not split its KV by branch
+            out.append(dict(base))
     return out
 
 

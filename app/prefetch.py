@@ -115,6 +115,15 @@ class Prefetcher:
         except concurrent.futures.CancelledError:
             return None
 
+    def wait(self, timeout_s: float | None = None) -> bool:
+        """Block until no prefetch is running (its result stays to be taken); False when one
+        is still running after ``timeout_s`` seconds (None: wait as long as it takes)."""
+        current = self._current
+        if current is None:
+            return True
+        done, _ = concurrent.futures.wait([current[1]], timeout=timeout_s)
+        return bool(done)
+
     def shutdown(self) -> None:
         """Cancel pending work and stop the worker (idempotent; waits for a running receive)."""
         with self._lock:

@@ -39,6 +39,7 @@ __all__ = [
     "get_metadata",
     "replica_id_from_env",
     "expand_base_port",
+    "expand_env_text",
 ]
 
 KV_TRANSFER_PORT_OFFSET = 100
@@ -194,6 +195,12 @@ def expand_base_port(value: int | str, env: Mapping[str, str], field: str = "bas
     if not MIN_PORT <= port <= MAX_PORT:
         raise ConfigError(f"{field} {port} is outside {MIN_PORT}..{MAX_PORT} (from {value!r})")
     return port
+
+
+def expand_env_text(text: str, env: Mapping[str, str], field: str) -> str:
+    """``text`` with every ``${VAR}`` / ``$VAR`` replaced from ``env`` (strict: an unset
+    variable or a malformed reference raises ConfigError naming ``field`` and the variable)."""
+    return _expand(text, env, field)
 
 
 def _expand(text: str, env: Mapping[str, str], field: str) -> str:

@@ -27,7 +27,9 @@ REFERENCE_PHRASES: Mapping[str, str] = MappingProxyType(
         # a descriptor's dtype is outside the allow-list
         "dtype": "Unsupported dtype in KV payload: {dtype}",
         # a tensor's (offset, bytes) does not lie inside the tensor data
-        "span": "Corrupted KV payload tensor span for {name}: offset={offset}, bytes={nbytes}, tensor_data_bytes={data}",
+        "span": (
+            "Corrupted KV payload tensor span for {name}: offset={offset}, bytes={nbytes}, tensor_data_bytes={data}"
+        ),
         # a descriptor without ``i`` whose name does not give the layer, or with a name that is
         # neither key_cache_* nor value_cache_*
         "name": "Invalid KV tensor name in payload: {name}",

@@ -6,10 +6,15 @@ reference's meaning; kvferry's typed API (:mod:`kvferry.app.manager`) sits under
 
 from kvferry.app.compat.codec import KVCacheTransferData, KVPrefetchConsumeError, OmniKVCacheConfig
 from kvferry.app.compat.kv_utils import (
+    KV_RANK_PORT_STRIDE,
+    KV_REPLICA_PORT_STRIDE,
+    KV_TRANSFER_PORT_OFFSET,
     KVTPTopology,
+    LayerKV,
     build_rank_aware_recv_keys,
     build_rank_aware_send_keys,
     clear_parallel_state,
+    expand_env_int,
     get_kv_connector_key,
     get_kv_source_ranks,
     get_kv_target_ranks,
@@ -25,9 +30,16 @@ from kvferry.app.compat.kv_utils import (
     slice_received_rank_shard,
     validate_kv_tp_topology,
 )
-from kvferry.app.compat.manager import OmniKVTransferManager
+from kvferry.app.compat.manager import OmniKVTransferManager, ReceiveRole, TransferTopoConfig
 
 __all__ = [
+    "KV_RANK_PORT_STRIDE",
+    "KV_REPLICA_PORT_STRIDE",
+    "KV_TRANSFER_PORT_OFFSET",
+    "LayerKV",
+    "ReceiveRole",
+    "TransferTopoConfig",
+    "expand_env_int",
     "KVCacheTransferData",
     "KVPrefetchConsumeError",
     "KVTPTopology",

@@ -21,9 +21,9 @@ from typing import Any
 import torch
 
 from kvferry.adapters.torch_frames import decode_payload, encode_bytes, encode_device_tensor
-from kvferry.core.phrases import phrase
 from kvferry.core.config import TransferConfig
 from kvferry.core.errors import ConfigError, PayloadError, TransferError
+from kvferry.core.phrases import phrase
 
 __all__ = ["KVCacheTransferData", "KVPrefetchConsumeError", "OmniKVCacheConfig"]
 

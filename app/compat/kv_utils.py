@@ -26,10 +26,18 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import attrs
+import torch
 
 from kvferry.adapters.paged_cache import normalize_layer_kv
 from kvferry.adapters.torch_frames import merge_layers, slice_heads, slice_layers
-from kvferry.core.addressing import kv_port, replica_id_from_env
+from kvferry.core.addressing import (
+    KV_RANK_PORT_STRIDE,
+    KV_REPLICA_PORT_STRIDE,
+    KV_TRANSFER_PORT_OFFSET,
+    expand_env_text,
+    kv_port,
+    replica_id_from_env,
+)
 from kvferry.core.config import REPLICA_ID_ENV
 from kvferry.core.errors import ConfigError, RoutingError
 from kvferry.core.head_slices import TP_HEAD_SLICE_KEY, applied_head_slice, fan_out_slice, tp_head_slice_record
@@ -38,6 +46,11 @@ from kvferry.core.topology import TPTopology, source_ranks, target_ranks, valida
 
 __all__ = [
     "KVTPTopology",
+    "LayerKV",
+    "KV_TRANSFER_PORT_OFFSET",
+    "KV_RANK_PORT_STRIDE",
+    "KV_REPLICA_PORT_STRIDE",
+    "expand_env_int",
     "LOCAL_RANK_ENV",
     "set_parallel_state",
     "clear_parallel_state",
@@ -63,6 +76,27 @@ logger = logging.getLogger(__name__)
 
 #: Environment variable the TP rank falls back to when no parallel state was set.
 LOCAL_RANK_ENV = "LOCAL_RANK"
+
+#: One layer of a paged cache as an engine hands it over: one tensor (stacked or packed K/V)
+#: or a ``(key, value)`` pair (the reference's type alias).
+LayerKV = torch.Tensor | tuple[torch.Tensor, torch.Tensor]
+
+
+def expand_env_int(value: Any, field_name: str, env: Mapping[str, str] | None = None) -> int:
+    """An integer setting that may name environment variables (``"${BASE_PORT}"``, ``"$X"``).
+
+    A string is expanded strictly (``env``, default ``os.environ`` read now): an unset
+    variable raises ConfigError (a ValueError) naming it and ``field_name``; the result, or a
+    non-string value, must then be an integer (``int()``), else ConfigError "<field_name> must
+    be an integer after environment expansion". Unlike the reference, a bool is refused.
+    """
+    if isinstance(value, bool):
+        raise ConfigError(f"{field_name} must be an integer after environment expansion, got {value!r}")
+    text = expand_env_text(value, os.environ if env is None else env, field_name) if isinstance(value, str) else value
+    try:
+        return int(text)
+    except (TypeError, ValueError):
+        raise ConfigError(f"{field_name} must be an integer after environment expansion, got {text!r}") from None
 
 
 # ---------------------------------------------------------------------------------- topology

@@ -14,8 +14,26 @@ import os
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from kvferry.app.compat.codec import KVPrefetchConsumeError, OmniKVCacheConfig
-from kvferry.app.compat.kv_utils import KVTPTopology, get_local_tp_rank, get_tp_world_size
+import attrs
+
+from kvferry.app.compat.codec import KVCacheTransferData, KVPrefetchConsumeError, OmniKVCacheConfig
+from kvferry.app.compat.kv_utils import (
+    KV_RANK_PORT_STRIDE,
+    KVTPTopology,
+    LayerKV,
+    build_rank_aware_recv_keys,
+    build_rank_aware_send_keys,
+    expand_env_int,
+    get_kv_target_ranks,
+    get_local_tp_rank,
+    get_omni_replica_id,
+    get_tp_world_size,
+    kv_zmq_port,
+    merge_received_rank_shards,
+    normalize_layer_kv,
+    slice_layer_blocks,
+    slice_received_rank_shard,
+)
 from kvferry.app.distribute import Distributor, kv_fields_of
 from kvferry.app.manager import KVCache, KVTransferManager, StageGroups
 from kvferry.app.prefetch import CONSUMED_KINDS, Prefetcher
@@ -24,13 +42,80 @@ from kvferry.core.config import TransferConfig, extract_omni_kv_config
 from kvferry.core.errors import ConfigError
 from kvferry.core.ids import is_dummy_request
 from kvferry.core.outcomes import ReceiveOutcome, SendOutcome
+from kvferry.core.roles import ReceiveRole, tp_active
 
-__all__ = ["OmniKVTransferManager", "COLLECTIVE_MARGIN_S"]
+# The reference's kv_transfer_manager module also holds the routing helpers, the port stride and
+# expand_env_int under these names (engines and tests reach them, e.g. to patch them): the same
+# names here, with the same meaning.
+__all__ = [
+    "OmniKVTransferManager",
+    "TransferTopoConfig",
+    "ReceiveRole",
+    "KVCacheTransferData",
+    "KVPrefetchConsumeError",
+    "OmniKVCacheConfig",
+    "LayerKV",
+    "COLLECTIVE_MARGIN_S",
+    "KV_RANK_PORT_STRIDE",
+    "KVTPTopology",
+    "build_rank_aware_recv_keys",
+    "build_rank_aware_send_keys",
+    "expand_env_int",
+    "get_kv_target_ranks",
+    "get_local_tp_rank",
+    "get_omni_replica_id",
+    "get_tp_world_size",
+    "kv_zmq_port",
+    "merge_received_rank_shards",
+    "normalize_layer_kv",
+    "slice_layer_blocks",
+    "slice_received_rank_shard",
+]
 
 logger = logging.getLogger(__name__)
 
 #: Followers wait for the leader's receive (up to ``recv_timeout``) plus this margin.
 COLLECTIVE_MARGIN_S = 30.0
+
+
+@attrs.frozen
+class TransferTopoConfig:
+    """A read-only snapshot of this rank's place in the receiving stage, with the reference's
+    field names (its ``topo_config``): the receive role, whether TP is active, and the CFG, SP,
+    world and TP groups (kvferry's :class:`~kvferry.core.ports.CollectiveGroup` objects, None
+    where not initialised) with their sizes and this rank's index in them."""
+
+    role: ReceiveRole
+    tp_active: bool
+    cfg_size: int
+    cfg_rank: int
+    cfg_group: Any
+    sp_size: int
+    sp_rank: int
+    sp_group: Any
+    world: Any
+    tp_group: Any = None
+    tp_size: int = 1
+
+    @property
+    def is_leader(self) -> bool:
+        return self.role is ReceiveRole.LEADER
+
+    @property
+    def is_follower(self) -> bool:
+        return self.role is ReceiveRole.FOLLOWER
+
+    @property
+    def is_local(self) -> bool:
+        return self.role is ReceiveRole.LOCAL
+
+    @property
+    def cfg_active(self) -> bool:
+        return self.cfg_size > 1
+
+    @property
+    def sp_active(self) -> bool:
+        return self.sp_size > 1
 
 
 class OmniKVTransferManager:
@@ -131,6 +216,40 @@ class OmniKVTransferManager:
     def tp_topology(self) -> KVTPTopology:
         from_tp, to_tp = self._manager.tp_sizes
         return KVTPTopology(from_tp, to_tp, self._manager.tp_rank)
+
+    @property
+    def topo_config(self) -> TransferTopoConfig:
+        """This rank's receive role and groups (:class:`TransferTopoConfig`), built on first use
+        from the groups the manager was given (the reference read global parallel state)."""
+        snapshot = self.__dict__.get("_topo_config")
+        if snapshot is None:
+            snapshot = self.__dict__["_topo_config"] = self._build_topo_config()
+        return snapshot
+
+    def _build_topo_config(self) -> TransferTopoConfig:
+        g = self._manager.groups
+        world, tp, cfg, sp = g.world, g.tp, g.cfg, g.sp
+        if world is None or world.size <= 1:  # no world group: a single receiving rank
+            return TransferTopoConfig(ReceiveRole.LOCAL, False, 1, 0, None, 1, 0, None, world)
+        from_tp, to_tp = self._manager.tp_sizes
+        return TransferTopoConfig(
+            role=self._distributor().plan().role,
+            tp_active=tp_active(from_tp, to_tp),
+            cfg_size=cfg.size if cfg else 1,
+            cfg_rank=cfg.rank if cfg else 0,
+            cfg_group=cfg,
+            sp_size=sp.size if sp else 1,
+            sp_rank=sp.rank if sp else 0,
+            sp_group=sp,
+            world=world,
+            tp_group=tp,
+            tp_size=tp.size if tp else 1,
+        )
+
+    @property
+    def get_connector(self) -> Any:
+        """The connector this manager uses (a property, as in the reference: no call)."""
+        return self.connector
 
     @property
     def connector(self) -> Any:
@@ -315,6 +434,11 @@ class OmniKVTransferManager:
             return self.receive_kv_cache(r, target_device)
 
         return self._distributor().run(req, receive, active=self._active(req))
+
+    def wait_prefetch(self, timeout: float | None = None) -> bool:
+        """Block until no background prefetch is running; its payload stays to be consumed.
+        False when one is still running after ``timeout`` seconds."""
+        return self._prefetcher.wait(timeout)
 
     def shutdown_prefetch(self) -> None:
         self._prefetcher.shutdown()

@@ -51,6 +51,7 @@ from kvferry.core.header.values import (
     _size_memo,
     _trusted_descriptor,
 )
+from kvferry.core.phrases import phrase
 
 __all__ = ["HEADER_FIELDS", "DESCRIPTOR_FIELDS", "DecodeLimits", "DecodedHeader", "decode_header"]
 

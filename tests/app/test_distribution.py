@@ -106,7 +106,56 @@ def test_spec6_tp_cfg_without_branches_copies_the_primary_to_cfg_rank_1(kit, mem
     assert kit.run_ranks(GroupLayout(tp_size=2, cfg_size=2), rank_main) == [True] * 4
     for rank, req in enumerate(reqs):
         _check_kv(kit, req.past_key_values, model, SPEC, rank % 2, 2)
-    assert reqs[2].sampling_params.cfg_active_branch is None and reqs[2].sampling_params.cfg_branch_roles == []
+    # the reference's padding: the primary alone, no branch bookkeeping
+    assert not hasattr(reqs[2].sampling_params, "cfg_active_branch")
+    assert not hasattr(reqs[2].sampling_params, "cfg_branch_roles")
+
+
+def test_spec6_tp_cfg_branch_kv_given_through_the_branch_map(kit, memory_connector, fake_time) -> None:
+    """TP 2 x CFG 3: one branch as ``cfg_text_past_key_values``, one only in the
+    ``cfg_branch_past_key_values`` map; each follower gets its branch both ways (the
+    reference's fields), the leader the list of roles."""
+    model = kit.PagedModel()
+    kit.send_all(model, memory_connector, 2, 2, {"r1": SPEC, "r1__cfg_text": BRANCH, "r1__cfg_img": SPEC})
+    reqs = [kit.make_request("r1", cfg_kv_request_ids=["r1__cfg_text", "r1__cfg_img"]) for _ in range(6)]
+
+    def collector(rid: str, cfg_ids: list, manager: OmniKVTransferManager, device: Any) -> dict:
+        out = {}
+        for cid, role in zip(cfg_ids, ("cfg_text", "cfg_img")):
+            data, _ = manager.receive_kv_cache_for_request(cid, device)
+            out[role] = (
+                KVCache(data["layer_blocks"]["key_cache"], data["layer_blocks"]["value_cache"]),
+                data["metadata"],
+            )
+        return {
+            "cfg_text_past_key_values": out["cfg_text"][0],
+            "cfg_text_kv_metadata": out["cfg_text"][1],
+            "cfg_branch_past_key_values": {"cfg_img": out["cfg_img"][0]},
+            "cfg_branch_kv_metadata": {"cfg_img": out["cfg_img"][1]},
+        }
+
+    def rank_main(rank: int, groups: Any) -> bool:
+        m = _manager(kit, kit.BlockingSpyConnector(memory_connector), groups, fake_time, 2, 2)
+        return m.receive_multi_kv_cache_distributed(reqs[rank], collector)
+
+    assert kit.run_ranks(GroupLayout(tp_size=2, cfg_size=3), rank_main) == [True] * 6
+    for rank, req in enumerate(reqs):
+        tp_rank, cfg_rank = rank % 2, rank // 2
+        params = req.sampling_params
+        _check_kv(kit, req.past_key_values, model, SPEC, tp_rank, 2)
+        assert params.cfg_branch_roles == ["cfg_text", "cfg_img"]
+        if cfg_rank == 0:
+            assert params.cfg_active_branch is None
+            continue
+        role, spec = (("cfg_text", BRANCH), ("cfg_img", SPEC))[cfg_rank - 1]
+        assert params.cfg_active_branch == role
+        _check_kv(kit, getattr(params, f"{role}_past_key_values"), model, spec, tp_rank, 2)
+        assert set(params.cfg_branch_past_key_values) == {role}
+        _check_kv(kit, params.cfg_branch_past_key_values[role], model, spec, tp_rank, 2)
+        assert params.cfg_branch_kv_metadata[role]["seq_len"] == spec["seq_len"]
+        assert getattr(params, f"{role}_kv_metadata")["seq_len"] == spec["seq_len"]
+        other = "cfg_img" if role == "cfg_text" else "cfg_text"
+        assert getattr(params, f"{other}_past_key_values", None) is None  # only its own branch
 
 
 # -------------------------------------------------------------------------------- TP + SP
@@ -143,10 +192,14 @@ def test_spec6_tp_cfg_sp_p2p_then_sp_broadcast(kit, memory_connector, fake_time)
     assert kit.run_ranks(GroupLayout(tp_size=1, sp_size=2, cfg_size=2), rank_main) == [True] * 4
     assert [len(s.gets) for s in spies] == [4, 0, 0, 0]  # 2 shards x (primary + branch), leader only
     for rank, req in enumerate(reqs):
-        cfg_rank = rank // 2  # world_rank = cfg_rank * sp_size + sp_rank
+        cfg_rank, sp_rank = rank // 2, rank % 2  # world_rank = cfg_rank * sp_size + sp_rank
         _check_kv(kit, req.past_key_values, model, SPEC, 0, 1)
-        _check_kv(kit, req.sampling_params.cfg_text_past_key_values, model, BRANCH, 0, 1)
+        assert req.sampling_params.cfg_branch_roles == ["cfg_text"]
         assert getattr(req.sampling_params, "cfg_active_branch", None) == ("cfg_text" if cfg_rank else None)
+        if cfg_rank == 1 or sp_rank == 0:
+            _check_kv(kit, req.sampling_params.cfg_text_past_key_values, model, BRANCH, 0, 1)
+        else:  # CFG rank 0's SP group gets the primary and the list of roles, not every branch
+            assert getattr(req.sampling_params, "cfg_text_past_key_values", None) is None
 
 
 # --------------------------------------------------------------------------- TP inactive

@@ -212,7 +212,14 @@ def test_spec7_per_call_sender_info_overrides_but_does_not_replace_the_stored_on
         # TP > 1: each key names its source rank's port, from the stored or the request's sender
         (2, 2, 1, ("h", 5000), None, [{"source_host": "h", "source_port": 5016}]),
         (2, 2, 1, None, None, [None]),
-        (4, 2, 1, None, ("p", 7000), [{"source_host": "p", "source_port": 7032}, {"source_host": "p", "source_port": 7048}]),
+        (
+            4,
+            2,
+            1,
+            None,
+            ("p", 7000),
+            [{"source_host": "p", "source_port": 7032}, {"source_host": "p", "source_port": 7048}],
+        ),
         (2, 4, 3, ("h", 5000), None, [{"source_host": "h", "source_port": 5016}]),
     ],
 )
@@ -220,7 +227,9 @@ def test_get_metadata_per_tp_case_as_the_reference(
     kit, memory_connector, make_receiver, from_tp, to_tp, rank, stored, per_call, expected
 ) -> None:
     spy = kit.SpyConnector(memory_connector)
-    receiver = make_receiver(spy, from_tp, to_tp, rank=rank, config=kit.receiver_config(from_tp, to_tp, recv_timeout=0.0))
+    receiver = make_receiver(
+        spy, from_tp, to_tp, rank=rank, config=kit.receiver_config(from_tp, to_tp, recv_timeout=0.0)
+    )
     if stored is not None:
         receiver.update_sender_info({"host": stored[0], "zmq_port": stored[1]})
     info = None if per_call is None else {"host": per_call[0], "zmq_port": per_call[1]}

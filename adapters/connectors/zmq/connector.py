@@ -211,7 +211,9 @@ class ZmqConnector:
             return self._refused(put_key, PublishFailure("closed", "the zmq connector is closed"))
         return self._publish(put_key, region, sizes, readers, lease)
 
-    def put_frames(self, from_stage: Any, to_stage: Any, put_key: str, frames: Any) -> tuple[bool, int, dict[str, Any] | None]:
+    def put_frames(
+        self, from_stage: Any, to_stage: Any, put_key: str, frames: Any
+    ) -> tuple[bool, int, dict[str, Any] | None]:
         """:meth:`put` of the frames' concatenation, never joined first (the FramesPut ability)."""
         return self.put(from_stage, to_stage, put_key, frames)
 

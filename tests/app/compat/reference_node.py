@@ -1,24 +1,24 @@
-"""One node of a mixed pipeline: a sender or a receiver stage, either the reference's manager or
-kvferry's compat manager, over either side's shared-memory connector.
+"""A node of mixed pipelines: sender and receiver stages, the reference's manager or kvferry's
+compat manager, over either side's shared-memory connector; and the reference's codec.
 
-Run as a script by ``test_reference_pipelines.py``, under the reference venv's interpreter (the
-reference's own manager or connector is needed) or under kvferry's (kvferry's manager and
-kvferry's connector only). It speaks JSON lines: one line on stdout per event; a sender then
-waits for ``exit`` on stdin, since shared memory it published must outlive the read.
+Run as a script by the tests in this folder, under the reference venv's interpreter (when the
+reference's manager, connector or codec is needed) or under kvferry's. It reads one JSON command
+per line on stdin and answers one JSON line on stdout; it stays up until ``{"op": "exit"}`` or
+the end of stdin, so shared memory a sender published outlives the read.
 
-    reference_node.py SPEC_JSON
+Commands: ``send`` and ``recv`` (a SPEC, below), ``encode`` / ``decode`` / ``faults`` (the
+reference's codec, see :func:`encode`), ``exit``.
 
-SPEC keys: ``side`` ("ref" or "kvf"), ``role`` ("send" or "recv"), ``connector`` ("ref-shm" or
-"kvf-shm"), ``request_id``, ``seed``, ``layers``, ``blocks``, ``block_size``, ``heads``,
-``head_dim``, ``dtype``, ``block_ids``, ``seq_len``, ``namespace`` and ``port`` (kvf-shm),
-``out`` (receiver: where the received tensors are saved), ``timeout_s`` (receiver).
+SPEC keys: ``side`` ("ref" or "kvf": whose manager), ``connector`` ("ref-shm" or "kvf-shm"),
+``request_id``, ``seed``, ``layers``, ``blocks``, ``block_size``, ``heads``, ``head_dim``,
+``dtype``, ``block_ids``, ``seq_len``, ``namespace`` and ``port`` (kvf-shm), ``out`` (receiver:
+where the received tensors are saved), ``timeout_s`` (receiver).
 """
 
 from __future__ import annotations
 
 import json
 import os
-import select
 import sys
 import types
 from typing import Any
@@ -27,8 +27,6 @@ import torch
 
 #: The stage pair every node uses (the reference's keys: omni_0_to_1_kv_cache_<request>).
 FROM_STAGE, TO_STAGE = "0", "1"
-#: A sender waits at most this long for ``exit`` (a parent that died must not leave it behind).
-EXIT_WAIT_S = 300.0
 #: Name under which a reference node registers kvferry's shm connector with the reference's factory.
 KVFERRY_SHM = "KvferryShmConnector"
 
@@ -75,7 +73,7 @@ def reference_manager(spec: dict[str, Any], role: str) -> Any:
     from vllm_omni.distributed.omni_connectors.kv_transfer_manager import OmniKVCacheConfig, OmniKVTransferManager
 
     if spec["connector"] == "kvf-shm":
-        from kvferry.adapters.connectors.shm import ShmConnector
+        from kvferry.adapters.connectors.shm.connector import ShmConnector
 
         # a third-party connector, plugged in through the reference's public factory
         OmniConnectorFactory.register_connector(KVFERRY_SHM, ShmConnector.from_config)
@@ -112,55 +110,174 @@ def kvferry_manager(spec: dict[str, Any], role: str) -> Any:
     return OmniKVTransferManager(config, **kwargs)
 
 
-def wait_for_exit() -> None:
-    ready, _, _ = select.select([sys.stdin], [], [], EXIT_WAIT_S)
-    if ready:
-        sys.stdin.readline()
-
-
-def send(spec: dict[str, Any]) -> None:
+def send(spec: dict[str, Any]) -> dict[str, Any]:
     manager = reference_manager(spec, "send") if spec["side"] == "ref" else kvferry_manager(spec, "send")
+    MANAGERS.append(manager)
     caches = source_caches(spec)
     request = {spec["request_id"]: {"block_ids": list(spec["block_ids"]), "seq_len": spec["seq_len"]}}
     processed = manager.handle_finished_requests_kv_transfer(request, caches, spec["block_size"], spec["dtype"])
-    connector = manager.get_connector
-    connector = connector() if callable(connector) else connector
-    event: dict[str, Any] = {"event": "sent", "processed": list(processed), "connector": type(connector).__name__}
+    event: dict[str, Any] = {"processed": list(processed), "connector": type(manager.get_connector).__name__}
     outcomes = getattr(manager, "last_send_outcomes", None)
     if outcomes:
-        event["outcomes"] = [o.kind.value if hasattr(o.kind, "value") else str(o.kind) for o in outcomes]
-    say(**event)
-    wait_for_exit()
-    if hasattr(manager, "close"):
-        manager.close()
+        event["sent"] = [bool(o.ok) for o in outcomes]
+    return event
 
 
-def receive(spec: dict[str, Any]) -> None:
+def receive(spec: dict[str, Any]) -> dict[str, Any]:
     manager = reference_manager(spec, "recv") if spec["side"] == "ref" else kvferry_manager(spec, "recv")
+    MANAGERS.append(manager)
     params = types.SimpleNamespace()
     req = types.SimpleNamespace(request_id=spec["request_id"], sampling_params=params)
     if spec["connector"] == "kvf-shm":
         req.kv_sender_info = {"host": "127.0.0.1", "zmq_port": spec["port"]}
     ok = manager.receive_kv_cache(req)
     kv = getattr(req, "past_key_values", None)
-    saved = None
     if kv is not None:
-        saved = {
-            "key_cache": [None if t is None else t.clone() for t in kv.key_cache],
-            "value_cache": [None if t is None else t.clone() for t in kv.value_cache],
-            "metadata": getattr(req, "kv_metadata", None),
-            "same_on_params": getattr(params, "past_key_values", None) is kv,
-        }
-        torch.save(saved, spec["out"])
-    say(event="received", ok=bool(ok), has_kv=kv is not None, out=spec["out"] if saved else None)
-    if hasattr(manager, "close"):
-        manager.close()
+        torch.save(
+            {
+                "key_cache": [None if t is None else t.clone() for t in kv.key_cache],
+                "value_cache": [None if t is None else t.clone() for t in kv.value_cache],
+                "metadata": getattr(req, "kv_metadata", None),
+                "on_params": getattr(params, "past_key_values", None) is kv,
+            },
+            spec["out"],
+        )
+    return {"ok": bool(ok), "has_kv": kv is not None}
+
+
+# ------------------------------------------------------------------------------ the codec
+def codec_tensors(dtype_name: str, seed: int) -> dict[str, list[torch.Tensor | None]]:
+    """Tensors of one dtype with arbitrary bits: keys of layers 0 and 2, layer 1 absent;
+    values of layer 0 only (a shorter list), so absent and missing layers both occur."""
+    dtype = getattr(torch, dtype_name)
+    gen = torch.Generator().manual_seed(seed)
+
+    def make(*shape: int) -> torch.Tensor:
+        n = 1
+        for d in shape:
+            n *= d
+        raw = torch.randint(0, 256, (n * dtype.itemsize,), dtype=torch.uint8, generator=gen)
+        if dtype is torch.bool:  # a bool byte other than 0/1 is no value torch keeps as it is
+            raw &= 1
+        return raw.view(dtype).reshape(shape)
+
+    return {"key_cache": [make(5, 2, 3), None, make(4, 2, 3)], "value_cache": [make(5, 2, 3)]}
+
+
+def encode(cmd: dict[str, Any]) -> dict[str, Any]:
+    """The reference's ``to_bytes`` of :func:`codec_tensors` per dtype, written to ``dir``."""
+    from vllm_omni.distributed.omni_connectors.kv_transfer_manager import KVCacheTransferData
+
+    out = {}
+    for i, name in enumerate(cmd["dtypes"]):
+        blocks = codec_tensors(name, cmd["seed"] + i)
+        data = KVCacheTransferData(f"req-{name}", blocks, [i, 7], {"dtype": name}).to_bytes()
+        path = os.path.join(cmd["dir"], f"ref-{name}.bin")
+        with open(path, "wb") as f:
+            f.write(data)
+        out[name] = path
+    return {"files": out}
+
+
+def decode(cmd: dict[str, Any]) -> dict[str, Any]:
+    """The reference's ``from_bytes`` of each file; the decoded dicts saved next to it."""
+    from vllm_omni.distributed.omni_connectors.kv_transfer_manager import KVCacheTransferData
+
+    out: dict[str, Any] = {}
+    for path in cmd["files"]:
+        with open(path, "rb") as f:
+            raw = f.read()
+        try:
+            data = KVCacheTransferData.from_bytes(raw)
+        except ValueError as exc:  # reported: e.g. a dtype outside the reference's allow-list
+            out[path] = {"error": str(exc)}
+            continue
+        blocks = data["layer_blocks"]
+        saved = path + ".decoded.pt"
+        torch.save(
+            {
+                **data,
+                "layer_blocks": {n: [None if t is None else t.clone() for t in blocks[n]] for n in blocks},
+            },
+            saved,
+        )
+        out[path] = {"saved": saved}
+    return {"decoded": out}
+
+
+def allow_list(cmd: dict[str, Any]) -> dict[str, Any]:
+    """The dtypes the reference's decoder accepts (read from the reference, for the tests)."""
+    from vllm_omni.distributed.omni_connectors import kv_transfer_manager
+
+    return {"dtypes": sorted(kv_transfer_manager._SAFE_TORCH_DTYPES)}
+
+
+def faults(cmd: dict[str, Any]) -> dict[str, Any]:
+    """What the reference's ``from_bytes`` raises for each malformed payload (type, message)."""
+    from vllm_omni.distributed.omni_connectors.kv_transfer_manager import KVCacheTransferData
+
+    out = {}
+    for name, hexed in cmd["payloads"].items():
+        try:
+            KVCacheTransferData.from_bytes(bytes.fromhex(hexed))
+            out[name] = None
+        except Exception as exc:  # reported, not raised: the test compares
+            out[name] = [type(exc).__name__, isinstance(exc, ValueError), str(exc)]
+    return {"raised": out}
+
+
+def names(cmd: dict[str, Any]) -> dict[str, Any]:
+    """The reference's public names per module: functions and classes defined there, constants
+    named in ``constants``, and each class's public methods, properties and fields."""
+    import dataclasses
+    import importlib
+    import inspect
+
+    out: dict[str, Any] = {}
+    for module_name in cmd["modules"]:
+        module = importlib.import_module(module_name)
+        top, members = [], {}
+        for name, obj in vars(module).items():
+            if name.startswith("_") and name not in cmd.get("also", ()):
+                continue
+            defined_here = getattr(obj, "__module__", None) == module_name
+            if (inspect.isclass(obj) or inspect.isfunction(obj)) and defined_here or name in cmd["constants"]:
+                top.append(name)
+            if inspect.isclass(obj) and defined_here or name in cmd.get("also", ()):
+                attrs_ = [n for n in vars(obj) if not n.startswith("_")]
+                if dataclasses.is_dataclass(obj):
+                    attrs_ += [f.name for f in dataclasses.fields(obj)]
+                members[name] = sorted(set(attrs_))
+        out[module_name] = {"names": sorted(top), "members": members}
+    return {"modules": out}
+
+
+MANAGERS: list[Any] = []
+COMMANDS = {
+    "send": send,
+    "recv": receive,
+    "encode": encode,
+    "decode": decode,
+    "faults": faults,
+    "names": names,
+    "allow_list": allow_list,
+}
 
 
 def main() -> None:
     os.environ.pop("LOCAL_RANK", None)
-    spec = json.loads(sys.argv[1])
-    (send if spec["role"] == "send" else receive)(spec)
+    say(ready=True, python=sys.executable)
+    for line in sys.stdin:
+        cmd = json.loads(line)
+        if cmd["op"] == "exit":
+            break
+        try:
+            say(**COMMANDS[cmd["op"]](cmd))
+        except Exception as exc:
+            say(error=f"{type(exc).__name__}: {exc}")
+    for manager in MANAGERS:
+        if hasattr(manager, "close"):
+            manager.close()
 
 
 if __name__ == "__main__":
