@@ -112,8 +112,10 @@ class Node:
                 assert self.proc.stdin is not None
                 self.proc.stdin.write(json.dumps({"op": "exit"}) + "\n")
                 self.proc.stdin.close()
+                if self.started:  # it closes its managers (and their connectors) first
+                    self.read(timeout_s=120)
                 self.proc.wait(timeout=60)
-            except (OSError, subprocess.TimeoutExpired):
+            except (OSError, subprocess.TimeoutExpired, AssertionError):
                 self.kill()
         self._log.close()
 

@@ -76,7 +76,8 @@ def reference_manager(spec: dict[str, Any], role: str) -> Any:
         from kvferry.adapters.connectors.shm.connector import ShmConnector
 
         # a third-party connector, plugged in through the reference's public factory
-        OmniConnectorFactory.register_connector(KVFERRY_SHM, ShmConnector.from_config)
+        if KVFERRY_SHM not in OmniConnectorFactory.list_registered_connectors():
+            OmniConnectorFactory.register_connector(KVFERRY_SHM, ShmConnector.from_config)
     config = OmniKVCacheConfig(
         connector_config=connector_config(spec, role),
         from_stage=FROM_STAGE,
@@ -278,6 +279,7 @@ def main() -> None:
     for manager in MANAGERS:
         if hasattr(manager, "close"):
             manager.close()
+    say(closed=len(MANAGERS))
 
 
 if __name__ == "__main__":

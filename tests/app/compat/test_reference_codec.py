@@ -28,7 +28,8 @@ from kvferry.app.compat import KVCacheTransferData
 from kvferry.core.header import DTYPE_ITEMSIZE
 from kvferry.core.phrases import REFERENCE_PHRASES
 
-pytestmark = pytest.mark.slow
+#: starting a node imports vLLM, which takes minutes on a loaded 2-core machine
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 
 HERE = pathlib.Path(__file__).resolve().parent
 

@@ -10,7 +10,8 @@ import pytest
 
 import kvferry.app.compat as compat
 
-pytestmark = pytest.mark.slow
+#: starting a node imports vLLM, which takes minutes on a loaded 2-core machine
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 
 PREFIX = "vllm_omni.distributed.omni_connectors."
 #: reference module -> the compat module with the same names (what the reference's own tests

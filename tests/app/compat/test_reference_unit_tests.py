@@ -22,7 +22,8 @@ import xml.etree.ElementTree as ET
 
 import pytest
 
-pytestmark = pytest.mark.slow
+#: starting a node imports vLLM, which takes minutes on a loaded 2-core machine
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 
 HERE = pathlib.Path(__file__).resolve().parent
 TESTS_ENV = "KVFERRY_REFERENCE_TESTS"
