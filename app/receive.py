@@ -277,13 +277,13 @@ class ReceivePath:
         request_scoped = sender_info is not None
         if request_scoped:
             resolution = resolve_sender(sender_info, self.from_stage)
-            reason = None if resolution.resolved else str(resolution.reason)
-            if reason is None and resolution.endpoint.port is None:
+            endpoint = resolution.endpoint
+            reason = None if resolution.resolved and endpoint is not None else str(resolution.reason)
+            if reason is None and endpoint is not None and endpoint.port is None:
                 reason = "the request's sender info has a host but no port"  # the reference aborts too
             if reason is not None:
                 logger.warning("request %s: sender info unresolved: %s", request_id, reason)
                 return ReceiveResult(ReceiveOutcome.failed(request_id, ReceiveKind.SENDER_UNRESOLVED, reason))
-            endpoint = resolution.endpoint
         connector = self.get_connector()
         if connector is None:
             return ReceiveResult(

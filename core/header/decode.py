@@ -27,7 +27,6 @@ from typing import Any, TypeGuard, cast
 import attrs
 
 from kvferry.core.errors import ConfigError
-from kvferry.core.phrases import phrase
 from kvferry.core.header.json_reader import _parse, _remember, _Reused
 from kvferry.core.header.values import (
     _MAX_INT,
@@ -164,7 +163,7 @@ def _want_layer(value: Any, name: str) -> int:
     return value
 
 
-def _want_span_int(value: Any, what: str, item: dict, name: str) -> int:
+def _want_span_int(value: Any, what: str, item: dict[str, Any], name: str) -> int:
     """An offset or byte count: a negative integer is the reference's span fault."""
     if isinstance(value, int) and not isinstance(value, bool) and value < 0:
         raise _fail(
