@@ -16,6 +16,8 @@ from kvferry.core.addressing import (
     MAX_STAGE_ID,
     MIN_PORT,
     expand_base_port,
+    expand_env_text,
+    get_metadata,
     kv_port,
     pull_port,
     replica_id_from_env,
@@ -105,6 +107,7 @@ from kvferry.core.outcomes import (
     SendReason,
     SkipReason,
 )
+from kvferry.core.phrases import REFERENCE_PHRASES, phrase
 from kvferry.core.plan import (
     RECEIVER,
     SENDER,
@@ -143,6 +146,7 @@ from kvferry.core.ports import (
     Clock,
     CollectiveGroup,
     Connector,
+    FramesPut,
     GetResult,
     Implements,
     PoolBuffer,
@@ -313,6 +317,11 @@ __all__ = [
     "distribution_plan",
     "encode_header",
     "expand_base_port",
+    "expand_env_text",
+    "get_metadata",
+    "FramesPut",
+    "REFERENCE_PHRASES",
+    "phrase",
     "extract_omni_kv_config",
     "fan_out_slice",
     "Routing",
