@@ -149,7 +149,11 @@ def _field_report(req: Any) -> dict[str, Any]:
     for name, value in sorted(vars(params).items()):
         if value is None or name in ("past_key_values", "kv_metadata", "cfg_kv_request_ids"):
             continue
-        if name.endswith("_past_key_values"):
+        if name == "cfg_branch_past_key_values":  # {role: KV}, as the reference sets it
+            fields[name] = {role: kv_digest(v.key_cache, v.value_cache) for role, v in sorted(value.items())}
+        elif name == "cfg_branch_kv_metadata":
+            fields[name] = {role: {"seq_len": v.get("seq_len")} for role, v in sorted(value.items())}
+        elif name.endswith("_past_key_values"):
             fields[name] = kv_digest(value.key_cache, value.value_cache)
         elif name.endswith("_kv_metadata"):
             fields[name] = {"seq_len": value.get("seq_len")} if isinstance(value, dict) else repr(value)

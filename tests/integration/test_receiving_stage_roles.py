@@ -233,8 +233,11 @@ def test_tp_cfg_rank_i_gets_branch_i(stage: StageRun, rid_index: int) -> None:
             assert _kv_fields(row) == {"past_key_values", "cfg_text_past_key_values", "cfg_img_past_key_values"}
             assert "cfg_active_branch" not in row["fields"]
             _assert_branch(stage, "tp_cfg", rid, rank, row, "cfg_img")
-        else:
-            assert _kv_fields(row) == {"past_key_values", "cfg_text_past_key_values"}
+        else:  # its branch also as the one-entry map, as the reference sets it
+            assert _kv_fields(row) == {"past_key_values", "cfg_text_past_key_values", "cfg_branch_past_key_values"}
+            assert row["fields"]["cfg_branch_past_key_values"] == {
+                "cfg_text": row["fields"]["cfg_text_past_key_values"]
+            }
             assert row["fields"]["cfg_active_branch"] == "cfg_text"
         _assert_branch(stage, "tp_cfg", rid, rank, row, "cfg_text")
 
@@ -261,12 +264,15 @@ def test_tp_cfg_sp_point_to_point_then_sp_broadcast(stage: StageRun) -> None:
     for rid in StageRun.hits("tp_cfg_sp"):
         rows = _assert_hit_everywhere(stage, "tp_cfg_sp", rid)
         for rank, row in enumerate(rows):
-            cfg_rank, _, _ = layout.coords(rank)
-            want = {"past_key_values", "cfg_text_past_key_values"}
-            if cfg_rank == 0:
-                want.add("cfg_img_past_key_values")
-            assert _kv_fields(row) == want, f"rank {rank}"
+            cfg_rank, sp_rank, _ = layout.coords(rank)
+            assert row["fields"]["cfg_branch_roles"] == ["cfg_text", "cfg_img"]
             assert row["fields"].get("cfg_active_branch") == (None if cfg_rank == 0 else "cfg_text")
+            if cfg_rank == 0 and sp_rank == 1:  # CFG rank 0's SP group: the primary and the roles only
+                assert _kv_fields(row) == {"past_key_values"}, f"rank {rank}"
+                continue
+            want = {"past_key_values", "cfg_text_past_key_values"}
+            want |= {"cfg_img_past_key_values"} if cfg_rank == 0 else {"cfg_branch_past_key_values"}
+            assert _kv_fields(row) == want, f"rank {rank}"
             _assert_branch(stage, "tp_cfg_sp", rid, rank, row, "cfg_text")
 
 
