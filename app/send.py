@@ -36,7 +36,13 @@ from kvferry.adapters.paged_cache import (
     gather_slices,
     plan_extraction,
 )
-from kvferry.adapters.torch_frames import dest_views, encode_bytes, encode_device_tensor, encode_frames, finish_payload_in
+from kvferry.adapters.torch_frames import (
+    dest_views,
+    encode_bytes,
+    encode_device_tensor,
+    encode_frames,
+    finish_payload_in,
+)
 from kvferry.core.errors import ConfigError, KVFerryError, PoolFullError, RoutingError
 from kvferry.core.head_slices import fan_out_slice, slice_bounds, tp_head_slice_record
 from kvferry.core.header import kv_layout_template
