@@ -43,6 +43,9 @@ class Worker(KvCommands):
     socket: Any = None
     context: Any = None
     raw_buffer: Any = None
+    tcp_listener: Any = None
+    tcp: Any = None
+    tcp_buffer: Any = None
 
     # ------------------------------------------------------------------ setup and memory
     def cmd_setup(self, name: str, geometry: dict, requests: int, seed: int) -> dict[str, Any]:
@@ -117,6 +120,66 @@ class Worker(KvCommands):
         t_done = time.monotonic()
         return {"t_done": t_done, "nbytes": len(frame.buffer)}
 
+    # ------------------------------------------------------------------ raw TCP stream pair
+    def cmd_tcp_listen(self, nbytes: int) -> dict[str, Any]:
+        """Listen on loopback TCP (OS-chosen port); hold a touched ``nbytes`` buffer to send."""
+        import socket
+
+        import torch
+
+        self.tcp_listener = socket.create_server(("127.0.0.1", 0))
+        self.tcp_buffer = torch.full((nbytes,), 7, dtype=torch.uint8)
+        host, port = self.tcp_listener.getsockname()[:2]
+        return {"host": host, "port": port}
+
+    def cmd_tcp_connect(self, host: str, port: int, nbytes: int, timeout_s: float) -> dict[str, Any]:
+        """Connect to a listening peer; allocate and touch the ``nbytes`` buffer every receive reuses."""
+        import socket
+
+        import torch
+
+        self.tcp = socket.create_connection((host, port), timeout=timeout_s)
+        self.tcp.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        self.tcp_buffer = torch.zeros(nbytes, dtype=torch.uint8)  # zeros are written: every page touched
+        return {}
+
+    def cmd_tcp_accept(self, timeout_s: float) -> dict[str, Any]:
+        import socket
+
+        self.tcp_listener.settimeout(timeout_s)
+        self.tcp, _ = self.tcp_listener.accept()
+        self.tcp.settimeout(timeout_s)
+        self.tcp.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        self.tcp_listener.close()
+        self.tcp_listener = None
+        return {}
+
+    def cmd_tcp_send(self) -> dict[str, Any]:
+        """``sendall`` the held buffer (the kernel's stream limit: no framing, no allocation)."""
+        t_go = time.monotonic()
+        self.tcp.sendall(memoryview(self.tcp_buffer.numpy()))
+        return {"t_go": t_go, "t_end": time.monotonic()}
+
+    def cmd_tcp_recv(self, timeout_s: float) -> dict[str, Any]:
+        """``recv_into`` the reused buffer until it is full; the first and last byte must be the sent ones."""
+        from kvferry.core.errors import TransferError
+
+        view = memoryview(self.tcp_buffer.numpy())
+        total = len(view)
+        view[0] = view[total - 1] = 0
+        self.tcp.settimeout(timeout_s)
+        self.announce()
+        got = 0
+        while got < total:
+            n = self.tcp.recv_into(view[got:], total - got)
+            if n == 0:
+                raise TransferError(f"raw tcp: the sender closed after {got} of {total} bytes")
+            got += n
+        t_done = time.monotonic()
+        if not view[0] == view[total - 1] == 7:
+            raise TransferError("raw tcp: the bytes that arrived are not the ones sent")
+        return {"t_done": t_done, "nbytes": got}
+
     def cmd_base_send(self, cache: str, request: int) -> dict[str, Any]:
         """The baseline sender: naive extraction, tobytes + join, default (copying) send."""
         from kvferry.app.bench.payload import baseline_encode, baseline_extract
@@ -144,6 +207,9 @@ class Worker(KvCommands):
     def close(self) -> None:
         for name in list(self.connectors):
             self.cmd_kv_close(name)
+        for sock in (self.tcp, self.tcp_listener):
+            if sock is not None:
+                sock.close()
         if self.socket is not None:
             self.socket.close(0)
         if self.context is not None:
