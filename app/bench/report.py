@@ -182,12 +182,15 @@ def render_table(report: dict[str, Any]) -> str:
         rows = []
         for label, p in paths.items():
             busy, after = p.get("sender_busy_s"), p.get("receiver_after_sender_s")
+            cpu_s, cpu_r = p.get("sender_cpu_s"), p.get("receiver_cpu_s")
             rows.append(
                 [
                     label.removeprefix("kvferry "),
                     _time(p["time_s"]["median"]),
                     _time(busy["median"]) if busy else "",
                     _time(after["median"]) if after else "",
+                    _time(cpu_s["median"]) if cpu_s else "",
+                    _time(cpu_r["median"]) if cpu_r else "",
                     f"{p['sender_faults_per_mb']['median']:.1f}",
                     f"{p['receiver_faults_per_mb']['median']:.1f}",
                     f"{p['receiver_peak_rss_delta_mb']:.0f}",
@@ -202,6 +205,8 @@ def render_table(report: dict[str, Any]) -> str:
                 "total",
                 "send call",
                 "recv after",
+                "cpu s",
+                "cpu r",
                 "faults/MB s",
                 "r",
                 "recv RSS+ MB",
@@ -211,7 +216,8 @@ def render_table(report: dict[str, Any]) -> str:
         )
         lines.append(
             "(send call: the sender's command; recv after: receiver done - send call done, "
-            "negative when the data was in before the call returned)"
+            "negative when the data was in before the call returned; cpu s / cpu r: CPU time of the sender "
+            "process until the receiver was done / of the receiver until it held everything, every thread)"
         )
     extra = report.get("extra_ratios") or {}
     if extra:

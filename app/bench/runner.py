@@ -318,10 +318,36 @@ def _extra_ratios(run: RunState) -> dict[str, float]:
         "checksum_encode_extra_ms": (get("checksum_encode") - get("kvferry_encode")) * 1e3,
         "checksum_verify_ms": get("checksum_decode") * 1e3,
     }
+    out.update(_cpu_ratios(run))
     for name in run.settings.extra_connectors:
         out[f"{name}_1req_vs_raw"] = ratio_of(get(f"{name}_raw"), get(f"{name}_e2e_1"))
         out[f"{name}_{n}req_vs_raw"] = ratio_of(n * get(f"{name}_raw"), get(f"{name}_e2e_n"))
         out[f"readiness_{name}_p50_ms"] = get(f"readiness_{name}") * 1e3
+    return out
+
+
+#: CPU-time ratios: ``name -> (reference figure, kvferry figure)``; each the reference path's
+#: CPU seconds (sender + receiver, medians) over the kvferry path's, larger is better.
+CPU_RATIOS: dict[str, tuple[str, str]] = {
+    "hetero_vs_homo_cpu": ("homo_2_2", "hetero_2_4"),
+    "zmq_1req_vs_raw_tcp_cpu": ("raw_tcp", "zmq_e2e_1"),
+    "zmq_1req_vs_raw_cpu": ("raw_zmq", "zmq_e2e_1"),
+    "shm_8req_vs_1req_cpu": ("shm_e2e_1", "shm_e2e_n"),
+}
+
+
+def _cpu_of(run: RunState, figure: str) -> float:
+    """Median CPU seconds (sender + receiver) of the path recorded as ``figure``."""
+    result = run.scenarios.get(run.figure_paths.get(figure, ""))
+    if result is None or result.sender_cpu is None or result.receiver_cpu is None:
+        return math.nan
+    return result.sender_cpu.median + result.receiver_cpu.median
+
+
+def _cpu_ratios(run: RunState) -> dict[str, float]:
+    n = run.settings.requests
+    out = {name: ratio_of(_cpu_of(run, ref), _cpu_of(run, path)) for name, (ref, path) in CPU_RATIOS.items()}
+    out["shm_8req_vs_1req_cpu"] *= n  # per request: N requests against N times one
     return out
 
 
@@ -349,6 +375,8 @@ def _report(run: RunState, machine: dict[str, Any], seconds: float) -> dict[str,
             "data_checked": r.checked,
             "sender_busy_s": None if r.sender_busy is None else r.sender_busy.to_json(),
             "receiver_after_sender_s": None if r.receiver_tail is None else r.receiver_tail.to_json(),
+            "sender_cpu_s": None if r.sender_cpu is None else r.sender_cpu.to_json(),
+            "receiver_cpu_s": None if r.receiver_cpu is None else r.receiver_cpu.to_json(),
         }
         for label, r in run.scenarios.items()
     }

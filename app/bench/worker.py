@@ -23,7 +23,7 @@ from typing import Any
 
 import attrs
 
-from kvferry.app.bench.worker_kv import KvCommands, faults, memory_kb, reset_peak_rss
+from kvferry.app.bench.worker_kv import KvCommands, cpu_s, faults, memory_kb, reset_peak_rss
 
 __all__ = ["Worker", "main", "faults", "memory_kb", "reset_peak_rss"]
 
@@ -62,6 +62,10 @@ class Worker(KvCommands):
 
     def cmd_rss_peak(self) -> dict[str, Any]:
         return memory_kb()
+
+    def cmd_cpu(self) -> dict[str, Any]:
+        """CPU seconds of this process so far (every thread: a connector's serving thread too)."""
+        return {"cpu_s": cpu_s()}
 
     def cmd_expected_crc(self, cache: str, request: int, heads: list[int] | None = None) -> dict[str, Any]:
         """crc32 of what kvferry should deliver for ``request`` (optionally a head range);
@@ -114,11 +118,12 @@ class Worker(KvCommands):
         from kvferry.core.errors import TransferTimeout
 
         self.announce()
+        c0 = cpu_s()
         if not self.socket.poll(int(timeout_s * 1000)):
             raise TransferTimeout(f"raw zmq: nothing within {timeout_s} s")
         frame = self.socket.recv(copy=False)
         t_done = time.monotonic()
-        return {"t_done": t_done, "nbytes": len(frame.buffer)}
+        return {"t_done": t_done, "nbytes": len(frame.buffer), "cpu_s": cpu_s() - c0}
 
     # ------------------------------------------------------------------ raw TCP stream pair
     def cmd_tcp_listen(self, nbytes: int) -> dict[str, Any]:
@@ -169,16 +174,16 @@ class Worker(KvCommands):
         view[0] = view[total - 1] = 0
         self.tcp.settimeout(timeout_s)
         self.announce()
-        got = 0
+        c0, got = cpu_s(), 0
         while got < total:
             n = self.tcp.recv_into(view[got:], total - got)
             if n == 0:
                 raise TransferError(f"raw tcp: the sender closed after {got} of {total} bytes")
             got += n
-        t_done = time.monotonic()
+        t_done, cpu = time.monotonic(), cpu_s() - c0
         if not view[0] == view[total - 1] == 7:
             raise TransferError("raw tcp: the bytes that arrived are not the ones sent")
-        return {"t_done": t_done, "nbytes": got}
+        return {"t_done": t_done, "nbytes": got, "cpu_s": cpu}
 
     def cmd_base_send(self, cache: str, request: int) -> dict[str, Any]:
         """The baseline sender: naive extraction, tobytes + join, default (copying) send."""

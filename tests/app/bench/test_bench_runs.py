@@ -145,3 +145,10 @@ def test_tiny_two_runs_report_each_run_and_the_medians(tiny_run: tuple[int, str,
     assert report["figures"]["raw_tcp"]["gbps"]["median"] > 0
     assert "raw tcp" in table and "limit: raw zmq" in table and "each run" in table
     assert report["extra_ratios"]["raw_zmq_vs_raw_tcp"] > 0
+    # CPU time of both sides, every path (the load-robust cost beside the wall time)
+    for label, path in report["paths"].items():
+        assert path["sender_cpu_s"]["median"] > 0, label
+        assert path["receiver_cpu_s"] is None or path["receiver_cpu_s"]["median"] >= 0, label
+    for name in ("hetero_vs_homo_cpu", "zmq_1req_vs_raw_tcp_cpu", "zmq_1req_vs_raw_cpu", "shm_8req_vs_1req_cpu"):
+        assert report["extra_ratios"][name] > 0, name
+    assert "cpu s" in table
