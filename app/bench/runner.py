@@ -151,7 +151,11 @@ def run_bench(
     reports = []
     for k in range(1, settings.runs + 1):
         prefix = f"run {k}/{settings.runs}: " if settings.runs > 1 else ""
-        reports.append(run_once(settings, threads=threads, progress=lambda line, p=prefix: say(p + line)))
+
+        def tell(line: str, prefix: str = prefix) -> None:
+            say(prefix + line)
+
+        reports.append(run_once(settings, threads=threads, progress=tell))
     return combine_reports(reports, seconds=time.monotonic() - started)
 
 
