@@ -130,6 +130,8 @@ def run_demo(
                 workers.append(ctx.Process(target=run_worker, args=(role, rank, attrs.asdict(spec), q), daemon=True))
     for w in workers:
         w.start()
+    if progress:
+        progress(0, total)  # the display knows the total from the start (lines during start-up too)
     sent: dict[str, list[dict]] = {}
     received: dict[str, list[dict]] = {}
     errors: list[str] = []

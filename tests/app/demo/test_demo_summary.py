@@ -93,20 +93,24 @@ def test_progress_off_a_terminal_writes_a_line_every_few_seconds_without_carriag
     out, clock = io.StringIO(), _Clock()
     shown = Progress(out, interval_s=5.0, clock=clock)
     assert shown.tty is False  # a StringIO is no terminal
-    for n in range(1, 10):  # one request a second: lines at 5 s and 10 s, then the last one
+    shown.update(0, 10)  # the stages start: nothing yet
+    clock.now += 4.0
+    shown.tick()  # 4 s: too soon for a line
+    for n in range(1, 10):  # from 5 s one request a second: lines at 5 s and 10 s
         clock.now += 1.0
         shown.update(n, 10)
     clock.now += 4.0
-    shown.tick()  # 5 s after the last line: a line though nothing completed
+    shown.tick()  # 7 s after the last line: a line though nothing completed
     clock.now += 1.0
     shown.update(10, 10)
     shown.tick()
     text = out.getvalue()
     assert "\r" not in text
     assert text.splitlines() == [
-        "  progress: 5/10 requests received, 5.0 s",
-        "  progress: 9/10 requests received, 13.0 s",
-        "  progress: 10/10 requests received, 14.0 s",
+        "  progress: 1/10 requests received, 5.0 s",
+        "  progress: 6/10 requests received, 10.0 s",
+        "  progress: 9/10 requests received, 17.0 s",
+        "  progress: 10/10 requests received, 18.0 s",
     ]
 
 
