@@ -15,6 +15,8 @@ _FIGURE_LABELS: tuple[tuple[str, str], ...] = (
     ("memcpy", "limit: memcpy, 1 thread, reused buffer"),
     ("raw_zmq", "limit: raw zmq tcp PUSH/PULL copy=False"),
     ("raw_tcp", "limit: raw tcp sendall / recv_into reused buffer"),
+    ("memcpy_cpu", "CPU time: memcpy, 1 thread"),
+    ("extraction_cpu", "CPU time: kvferry extraction"),
     ("mooncake_raw", "limit: raw mooncake batched write"),
     ("extraction", "kvferry extraction (gather into buffer)"),
     ("kvferry_encode", "kvferry encode (frames)"),

@@ -196,6 +196,7 @@ def _measure(run: RunState) -> None:
 
     run.progress("memcpy and in-process paths ...")
     run.record("memcpy", measure_memcpy(g.nbytes, s.reps, s.warmup), g.nbytes)
+    run.record("memcpy_cpu", measure_memcpy(g.nbytes, s.reps, s.warmup, time.process_time), g.nbytes)
     local = measure_local(make_paged_cache(g, 1, seed=s.seed), s.reps, s.warmup)
     for name, stat in local["stats"].items():
         run.record(name, stat, g.nbytes)
@@ -350,7 +351,14 @@ def _cpu_of(run: RunState, figure: str) -> float:
 
 def _cpu_ratios(run: RunState) -> dict[str, float]:
     n = run.settings.requests
-    out = {name: ratio_of(_cpu_of(run, ref), _cpu_of(run, path)) for name, (ref, path) in CPU_RATIOS.items()}
+    memcpy = run.stats["memcpy_cpu"].median if "memcpy_cpu" in run.stats else math.nan
+    extraction = run.stats["extraction_cpu"].median if "extraction_cpu" in run.stats else math.nan
+    out = {
+        "extraction_vs_memcpy_cpu": ratio_of(memcpy, extraction),
+        "shm_e2e_vs_memcpy_cpu": ratio_of(memcpy, _cpu_of(run, "shm_e2e_1")),
+        "shm_8req_vs_memcpy_cpu": ratio_of(n * memcpy, _cpu_of(run, "shm_e2e_n")),
+    }
+    out.update({name: ratio_of(_cpu_of(run, ref), _cpu_of(run, path)) for name, (ref, path) in CPU_RATIOS.items()})
     out["shm_8req_vs_1req_cpu"] *= n  # per request: N requests against N times one
     return out
 

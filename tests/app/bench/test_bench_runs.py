@@ -149,6 +149,8 @@ def test_tiny_two_runs_report_each_run_and_the_medians(tiny_run: tuple[int, str,
     for label, path in report["paths"].items():
         assert path["sender_cpu_s"]["median"] > 0, label
         assert path["receiver_cpu_s"] is None or path["receiver_cpu_s"]["median"] >= 0, label
-    for name in ("hetero_vs_homo_cpu", "zmq_1req_vs_raw_tcp_cpu", "zmq_1req_vs_raw_cpu", "shm_8req_vs_1req_cpu"):
+    cpu_ratios = ("hetero_vs_homo_cpu", "zmq_1req_vs_raw_tcp_cpu", "zmq_1req_vs_raw_cpu", "shm_8req_vs_1req_cpu")
+    for name in (*cpu_ratios, "extraction_vs_memcpy_cpu", "shm_e2e_vs_memcpy_cpu", "shm_8req_vs_memcpy_cpu"):
         assert report["extra_ratios"][name] > 0, name
-    assert "cpu s" in table
+    assert "cpu s" in table and "CPU time: memcpy" in table
+    assert report["figures"]["memcpy_cpu"]["median"] > 0 and report["figures"]["extraction_cpu"]["median"] > 0
