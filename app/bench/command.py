@@ -36,6 +36,12 @@ def configure(parser: argparse.ArgumentParser) -> Callable[[argparse.Namespace],
         metavar="NAME",
         help="also measure this connector beside shm and zmq (mooncake); repeatable",
     )
+    add(
+        "--runs",
+        type=int,
+        default=1,
+        help="repeat the whole measurement N times; report every run's ratios and their medians (default 1)",
+    )
     add("--reps", type=int, default=None, help="timed repetitions per figure (default 5; quick 3)")
     add("--warmup", type=int, default=None, help="untimed warm-up repetitions (default 1)")
     add("--requests", type=int, default=None, help="requests of the many-request cases (default 8)")
@@ -125,7 +131,8 @@ def settings_from_args(args: argparse.Namespace) -> BenchSettings:
     }
     overrides = {k: v for k, v in chosen.items() if v is not None}
     return BenchSettings(
-        geometry, **{**_fields(base), **overrides, "extra_connectors": tuple(extras), "seed": args.seed}
+        geometry,
+        **{**_fields(base), **overrides, "extra_connectors": tuple(extras), "seed": args.seed, "runs": args.runs},
     )
 
 

@@ -78,6 +78,8 @@ class RunState:
     scenarios: dict[str, ScenarioResult] = attrs.Factory(dict)
     extra: dict[str, Any] = attrs.Factory(dict)
     peers: list[Peer] = attrs.Factory(list)
+    #: figure name -> the label of the scenario that produced it
+    figure_paths: dict[str, str] = attrs.Factory(dict)
 
     def peer(self, name: str) -> Peer:
         """Start a peer process (torch limited to ``threads``); closed by :meth:`close_peer`."""
@@ -106,6 +108,7 @@ class RunState:
             self.progress(f"{scenario.label}: FAILED ({self.failures[scenario.label][:200]})")
             return None
         self.scenarios[scenario.label] = result
+        self.figure_paths[figure] = scenario.label
         self.record(figure, result.time, scenario.nbytes)
         if result.checked is not None:
             self.checks[scenario.label] = result.checked

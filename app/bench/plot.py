@@ -37,6 +37,7 @@ _PLOTTED: tuple[tuple[str, str, str], ...] = (
     ("hetero_2_4", "kvferry shm TP 2->4", "kvferry"),
     ("replicated_2_8", "kvferry shm TP 2->8 replicated", "kvferry"),
     ("mla_2_4", "kvferry shm TP 2->4 MLA", "kvferry"),
+    ("raw_tcp", "raw tcp (kernel stream)", "limit"),
     ("raw_zmq", "raw zmq tcp", "limit"),
     ("zmq_direct_1", "kvferry zmq primitives, 1 req", "kvferry"),
     ("zmq_e2e_1", "kvferry zmq e2e, 1 req", "kvferry"),

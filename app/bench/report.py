@@ -14,6 +14,9 @@ __all__ = ["render_table", "render_bars", "write_json", "json_safe"]
 _FIGURE_LABELS: tuple[tuple[str, str], ...] = (
     ("memcpy", "limit: memcpy, 1 thread, reused buffer"),
     ("raw_zmq", "limit: raw zmq tcp PUSH/PULL copy=False"),
+    ("raw_tcp", "limit: raw tcp sendall / recv_into reused buffer"),
+    ("memcpy_cpu", "CPU time: memcpy, 1 thread"),
+    ("extraction_cpu", "CPU time: kvferry extraction"),
     ("mooncake_raw", "limit: raw mooncake batched write"),
     ("extraction", "kvferry extraction (gather into buffer)"),
     ("kvferry_encode", "kvferry encode (frames)"),
@@ -108,6 +111,46 @@ def render_bars(report: dict[str, Any], width: int = 50) -> str:
     return "\n".join(["GB/s by path (median; # kvferry, = limit, - baseline)", *lines]) + "\n"
 
 
+def _runs_line(report: dict[str, Any]) -> str:
+    runs = report.get("runs") or ()
+    if len(runs) <= 1:
+        return ""
+    loads = ", ".join(str(r.get("load_avg_at_start")) for r in runs)
+    return (
+        f"\n{len(runs)} whole runs: figures are medians of the runs' medians, ratios the medians of the "
+        f"runs' ratios (each run's value and verdict beside); load at each run's start {loads}"
+    )
+
+
+def _ratio_rows(report: dict[str, Any]) -> list[str]:
+    """The ratio table; with several runs, every run's value and verdict beside the median."""
+    runs = report.get("ratio_runs") or {}
+    several = len(report.get("runs") or ()) > 1
+    rows = []
+    for name in RATIO_NAMES:
+        value = report["ratios"].get(name)
+        met = report["meets_target"].get(name)
+        row = [name, _value(value), report["targets"][name], "n/a" if value is None else ("yes" if met else "NO")]
+        if several:
+            per = runs.get(name) or {"values": [], "met": []}
+            row.append(" ".join(_value(v) for v in per["values"]))
+            row.append(" ".join("y" if ok else "N" for ok in per["met"]))
+        rows.append([*row, ", ".join(report["ratio_inputs"].get(name, ()))])
+    met = report["meets_target"]
+    if several:
+        header = ["ratio", "median", "target", "met", "each run", "met each", "from"]
+        every = report.get("met_every_run") or {}
+        return [
+            *_rows(header, rows),
+            f"targets met at the median: {sum(bool(met.get(n)) for n in RATIO_NAMES)} of {len(RATIO_NAMES)}; "
+            f"in every run: {sum(bool(every.get(n)) for n in RATIO_NAMES)} of {len(RATIO_NAMES)}",
+        ]
+    return [
+        *_rows(["ratio", "value", "target", "met", "from"], rows),
+        f"targets met: {sum(bool(met.get(n)) for n in RATIO_NAMES)} of {len(RATIO_NAMES)}",
+    ]
+
+
 def render_table(report: dict[str, Any]) -> str:
     """Every figure (median, min, max, GB/s) and every ratio with its target."""
     settings, machine = report["settings"], report["machine"]
@@ -117,8 +160,8 @@ def render_table(report: dict[str, Any]) -> str:
         f"kvferry bench: {g['layers']} layers x K,V x [{g['tokens']}, {g['heads']}, {g['head_dim']}] "
         f"{g['dtype']} = {g['nbytes'] / 1e6:.1f} MB per request ({g['block_size']}-token blocks); "
         f"N = {n_req} requests",
-        f"medians of {settings['reps']} runs after {settings['warmup']} warm-up "
-        f"(readiness: {settings['readiness_reps']} runs); min..max beside",
+        f"medians of {settings['reps']} repetitions after {settings['warmup']} warm-up "
+        f"(readiness: {settings['readiness_reps']}); min..max beside" + _runs_line(report),
         f"machine: {machine['cpu_model']}, {machine['cores']} cores, {machine['memory_gb']} GB, "
         f"load {machine['load_avg_at_start']}; torch {machine['torch']} ({machine['torch_threads']} "
         f"thread(s)), pyzmq {machine['pyzmq']} / libzmq {machine['libzmq']}",
@@ -135,31 +178,21 @@ def render_table(report: dict[str, Any]) -> str:
         rows.append([label, _time(f["median"]), _time(f["min"]), _time(f["max"]), speed])
     lines += _rows(["figure", "median", "min", "max", "GB/s"], rows)
     lines.append("")
-    rows = []
-    for name in RATIO_NAMES:
-        value = report["ratios"].get(name)
-        met = report["meets_target"].get(name)
-        rows.append(
-            [
-                name,
-                _value(value),
-                report["targets"][name],
-                "n/a" if value is None else ("yes" if met else "NO"),
-                ", ".join(report["ratio_inputs"].get(name, ())),
-            ]
-        )
-    lines += _rows(["ratio", "value", "target", "met", "from"], rows)
+    lines += _ratio_rows(report)
     paths = report.get("paths") or {}
     if paths:
         rows = []
         for label, p in paths.items():
             busy, after = p.get("sender_busy_s"), p.get("receiver_after_sender_s")
+            cpu_s, cpu_r = p.get("sender_cpu_s"), p.get("receiver_cpu_s")
             rows.append(
                 [
                     label.removeprefix("kvferry "),
                     _time(p["time_s"]["median"]),
                     _time(busy["median"]) if busy else "",
                     _time(after["median"]) if after else "",
+                    _time(cpu_s["median"]) if cpu_s else "",
+                    _time(cpu_r["median"]) if cpu_r else "",
                     f"{p['sender_faults_per_mb']['median']:.1f}",
                     f"{p['receiver_faults_per_mb']['median']:.1f}",
                     f"{p['receiver_peak_rss_delta_mb']:.0f}",
@@ -167,12 +200,26 @@ def render_table(report: dict[str, Any]) -> str:
                 ]
             )
         lines.append("")
+        last = f"last of {len(report['runs'])} runs, " if len(report.get("runs") or ()) > 1 else ""
         lines += _rows(
-            ["path (medians)", "total", "send call", "recv after", "faults/MB s", "r", "recv RSS+ MB", "held MB"], rows
+            [
+                f"path ({last}medians)",
+                "total",
+                "send call",
+                "recv after",
+                "cpu s",
+                "cpu r",
+                "faults/MB s",
+                "r",
+                "recv RSS+ MB",
+                "held MB",
+            ],
+            rows,
         )
         lines.append(
             "(send call: the sender's command; recv after: receiver done - send call done, "
-            "negative when the data was in before the call returned)"
+            "negative when the data was in before the call returned; cpu s / cpu r: CPU time of the sender "
+            "process until the receiver was done / of the receiver until it held everything, every thread)"
         )
     extra = report.get("extra_ratios") or {}
     if extra:

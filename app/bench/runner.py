@@ -4,7 +4,8 @@
 :class:`~kvferry.app.bench.model.BenchSettings`):
 
 - limits: single-thread ``memcpy`` into a reused buffer; raw ZMQ tcp PUSH/PULL of the same
-  bytes (``copy=False``, sender in another process);
+  bytes (``copy=False``, sender in another process); the kernel's TCP stream limit (loopback,
+  ``sendall`` of a touched buffer, ``recv_into`` a reused, touched buffer, two processes);
 - the baseline (:mod:`kvferry.app.bench.payload`): naive extraction, ``tobytes`` + join,
   copying send, sleep-polling receiver, ``frombuffer`` decode;
 - kvferry: extraction, encode, decode, end-to-end transfers over shm (same host) and zmq tcp
@@ -47,9 +48,11 @@ from kvferry.app.bench.model import (
     ratio_of,
 )
 from kvferry.app.bench.paths import COPYING, RunState, connector_paths, mooncake_raw
+from kvferry.app.bench.proc import Peer
 from kvferry.app.bench.scenarios import Scenario
+from kvferry.core.errors import KVFerryError
 
-__all__ = ["run_bench", "machine_info", "RATIO_INPUTS", "SMALL"]
+__all__ = ["run_bench", "run_once", "machine_info", "RATIO_INPUTS", "SMALL", "RAW_TCP"]
 
 logger = logging.getLogger(__name__)
 
@@ -59,6 +62,8 @@ class _SmallRequest(TypedDict):
     tokens: int
 
 
+#: The raw TCP limit's path label.
+RAW_TCP = "raw tcp (sendall / recv_into a reused buffer)"
 #: The small request of the readiness measurement: 1 layer, 16 tokens.
 SMALL: _SmallRequest = {"layers": 1, "tokens": 16}
 #: Which figures each ratio is computed from (for the report).
@@ -67,14 +72,17 @@ RATIO_INPUTS: dict[str, tuple[str, ...]] = {
     "encode_speedup_vs_baseline": ("baseline_encode", "kvferry_encode"),
     "extraction_vs_memcpy": ("memcpy", "extraction"),
     "shm_e2e_vs_memcpy": ("memcpy", "shm_e2e_1"),
+    "shm_8req_vs_memcpy": ("memcpy", "shm_e2e_n"),
     "shm_e2e_speedup_vs_baseline": ("baseline_e2e", "shm_e2e_1"),
     "zmq_1req_vs_raw": ("raw_zmq", "zmq_e2e_1"),
+    "zmq_1req_vs_raw_tcp": ("raw_tcp", "zmq_e2e_1"),
     "zmq_8req_vs_raw": ("raw_zmq", "zmq_e2e_n"),
     "zmq_speedup_vs_baseline": ("baseline_e2e", "zmq_e2e_1"),
     "hetero_vs_homo": ("homo_2_2", "hetero_2_4"),
     "replicated_vs_homo": ("homo_2_2", "replicated_2_8"),
     "mla_vs_homo": ("homo_2_2", "mla_2_4"),
     "readiness_p50_ms": ("readiness_shm",),
+    "readiness_shm_from_send_call_p50_ms": ("readiness_shm_from_call",),
     "faults_per_mb_sender": ("faults_per_mb_sender",),
     "faults_per_mb_receiver": ("faults_per_mb_receiver",),
     "rss_ratio_receiver": ("rss_ratio_receiver",),
@@ -134,7 +142,27 @@ def _version(module: str) -> str:
 def run_bench(
     settings: BenchSettings, *, threads: int = 1, progress: Callable[[str], None] | None = None
 ) -> dict[str, Any]:
-    """Run every measurement; return the report (see the module docstring)."""
+    """Run every measurement ``settings.runs`` times; return the combined report (see the
+    module docstring and :mod:`kvferry.app.bench.runs`)."""
+    from kvferry.app.bench.runs import combine_reports
+
+    say = progress or (lambda line: None)
+    started = time.monotonic()
+    reports = []
+    for k in range(1, settings.runs + 1):
+        prefix = f"run {k}/{settings.runs}: " if settings.runs > 1 else ""
+
+        def tell(line: str, prefix: str = prefix) -> None:
+            say(prefix + line)
+
+        reports.append(run_once(settings, threads=threads, progress=tell))
+    return combine_reports(reports, seconds=time.monotonic() - started)
+
+
+def run_once(
+    settings: BenchSettings, *, threads: int = 1, progress: Callable[[str], None] | None = None
+) -> dict[str, Any]:
+    """One whole measurement (fresh peer processes); its single-run report."""
     say = progress or (lambda line: None)
     previous_threads = torch.get_num_threads()
     torch.set_num_threads(threads)
@@ -168,6 +196,7 @@ def _measure(run: RunState) -> None:
 
     run.progress("memcpy and in-process paths ...")
     run.record("memcpy", measure_memcpy(g.nbytes, s.reps, s.warmup), g.nbytes)
+    run.record("memcpy_cpu", measure_memcpy(g.nbytes, s.reps, s.warmup, time.process_time), g.nbytes)
     local = measure_local(make_paged_cache(g, 1, seed=s.seed), s.reps, s.warmup)
     for name, stat in local["stats"].items():
         run.record(name, stat, g.nbytes)
@@ -181,6 +210,7 @@ def _measure(run: RunState) -> None:
         Scenario("raw zmq tcp (PUSH/PULL, copy=False)", "raw_send", "raw_recv", lambda i: {}, lambda i: {}, g.nbytes),
         "raw_zmq",
     )
+    _raw_tcp(run, sender, receiver)
     run.scenario(
         sender,
         receiver,
@@ -218,6 +248,23 @@ def _measure(run: RunState) -> None:
         if name == "mooncake":
             mooncake_raw(run)
         connector_paths(run, sender, name, pool, small)
+
+
+def _raw_tcp(run: RunState, sender: Peer, receiver: Peer) -> None:
+    """The kernel's TCP stream limit: ``sendall`` of a touched buffer, ``recv_into`` a reused,
+    touched buffer, over loopback between the two peer processes (figure ``raw_tcp``)."""
+    g, t = run.settings.geometry, run.settings.timeout_s
+    try:
+        where = sender.call("tcp_listen", t, nbytes=g.nbytes)
+        receiver.call("tcp_connect", t, host=where["host"], port=where["port"], nbytes=g.nbytes, timeout_s=t)
+        sender.call("tcp_accept", t, timeout_s=t)
+    except KVFerryError as exc:
+        run.failures[RAW_TCP] = " ".join(str(exc).split())[:800]
+        run.progress(f"{RAW_TCP}: FAILED ({run.failures[RAW_TCP][:200]})")
+        return
+    run.scenario(
+        sender, receiver, Scenario(RAW_TCP, "tcp_send", "tcp_recv", lambda i: {}, lambda i: {}, g.nbytes), "raw_tcp"
+    )
 
 
 def _gbps(stat: Stat, nbytes: int) -> dict[str, float]:
@@ -259,9 +306,10 @@ def _extra_ratios(run: RunState) -> dict[str, float]:
         "shm_primitives_vs_memcpy": ratio_of(get("memcpy"), get("shm_direct_1")),
         "shm_manager_vs_primitives": ratio_of(get("shm_direct_1"), get("shm_e2e_1")),
         "zmq_primitives_vs_raw": ratio_of(get("raw_zmq"), get("zmq_direct_1")),
+        "zmq_primitives_vs_raw_tcp": ratio_of(get("raw_tcp"), get("zmq_direct_1")),
+        "raw_zmq_vs_raw_tcp": ratio_of(get("raw_tcp"), get("raw_zmq")),
         "zmq_manager_vs_primitives": ratio_of(get("zmq_direct_1"), get("zmq_e2e_1")),
         "readiness_zmq_p50_ms": get("readiness_zmq") * 1e3,
-        "readiness_shm_from_send_call_p50_ms": get("readiness_shm_from_call") * 1e3,
         "readiness_zmq_from_send_call_p50_ms": get("readiness_zmq_from_call") * 1e3,
         "readiness_shm_primitives_p50_ms": get("readiness_shm_direct") * 1e3,
         "readiness_zmq_primitives_p50_ms": get("readiness_zmq_direct") * 1e3,
@@ -275,10 +323,43 @@ def _extra_ratios(run: RunState) -> dict[str, float]:
         "checksum_encode_extra_ms": (get("checksum_encode") - get("kvferry_encode")) * 1e3,
         "checksum_verify_ms": get("checksum_decode") * 1e3,
     }
+    out.update(_cpu_ratios(run))
     for name in run.settings.extra_connectors:
         out[f"{name}_1req_vs_raw"] = ratio_of(get(f"{name}_raw"), get(f"{name}_e2e_1"))
         out[f"{name}_{n}req_vs_raw"] = ratio_of(n * get(f"{name}_raw"), get(f"{name}_e2e_n"))
         out[f"readiness_{name}_p50_ms"] = get(f"readiness_{name}") * 1e3
+    return out
+
+
+#: CPU-time ratios: ``name -> (reference figure, kvferry figure)``; each the reference path's
+#: CPU seconds (sender + receiver, medians) over the kvferry path's, larger is better.
+CPU_RATIOS: dict[str, tuple[str, str]] = {
+    "hetero_vs_homo_cpu": ("homo_2_2", "hetero_2_4"),
+    "zmq_1req_vs_raw_tcp_cpu": ("raw_tcp", "zmq_e2e_1"),
+    "zmq_1req_vs_raw_cpu": ("raw_zmq", "zmq_e2e_1"),
+    "shm_8req_vs_1req_cpu": ("shm_e2e_1", "shm_e2e_n"),
+}
+
+
+def _cpu_of(run: RunState, figure: str) -> float:
+    """Median CPU seconds (sender + receiver) of the path recorded as ``figure``."""
+    result = run.scenarios.get(run.figure_paths.get(figure, ""))
+    if result is None or result.sender_cpu is None or result.receiver_cpu is None:
+        return math.nan
+    return result.sender_cpu.median + result.receiver_cpu.median
+
+
+def _cpu_ratios(run: RunState) -> dict[str, float]:
+    n = run.settings.requests
+    memcpy = run.stats["memcpy_cpu"].median if "memcpy_cpu" in run.stats else math.nan
+    extraction = run.stats["extraction_cpu"].median if "extraction_cpu" in run.stats else math.nan
+    out = {
+        "extraction_vs_memcpy_cpu": ratio_of(memcpy, extraction),
+        "shm_e2e_vs_memcpy_cpu": ratio_of(memcpy, _cpu_of(run, "shm_e2e_1")),
+        "shm_8req_vs_memcpy_cpu": ratio_of(n * memcpy, _cpu_of(run, "shm_e2e_n")),
+    }
+    out.update({name: ratio_of(_cpu_of(run, ref), _cpu_of(run, path)) for name, (ref, path) in CPU_RATIOS.items()})
+    out["shm_8req_vs_1req_cpu"] *= n  # per request: N requests against N times one
     return out
 
 
@@ -306,6 +387,8 @@ def _report(run: RunState, machine: dict[str, Any], seconds: float) -> dict[str,
             "data_checked": r.checked,
             "sender_busy_s": None if r.sender_busy is None else r.sender_busy.to_json(),
             "receiver_after_sender_s": None if r.receiver_tail is None else r.receiver_tail.to_json(),
+            "sender_cpu_s": None if r.sender_cpu is None else r.sender_cpu.to_json(),
+            "receiver_cpu_s": None if r.receiver_cpu is None else r.receiver_cpu.to_json(),
         }
         for label, r in run.scenarios.items()
     }

@@ -9,7 +9,10 @@ baseline's socket send, a connector's ``put`` or reservation ``commit``); a mana
 reports when its ``send_requests`` call started (``call_latency``: readiness including the
 sender's extraction and encoding). Page faults are counted by each side over its own part;
 peak RSS is each side's VmHWM over the timed repetitions (reset after the warm-up) minus its
-RSS at the reset. Every scenario checks crc32s of what arrived against what was sent.
+RSS at the reset. CPU time (user + system, every thread of the process) is counted by the
+sender from before its command until the receiver is done, by the receiver until it holds
+everything: what a path costs the machine, which other work on a busy machine inflates far
+less than wall time. Every scenario checks crc32s of what arrived against what was sent.
 """
 
 from __future__ import annotations
@@ -55,7 +58,9 @@ class ScenarioResult:
     """Stats of one scenario: ``time`` (s), ``latency`` (s, per payload), ``faults_per_mb`` of
     each side, ``rss_delta_kb`` of each side, whether the data checked out, and where the time
     went: ``sender_busy`` (the sender's command, s) and ``receiver_tail`` (receiver done minus
-    sender done, s)."""
+    sender done, s); and what it cost in CPU time: ``sender_cpu`` (the sender process, every
+    thread, from before its command until the receiver is done) and ``receiver_cpu`` (the
+    receiver process until it holds everything)."""
 
     label: str
     time: Stat
@@ -69,6 +74,8 @@ class ScenarioResult:
     sender_busy: Stat | None = None
     receiver_tail: Stat | None = None
     call_latency: Stat | None = None
+    sender_cpu: Stat | None = None
+    receiver_cpu: Stat | None = None
 
 
 def key_items(tag: str, rep: int, requests: int, cache: str = "main") -> tuple[list[dict], list[dict]]:
@@ -151,6 +158,8 @@ def run_scenario(
     timeout = settings.timeout_s
     reps = scenario.reps or settings.reps
     times, latencies, s_faults, r_faults, busy, tail, from_call = [], [], [], [], [], [], []
+    s_cpu: list[float] = []
+    r_cpu: list[float] = []
     crcs: list[int] = []
     s_reset: dict[str, Any] = {"rss_kb": 0}
     r_reset: dict[str, Any] = {"rss_kb": 0}
@@ -162,6 +171,7 @@ def run_scenario(
         ident = receiver.begin(scenario.recv_cmd, timeout_s=timeout, **scenario.recv(i))
         receiver.wait_ready(ident, timeout)
         try:
+            cpu0 = sender.call("cpu", timeout)["cpu_s"]
             sent = sender.call(scenario.send_cmd, timeout, **scenario.send(i))
         except KVFerryError:
             try:  # the receiver waits out its own deadline; collect it so the channel stays in step
@@ -172,6 +182,9 @@ def run_scenario(
         got = receiver.result(ident, timeout + 30)
         if not timed:
             continue
+        s_cpu.append(sender.call("cpu", timeout)["cpu_s"] - cpu0)  # the serving threads' work too
+        if "cpu_s" in got:
+            r_cpu.append(got["cpu_s"])
         times.append(got["t_done"] - sent["t_go"])
         if "t_end" in sent:
             busy.append(sent["t_end"] - sent["t_go"])
@@ -205,4 +218,6 @@ def run_scenario(
         Stat.of(busy) if busy else None,
         Stat.of(tail) if tail else None,
         Stat.of(from_call) if from_call else None,
+        Stat.of(s_cpu),
+        Stat.of(r_cpu) if r_cpu else None,
     )

@@ -23,7 +23,7 @@ from typing import Any
 
 import attrs
 
-from kvferry.app.bench.worker_kv import KvCommands, faults, memory_kb, reset_peak_rss
+from kvferry.app.bench.worker_kv import KvCommands, cpu_s, faults, memory_kb, reset_peak_rss
 
 __all__ = ["Worker", "main", "faults", "memory_kb", "reset_peak_rss"]
 
@@ -43,6 +43,9 @@ class Worker(KvCommands):
     socket: Any = None
     context: Any = None
     raw_buffer: Any = None
+    tcp_listener: Any = None
+    tcp: Any = None
+    tcp_buffer: Any = None
 
     # ------------------------------------------------------------------ setup and memory
     def cmd_setup(self, name: str, geometry: dict, requests: int, seed: int) -> dict[str, Any]:
@@ -59,6 +62,10 @@ class Worker(KvCommands):
 
     def cmd_rss_peak(self) -> dict[str, Any]:
         return memory_kb()
+
+    def cmd_cpu(self) -> dict[str, Any]:
+        """CPU seconds of this process so far (every thread: a connector's serving thread too)."""
+        return {"cpu_s": cpu_s()}
 
     def cmd_expected_crc(self, cache: str, request: int, heads: list[int] | None = None) -> dict[str, Any]:
         """crc32 of what kvferry should deliver for ``request`` (optionally a head range);
@@ -111,11 +118,72 @@ class Worker(KvCommands):
         from kvferry.core.errors import TransferTimeout
 
         self.announce()
+        c0 = cpu_s()
         if not self.socket.poll(int(timeout_s * 1000)):
             raise TransferTimeout(f"raw zmq: nothing within {timeout_s} s")
         frame = self.socket.recv(copy=False)
         t_done = time.monotonic()
-        return {"t_done": t_done, "nbytes": len(frame.buffer)}
+        return {"t_done": t_done, "nbytes": len(frame.buffer), "cpu_s": cpu_s() - c0}
+
+    # ------------------------------------------------------------------ raw TCP stream pair
+    def cmd_tcp_listen(self, nbytes: int) -> dict[str, Any]:
+        """Listen on loopback TCP (OS-chosen port); hold a touched ``nbytes`` buffer to send."""
+        import socket
+
+        import torch
+
+        self.tcp_listener = socket.create_server(("127.0.0.1", 0))
+        self.tcp_buffer = torch.full((nbytes,), 7, dtype=torch.uint8)
+        host, port = self.tcp_listener.getsockname()[:2]
+        return {"host": host, "port": port}
+
+    def cmd_tcp_connect(self, host: str, port: int, nbytes: int, timeout_s: float) -> dict[str, Any]:
+        """Connect to a listening peer; allocate and touch the ``nbytes`` buffer every receive reuses."""
+        import socket
+
+        import torch
+
+        self.tcp = socket.create_connection((host, port), timeout=timeout_s)
+        self.tcp.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        self.tcp_buffer = torch.zeros(nbytes, dtype=torch.uint8)  # zeros are written: every page touched
+        return {}
+
+    def cmd_tcp_accept(self, timeout_s: float) -> dict[str, Any]:
+        import socket
+
+        self.tcp_listener.settimeout(timeout_s)
+        self.tcp, _ = self.tcp_listener.accept()
+        self.tcp.settimeout(timeout_s)
+        self.tcp.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        self.tcp_listener.close()
+        self.tcp_listener = None
+        return {}
+
+    def cmd_tcp_send(self) -> dict[str, Any]:
+        """``sendall`` the held buffer (the kernel's stream limit: no framing, no allocation)."""
+        t_go = time.monotonic()
+        self.tcp.sendall(memoryview(self.tcp_buffer.numpy()))
+        return {"t_go": t_go, "t_end": time.monotonic()}
+
+    def cmd_tcp_recv(self, timeout_s: float) -> dict[str, Any]:
+        """``recv_into`` the reused buffer until it is full; the first and last byte must be the sent ones."""
+        from kvferry.core.errors import TransferError
+
+        view = memoryview(self.tcp_buffer.numpy())
+        total = len(view)
+        view[0] = view[total - 1] = 0
+        self.tcp.settimeout(timeout_s)
+        self.announce()
+        c0, got = cpu_s(), 0
+        while got < total:
+            n = self.tcp.recv_into(view[got:], total - got)
+            if n == 0:
+                raise TransferError(f"raw tcp: the sender closed after {got} of {total} bytes")
+            got += n
+        t_done, cpu = time.monotonic(), cpu_s() - c0
+        if not view[0] == view[total - 1] == 7:
+            raise TransferError("raw tcp: the bytes that arrived are not the ones sent")
+        return {"t_done": t_done, "nbytes": got, "cpu_s": cpu}
 
     def cmd_base_send(self, cache: str, request: int) -> dict[str, Any]:
         """The baseline sender: naive extraction, tobytes + join, default (copying) send."""
@@ -144,6 +212,9 @@ class Worker(KvCommands):
     def close(self) -> None:
         for name in list(self.connectors):
             self.cmd_kv_close(name)
+        for sock in (self.tcp, self.tcp_listener):
+            if sock is not None:
+                sock.close()
         if self.socket is not None:
             self.socket.close(0)
         if self.context is not None:

@@ -5,14 +5,18 @@ processes (gloo groups inside each stage), each rank building its manager from a
 ``omni_kv_config`` dict like an engine would. Senders extract requests from synthetic paged
 caches with a real model's geometry and send them over the chosen connector; receivers pull,
 merge/slice heads, agree as a TP group (consensus) and compare every tensor with what the
-sender's cache holds. Progress shows while it runs; a table (or ``--json``) ends it. Exit status
-is 0 only when every request arrived bit-exact on every receiver rank.
+sender's cache holds. Progress shows while it runs (a bar on a terminal, otherwise a line every
+few seconds); a table (or ``--json``) ends it: per-request transfer time apart from queueing and
+verification, the transfer rate against this machine's memcpy measured in the same run, and the
+wall time split into start-up, transfer, checking and shutdown. Exit status is 0 only when every
+request arrived bit-exact on every receiver rank.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import math
 import multiprocessing as mp
 import os
 import queue as queue_mod
@@ -28,20 +32,28 @@ import attrs
 
 from kvferry.adapters.platform import free_base_port, free_port
 from kvferry.app.demo.model import CONNECTOR_CHOICES, PRESETS, DemoSpec, model_preset, request_plan
+from kvferry.app.demo.progress import Progress
+from kvferry.app.demo.timing import RequestTiming, WallSplit, percentile, request_timing, wall_split
 from kvferry.core.models import MODELS
 from kvferry.core.plan import stage_plan
 
-__all__ = ["configure", "run_demo", "DemoReport"]
+__all__ = ["configure", "run_demo", "report_json", "DemoReport"]
 
 
 @attrs.frozen
 class DemoReport:
+    """What a run showed. Times in seconds unless ``_ms``; ``latency_ms_*``: sender call return ->
+    every receiver rank has the request, queueing included; ``transfer_ms_*``, ``queue_ms_*``,
+    ``check_ms_*``: the per-request split of :func:`~kvferry.app.demo.timing.request_timing`;
+    ``transfer_gbps``: all bytes over the summed transfer times, ``memcpy_gbps``: a
+    single-thread memcpy of the mean request's bytes on this machine, measured before the
+    stages start; ``wall``: the wall time's split."""
+
     requests: int
     bit_exact: int
     outcomes: dict[str, int]
     bytes: int
     seconds: float
-    throughput_gbps: float
     latency_ms_p50: float
     latency_ms_p99: float
     errors: tuple[str, ...]
@@ -50,26 +62,44 @@ class DemoReport:
     connector: str
     from_tp: int
     to_tp: int
+    transfer_ms_p50: float = math.nan
+    transfer_ms_p99: float = math.nan
+    queue_ms_p50: float = math.nan
+    check_ms_p50: float = math.nan
+    transfer_gbps: float = math.nan
+    memcpy_gbps: float = math.nan
+    wall: WallSplit = WallSplit(0.0, 0.0, 0.0, 0.0, 0.0)
 
     @property
     def ok(self) -> bool:
         return self.bit_exact == self.requests and not self.errors
 
-
-def _percentile(values: list[float], q: float) -> float:
-    if not values:
-        return float("nan")
-    ordered = sorted(values)
-    idx = min(len(ordered) - 1, max(0, round(q / 100 * (len(ordered) - 1))))
-    return ordered[idx]
+    @property
+    def transfer_vs_memcpy(self) -> float:
+        return self.transfer_gbps / self.memcpy_gbps if self.memcpy_gbps > 0 else math.nan
 
 
-def run_demo(spec: DemoSpec, progress: Callable[[int, int], None] | None = None) -> DemoReport:
-    """Run the pipeline of ``spec``; returns the report (never raises for transfer faults)."""
+def _memcpy_gbps(nbytes: int) -> float:
+    """Single-thread memcpy into a reused, touched buffer (the benchmark's limit), GB/s."""
+    if nbytes <= 0:
+        return math.nan
+    from kvferry.app.bench.local import measure_memcpy
+
+    return nbytes / measure_memcpy(nbytes, reps=5, warmup=1).median / 1e9
+
+
+def run_demo(
+    spec: DemoSpec, progress: Callable[[int, int], None] | None = None, tick: Callable[[], None] | None = None
+) -> DemoReport:
+    """Run the pipeline of ``spec``; returns the report (never raises for transfer faults).
+    ``progress(done, total)`` after each request every receiver rank has; ``tick()`` about
+    every second while waiting."""
     from kvferry.app.demo.worker import run_worker
 
     reqs = request_plan(spec)
     total = len(reqs)
+    memcpy_gbps = _memcpy_gbps(sum(spec.request_bytes(r) for r in reqs) // total)
+    launch = time.monotonic()
     threads = spec.connector == "memory"
     ctx = mp.get_context("spawn")
     q: Any = queue_mod.Queue() if threads else ctx.Queue()
@@ -100,6 +130,8 @@ def run_demo(spec: DemoSpec, progress: Callable[[int, int], None] | None = None)
                 workers.append(ctx.Process(target=run_worker, args=(role, rank, attrs.asdict(spec), q), daemon=True))
     for w in workers:
         w.start()
+    if progress:
+        progress(0, total)  # the display knows the total from the start (lines during start-up too)
     sent: dict[str, list[dict]] = {}
     received: dict[str, list[dict]] = {}
     errors: list[str] = []
@@ -113,6 +145,8 @@ def run_demo(spec: DemoSpec, progress: Callable[[int, int], None] | None = None)
             try:
                 msg = q.get(timeout=1.0)
             except queue_mod.Empty:
+                if tick:
+                    tick()
                 if not threads and not any(w.is_alive() for w in workers):
                     break
                 continue
@@ -153,7 +187,9 @@ def run_demo(spec: DemoSpec, progress: Callable[[int, int], None] | None = None)
     outcomes: dict[str, int] = {}
     exact = 0
     latencies: list[float] = []
-    nbytes = 0
+    timings: list[RequestTiming] = []
+    nbytes = moved = 0
+    last_verified = start or end
     for req in reqs:
         rows = received.get(req.request_id, [])
         kinds = {r["outcome"] for r in rows}
@@ -167,47 +203,58 @@ def run_demo(spec: DemoSpec, progress: Callable[[int, int], None] | None = None)
         if len(rows) == spec.to_tp and all(r["bit_exact"] for r in rows):
             exact += 1
         sends = sent.get(req.request_id, [])
-        nbytes += sum(s["bytes"] for s in sends)
+        request_bytes = sum(s["bytes"] for s in sends)
+        nbytes += request_bytes
+        if rows:
+            last_verified = max(last_verified, *(r["t_verified"] for r in rows))
         if rows and sends:
             latencies.append(max(r["t"] for r in rows) - max(s["t"] for s in sends))
-    seconds = end - (start or end)
+        if key == "received" and len(sends) == spec.from_tp:
+            timings.append(
+                request_timing(
+                    [s["t_call"] for s in sends],
+                    [s["t"] for s in sends],
+                    [r["t_wait"] for r in rows],
+                    [r["t"] for r in rows],
+                    [r["t_verified"] for r in rows],
+                )
+            )
+            moved += request_bytes
+    wall = wall_split(launch, start or end, last_verified, end, (t.check_s for t in timings))
     routing = tuple(
         p.to_json()
         for p in stage_plan(
             0, 1, spec.from_tp, spec.to_tp, num_heads=spec.routed_heads, base_port=spec.base_port, request_id="<rid>"
         )
     )
+    transfer_total = sum(t.transfer_s for t in timings)
+    ms = lambda values, q: percentile(values, q) * 1e3  # noqa: E731
     return DemoReport(
         total,
         exact,
         outcomes,
         nbytes,
-        seconds,
-        nbytes / seconds / 1e9 if seconds > 0 else 0.0,
-        _percentile(latencies, 50) * 1e3,
-        _percentile(latencies, 99) * 1e3,
+        wall.total_s,
+        ms(latencies, 50),
+        ms(latencies, 99),
         tuple(errors),
         routing,
         spec.model,
         spec.connector,
         spec.from_tp,
         spec.to_tp,
+        transfer_ms_p50=ms([t.transfer_s for t in timings], 50),
+        transfer_ms_p99=ms([t.transfer_s for t in timings], 99),
+        queue_ms_p50=ms([t.queue_s for t in timings], 50),
+        check_ms_p50=ms([t.check_s for t in timings], 50),
+        transfer_gbps=moved / transfer_total / 1e9 if transfer_total > 0 else math.nan,
+        memcpy_gbps=memcpy_gbps,
+        wall=wall,
     )
 
 
-def _progress_bar(stream: Any) -> Callable[[int, int], None]:
-    def show(n: int, total: int) -> None:
-        width = 40
-        filled = width * n // max(total, 1)
-        stream.write(f"\r  [{'#' * filled}{'.' * (width - filled)}] {n}/{total} requests")
-        stream.flush()
-        if n == total:
-            stream.write("\n")
-
-    return show
-
-
 def _table(report: DemoReport) -> str:
+    w = report.wall
     lines = [
         f"kvferry demo: {report.model}, TP {report.from_tp} -> {report.to_tp}, connector {report.connector}",
         "",
@@ -215,10 +262,15 @@ def _table(report: DemoReport) -> str:
         f"  bit-exact       {report.bit_exact}/{report.requests}",
         "  outcomes        " + ", ".join(f"{k} {v}" for k, v in sorted(report.outcomes.items())),
         f"  bytes           {report.bytes / 1e9:.2f} GB",
-        f"  wall time       {report.seconds:.2f} s",
-        f"  throughput      {report.throughput_gbps:.2f} GB/s",
-        f"  latency p50     {report.latency_ms_p50:.1f} ms  (sender put -> every receiver rank has it)",
-        f"  latency p99     {report.latency_ms_p99:.1f} ms",
+        f"  transfer        p50 {report.transfer_ms_p50:.1f} ms, p99 {report.transfer_ms_p99:.1f} ms per request "
+        "(senders' put -> every receiver rank has it, queueing excluded)",
+        f"  transfer rate   {report.transfer_gbps:.2f} GB/s = {report.transfer_vs_memcpy:.2f}x this machine's "
+        f"memcpy ({report.memcpy_gbps:.2f} GB/s, 1 thread, measured in this run)",
+        f"  queueing        p50 {report.queue_ms_p50:.1f} ms (the payload committed, its receivers still "
+        "checking earlier requests)",
+        f"  verification    p50 {report.check_ms_p50:.1f} ms per request (every tensor compared bit for bit)",
+        f"  wall time       {w.total_s:.2f} s = start-up {w.startup_s:.2f} + transfer {w.transfer_s:.2f} "
+        f"+ checking {w.checking_s:.2f} + shutdown {w.shutdown_s:.2f}",
         "",
         "  routing per rank:",
     ]
@@ -334,24 +386,36 @@ def _run_in(args: argparse.Namespace, tmp: str) -> int:
             f"over {spec.connector}",
             flush=True,
         )
-    report = run_demo(spec, None if args.json else _progress_bar(sys.stderr))
+    shown = None if args.json else Progress(sys.stderr)
+    report = run_demo(spec, shown.update if shown else None, shown.tick if shown else None)
     if args.json:
-        doc = {
-            "requests": report.requests,
-            "bit_exact": report.bit_exact,
-            "outcomes": report.outcomes,
-            "bytes": report.bytes,
-            "seconds": round(report.seconds, 4),
-            "throughput_gbps": round(report.throughput_gbps, 4),
-            "latency_ms": {"p50": report.latency_ms_p50, "p99": report.latency_ms_p99},
-            "errors": list(report.errors),
-            "model": report.model,
-            "connector": report.connector,
-            "from_tp": report.from_tp,
-            "to_tp": report.to_tp,
-            "routing": list(report.routing),
-        }
-        print(json.dumps(doc))
+        print(json.dumps(report_json(report)))
     else:
         print(_table(report))
     return 0 if report.ok else 1
+
+
+def report_json(report: DemoReport) -> dict[str, Any]:
+    """``--json``'s object (non-finite numbers as null)."""
+    finite = lambda v: float(f"{v:.6g}") if math.isfinite(v) else None  # noqa: E731
+    return {
+        "requests": report.requests,
+        "bit_exact": report.bit_exact,
+        "outcomes": report.outcomes,
+        "bytes": report.bytes,
+        "seconds": round(report.seconds, 4),
+        "wall_s": {k.removesuffix("_s"): round(v, 4) for k, v in attrs.asdict(report.wall).items()},
+        "transfer_ms": {"p50": finite(report.transfer_ms_p50), "p99": finite(report.transfer_ms_p99)},
+        "queue_ms": {"p50": finite(report.queue_ms_p50)},
+        "check_ms": {"p50": finite(report.check_ms_p50)},
+        "transfer_gbps": finite(report.transfer_gbps),
+        "memcpy_gbps": finite(report.memcpy_gbps),
+        "transfer_vs_memcpy": finite(report.transfer_vs_memcpy),
+        "latency_ms": {"p50": finite(report.latency_ms_p50), "p99": finite(report.latency_ms_p99)},
+        "errors": list(report.errors),
+        "model": report.model,
+        "connector": report.connector,
+        "from_tp": report.from_tp,
+        "to_tp": report.to_tp,
+        "routing": list(report.routing),
+    }

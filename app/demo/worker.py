@@ -145,6 +145,7 @@ def _sender(spec: DemoSpec, rank: int, queue: Any, groups: Any, connector: Any) 
     try:
         for req in request_plan(spec):
             finished = {req.request_id: {"block_ids": list(req.block_ids), "seq_len": req.seq_len}}
+            t_call = time.monotonic()
             outcome = manager.send_requests(finished, cache, spec.block_size, spec.dtype)[0]
             queue.put(
                 {
@@ -154,6 +155,7 @@ def _sender(spec: DemoSpec, rank: int, queue: Any, groups: Any, connector: Any) 
                     "ok": outcome.ok,
                     "reason": None if outcome.ok else f"{outcome.reason.value}: {outcome.detail}",
                     "bytes": outcome.nbytes,
+                    "t_call": t_call,
                     "t": time.monotonic(),
                 }
             )
@@ -198,7 +200,7 @@ def _receiver(spec: DemoSpec, rank: int, queue: Any, groups: Any, connector: Any
                 return manager.apply_to_request(r, res.payload) if res.ok else False
 
             ok = distributor.run(holder, receive, active=True)
-            t_done = time.monotonic()
+            t_done = time.monotonic()  # received (with TP consensus); verification follows
             exact = False
             if ok:
                 kv = holder.past_key_values
@@ -226,7 +228,9 @@ def _receiver(spec: DemoSpec, rank: int, queue: Any, groups: Any, connector: Any
                     "outcome": res.outcome.kind.value if res else "error",
                     "detail": res.outcome.detail if res else "",
                     "bytes": res.nbytes if res else 0,
+                    "t_wait": start,
                     "t": t_done,
+                    "t_verified": time.monotonic(),
                     "seconds": t_done - start,
                 }
             )

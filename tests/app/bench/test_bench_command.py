@@ -7,7 +7,6 @@ arrived intact.
 
 from __future__ import annotations
 
-import json
 import math
 import pathlib
 import struct
@@ -56,6 +55,7 @@ def test_stat_needs_a_sample() -> None:
 _INPUTS = (
     "memcpy",
     "raw_zmq",
+    "raw_tcp",
     "extraction",
     "kvferry_encode",
     "kvferry_decode",
@@ -63,6 +63,7 @@ _INPUTS = (
     "baseline_encode",
     "baseline_e2e",
     "shm_e2e_1",
+    "shm_e2e_n",
     "zmq_e2e_1",
     "zmq_e2e_n",
     "homo_2_2",
@@ -70,6 +71,7 @@ _INPUTS = (
     "replicated_2_8",
     "mla_2_4",
     "readiness_shm",
+    "readiness_shm_from_call",
     "faults_per_mb_sender",
     "faults_per_mb_receiver",
     "rss_ratio_receiver",
@@ -83,6 +85,9 @@ def test_every_ratio_is_finite_from_positive_medians(medians: dict[str, float], 
     assert all(math.isfinite(v) and v > 0 for v in ratios.values())
     assert ratios["extraction_vs_memcpy"] == pytest.approx(medians["memcpy"] / medians["extraction"])
     assert ratios["zmq_8req_vs_raw"] == pytest.approx(requests * medians["raw_zmq"] / medians["zmq_e2e_n"])
+    assert ratios["shm_8req_vs_memcpy"] == pytest.approx(requests * medians["memcpy"] / medians["shm_e2e_n"])
+    assert ratios["zmq_1req_vs_raw_tcp"] == pytest.approx(medians["raw_tcp"] / medians["zmq_e2e_1"])
+    assert ratios["readiness_shm_from_send_call_p50_ms"] == pytest.approx(medians["readiness_shm_from_call"] * 1e3)
     assert ratios["codec_ms"] == pytest.approx(medians["kvferry_codec"] * 1e3)
 
 
@@ -214,43 +219,8 @@ def test_builtin_chart_draws_bars() -> None:
 
 
 # ------------------------------------------------------------------------ end to end (tiny)
-TINY = [
-    "--layers",
-    "2",
-    "--tokens",
-    "256",
-    "--heads",
-    "4",
-    "--head-dim",
-    "128",
-    "--reps",
-    "2",
-    "--warmup",
-    "1",
-    "--requests",
-    "2",
-    "--readiness-reps",
-    "3",
-    "--timeout",
-    "30",
-    "--quiet",
-]
-
-
-@pytest.fixture(scope="module")
-def tiny_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[int, str, dict, pathlib.Path]:
-    out_dir = tmp_path_factory.mktemp("bench")
-    import contextlib
-    import io
-
-    buffer = io.StringIO()
-    with contextlib.redirect_stdout(buffer):
-        code = main(["bench", *TINY, "--json", str(out_dir / "b.json"), "--plot", str(out_dir / "b.png")])
-    return code, buffer.getvalue(), json.loads((out_dir / "b.json").read_text()), out_dir / "b.png"
-
-
 @pytest.mark.slow
-@pytest.mark.timeout(240)
+@pytest.mark.timeout(480)
 def test_tiny_run_reports_every_ratio_as_a_finite_number(tiny_run: tuple[int, str, dict, pathlib.Path]) -> None:
     code, table, report, _ = tiny_run
     assert code == 0, report["failures"]
@@ -262,6 +232,7 @@ def test_tiny_run_reports_every_ratio_as_a_finite_number(tiny_run: tuple[int, st
     for name in (
         "memcpy",
         "raw_zmq",
+        "raw_tcp",
         "baseline_e2e",
         "shm_e2e_1",
         "zmq_e2e_n",
@@ -272,7 +243,8 @@ def test_tiny_run_reports_every_ratio_as_a_finite_number(tiny_run: tuple[int, st
         "zmq_e2e_1_copy",
     ):
         fig = report["figures"][name]
-        assert fig["n"] == 2 and fig["min"] <= fig["median"] <= fig["max"]
+        # 2 repetitions in each of the 2 runs
+        assert fig["n"] == 4 and fig["runs"] == 2 and fig["min"] <= fig["median"] <= fig["max"]
     # the copying receive is measured beside the default (zero-copy) one, not in the headline
     for name in ("shm_copying_e2e_vs_memcpy", "readiness_shm_copying_p50_ms", "rss_ratio_receiver_copying"):
         assert math.isfinite(report["extra_ratios"][name]), name
@@ -285,7 +257,7 @@ def test_tiny_run_reports_every_ratio_as_a_finite_number(tiny_run: tuple[int, st
 
 
 @pytest.mark.slow
-@pytest.mark.timeout(240)
+@pytest.mark.timeout(480)
 def test_tiny_run_writes_a_png(tiny_run: tuple[int, str, dict, pathlib.Path]) -> None:
     chunks = _png_chunks(tiny_run[3].read_bytes())
     assert b"IHDR" in chunks and b"IEND" in chunks
@@ -297,6 +269,7 @@ def test_tiny_run_writes_a_png(tiny_run: tuple[int, str, dict, pathlib.Path]) ->
         (["--connector", "nope"], "--connector must be one of"),
         (["--heads", "3"], "--heads must be even"),
         (["--reps", "0"], "reps must be an integer >= 1"),
+        (["--runs", "0"], "runs must be an integer >= 1"),
     ],
 )
 def test_wrong_options_exit_2_with_one_line(capsys: pytest.CaptureFixture[str], argv: list[str], message: str) -> None:

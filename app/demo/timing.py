@@ -1,0 +1,86 @@
+"""The demo's timing arithmetic: where each request's time went and where the wall time went.
+
+Pure functions of monotonic-clock stamps (seconds, one clock for every process of the machine):
+
+- a request is *put* when its sender ranks call ``send_requests`` (``put_start``: the last of
+  them to start, ``put_end``: the last to return, the payload committed to the transport);
+- a receiver rank *waits* for it from the moment it starts its receive, *has* it once the
+  receive (with TP consensus) returns, and has *verified* it after comparing every tensor.
+
+:func:`request_timing` splits a request into transfer, queueing and verification;
+:func:`wall_split` splits the run's wall time into start-up, transfer, checking and shutdown.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+
+import attrs
+
+__all__ = ["RequestTiming", "WallSplit", "request_timing", "wall_split", "percentile"]
+
+
+@attrs.frozen
+class RequestTiming:
+    """One request: ``transfer_s`` the time its bytes were being moved (the senders' calls and
+    the receivers taking it in), ``queue_s`` the time the committed payload waited for receivers
+    still busy with earlier requests, ``check_s`` the slowest receiver rank's verification."""
+
+    transfer_s: float
+    queue_s: float
+    check_s: float
+
+
+def request_timing(
+    put_start: Sequence[float],
+    put_end: Sequence[float],
+    waits: Sequence[float],
+    received: Sequence[float],
+    verified: Sequence[float],
+) -> RequestTiming:
+    """``put_*`` per sender rank; ``waits``, ``received`` and ``verified`` per receiver rank (in
+    the same rank order). ``queue = max(0, last wait - last put_end)``; ``transfer = last
+    received - last put_start - queue``; ``check = max over ranks of verified - received``.
+    ValueError when a list is empty or the receiver lists differ in length."""
+    if not (put_start and put_end and waits and received and verified):
+        raise ValueError("a request's timing needs at least one sender and one receiver stamp")
+    if not len(waits) == len(received) == len(verified):
+        raise ValueError("waits, received and verified need one stamp per receiver rank")
+    queue = max(0.0, max(waits) - max(put_end))
+    transfer = max(0.0, max(received) - max(put_start) - queue)
+    check = max(max(0.0, v - r) for r, v in zip(received, verified))
+    return RequestTiming(transfer, queue, check)
+
+
+@attrs.frozen
+class WallSplit:
+    """The wall time (``total_s``, launch -> every worker finished) in four parts that add up to
+    it: ``startup_s`` (processes, imports, caches, connections: launch -> every rank ready),
+    ``checking_s`` (the receivers verifying, request after request), ``shutdown_s`` (last
+    request verified -> every worker finished) and ``transfer_s``, the rest: the receivers
+    waiting for and taking in the requests."""
+
+    total_s: float
+    startup_s: float
+    transfer_s: float
+    checking_s: float
+    shutdown_s: float
+
+
+def wall_split(launch: float, ready: float, last_verified: float, end: float, checks: Iterable[float]) -> WallSplit:
+    """``checks``: each request's ``check_s``. Stamps out of order are clamped, so the parts are
+    never negative and always add up to ``end - launch``."""
+    total = max(0.0, end - launch)
+    startup = min(total, max(0.0, ready - launch))
+    shutdown = min(total - startup, max(0.0, end - max(last_verified, ready)))
+    checking = min(total - startup - shutdown, sum(checks))
+    return WallSplit(total, startup, total - startup - shutdown - checking, checking, shutdown)
+
+
+def percentile(values: Sequence[float], q: float) -> float:
+    """The nearest-rank ``q``-th percentile (NaN for no values)."""
+    if not values:
+        return float("nan")
+    ordered = sorted(values)
+    idx = min(len(ordered) - 1, max(0, round(q / 100 * (len(ordered) - 1))))
+    return ordered[idx]

@@ -1,0 +1,158 @@
+"""The demo's summary: per-request transfer apart from queueing and verification, the wall time's
+split, the memcpy reference; and its progress display (a bar only on a terminal).
+
+The arithmetic is checked against hand-worked timelines and properties; one tiny real run
+(in-process ``memory`` connector, TP 2 -> 4 threads) checks the ``--json`` fields and the
+progress lines a non-terminal gets.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import math
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from kvferry.app.cli import main
+from kvferry.app.demo.progress import Progress
+from kvferry.app.demo.timing import percentile, request_timing, wall_split
+
+stamp = st.floats(min_value=0, max_value=1e4, allow_nan=False)
+
+
+def test_a_waiting_receiver_counts_the_whole_put_as_transfer() -> None:
+    # receivers wait from t=0; senders call at 1 and 1.5, return at 2 and 2.5; received 3, verified 4
+    t = request_timing([1.0, 1.5], [2.0, 2.5], [0.0, 0.5], [3.0, 2.9], [4.0, 3.1])
+    assert (t.transfer_s, t.queue_s, t.check_s) == pytest.approx((1.5, 0.0, 1.0))
+
+
+def test_a_busy_receiver_queues_and_the_queue_is_not_transfer() -> None:
+    # put 0 -> 1; the receivers start waiting at 5 (busy before), have it at 5.5, verify until 6
+    t = request_timing([0.0], [1.0], [5.0, 4.0], [5.5, 5.2], [6.0, 5.3])
+    assert (t.transfer_s, t.queue_s, t.check_s) == pytest.approx((1.0 + 0.5, 4.0, 0.5))
+
+
+def test_request_timing_refuses_missing_or_mismatched_stamps() -> None:
+    with pytest.raises(ValueError):
+        request_timing([], [1.0], [0.0], [1.0], [1.0])
+    with pytest.raises(ValueError):
+        request_timing([0.0], [1.0], [0.0, 0.0], [1.0], [1.0])
+
+
+@given(
+    st.lists(stamp, min_size=1, max_size=4).flatmap(
+        lambda starts: st.tuples(
+            st.just(starts), st.lists(st.floats(0, 10), min_size=len(starts), max_size=len(starts))
+        )
+    ),
+    st.lists(st.tuples(stamp, st.floats(0, 10), st.floats(0, 10)), min_size=1, max_size=4),
+)
+def test_request_timing_parts_are_never_negative_and_cover_put_to_received(senders, receivers) -> None:
+    starts, spans = senders
+    ends = [s + d for s, d in zip(starts, spans)]
+    waits = [w for w, _, _ in receivers]
+    got = [w + a for w, a, _ in receivers]
+    verified = [g + b for g, (_, _, b) in zip(got, receivers)]
+    t = request_timing(starts, ends, waits, got, verified)
+    assert t.transfer_s >= 0 and t.queue_s >= 0 and t.check_s >= 0
+    if max(got) - max(starts) >= t.queue_s:  # the receivers had it after the put began
+        assert t.transfer_s + t.queue_s == pytest.approx(max(got) - max(starts))
+    assert t.check_s == pytest.approx(max(b for _, _, b in receivers))
+
+
+@given(stamp, st.floats(0, 100), st.floats(0, 100), st.floats(0, 100), st.lists(st.floats(0, 10), max_size=6))
+def test_wall_split_parts_add_up_to_the_wall(launch, up, run, down, checks) -> None:
+    ready, last, end = launch + up, launch + up + run, launch + up + run + down
+    w = wall_split(launch, ready, last, end, checks)
+    parts = (w.startup_s, w.transfer_s, w.checking_s, w.shutdown_s)
+    assert all(p >= 0 for p in parts)
+    assert sum(parts) == pytest.approx(w.total_s) and w.total_s == pytest.approx(end - launch)
+    assert w.startup_s == pytest.approx(up)
+    if sum(checks) <= run:
+        assert w.checking_s == pytest.approx(sum(checks)) and w.shutdown_s == pytest.approx(down)
+
+
+def test_percentile_is_nearest_rank() -> None:
+    assert percentile([5.0, 1.0, 3.0], 50) == 3.0 and percentile([1.0, 2.0], 99) == 2.0
+    assert math.isnan(percentile([], 50))
+
+
+# ---------------------------------------------------------------------------------- progress
+class _Clock:
+    def __init__(self) -> None:
+        self.now = 100.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def test_progress_off_a_terminal_writes_a_line_every_few_seconds_without_carriage_returns() -> None:
+    out, clock = io.StringIO(), _Clock()
+    shown = Progress(out, interval_s=5.0, clock=clock)
+    assert shown.tty is False  # a StringIO is no terminal
+    shown.update(0, 10)  # the stages start: nothing yet
+    clock.now += 4.0
+    shown.tick()  # 4 s: too soon for a line
+    for n in range(1, 10):  # from 5 s one request a second: lines at 5 s and 10 s
+        clock.now += 1.0
+        shown.update(n, 10)
+    clock.now += 4.0
+    shown.tick()  # 7 s after the last line: a line though nothing completed
+    clock.now += 1.0
+    shown.update(10, 10)
+    shown.tick()
+    text = out.getvalue()
+    assert "\r" not in text
+    assert text.splitlines() == [
+        "  progress: 1/10 requests received, 5.0 s",
+        "  progress: 6/10 requests received, 10.0 s",
+        "  progress: 9/10 requests received, 17.0 s",
+        "  progress: 10/10 requests received, 18.0 s",
+    ]
+
+
+def test_progress_on_a_terminal_redraws_one_bar() -> None:
+    out = io.StringIO()
+    shown = Progress(out, tty=True, width=4)
+    shown.update(1, 2)
+    shown.update(2, 2)
+    assert out.getvalue() == "\r  [##..] 1/2 requests\r  [####] 2/2 requests\n"
+
+
+# ------------------------------------------------------------------------ a tiny real run
+TINY = ["--connector", "memory", "--preset", "tiny", "--requests", "4", "--min-tokens", "8", "--max-tokens", "40"]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(180)
+def test_demo_json_reports_transfer_apart_from_queueing_and_checking(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["demo", *TINY, "--json"]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    assert doc["bit_exact"] == 4 and doc["errors"] == []
+    wall = doc["wall_s"]
+    assert set(wall) == {"total", "startup", "transfer", "checking", "shutdown"}
+    assert all(v >= 0 for v in wall.values()) and wall["startup"] > 0 and wall["checking"] > 0
+    parts = wall["startup"] + wall["transfer"] + wall["checking"] + wall["shutdown"]
+    assert parts == pytest.approx(wall["total"], abs=1e-3) and wall["total"] == pytest.approx(doc["seconds"], abs=1e-3)
+    assert 0 < doc["transfer_ms"]["p50"] <= doc["transfer_ms"]["p99"]
+    assert doc["queue_ms"]["p50"] >= 0 and doc["check_ms"]["p50"] > 0
+    assert doc["memcpy_gbps"] > 0 and doc["transfer_gbps"] > 0
+    assert doc["transfer_vs_memcpy"] == pytest.approx(doc["transfer_gbps"] / doc["memcpy_gbps"], rel=1e-3)
+    assert "throughput_gbps" not in doc  # bytes over the wall time is not a transfer rate
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(180)
+def test_demo_table_and_progress_off_a_terminal(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["demo", *TINY]) == 0
+    captured = capsys.readouterr()
+    assert "\r" not in captured.err
+    assert (
+        captured.err.splitlines()[-1] == "  progress: 4/4 requests received, " + captured.err.rsplit(", ", 1)[1].strip()
+    )
+    for label in ("transfer ", "transfer rate", "memcpy", "queueing", "verification", "start-up", "checking"):
+        assert label in captured.out, label
+    assert "PASS" in captured.out
