@@ -11,7 +11,7 @@ of one vLLM build and CPU kind therefore exchange bytes that mean the same thing
 Keys: one payload per (layer, prefill rank, decode rank), the rank-aware key of SPEC 2.2 with
 ``chunk_id = layer + 1`` (0 would be a whole-request payload). Heads: dim 1 of the page
 tensor; with different TP sizes each decode rank gets its heads from the core's head plan
-(:func:`kvferry.core.head_slices.plan_heads`).
+(:func:`kvferry.core.routing.route_heads`).
 """
 
 from __future__ import annotations
@@ -24,10 +24,11 @@ import torch
 
 from kvferry.adapters.torch_decode import dtype_name
 from kvferry.adapters.torch_frames import dest_views, finish_payload_in
-from kvferry.core.errors import ConfigError, PayloadError, RoutingError
-from kvferry.core.head_slices import HeadSlice, plan_heads, sender_slices
+from kvferry.core.errors import ConfigError, PayloadError
+from kvferry.core.head_slices import HeadSlice
 from kvferry.core.header import LayoutTemplate, kv_layout_template
 from kvferry.core.ids import connector_key
+from kvferry.core.routing import rank_heads, route_heads
 
 __all__ = [
     "PAGE_LAYOUT",
@@ -35,6 +36,7 @@ __all__ = [
     "layer_key",
     "send_slices",
     "recv_slices",
+    "rank_head_count",
     "PageWriter",
     "write_pages",
     "check_payload",
@@ -95,24 +97,24 @@ def layer_key(transfer_id: str, from_stage: int, layer: int, from_rank: int, to_
     return connector_key(transfer_id, from_stage, layer + 1, from_rank, to_rank)
 
 
-def _check_heads(total_heads: int, *tp_sizes: int) -> int:
-    if total_heads < max(tp_sizes):
-        raise RoutingError(
-            f"{total_heads} KV heads over TP {max(tp_sizes)}: replicated KV heads are not "
-            "supported by kvferry's vLLM connector yet"
-        )
-    return total_heads
-
-
 def send_slices(prefill_tp: int, decode_tp: int, total_heads: int, prefill_rank: int) -> tuple[HeadSlice, ...]:
-    """What prefill rank ``prefill_rank`` sends: one head slice per decode rank it feeds.
-    RoutingError (naming the sizes) when the heads cannot be split that way."""
-    return sender_slices(prefill_tp, decode_tp, _check_heads(total_heads, prefill_tp, decode_tp), prefill_rank)
+    """What prefill rank ``prefill_rank`` sends: one head slice per decode rank it feeds
+    (:func:`kvferry.core.routing.route_heads`; replicated KV heads included: a replica that
+    serves nobody sends nothing). RoutingError (naming the sizes and the head count) when the
+    heads cannot be mapped."""
+    return route_heads(prefill_tp, decode_tp, total_heads).sends(prefill_rank)
 
 
 def recv_slices(prefill_tp: int, decode_tp: int, total_heads: int, decode_rank: int) -> tuple[HeadSlice, ...]:
-    """What decode rank ``decode_rank`` reads, in merge order (``recv_head_*`` index its heads)."""
-    return plan_heads(prefill_tp, decode_tp, _check_heads(total_heads, prefill_tp, decode_tp))[decode_rank].slices
+    """What decode rank ``decode_rank`` reads, in merge order (``recv_head_*`` index its heads),
+    each slice from exactly one prefill rank that holds it."""
+    return route_heads(prefill_tp, decode_tp, total_heads).reads(decode_rank)
+
+
+def rank_head_count(tp_size: int, total_heads: int) -> int:
+    """How many KV heads each rank of a TP ``tp_size`` instance holds (1 when heads replicate)."""
+    start, stop = rank_heads(tp_size, total_heads, 0)
+    return stop - start
 
 
 @attrs.define(eq=False)

@@ -39,6 +39,7 @@ from kvferry.app.vllm.pages import (
     PageWriter,
     check_payload,
     layer_key,
+    rank_head_count,
     recv_slices,
     send_slices,
     write_pages,
@@ -166,10 +167,14 @@ class PageWorker:
         self._layers = list(kv_caches.values())
         self._index = {name: i for i, name in enumerate(kv_caches)}
         self.geometry = PageGeometry.of(self._layers)
-        if self.geometry.heads * self.tp_size != self.total_kv_heads:
+        try:
+            per_rank = rank_head_count(self.tp_size, self.total_kv_heads)
+        except KVFerryError as exc:
+            raise ConfigError(f"kv_caches: {exc}") from exc
+        if self.geometry.heads != per_rank:
             raise ConfigError(
-                f"kv_caches: {self.geometry.heads} KV heads on each of {self.tp_size} ranks, but the "
-                f"model has {self.total_kv_heads} (replicated KV heads are not supported yet)"
+                f"kv_caches: {self.geometry.heads} KV heads on each of {self.tp_size} ranks, but a model "
+                f"with {self.total_kv_heads} KV heads holds {per_rank} per rank at TP {self.tp_size}"
             )
         self._writer = PageWriter(self.geometry, checksums=self.settings.checksums)
         if self.producer:

@@ -111,8 +111,18 @@ def test_head_routing_from_core() -> None:
         (0, 0, 2),
         (1, 2, 4),
     ]
-    with pytest.raises(RoutingError, match="replicated"):
-        send_slices(1, 4, 2, 0)
+    # replicated KV heads (TP above the head count): decode rank r holds head r*H//TP
+    assert [(s.target_rank, s.head_start, s.head_stop) for s in send_slices(1, 4, 2, 0)] == [
+        (0, 0, 1),
+        (1, 0, 1),
+        (2, 1, 2),
+        (3, 1, 2),
+    ]
+    # replicated prefill ranks share the decode ranks; each decode rank reads each head once
+    assert [[s.target_rank for s in send_slices(4, 8, 2, r)] for r in range(4)] == [[0, 1], [2, 3], [4, 5], [6, 7]]
+    assert [(s.source_rank, s.abs_head_start) for s in recv_slices(4, 1, 2, 0)] == [(0, 0), (2, 1)]
+    with pytest.raises(RoutingError, match=r"num_heads 3 .*source_tp 2"):
+        send_slices(2, 2, 3, 0)
     assert layer_key("r", 0, 0, 0, 1) == "r_0_1_0_1"  # chunk = layer + 1
 
 
@@ -177,7 +187,16 @@ def _source(tid: str, tokens: int, decode_tp: int = 1) -> object:
     )
 
 
-@pytest.mark.parametrize("decode_tp", [1, 2])
+def _decode_heads(decode_tp: int, rank: int) -> tuple[int, int]:
+    """The heads vLLM gives decode rank ``rank`` (written out here, not taken from kvferry)."""
+    if decode_tp <= HEADS:
+        per = HEADS // decode_tp
+        return rank * per, (rank + 1) * per
+    head = rank * HEADS // decode_tp  # replicated: one head on decode_tp / HEADS ranks
+    return head, head + 1
+
+
+@pytest.mark.parametrize("decode_tp", [1, 2, 8])
 def test_pages_move_as_stored_into_the_decode_blocks(decode_tp: int) -> None:
     name = f"vllm-pages-{next(_names)}"
     p_blocks, d_blocks = (3, 7, 1), (10, 2, 5)
@@ -185,15 +204,18 @@ def test_pages_move_as_stored_into_the_decode_blocks(decode_tp: int) -> None:
     ranks = []
     for rank in range(decode_tp):
         d = _worker(name, rank, decode_tp, False)
-        dst = _caches(HEADS // decode_tp, None)
+        dst = _caches(max(1, HEADS // decode_tp), None)
         d.register(dst)
         assert _load(d, LoadJob("r", _source("t", 70, decode_tp), d_blocks, 0)) == ({"r"}, set())
         ranks.append((d, dst))
     try:
-        heads = HEADS // decode_tp
         for rank, (_, dst) in enumerate(ranks):
+            start, stop = _decode_heads(decode_tp, rank)
             for name_, layer in src.items():
-                want = layer[list(p_blocks), rank * heads : (rank + 1) * heads]
+                want = layer[list(p_blocks), start:stop]
+                assert not torch.equal(want, layer[list(reversed(p_blocks)), start:stop])  # control: block order
+                if stop - start < HEADS:  # control: the neighbouring heads' pages differ
+                    assert not torch.equal(want, layer[list(p_blocks), stop % HEADS : stop % HEADS + stop - start])
                 assert torch.equal(dst[name_][list(d_blocks)], want)  # bit for bit, page for page
                 others = [b for b in range(BLOCKS) if b not in d_blocks]
                 assert not dst[name_][others].any()  # nothing else written
@@ -446,6 +468,40 @@ def test_fan_in_prefill_tp2_to_decode_tp1_merges_heads_in_rank_order() -> None:
         for layer_name in dst:
             want = torch.cat([c[layer_name][list(b)] for c, b in sources], dim=1)  # heads of rank 0, then 1
             assert torch.equal(dst[layer_name][[12, 4]], want)
+    finally:
+        d.close()
+        for p in prefills:
+            p.close()
+
+
+def test_replicated_prefill_ranks_feed_one_decode_rank_each_head_once() -> None:
+    # prefill TP 8 over 4 KV heads: ranks 2h and 2h+1 both hold head h (same pages, as in vLLM)
+    name = f"vllm-pages-{next(_names)}"
+    settings = ConnectorSettings.from_extra_config({"connector": {"type": "memory", "shared_name": name}})
+    full = _caches(HEADS, 21)
+    blocks = (5, 1, 8)
+    prefills = []
+    for rank in range(8):
+        p = PageWorker(settings, tp_rank=rank, tp_size=8, total_kv_heads=HEADS, producer=True, consumer=False)
+        head = rank * HEADS // 8
+        caches = {k: v[:, head : head + 1].contiguous() for k, v in full.items()}
+        p.register(caches)
+        job = SaveJob("r", "t", blocks, 90, 1)
+        p.begin_step([job])
+        for layer_name, t in caches.items():
+            p.save_layer(layer_name, t)
+        p.end_step()
+        _wait(lambda p=p: p.finished({"r"})[0] == {"r"})  # a replica that feeds nobody finishes too
+        prefills.append(p)
+    d = _worker(name, 0, 1, False)
+    dst = _caches(HEADS, None)
+    d.register(dst)
+    try:
+        src = parse_decode_params(_params(transfer_id="t", remote_num_tokens=90, remote_tp_size=8))
+        assert _load(d, LoadJob("r", src, (2, 11, 7), 0)) == ({"r"}, set())
+        for layer_name in dst:
+            assert torch.equal(dst[layer_name][[2, 11, 7]], full[layer_name][list(blocks)])  # every head, in order
+            assert not torch.equal(dst[layer_name][[2, 11, 7]], full[layer_name][[1, 5, 8]])  # control: block order
     finally:
         d.close()
         for p in prefills:
