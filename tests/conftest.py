@@ -1,4 +1,6 @@
-"""Suite-wide checks: nothing kvferry creates under /dev/shm may outlive the suite."""
+"""Suite-wide checks: nothing kvferry creates under /dev/shm may outlive the suite. And the
+warm-start server of the multi-process tests (``warm_spawn``): it takes the session's environment
+now, before any test runs, and stops when the session ends."""
 
 from __future__ import annotations
 
@@ -6,6 +8,7 @@ import os
 import re
 
 import pytest
+import warm_spawn
 
 SHM_DIR = "/dev/shm"
 
@@ -46,3 +49,7 @@ def no_shm_leaks():
     yield
     leaked = {n for n in _kvferry_shm_entries() - before if not _live_foreign_owner(n)}
     assert not leaked, f"kvferry left files in {SHM_DIR}: {sorted(leaked)}"
+
+
+def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
+    warm_spawn.shutdown()

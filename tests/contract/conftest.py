@@ -21,8 +21,11 @@ from collections.abc import Callable
 from typing import Any, NamedTuple
 
 import pytest
+import warm_spawn
 
 from kvferry.app.registry import create_connector
+
+warm_spawn.prestart()  # the gloo ranks fork from it; it imports torch meanwhile
 
 
 class ConnectorPair(NamedTuple):

@@ -20,6 +20,7 @@ from typing import Any
 
 import pytest
 import torch
+import warm_spawn
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -81,8 +82,8 @@ class GlooRunner:
         env = {**os.environ, "GLOO_SOCKET_IFNAME": "lo", "OMP_NUM_THREADS": "1"}
         self.logs = [open(workdir / f"rank{r}.log", "wb") for r in range(WORLD_SIZE)]
         self.procs = [
-            subprocess.Popen(
-                [sys.executable, str(HERE / "collective_worker.py"), str(r), str(WORLD_SIZE), str(store)],
+            warm_spawn.popen(
+                [str(HERE / "collective_worker.py"), str(r), str(WORLD_SIZE), str(store)],
                 stdin=subprocess.PIPE,
                 stdout=subprocess.PIPE,
                 stderr=self.logs[r],

@@ -20,6 +20,7 @@ from collections.abc import Iterator
 from typing import Any
 
 import pytest
+import warm_spawn
 
 from kvferry.adapters.platform import free_base_port, free_port
 
@@ -31,6 +32,8 @@ WORKER = HERE / "stage_worker.py"
 #: Deadline of one read from a worker (seconds): generous, the machine may be shared.
 READ_S = 90.0
 SHM_DIR = "/dev/shm"
+
+warm_spawn.prestart()  # the workers of these tests fork from it; it imports torch meanwhile
 
 
 # ----------------------------------------------------------------------------- ports
@@ -46,8 +49,8 @@ class LineWorker:
     def __init__(self, args: list[str], log_path: pathlib.Path, script: pathlib.Path = WORKER) -> None:
         self.log_path = log_path
         self._log = open(log_path, "wb")
-        self.proc = subprocess.Popen(
-            [sys.executable, str(script), *args],
+        self.proc = warm_spawn.popen(
+            [str(script), *args],
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
             stderr=self._log,

@@ -85,8 +85,10 @@ class Worker:
 
     def __init__(self, role: str, *args: Any) -> None:
         self._log = tempfile.TemporaryFile()  # stderr (engine logs): a file never fills up
-        self.proc = subprocess.Popen(
-            [sys.executable, __file__, role, *(json.dumps(a) for a in args)],
+        import warm_spawn  # here: this file also runs as the worker, where tests/ is not on the path
+
+        self.proc = warm_spawn.popen(
+            [__file__, role, *(json.dumps(a) for a in args)],
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
             stderr=self._log,

@@ -17,6 +17,7 @@ import sys
 import tempfile
 
 import pytest
+import warm_spawn
 
 from kvferry.adapters.connectors.shm.segment import SHM_DIR, reap_namespace, runtime_dir
 from kvferry.app.registry import create_connector
@@ -72,8 +73,8 @@ conn.close()
 
 
 def spawn(script: str, *args: object) -> subprocess.Popen:
-    return subprocess.Popen(
-        [sys.executable, "-c", script, *map(str, args)],
+    return warm_spawn.popen(
+        ["-c", script, *map(str, args)],
         stdin=subprocess.PIPE,
         stdout=subprocess.PIPE,
         text=True,

@@ -186,8 +186,10 @@ class Worker:
     """A worker process spoken to in JSON lines; every read has a deadline."""
 
     def __init__(self, *args: str) -> None:
-        self.proc = subprocess.Popen(
-            [sys.executable, __file__, *args],
+        import warm_spawn  # here: this file also runs as the worker, where tests/ is not on the path
+
+        self.proc = warm_spawn.popen(
+            [__file__, *args],
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
             text=True,

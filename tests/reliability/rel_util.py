@@ -80,8 +80,10 @@ class LineProc:
         self.name = name
         self.log_path = Path(log_dir) / f"{name}.log"
         self._log = open(self.log_path, "wb")
-        self.proc = subprocess.Popen(
-            [sys.executable, *args],
+        import warm_spawn  # here, not at the top: worker processes import this module too
+
+        self.proc = warm_spawn.popen(
+            list(args),
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
             stderr=self._log,
