@@ -16,8 +16,9 @@ What makes the fork safe:
   no torch thread pool, no shm segment and no open connection when it forks. It checks that it
   is single-threaded before every fork and refuses (the caller then starts a fresh interpreter)
   otherwise. It imports modules only; it runs no torch operation and creates no zmq context.
-  numpy's BLAS would start a thread pool at import, so the server runs with
-  ``OPENBLAS_NUM_THREADS=1`` (its children's ``os.environ`` is the caller's, unchanged).
+  numpy's BLAS would start a thread pool at import, so it imports numpy with
+  ``OPENBLAS_NUM_THREADS=1`` set meanwhile: the children's BLAS is single-threaded (their
+  ``os.environ`` is the caller's, unchanged).
 - The child gets the caller's stdin/stdout/stderr (passed over a unix socket), its cwd and its
   whole environment (``os.environ``), ``sys.argv``, ``sys.path[0]`` and a fresh ``__main__`` as
   the interpreter would set them; it re-seeds ``random`` and numpy's global generator (a fresh
@@ -47,8 +48,8 @@ import tempfile
 import threading
 from typing import IO, Any
 
-#: Modules the server imports before it forks (what the tests' ranks import), then every module
-#: of these packages that imports cleanly (a module that does not is left to the child).
+#: Modules the server imports before it forks (what the tests' ranks import), and packages whose
+#: modules it imports too (see :func:`preload`).
 PRELOAD = ("numpy", "msgpack", "attrs", "zmq", "torch", "torch.distributed")
 PRELOAD_PACKAGES = ("kvferry.core", "kvferry.adapters", "kvferry.app")
 #: Environment variables read while the interpreter or a preloaded library starts: a child
@@ -56,7 +57,6 @@ PRELOAD_PACKAGES = ("kvferry.core", "kvferry.adapters", "kvferry.app")
 STARTUP_PREFIXES = ("PYTHON", "LD_", "MKL_", "KMP_", "GOMP_", "OPENBLAS_", "TORCH_", "CUDA_", "MALLOC_")
 #: Applied in the child (torch reads it at import; the server did not have it).
 THREADS_VAR = "OMP_NUM_THREADS"
-SERVER_ENV_EXTRA = {"OPENBLAS_NUM_THREADS": "1"}
 COLD_VAR = "KVFERRY_TEST_COLD_SPAWN"
 #: Deadline for the server to start (it imports torch) and for one fork request (seconds).
 START_S = 120.0
@@ -70,8 +70,15 @@ SESSION_ENV = dict(os.environ)
 class WarmProcess:
     """A child forked by the server: the part of ``subprocess.Popen`` the tests use."""
 
-    def __init__(self, args: list[str], pid: int, status_fd: int, stdin: IO[Any] | None, stdout: IO[Any] | None,
-                 stderr: IO[Any] | None) -> None:
+    def __init__(
+        self,
+        args: list[str],
+        pid: int,
+        status_fd: int,
+        stdin: IO[Any] | None,
+        stdout: IO[Any] | None,
+        stderr: IO[Any] | None,
+    ) -> None:
         self.args = args
         self.pid = pid
         self.stdin, self.stdout, self.stderr = stdin, stdout, stderr
@@ -138,11 +145,16 @@ class _Server:
     def __init__(self) -> None:
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         self._log = tempfile.TemporaryFile()
-        self.env = {**SESSION_ENV, **SERVER_ENV_EXTRA}
-        self.proc = subprocess.Popen([sys.executable, os.path.abspath(__file__), str(theirs.fileno())],
-                                     pass_fds=[theirs.fileno()], stdin=subprocess.DEVNULL,
-                                     stdout=subprocess.DEVNULL, stderr=self._log, env=self.env,
-                                     cwd=os.path.dirname(os.path.abspath(__file__)))
+        self.env = dict(SESSION_ENV)
+        self.proc = subprocess.Popen(
+            [sys.executable, os.path.abspath(__file__), str(theirs.fileno())],
+            pass_fds=[theirs.fileno()],
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.DEVNULL,
+            stderr=self._log,
+            env=self.env,
+            cwd=os.path.dirname(os.path.abspath(__file__)),
+        )
         theirs.close()
         self.sock = ours
         self._ready = False
@@ -227,10 +239,14 @@ def shutdown() -> None:
 def _cold_reason(args: list[str], env: dict[str, str], server_env: dict[str, str]) -> str | None:
     if os.environ.get(COLD_VAR):
         return f"{COLD_VAR} is set"
-    if not args or (args[0].startswith("-") and args[0] not in ("-c", "-m")) or (args[0] in ("-c", "-m") and len(args) < 2):
+    if (
+        not args
+        or (args[0].startswith("-") and args[0] not in ("-c", "-m"))
+        or (args[0] in ("-c", "-m") and len(args) < 2)
+    ):
         return f"interpreter options {args[:1]}"
     for name in set(env) | set(server_env):
-        if name.startswith(STARTUP_PREFIXES) and name not in SERVER_ENV_EXTRA and env.get(name) != server_env.get(name):
+        if name.startswith(STARTUP_PREFIXES) and env.get(name) != server_env.get(name):
             return f"{name} differs from the session's"
     return None
 
@@ -247,9 +263,17 @@ def _fd_of(stream: Any, default: int) -> tuple[int, list[int]]:
     return stream.fileno(), []
 
 
-def popen(args: list[str], *, stdin: Any = None, stdout: Any = None, stderr: Any = None, text: bool = False,
-          cwd: str | os.PathLike[str] | None = None, env: dict[str, str] | None = None,
-          bufsize: int = -1) -> Any:
+def popen(
+    args: list[str],
+    *,
+    stdin: Any = None,
+    stdout: Any = None,
+    stderr: Any = None,
+    text: bool = False,
+    cwd: str | os.PathLike[str] | None = None,
+    env: dict[str, str] | None = None,
+    bufsize: int = -1,
+) -> Any:
     """``subprocess.Popen([sys.executable, *args], ...)``, started warm where that is the same."""
     args = [str(a) for a in args]
     full_env = dict(os.environ if env is None else env)
@@ -257,8 +281,16 @@ def popen(args: list[str], *, stdin: Any = None, stdout: Any = None, stderr: Any
         server = None if os.environ.get(COLD_VAR) else _get_server()
         reason = "no warm-start server" if server is None else _cold_reason(args, full_env, server.env)
         if server is None or reason is not None:
-            return subprocess.Popen([sys.executable, *args], stdin=stdin, stdout=stdout, stderr=stderr, text=text,
-                                    cwd=cwd, env=env, bufsize=bufsize)
+            return subprocess.Popen(
+                [sys.executable, *args],
+                stdin=stdin,
+                stdout=stdout,
+                stderr=stderr,
+                text=text,
+                cwd=cwd,
+                env=env,
+                bufsize=bufsize,
+            )
         here: list[int] = []  # our ends of the pipes
         there: list[int] = []  # the child's ends (closed here once the server has them)
         try:
@@ -303,10 +335,24 @@ def popen(args: list[str], *, stdin: Any = None, stdout: Any = None, stderr: Any
             os.close(status_r)
             for fd in here:
                 os.close(fd)
-            return subprocess.Popen([sys.executable, *args], stdin=stdin, stdout=stdout, stderr=stderr, text=text,
-                                    cwd=cwd, env=env, bufsize=bufsize)
-    return WarmProcess([sys.executable, *args], reply["pid"], status_r, _wrap(here_in, "wb", bufsize, text),
-                       _wrap(here_out, "rb", bufsize, text), _wrap(here_err, "rb", bufsize, text))
+            return subprocess.Popen(
+                [sys.executable, *args],
+                stdin=stdin,
+                stdout=stdout,
+                stderr=stderr,
+                text=text,
+                cwd=cwd,
+                env=env,
+                bufsize=bufsize,
+            )
+    return WarmProcess(
+        [sys.executable, *args],
+        reply["pid"],
+        status_r,
+        _wrap(here_in, "wb", bufsize, text),
+        _wrap(here_out, "rb", bufsize, text),
+        _wrap(here_err, "rb", bufsize, text),
+    )
 
 
 def _wrap(fd: int | None, mode: str, bufsize: int, text: bool) -> IO[Any] | None:
@@ -315,7 +361,7 @@ def _wrap(fd: int | None, mode: str, bufsize: int, text: bool) -> IO[Any] | None
         return None
     if bufsize == 1 and not text:
         bufsize = -1
-    stream: IO[Any] = io.open(fd, mode, bufsize)
+    stream: IO[Any] = open(fd, mode, bufsize)
     if text:
         if mode == "wb":
             stream = io.TextIOWrapper(stream, write_through=True, line_buffering=bufsize == 1)
@@ -440,26 +486,41 @@ def _become(request: dict[str, Any]) -> None:
     exec(code, main.__dict__)
 
 
-def _server_main(fd: int) -> None:
+def preload() -> None:
+    """Import what the ranks import (:data:`PRELOAD`, then every module of :data:`PRELOAD_PACKAGES`
+    that imports cleanly; one that does not is left to the child), starting no thread, then
+    freeze what is loaded (the children's collections and their exit then skip it)."""
     import gc
     import importlib
     import pkgutil
 
-    sock = socket.socket(fileno=fd)
-    for name in PRELOAD:
-        importlib.import_module(name)
-    for package in PRELOAD_PACKAGES:
-        try:
-            path = importlib.import_module(package).__path__
-        except ImportError:
-            continue
-        for info in pkgutil.walk_packages(path, package + ".", onerror=lambda _name: None):
+    blas = os.environ.get("OPENBLAS_NUM_THREADS")
+    os.environ["OPENBLAS_NUM_THREADS"] = "1"  # numpy's BLAS would start a thread pool at import
+    try:
+        for name in PRELOAD:
+            importlib.import_module(name)
+        for package in PRELOAD_PACKAGES:
             try:
-                importlib.import_module(info.name)
-            except Exception:  # an optional dependency missing: the child imports it (or not) itself
-                pass
+                path = importlib.import_module(package).__path__
+            except ImportError:
+                continue
+            for info in pkgutil.walk_packages(path, package + ".", onerror=lambda _name: None):
+                try:
+                    importlib.import_module(info.name)
+                except Exception:  # an optional dependency missing: the child imports it (or not) itself
+                    pass
+    finally:
+        if blas is None:
+            del os.environ["OPENBLAS_NUM_THREADS"]
+        else:
+            os.environ["OPENBLAS_NUM_THREADS"] = blas
     gc.collect()
-    gc.freeze()  # the children's collections (and their exit) then skip what was loaded here
+    gc.freeze()
+
+
+def _server_main(fd: int) -> None:
+    sock = socket.socket(fileno=fd)
+    preload()
     request = _serve(sock)
     if request is None:
         return

@@ -89,11 +89,16 @@ def _memcpy_gbps(nbytes: int) -> float:
 
 
 def run_demo(
-    spec: DemoSpec, progress: Callable[[int, int], None] | None = None, tick: Callable[[], None] | None = None
+    spec: DemoSpec,
+    progress: Callable[[int, int], None] | None = None,
+    tick: Callable[[], None] | None = None,
+    *,
+    mp_context: Any = None,
 ) -> DemoReport:
     """Run the pipeline of ``spec``; returns the report (never raises for transfer faults).
     ``progress(done, total)`` after each request every receiver rank has; ``tick()`` about
-    every second while waiting."""
+    every second while waiting. The ranks are processes of ``mp_context`` (a
+    :mod:`multiprocessing` context; default: spawn)."""
     from kvferry.app.demo.worker import run_worker
 
     reqs = request_plan(spec)
@@ -101,7 +106,7 @@ def run_demo(
     memcpy_gbps = _memcpy_gbps(sum(spec.request_bytes(r) for r in reqs) // total)
     launch = time.monotonic()
     threads = spec.connector == "memory"
-    ctx = mp.get_context("spawn")
+    ctx = mp_context if mp_context is not None else mp.get_context("spawn")
     q: Any = queue_mod.Queue() if threads else ctx.Queue()
     workers: list[Any] = []
     shared = None

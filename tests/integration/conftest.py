@@ -8,6 +8,8 @@ Every read from a worker has a deadline; a worker that says nothing in time fail
 from __future__ import annotations
 
 import json
+import multiprocessing
+import multiprocessing.forkserver
 import os
 import pathlib
 import queue
@@ -183,3 +185,20 @@ def itkit() -> types.SimpleNamespace:
     return types.SimpleNamespace(
         free_port=free_port, free_base_port=free_base_port, shm_entries=shm_entries, LineWorker=LineWorker
     )
+
+
+@pytest.fixture(scope="session")
+def warm_mp_context() -> Iterator[Any]:
+    """A :mod:`multiprocessing` context for ``run_demo(..., mp_context=...)`` whose processes
+    fork from a forkserver that has imported torch and kvferry already (``warm_preload``)
+    instead of each re-importing them; the server has no threads when it forks. The command
+    line's own path (spawn) is still run end to end by ``test_the_demo_command_...``."""
+    if os.environ.get(warm_spawn.COLD_VAR):  # every child a fresh interpreter: the plain spawn
+        yield multiprocessing.get_context("spawn")
+        return
+    ctx = multiprocessing.get_context("forkserver")
+    ctx.set_forkserver_preload(["warm_preload"])
+    yield ctx
+    stop = getattr(multiprocessing.forkserver._forkserver, "_stop", None)
+    if stop is not None:  # stop (and reap) it now rather than when the session's process exits
+        stop()

@@ -74,10 +74,16 @@ def _assert_all_exact(report: DemoReport, requests: int) -> None:
 @pytest.mark.timeout(150)
 @pytest.mark.parametrize("connector,from_tp,to_tp", _cells())
 def test_pipeline_is_bit_exact(
-    connector: str, from_tp: int, to_tp: int, tmp_path: pathlib.Path, shm_namespace: str, itkit: Any
+    connector: str,
+    from_tp: int,
+    to_tp: int,
+    tmp_path: pathlib.Path,
+    shm_namespace: str,
+    itkit: Any,
+    warm_mp_context: Any,
 ) -> None:
     spec = _spec(itkit, tmp_path, connector, from_tp, to_tp, 6, shm_namespace)
-    report = run_demo(spec)
+    report = run_demo(spec, mp_context=warm_mp_context)
     _assert_all_exact(report, 6)
     receivers = [r for r in report.routing if r.get("role") == "receiver"]
     assert len(receivers) == to_tp  # the report describes every receiver rank's routing
@@ -88,12 +94,12 @@ def test_pipeline_is_bit_exact(
 @pytest.mark.slow
 @pytest.mark.timeout(240)
 def test_acceptance_200_requests_two_senders_four_receivers(
-    tmp_path: pathlib.Path, shm_namespace: str, itkit: Any
+    tmp_path: pathlib.Path, shm_namespace: str, itkit: Any, warm_mp_context: Any
 ) -> None:
     """The issue's acceptance test: 2 sender processes, 4 receiver processes, 200 requests over
     zmq, zero mismatches and zero hangs (every receive ends before its deadline)."""
     spec = _spec(itkit, tmp_path, "zmq-tcp", 2, 4, 200, shm_namespace, min_tokens=4, max_tokens=48)
-    report = run_demo(spec)
+    report = run_demo(spec, mp_context=warm_mp_context)
     _assert_all_exact(report, 200)
     assert report.latency_ms_p99 < spec.timeout_s * 1e3  # no request waited out its deadline
 

@@ -9,7 +9,6 @@ import json
 import os
 import queue
 import subprocess
-import sys
 import tempfile
 import threading
 import time
