@@ -88,11 +88,14 @@ class WarmProcess:
     def _take_status(self, timeout_s: float | None) -> bool:
         if self.returncode is not None:
             return True
+        if self._status_fd < 0:
+            raise RuntimeError(f"the warm-start server went away before child {self.pid} ended")
         readable, _, _ = select.select([self._status_fd], [], [], timeout_s)
         if not readable:
             return False
         data = os.read(self._status_fd, _STATUS.size)
         os.close(self._status_fd)
+        self._status_fd = -1
         if len(data) != _STATUS.size:
             raise RuntimeError(f"the warm-start server went away before child {self.pid} ended")
         (self.returncode,) = _STATUS.unpack(data)
@@ -131,11 +134,9 @@ class WarmProcess:
         self.wait()
 
     def __del__(self) -> None:
-        if self.returncode is None and getattr(self, "_status_fd", None) is not None:
-            try:
-                os.close(self._status_fd)
-            except OSError:
-                pass
+        if getattr(self, "_status_fd", -1) >= 0:
+            os.close(self._status_fd)
+            self._status_fd = -1
 
 
 class _Server:
