@@ -58,6 +58,8 @@ STARTUP_PREFIXES = ("PYTHON", "LD_", "MKL_", "KMP_", "GOMP_", "OPENBLAS_", "TORC
 #: Applied in the child (torch reads it at import; the server did not have it).
 THREADS_VAR = "OMP_NUM_THREADS"
 COLD_VAR = "KVFERRY_TEST_COLD_SPAWN"
+#: JSON ``{name: value or null}``: variables a preloading process puts back (see warm_preload).
+RESTORE_VAR = "KVFERRY_TEST_RESTORE_ENV"
 #: Deadline for the server to start (it imports torch) and for one fork request (seconds).
 START_S = 120.0
 REQUEST_S = 60.0

@@ -198,6 +198,20 @@ def warm_mp_context() -> Iterator[Any]:
         return
     ctx = multiprocessing.get_context("forkserver")
     ctx.set_forkserver_preload(["warm_preload"])
+    # The forkserver finds ``warm_preload`` through PYTHONPATH (it does not take this process's
+    # sys.path); warm_preload puts the variable back as it was, so the ranks' environment is ours.
+    saved = os.environ.get("PYTHONPATH")
+    tests_dir = str(pathlib.Path(warm_spawn.__file__).resolve().parent)
+    os.environ["PYTHONPATH"] = tests_dir + (os.pathsep + saved if saved else "")
+    os.environ[warm_spawn.RESTORE_VAR] = json.dumps({"PYTHONPATH": saved})
+    try:
+        multiprocessing.forkserver.ensure_running()
+    finally:
+        del os.environ[warm_spawn.RESTORE_VAR]
+        if saved is None:
+            del os.environ["PYTHONPATH"]
+        else:
+            os.environ["PYTHONPATH"] = saved
     yield ctx
     stop = getattr(multiprocessing.forkserver._forkserver, "_stop", None)
     if stop is not None:  # stop (and reap) it now rather than when the session's process exits
