@@ -15,6 +15,13 @@ import warm_spawn
 
 pytestmark = pytest.mark.timeout(120)
 
+
+@pytest.fixture(autouse=True)
+def warm_allowed(monkeypatch: pytest.MonkeyPatch) -> None:
+    """These tests are about the warm start: also in a session run with fresh interpreters."""
+    monkeypatch.delenv(warm_spawn.COLD_VAR, raising=False)
+
+
 PROBE = """
 import json, os, random, sys, threading
 import numpy as np
