@@ -319,10 +319,12 @@ def configure(sub: argparse.ArgumentParser) -> Callable[[argparse.Namespace], in
     sub.add_argument("--timeout", type=float, default=60.0, help="receive deadline per request (s)")
     sub.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
     sub.add_argument("--dump", metavar="DIR", help="also write a few payload files for `kvferry inspect`")
-    return _run
+    return run
 
 
-def _run(args: argparse.Namespace) -> int:
+def run(args: argparse.Namespace, *, mp_context: Any = None) -> int:
+    """Run ``kvferry demo`` for parsed ``args``; the ranks are processes of ``mp_context``
+    (default: spawn, fresh interpreters). Returns the exit status."""
     if args.connector == "mooncake":
         try:
             import mooncake.engine  # noqa: F401
@@ -334,12 +336,12 @@ def _run(args: argparse.Namespace) -> int:
             return 2
     tmp = tempfile.mkdtemp(prefix="kvferry-demo-")
     try:  # the scratch folder (the stages' done file) goes on every path
-        return _run_in(args, tmp)
+        return _run_in(args, tmp, mp_context)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
 
 
-def _run_in(args: argparse.Namespace, tmp: str) -> int:
+def _run_in(args: argparse.Namespace, tmp: str, mp_context: Any = None) -> int:
     model, layers, heads, head_dim, dtype, block = PRESETS[args.preset]
     latent = 0
     try:
@@ -392,7 +394,7 @@ def _run_in(args: argparse.Namespace, tmp: str) -> int:
             flush=True,
         )
     shown = None if args.json else Progress(sys.stderr)
-    report = run_demo(spec, shown.update if shown else None, shown.tick if shown else None)
+    report = run_demo(spec, shown.update if shown else None, shown.tick if shown else None, mp_context=mp_context)
     if args.json:
         print(json.dumps(report_json(report)))
     else:

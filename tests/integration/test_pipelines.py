@@ -160,16 +160,22 @@ def test_the_demo_command_runs_and_reports_json(
     ],
 )
 def test_the_demo_moves_real_geometries_bit_exact_across_processes(
-    capsys: pytest.CaptureFixture[str], tmp_path: pathlib.Path, argv: list[str]
+    capsys: pytest.CaptureFixture[str], tmp_path: pathlib.Path, argv: list[str], warm_mp_context: Any
 ) -> None:
     """Replicated heads and MLA latents, one process per rank over shared memory; each receiver
-    checks its tensors against the model's per-head (or latent) bits, not the senders' caches."""
+    checks its tensors against the model's per-head (or latent) bits, not the senders' caches.
+    The command's own arguments, parsed by its parser; the ranks start from the warm forkserver
+    (the spawn path of the command line is run end to end by the test above)."""
     import json
 
-    from kvferry.app.cli import main
+    from kvferry.app.cli import build_parser
+    from kvferry.app.demo import command
 
-    code = main(["demo", "--connector", "shm", *argv, "--layers", "2", "--requests", "3", "--min-tokens", "8",
-                 "--max-tokens", "40", "--json", "--dump", str(tmp_path / "dump")])  # fmt: skip
+    parser, _ = build_parser()
+    args = parser.parse_args(["demo", "--connector", "shm", *argv, "--layers", "2", "--requests", "3",
+                              "--min-tokens", "8", "--max-tokens", "40", "--json",
+                              "--dump", str(tmp_path / "dump")])  # fmt: skip
+    code = command.run(args, mp_context=warm_mp_context)
     doc = json.loads(capsys.readouterr().out)
     assert code == 0, doc
     assert doc["requests"] == 3 and doc["bit_exact"] == 3 and doc["outcomes"] == {"received": 3}, doc
