@@ -143,6 +143,10 @@ class PeerChannel:
             if self.closed:
                 return
             self.closed = True
-            self._sock.disable_monitor()
-            self._monitor.close()
-            self._sock.close()
+            try:
+                self._sock.disable_monitor()  # raises ContextTerminated once the connector's close began
+            except zmq.ContextTerminated:
+                pass  # closing both sockets below is all a terminating context needs
+            finally:  # always: a socket left open keeps the context's term() waiting forever
+                self._monitor.close()
+                self._sock.close()
