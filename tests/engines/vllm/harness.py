@@ -136,6 +136,14 @@ class Instance:
             out[f"{name}{{{kind}}}" if kind else name] = float(value or 0)
         return out
 
+    def settled_metrics(self) -> dict[str, float]:
+        """:meth:`metrics` after one more engine step: a connector's stats reach vLLM's metrics
+        with the next step's output, so a save that finished after the last step (the prefill's
+        background publishing) shows only once the engine steps again. One 1-token request of a
+        short prompt, without transfer params, makes that step."""
+        self.generate([[1, 2, 3]], max_tokens=1)
+        return self.metrics()
+
     def kv_log(self) -> str:
         """The instance's log lines about KV transfers (for assertion messages)."""
         keep = ("KV load failed", "KV Transfer metrics", "kvferry", "kv_transfer_params")

@@ -52,7 +52,7 @@ def test_zmq_decode_tokens_equal_a_single_instance(pair: Any) -> None:
     assert m["vllm:kvferry_requests_loaded"] == len(ps), d.kv_log()
     assert failures(m) == 0, d.kv_log()  # no load failed (a recompute would hide it)
     assert m["vllm:kvferry_bytes_loaded"] == sum(-(-n // 32) for n in LENGTHS) * 4 * 2 * 32 * 64 * 2
-    assert p.metrics()["vllm:kvferry_requests_sent"] == len(ps)
+    assert p.settled_metrics()["vllm:kvferry_requests_sent"] == len(ps)
 
 
 def test_zmq_pages_are_consumed_once(pair: Any) -> None:
