@@ -40,10 +40,9 @@ os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 os.environ.setdefault("MC_LOG_LEVEL", "ERROR")
 
-from stage_worker import finished_request, kv_digest, make_spec, say  # noqa: E402
+from stage_worker import kv_digest, make_spec, say, serve_sender  # noqa: E402
 
 INIT_TIMEOUT_S = 60.0
-PARKED_WAIT_S = 30.0
 
 
 def omni_config(spec: Any, role: str, options: dict[str, Any]) -> dict[str, Any]:
@@ -83,24 +82,6 @@ def pool_state(health: dict[str, Any] | None) -> dict[str, Any]:
 
 
 # --------------------------------------------------------------------------------- sender
-def _wait_until(predicate: Any, timeout_s: float) -> bool:
-    import threading
-
-    deadline = time.monotonic() + timeout_s
-    pause = threading.Event()
-    while not predicate():
-        if time.monotonic() >= deadline:
-            return False
-        pause.wait(0.005)
-    return True
-
-
-def _parked(manager: Any) -> int:
-    health = manager.health().get("sender") or {}
-    inner = health.get("sender") if isinstance(health.get("sender"), dict) else {}
-    return int(health.get("parked") or inner.get("parked") or health.get("parked_lookups") or 0)
-
-
 def sender_main(rank: int, spec_json: dict[str, Any], options: dict[str, Any]) -> None:
     import torch
 
@@ -127,35 +108,12 @@ def sender_main(rank: int, spec_json: dict[str, Any], options: dict[str, Any]) -
             "endpoint": health.get("endpoint"),
         }
     )
-    try:
-        for line in sys.stdin:
-            command = json.loads(line)
-            op = command["op"]
-            if op == "exit":
-                break
-            if op == "send":
-                outcome = manager.send_requests(
-                    finished_request(spec, command["rid"]), cache, spec.block_size, spec.dtype
-                )[0]
-                say(
-                    {
-                        "sent": command["rid"],
-                        "ok": outcome.ok,
-                        "keys": list(outcome.keys),
-                        "reason": None if outcome.ok else f"{outcome.reason.value}: {outcome.detail}",
-                    }
-                )
-            elif op == "wait_parked":
-                reached = _wait_until(lambda: _parked(manager) >= command["n"], PARKED_WAIT_S)
-                say({"parked": _parked(manager), "reached": reached})
-            elif op == "health":
-                h = manager.health().get("sender") or {}
-                say({"health": pool_state(h), "raw": {k: v for k, v in h.items() if isinstance(v, (int, str))}})
-            else:
-                say({"error": f"unknown op {op!r}"})
-    finally:
-        manager.close()
-    say({"closed": rank})
+
+    def health(_: dict[str, Any]) -> dict[str, Any]:
+        h = manager.health().get("sender") or {}
+        return {"health": pool_state(h), "raw": {k: v for k, v in h.items() if isinstance(v, (int, str))}}
+
+    serve_sender(manager, spec, cache, rank, {"health": health})
 
 
 # ------------------------------------------------------------------------------- receiver

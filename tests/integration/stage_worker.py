@@ -286,7 +286,8 @@ def _wait_until(predicate: Callable[[], bool], timeout_s: float) -> bool:
 def _parked(manager: Any) -> int:
     health = manager.health().get("sender") or {}
     inner = health.get("sender") if isinstance(health.get("sender"), dict) else {}
-    return int(health.get("parked") or inner.get("parked") or 0)
+    # zmq and shm count parked gets; the mooncake sender counts parked lookups
+    return int(health.get("parked") or inner.get("parked") or health.get("parked_lookups") or 0)
 
 
 def sender_main(rank: int, spec_json: dict[str, Any]) -> None:
@@ -301,6 +302,18 @@ def sender_main(rank: int, spec_json: dict[str, Any]) -> None:
 
     cache = synthetic_cache(spec, rank)
     say({"ready": rank, "pid": os.getpid(), "port": manager.sender_port()})
+    serve_sender(manager, spec, cache, rank)
+
+
+def serve_sender(
+    manager: Any,
+    spec: Any,
+    cache: Any,
+    rank: int,
+    extra_ops: dict[str, Callable[[dict[str, Any]], dict[str, Any]]] | None = None,
+) -> None:
+    """Answer the sender commands on stdin (``send``, ``wait_parked``, ``exit``, plus
+    ``extra_ops``: op -> command -> reply) until ``exit`` or end of input; then close."""
     try:
         for line in sys.stdin:
             command = json.loads(line)
@@ -322,6 +335,8 @@ def sender_main(rank: int, spec_json: dict[str, Any]) -> None:
             elif op == "wait_parked":
                 reached = _wait_until(lambda: _parked(manager) >= command["n"], PARKED_WAIT_S)
                 say({"parked": _parked(manager), "reached": reached})
+            elif extra_ops and op in extra_ops:
+                say(extra_ops[op](command))
             else:
                 say({"error": f"unknown op {op!r}"})
     finally:
