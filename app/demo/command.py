@@ -39,6 +39,9 @@ from kvferry.core.plan import stage_plan
 
 __all__ = ["configure", "run_demo", "report_json", "DemoReport"]
 
+#: How long the other ranks get to report once one rank has failed, before the run stops them.
+_AFTER_ERROR_S = 10.0
+
 
 @attrs.frozen
 class DemoReport:
@@ -154,6 +157,9 @@ def run_demo(
                     tick()
                 if not threads and not any(w.is_alive() for w in workers):
                     break
+                if not threads and any(w.exitcode not in (None, 0) for w in workers):
+                    # a rank killed before it could report (a signal, the OOM killer)
+                    deadline = min(deadline, time.monotonic() + _AFTER_ERROR_S)
                 continue
             kind = msg.get("kind")
             if kind == "ready":
@@ -174,13 +180,16 @@ def run_demo(
                 errors.append(f"{msg['role']} rank {msg['rank']}: {msg['error']}")
                 if spec.done_file:
                     open(spec.done_file, "w").close()
+                # a failed rank fails the run: its peers would otherwise wait for it until the
+                # whole run's deadline (minutes); they get a short while to report, then stop
+                deadline = min(deadline, time.monotonic() + _AFTER_ERROR_S)
             elif kind == "done":
                 done += 1
     finally:
         if spec.done_file:
             open(spec.done_file, "w").close()
         for w in workers:
-            w.join(timeout=10)
+            w.join(timeout=2 if errors else 10)  # after a failure, whoever is still waiting is stuck
             if not threads and w.is_alive():
                 w.terminate()
                 w.join(timeout=5)
@@ -189,6 +198,8 @@ def run_demo(
     end = time.monotonic()
     if done < len(workers):
         errors.append(f"only {done} of {len(workers)} workers finished")
+    if not threads:
+        errors.extend(f"worker {i} exited with code {w.exitcode}" for i, w in enumerate(workers) if w.exitcode)
     outcomes: dict[str, int] = {}
     exact = 0
     latencies: list[float] = []

@@ -105,6 +105,26 @@ def test_acceptance_200_requests_two_senders_four_receivers(
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(90)  # the run's own deadline is 120 s + twice the receive timeout
+def test_a_rank_that_cannot_start_fails_the_run_instead_of_hanging_it(
+    tmp_path: pathlib.Path, shm_namespace: str, itkit: Any, warm_mp_context: Any
+) -> None:
+    """The sender's port is taken, so its connector cannot start and that rank fails; the
+    receiver would wait for KV that never comes. The run ends with the sender's error and the
+    receiver stopped, well before the receive deadline, and reports nothing received."""
+    import socket
+
+    spec = _spec(itkit, tmp_path, "zmq-tcp", 1, 1, 2, shm_namespace, timeout_s=40.0)
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as squatter:
+        squatter.bind(("127.0.0.1", spec.advertised_port))
+        squatter.listen(1)
+        report = run_demo(spec, mp_context=warm_mp_context)
+    assert not report.ok and report.bit_exact == 0
+    assert any(e.startswith("sender rank 0:") for e in report.errors), report.errors
+    assert "received" not in report.outcomes, report.outcomes
+
+
+@pytest.mark.slow
 @pytest.mark.timeout(150)
 def test_the_demo_command_runs_and_reports_json(
     capsys: pytest.CaptureFixture[str], tmp_path: pathlib.Path, itkit: Any

@@ -223,6 +223,11 @@ def _private_directory(directory: str) -> None:
         os.chmod(directory, 0o700)
 
 
+# a peer that closes or reaps removes the namespace's directory once it is empty, which can happen
+# between this sender's makedirs and its owner file: each such race costs one attempt
+_CLAIM_ATTEMPTS = 20
+
+
 def claim_control(namespace: str, tag: str, segment: str, base: str | None = None) -> tuple[str, str]:
     """Create the owner file of sender ``tag`` (exclusive); returns ``(socket, owner file)``.
 
@@ -231,9 +236,9 @@ def claim_control(namespace: str, tag: str, segment: str, base: str | None = Non
     """
     directory = runtime_dir(namespace, base)
     sock, pidfile = control_paths(namespace, tag, base)
-    for _ in range(3):
-        _private_directory(directory)
+    for _ in range(_CLAIM_ATTEMPTS):
         try:
+            _private_directory(directory)
             fd = os.open(pidfile, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
         except FileExistsError:
             owner = _owner_pid(pidfile)
@@ -242,7 +247,7 @@ def claim_control(namespace: str, tag: str, segment: str, base: str | None = Non
             remove_quietly(sock)
             remove_quietly(pidfile)
             continue
-        except FileNotFoundError:  # the directory was removed by a closing peer: retry
+        except FileNotFoundError:  # a closing or reaping peer removed the (empty) directory: retry
             continue
         with os.fdopen(fd, "w") as out:
             out.write(f"{os.getpid()}\n{segment}\n")

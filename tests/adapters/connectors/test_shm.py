@@ -436,6 +436,29 @@ def _dead_pid() -> int:
     return child.pid
 
 
+def test_sender_start_survives_a_peer_removing_the_empty_directory(space, monkeypatch) -> None:
+    """A peer that reaps or closes removes the namespace's directory when it is empty; when that
+    lands between this sender's makedirs and its owner file, the sender retries instead of failing
+    (a sender of a TP 4 stage once failed to start this way)."""
+    from kvferry.adapters.connectors.shm import segment as segment_module
+
+    namespace, base = space
+    real_makedirs = os.makedirs
+    removed = []
+
+    def makedirs_then_peer_removes(path, mode=0o777, exist_ok=False):
+        real_makedirs(path, mode=mode, exist_ok=exist_ok)
+        if len(removed) < 2 and path == runtime_dir(namespace, base):
+            os.rmdir(path)  # what the peer's rmdir does, twice in a row
+            removed.append(path)
+
+    monkeypatch.setattr(segment_module.os, "makedirs", makedirs_then_peer_removes)
+    with make(space, "sender") as sender:
+        assert len(removed) == 2  # the race happened, and the sender still started
+        assert os.path.exists(os.path.join(runtime_dir(namespace, base), f"ctl-{PORT}.pid"))
+        assert sender.put("0", "1", "k", b"v")[0]
+
+
 def test_reaper_removes_only_dead_owners_files(space) -> None:
     namespace, base = space
     dead = _dead_pid()
