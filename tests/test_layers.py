@@ -125,12 +125,17 @@ def _source_dirs() -> list[pathlib.Path]:
     return sorted({p.parent for layer in ("core", "adapters", "app") for p in _layer_files(layer)})
 
 
+def _test_dirs() -> list[pathlib.Path]:
+    return sorted({p.parent for p in (ROOT / "tests").rglob("*.py") if ".venv" not in p.parts})
+
+
 def test_no_folder_keeps_a_family_of_modules_sharing_a_prefix() -> None:
-    # three or more modules named <prefix>_* belong in a package <prefix>/
-    for folder in _source_dirs():
+    # three or more modules named <prefix>_* belong in a package <prefix>/ (test folders too;
+    # there the test_*.py modules are the one family pytest expects)
+    for folder in _source_dirs() + _test_dirs():
         prefixes: dict[str, list[str]] = {}
         for path in folder.glob("*.py"):
-            if path.stem.startswith("_"):
+            if path.stem.startswith(("_", "test_")):
                 continue
             prefixes.setdefault(path.stem.split("_")[0], []).append(path.stem)
         families = {k: v for k, v in prefixes.items() if len(v) >= 3}

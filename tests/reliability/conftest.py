@@ -8,7 +8,7 @@ from collections.abc import Iterator
 
 import pytest
 import warm_spawn
-from rel_util import SHM_DIR, ShmSpace
+from fault_kit import SHM_DIR, ShmSpace
 
 warm_spawn.prestart()  # the workers of these tests fork from it; it imports torch meanwhile
 

@@ -1,6 +1,6 @@
 """A receiving stage whose leader fails at every step of distribution (SPEC 6, 9.1).
 
-Four ranks, CFG 2 x SP 2 (see ``rel_groups``): the leader pulls, sends its CFG peer a payload
+Four ranks, CFG 2 x SP 2 (see ``distribution_scenarios``): the leader pulls, sends its CFG peer a payload
 point-to-point, then both CFG ranks broadcast to their SP groups. The leader fails in every way
 it can: its receive raises or misses (then every rank takes the same no-KV path), its fields
 need the object fallback (every rank gets them), or its group fails or its process dies at each
@@ -22,8 +22,8 @@ import threading
 from typing import Any
 
 import pytest
-from rel_groups import LAYOUT, LEADER_STEPS, SCENARIOS, run_rank
-from rel_util import LineProc
+from distribution_scenarios import LAYOUT, LEADER_STEPS, SCENARIOS, run_rank
+from fault_kit import LineProc
 
 from kvferry.adapters.collectives import InProcessWorld, build_parallel_groups
 from kvferry.app.manager import StageGroups
@@ -99,7 +99,7 @@ def _run_gloo(scenarios: list[str], tmp_path: Any) -> list[dict[int, dict[str, A
     )
     procs = [
         LineProc(
-            ["rel_dist_worker.py", str(r), str(WORLD), str(store.port), str(GLOO_T), ",".join(scenarios)],
+            ["distribution_worker.py", str(r), str(WORLD), str(store.port), str(GLOO_T), ",".join(scenarios)],
             tmp_path,
             f"rank{r}",
         )

@@ -26,8 +26,8 @@ import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from rel_corpus import build_seeds, build_side_seeds, mutate
-from rel_fuzz import Verdict, decode_kv, decode_side, fuzz_one, run_loop
+from fuzz_corpus import build_seeds, build_side_seeds, mutate
+from fuzz_target import Verdict, decode_kv, decode_side, fuzz_one, run_loop
 
 from kvferry.adapters.side_codec import unpack_request_kv
 from kvferry.adapters.torch_frames import decode_payload

@@ -19,7 +19,7 @@ from typing import Any
 import msgpack
 import pytest
 import zmq
-from rel_util import WAIT_S, eventually
+from fault_kit import WAIT_S, eventually
 
 from kvferry.adapters.connectors.shm.control import encode as shm_encode
 from kvferry.adapters.connectors.zmq.connector import ZmqConnector

@@ -19,8 +19,8 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from rel_stage import Geometry, expected_layers, omni_config, received_exactly, request_blocks, sender_cache
-from rel_util import free_base_port
+from stage_kit import Geometry, expected_layers, omni_config, received_exactly, request_blocks, sender_cache
+from fault_kit import free_base_port
 
 from kvferry.adapters.connectors.memory.connector import MemoryConnector
 from kvferry.adapters.connectors.zmq.connector import ZmqConnector

@@ -18,8 +18,8 @@ import time
 from typing import Any
 
 import pytest
-from rel_stage import Geometry, expected_layers, omni_config, received_exactly, request_blocks, sender_cache
-from rel_util import WAIT_S, LineProc, eventually, free_base_port
+from stage_kit import Geometry, expected_layers, omni_config, received_exactly, request_blocks, sender_cache
+from fault_kit import WAIT_S, LineProc, eventually, free_base_port
 
 from kvferry.app.wiring import build_manager
 from kvferry.core.ids import legacy_key
@@ -43,7 +43,7 @@ class Senders:
     """Pre-spawned sender workers (torch imports overlap), opened one at a time on one port."""
 
     def __init__(self, count: int, tmp_path: Any, connector: dict[str, Any], base: int) -> None:
-        self.workers = [LineProc(["rel_worker.py"], tmp_path, f"sender{i}") for i in range(count)]
+        self.workers = [LineProc(["fault_worker.py"], tmp_path, f"sender{i}") for i in range(count)]
         self.omni = omni_config("sender", connector, base_port=base)
         self.next = 0
         self.rng = random.Random(11)
@@ -144,7 +144,7 @@ def test_receiver_killed_while_holding_shm_pool_buffers(shm_space: Any, tmp_path
     request_tokens = 64
     pool = request_tokens * GEOM.token_bytes * 3 // 2  # room for one request at a time
     connector = _connector("shm", shm_space, pool_bytes=pool, hold_s=1.0)
-    reader = LineProc(["rel_worker.py"], tmp_path, "reader")
+    reader = LineProc(["fault_worker.py"], tmp_path, "reader")
     sender = build_manager(
         omni_config("sender", connector, base_port=base), env={}, retry=RetryPolicy(attempts=2, first_backoff_s=0.05)
     )

@@ -23,8 +23,8 @@ import time
 from typing import Any
 
 import pytest
-from rel_stage import Geometry, omni_config, request_blocks
-from rel_util import SHM_DIR, LineProc, free_base_port
+from stage_kit import Geometry, omni_config, request_blocks
+from fault_kit import SHM_DIR, LineProc, free_base_port
 
 pytestmark = [pytest.mark.soak, pytest.mark.slow]
 
@@ -122,8 +122,8 @@ def test_soak_two_senders_four_receivers_over_zmq_and_shm(shm_space: Any, tmp_pa
         "info": {n: {"host": "127.0.0.1", "zmq_port": b + 100} for n, (_, b) in conns.items()},
     }
     spec = json.dumps(setup)
-    senders = [LineProc(["rel_soak_worker.py", "sender", str(r), spec], tmp_path, f"sender{r}") for r in range(2)]
-    receivers = [LineProc(["rel_soak_worker.py", "receiver", str(r), spec], tmp_path, f"receiver{r}") for r in range(4)]
+    senders = [LineProc(["soak_worker.py", "sender", str(r), spec], tmp_path, f"sender{r}") for r in range(2)]
+    receivers = [LineProc(["soak_worker.py", "receiver", str(r), spec], tmp_path, f"receiver{r}") for r in range(4)]
     procs = senders + receivers
     rss: dict[str, list[int]] = {p.name: [] for p in procs}
     outcomes: dict[str, dict[int, dict[str, Any]]] = {}

@@ -1,6 +1,6 @@
 """A stage rank in its own process, driven by JSON lines on stdin (one reply line each).
 
-    python rel_worker.py            # then: {"op": "open", ...}, {"op": "send", ...}, ...
+    python fault_worker.py            # then: {"op": "open", ...}, {"op": "send", ...}, ...
 
 Commands (replies are JSON objects on stdout):
 
@@ -32,7 +32,7 @@ def main() -> int:
     import torch
 
     torch.set_num_threads(1)
-    from rel_stage import Geometry, sender_cache
+    from stage_kit import Geometry, sender_cache
 
     from kvferry.app.wiring import build_manager
     from kvferry.core.policy import RetryPolicy

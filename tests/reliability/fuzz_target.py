@@ -7,7 +7,7 @@ when an accepted payload hands out tensors that are not inside the input.
 
 Run standalone (atheris when installed, else the deterministic mutation loop)::
 
-    python tests/reliability/rel_fuzz.py [N]
+    python tests/reliability/fuzz_target.py [N]
 """
 
 from __future__ import annotations
@@ -98,7 +98,7 @@ def fuzz_one(data: bytes, verdict: Verdict | None = None) -> None:
 
 def run_loop(count: int, seed: int = 1) -> tuple[Verdict, float]:
     """The deterministic mutation loop over the seed corpus: ``count`` inputs."""
-    from rel_corpus import build_seeds, build_side_seeds, mutate
+    from fuzz_corpus import build_seeds, build_side_seeds, mutate
 
     kv = [s.raw for s in build_seeds()]
     side = [s.raw for s in build_side_seeds()]

@@ -1,6 +1,6 @@
 """One rank of the soak pipeline (a sender stage of 2, a receiver stage of 4), in its own process.
 
-    python rel_soak_worker.py ROLE RANK SETUP_JSON
+    python soak_worker.py ROLE RANK SETUP_JSON
 
 Each rank opens one manager per connector named in the setup (zmq over tcp, shm), as an
 engine would (``build_manager`` from an ``omni_kv_config``). Receiver ranks form a gloo group
@@ -45,7 +45,7 @@ class _Request:
 
 def _sender(rank: int, setup: dict[str, Any]) -> None:
     import torch
-    from rel_stage import Geometry, sender_cache
+    from stage_kit import Geometry, sender_cache
 
     from kvferry.adapters.torch_frames import encode_bytes
     from kvferry.app.wiring import build_manager
@@ -93,7 +93,7 @@ def _receiver(rank: int, setup: dict[str, Any]) -> None:
     import torch.distributed as dist
 
     torch.set_num_threads(1)
-    from rel_stage import Geometry, expected_layers, received_exactly, sender_cache
+    from stage_kit import Geometry, expected_layers, received_exactly, sender_cache
 
     from kvferry.adapters.collectives import TorchDistGroup
     from kvferry.app.distribute import Distributor

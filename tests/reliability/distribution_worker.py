@@ -1,10 +1,10 @@
 """One rank of a 4-process receiving stage on gloo, running distribution scenarios.
 
-    python rel_dist_worker.py RANK WORLD STORE_PORT TIMEOUT_S SCENARIO[,SCENARIO...]
+    python distribution_worker.py RANK WORLD STORE_PORT TIMEOUT_S SCENARIO[,SCENARIO...]
 
 The test process hosts the TCP store (so a killed leader does not take it down). For each
 scenario every rank builds fresh groups (a failed collective leaves a gloo group broken), runs
-one request (:func:`rel_groups.run_rank`) and prints one JSON line; ``{"done": rank}`` ends.
+one request (:func:`distribution_scenarios.run_rank`) and prints one JSON line; ``{"done": rank}`` ends.
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ def main(argv: list[str]) -> int:
     import torch.distributed as dist
 
     torch.set_num_threads(1)
-    from rel_groups import LAYOUT, run_rank
+    from distribution_scenarios import LAYOUT, run_rank
 
     from kvferry.adapters.collectives import TorchDistGroup, build_parallel_groups
     from kvferry.app.manager import StageGroups
