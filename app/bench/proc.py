@@ -21,15 +21,29 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from typing import Any
 
 import attrs
 
 from kvferry.core.errors import ConfigError, TransferError, TransferTimeout
 
-__all__ = ["Peer", "read_lines"]
+__all__ = ["Peer", "read_lines", "set_launcher"]
 
 _MAX_LINE = 64 << 20
+
+#: Starts a peer process: ``launcher(argv, **Popen keywords)`` returns a Popen-like object
+#: (``stdin``, ``stdout``, ``pid``, ``poll``, ``wait``, ``kill``, ``returncode``).
+_launcher: Callable[..., Any] = subprocess.Popen
+
+
+def set_launcher(launcher: Callable[..., Any] | None) -> Callable[..., Any]:
+    """Start peers with ``launcher`` from now on (``None``: ``subprocess.Popen``, a fresh
+    interpreter each, the bench's own way); returns the launcher used until now. The test
+    suite uses it to fork peers from interpreters that have imported torch already."""
+    global _launcher
+    previous, _launcher = _launcher, launcher or subprocess.Popen
+    return previous
 
 
 def read_lines(buffer: bytearray, chunk: bytes) -> list[bytes]:
@@ -62,7 +76,7 @@ class Peer:
     def start(cls, name: str, *, env: dict[str, str] | None = None) -> Peer:
         """Start a worker (it imports torch: allow a few seconds before its first answer)."""
         errors = tempfile.TemporaryFile(prefix="kvferry-bench-")
-        proc = subprocess.Popen(
+        proc = _launcher(
             [sys.executable, "-m", "kvferry.app.bench.worker"],
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,

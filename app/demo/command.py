@@ -40,7 +40,7 @@ from kvferry.core.plan import stage_plan
 __all__ = ["configure", "run_demo", "report_json", "DemoReport"]
 
 #: How long the other ranks get to report once one rank has failed, before the run stops them.
-_AFTER_ERROR_S = 10.0
+_AFTER_ERROR_S = 5.0
 
 
 @attrs.frozen

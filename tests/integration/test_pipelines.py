@@ -130,7 +130,8 @@ def test_the_demo_command_runs_and_reports_json(
     capsys: pytest.CaptureFixture[str], tmp_path: pathlib.Path, itkit: Any
 ) -> None:
     """``kvferry demo --json`` end to end (the README's first command, with a tiny geometry):
-    it picks its own ports, runs both stages and prints one JSON object; exit 0."""
+    it picks its own ports, runs both stages (fresh interpreters, as a user's run starts them;
+    TP 1 -> 2 keeps that to three) and prints one JSON object; exit 0."""
     import glob
     import json
     import tempfile
@@ -144,6 +145,10 @@ def test_the_demo_command_runs_and_reports_json(
             "demo",
             "--connector",
             "shm",
+            "--from-tp",
+            "1",
+            "--to-tp",
+            "2",
             "--requests",
             "4",
             "--layers",

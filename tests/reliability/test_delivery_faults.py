@@ -18,8 +18,8 @@ from typing import Any
 
 import pytest
 import zmq
-from stage_kit import Geometry, expected_layers, omni_config, received_exactly, request_blocks, sender_cache
 from fault_kit import WAIT_S, eventually, free_base_port
+from stage_kit import Geometry, expected_layers, omni_config, received_exactly, request_blocks, sender_cache
 
 from kvferry.adapters.connectors.memory.connector import MemoryConnector
 from kvferry.adapters.connectors.zmq.protocol import Reply, decode_request, encode_reply

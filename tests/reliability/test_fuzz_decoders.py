@@ -24,10 +24,10 @@ from typing import Any
 import msgpack
 import pytest
 import torch
-from hypothesis import HealthCheck, given, settings
-from hypothesis import strategies as st
 from fuzz_corpus import build_seeds, build_side_seeds, mutate
 from fuzz_target import Verdict, decode_kv, decode_side, fuzz_one, run_loop
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from kvferry.adapters.side_codec import unpack_request_kv
 from kvferry.adapters.torch_frames import decode_payload

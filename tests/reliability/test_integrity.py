@@ -17,10 +17,10 @@ from typing import Any
 
 import pytest
 import torch
+from fault_kit import free_base_port
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from stage_kit import Geometry, expected_layers, omni_config, received_exactly, request_blocks, sender_cache
-from fault_kit import free_base_port
 
 from kvferry.adapters.connectors.memory.connector import MemoryConnector
 from kvferry.adapters.connectors.zmq.connector import ZmqConnector

@@ -18,8 +18,8 @@ import time
 from typing import Any
 
 import pytest
-from stage_kit import Geometry, expected_layers, omni_config, received_exactly, request_blocks, sender_cache
 from fault_kit import WAIT_S, LineProc, eventually, free_base_port
+from stage_kit import Geometry, expected_layers, omni_config, received_exactly, request_blocks, sender_cache
 
 from kvferry.app.wiring import build_manager
 from kvferry.core.ids import legacy_key

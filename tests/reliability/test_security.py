@@ -22,8 +22,8 @@ from typing import Any
 import msgpack
 import pytest
 import torch
-from stage_kit import Geometry, omni_config, sender_cache
 from fault_kit import SHM_DIR, free_base_port
+from stage_kit import Geometry, omni_config, sender_cache
 
 from kvferry.adapters.collectives import MAX_OBJECT_BYTES, decode_object
 from kvferry.adapters.connectors.shm.control import decode as shm_decode

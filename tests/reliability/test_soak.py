@@ -23,8 +23,8 @@ import time
 from typing import Any
 
 import pytest
-from stage_kit import Geometry, omni_config, request_blocks
 from fault_kit import SHM_DIR, LineProc, free_base_port
+from stage_kit import Geometry, omni_config, request_blocks
 
 pytestmark = [pytest.mark.soak, pytest.mark.slow]
 

@@ -9,10 +9,22 @@ import contextlib
 import io
 import json
 import pathlib
+import sys
+from typing import Any
 
 import pytest
 
+from kvferry.app.bench.proc import set_launcher
 from kvferry.app.cli import main
+
+
+def _warm_launcher(argv: list[str], *, close_fds: bool = True, **popen: Any) -> Any:
+    """``subprocess.Popen(argv, ...)`` for ``argv = [python, -m, module]``, forked warm."""
+    import warm_spawn
+
+    assert argv[0] == sys.executable and close_fds
+    return warm_spawn.popen(argv[1:], **popen)
+
 
 TINY = [
     "--layers",
@@ -44,6 +56,11 @@ def tiny_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[int, str, dict, 
     """(exit status, printed table, the JSON report, the PNG's path) of two whole tiny runs."""
     out_dir = tmp_path_factory.mktemp("bench")
     buffer = io.StringIO()
-    with contextlib.redirect_stdout(buffer):
-        code = main(["bench", *TINY, "--json", str(out_dir / "b.json"), "--plot", str(out_dir / "b.png")])
+    # the peers fork from the warm-start server (they would each spend seconds importing torch)
+    previous = set_launcher(_warm_launcher)
+    try:
+        with contextlib.redirect_stdout(buffer):
+            code = main(["bench", *TINY, "--json", str(out_dir / "b.json"), "--plot", str(out_dir / "b.png")])
+    finally:
+        set_launcher(previous)
     return code, buffer.getvalue(), json.loads((out_dir / "b.json").read_text()), out_dir / "b.png"
