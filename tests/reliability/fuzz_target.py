@@ -8,10 +8,12 @@ when an accepted payload hands out tensors that are not inside the input.
 Run standalone (atheris when installed, else the deterministic mutation loop)::
 
     python tests/reliability/fuzz_target.py [N]
+    python tests/reliability/fuzz_target.py --shard N SEED   # N inputs of the loop, verdict as JSON
 """
 
 from __future__ import annotations
 
+import json
 import random
 import sys
 import time
@@ -115,6 +117,10 @@ def run_loop(count: int, seed: int = 1) -> tuple[Verdict, float]:
 
 
 def main(argv: list[str]) -> int:
+    if len(argv) == 4 and argv[1] == "--shard":  # one shard of the test's loop: its verdict as JSON
+        verdict, seconds = run_loop(int(argv[2]), seed=int(argv[3]))
+        print(json.dumps({**verdict.as_dict(), "seconds": seconds}))
+        return 0
     count = int(argv[1]) if len(argv) > 1 else 100_000
     try:
         import atheris  # optional coverage-guided fuzzing

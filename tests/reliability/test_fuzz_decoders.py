@@ -15,6 +15,7 @@
 from __future__ import annotations
 
 import json
+import pathlib
 import random
 import struct
 import time
@@ -35,6 +36,8 @@ from kvferry.core.errors import PayloadError
 from kvferry.core.header import DecodeLimits
 
 FUZZ_INPUTS = 100_000
+FUZZ_SEED = 20240601
+HERE = pathlib.Path(__file__).resolve().parent
 #: Allowance for Python bookkeeping of one decode (attrs objects, small lists), bytes.
 OVERHEAD = 64 * 1024
 
@@ -64,8 +67,31 @@ def test_seed_corpus_is_valid_in_both_layouts(seeds: list[bytes], side_seeds: li
 
 
 @pytest.mark.timeout(120)
-def test_100k_mutated_inputs_raise_only_payload_error() -> None:
-    verdict, seconds = run_loop(FUZZ_INPUTS, seed=20240601)
+def test_100k_mutated_inputs_raise_only_payload_error(tmp_path: pathlib.Path) -> None:
+    # two shards at once, one per core: half of the inputs in a child process (its own seed)
+    import warm_spawn
+
+    half = FUZZ_INPUTS // 2
+    out_path = tmp_path / "shard.json"
+    with open(out_path, "w") as out, open(tmp_path / "shard.log", "w") as log:
+        child = warm_spawn.popen(
+            ["fuzz_target.py", "--shard", str(FUZZ_INPUTS - half), str(FUZZ_SEED + 1)],
+            stdout=out,
+            stderr=log,
+            cwd=str(HERE),
+        )
+    try:
+        verdict, seconds = run_loop(half, seed=FUZZ_SEED)
+        code = child.wait(timeout=100)
+    finally:
+        if child.poll() is None:
+            child.kill()
+            child.wait(timeout=10)
+    assert code == 0, (tmp_path / "shard.log").read_text()[-3000:]
+    shard = json.loads(out_path.read_text())
+    for name in ("inputs", "accepted", "rejected", "misses"):
+        setattr(verdict, name, getattr(verdict, name) + shard[name])
+    seconds = max(seconds, shard["seconds"])
     print(f"\ndecoder fuzz: {verdict.as_dict()} in {seconds:.1f} s ({verdict.inputs / seconds:,.0f} inputs/s)")
     assert verdict.inputs >= FUZZ_INPUTS
     assert verdict.rejected > verdict.inputs // 2  # the mutations do hit the validation
