@@ -10,6 +10,7 @@ import socket
 import subprocess
 import threading
 import time
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -65,9 +66,22 @@ def make_model(py: str, path: Path, seed: int) -> Path:
 
 
 class Instance:
-    """One vLLM process; requests are JSON lines, replies read with a deadline."""
+    """One vLLM process; requests are JSON lines, replies read with a deadline.
 
-    def __init__(self, py: str, cfg: dict[str, Any], *, cpu: str, log: Path, timeout_s: float = 300) -> None:
+    ``wrap``: argv put before the interpreter, e.g. ``["ip", "netns", "exec", NS]`` to start the
+    instance inside a network namespace (``ip netns exec`` execs the command: the process is the
+    same pid)."""
+
+    def __init__(
+        self,
+        py: str,
+        cfg: dict[str, Any],
+        *,
+        cpu: str,
+        log: Path,
+        timeout_s: float = 300,
+        wrap: Sequence[str] = (),
+    ) -> None:
         env = dict(os.environ)
         env.update(
             VLLM_ENABLE_V1_MULTIPROCESSING="0",
@@ -81,7 +95,7 @@ class Instance:
         self.log_path = log
         self._log = open(log, "w")
         self.proc = subprocess.Popen(
-            [py, str(PROC), "serve", json.dumps(cfg)],
+            [*wrap, py, str(PROC), "serve", json.dumps(cfg)],
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
             stderr=self._log,
