@@ -5,6 +5,17 @@ same id, watching the socket's monitor at the same time: a refused connection or
 (the sender process died) ends the wait at once with ``sender_unavailable`` instead of waiting
 out the deadline. ZMQ heartbeats detect a silent host within :data:`HEARTBEAT_TIMEOUT_MS`.
 After any failure the channel is closed and the caller opens a new one (no stale replies).
+
+Events from before a request are applied first, in order, and only the connection's state
+after all of them counts: a drop that ZMQ already repaired by reconnecting (a wire cut while
+the channel sat idle in the receiver's pool, a sender restarted on the same port) is history,
+not a failure of the next request. Declaring such a request failed would be worse than slow:
+the sender has claimed the payload for it (one of its readers) and answers into a socket the
+receiver then closes, so every retry finds the key consumed ("not found") until the deadline.
+A channel whose connection is down when a request is about to be sent fails before sending
+(nothing reaches the sender, nothing is claimed). Once the request is out, a drop fails it at
+once (its reply would go to the lost connection), but a reply that arrived is used even when
+the monitor reports a drop in the same poll.
 """
 
 from __future__ import annotations
@@ -89,6 +100,9 @@ class PeerChannel:
         """Send ``request`` and wait for its answer of type ``kind``; the context being
         terminated (connector closing) ends the wait with ``closed``."""
         try:
+            down = self._check_monitor(history=True)  # before this request: a repaired drop is history
+            if down is not None:
+                return down  # the connection is down now: nothing was sent, nothing claimed
             self._sock.send(wire.encode(request), zmq.NOBLOCK)
             return self._await(request.id, deadline, kind)
         except zmq.ZMQError as exc:
@@ -105,37 +119,46 @@ class PeerChannel:
             if left <= 0:
                 return Failure("timeout", f"no reply from {self.host}:{self.port} in time")
             events = dict(poller.poll(max(1, int(left * 1000))))
-            if self._monitor in events:
-                failure = self._check_monitor()
-                if failure is not None:
-                    return failure
-            if self._sock in events:
+            if self._sock in events:  # first: a reply that came is ours, whatever the monitor says
                 raw = self._sock.recv(zmq.NOBLOCK)
                 try:
                     reply = wire.decode(raw)
                 except PayloadError as exc:
                     return Failure("bad_reply", str(exc))
-                if reply.id != request_id:
-                    continue  # a reply to an earlier, abandoned request: ignore it
-                if not isinstance(reply, kind):
-                    return Failure("bad_reply", f"unexpected {type(reply).__name__}")
-                return reply
+                if reply.id == request_id:
+                    if not isinstance(reply, kind):
+                        return Failure("bad_reply", f"unexpected {type(reply).__name__}")
+                    return reply
+                # else a reply to an earlier, abandoned request: ignore it
+            if self._monitor in events:
+                failure = self._check_monitor()
+                if failure is not None:
+                    return failure
 
-    def _check_monitor(self) -> Failure | None:
+    def _check_monitor(self, history: bool = False) -> Failure | None:
+        """Apply the queued monitor events in order. ``history`` False (a request is out): a
+        Failure at the first drop, refusal or retry. True (before sending): a Failure only when
+        the connection is down after all of them, None when it is up or being made again."""
+        down: Failure | None = None
         while True:
             try:
                 event = recv_monitor_message(self._monitor, zmq.NOBLOCK)
             except zmq.Again:
-                return None
+                return down
             kind = event["event"]
             if kind == zmq.EVENT_HANDSHAKE_SUCCEEDED:
                 self._connected = True
+                down = None  # (re)connected: an earlier drop is history
+            elif kind == zmq.EVENT_CONNECTED:
+                down = None  # a new connection is being made (its handshake follows)
             elif kind in _DEAD_EVENTS:
                 what = "lost" if self._connected else "refused"
-                return Failure(
+                down = Failure(
                     "sender_unavailable",
                     f"connection to {self.host}:{self.port} {what} ({zmq.Event(kind).name})",
                 )
+                if not history:
+                    return down
 
     def close(self) -> None:
         """Close the socket and its monitor. Idempotent."""

@@ -452,6 +452,69 @@ def test_closed_sender_is_reported_promptly(make) -> None:
     assert receiver.health()["miss_sender_unavailable"] == 1
 
 
+def _wait_established(port: int, timeout_s: float = 10.0) -> None:
+    """Until a TCP connection to 127.0.0.1:``port`` is established (this process's
+    ``/proc/net/tcp``: local port ``port``, state 01)."""
+    deadline = time.monotonic() + timeout_s
+    pause = threading.Event()
+    while True:
+        with open("/proc/net/tcp") as f:
+            rows = [line.split() for line in f.readlines()[1:]]
+        if any(int(r[1].split(":")[1], 16) == port and r[3] == "01" for r in rows):
+            return
+        assert time.monotonic() < deadline, f"no connection to port {port} within {timeout_s} s"
+        pause.wait(0.01)
+
+
+def test_a_sender_restarted_on_the_same_port_serves_the_next_get_bit_exact(make) -> None:
+    """A receiver's pooled control channel lost its connection while idle (the sender died) and
+    ZMQ reconnected it to the sender restarted on the same port. The drop is history: the next
+    get reads the new payload, and no claim is lost to it (before, the get answered
+    sender_unavailable after the new sender had claimed the payload for it, and every retry
+    then found the key consumed: "not_found" until the deadline)."""
+    first = make(role="sender", port=0)
+    receiver = make(role="receiver")
+    ok, _, meta = first.put("0", "1", "before", b"b" * 4096)
+    got = receiver.get("0", "1", "before", meta)
+    assert ok and got is not None
+    got[0].release()
+    port = first.port
+    first.close()  # the receiver's channel to it stays in the receiver's pool
+    second = make(role="sender", port=port)
+    payload = bytes(range(256)) * 64
+    ok, _, meta = second.put("0", "1", "after", payload)
+    assert ok
+    _wait_established(port)  # ZMQ has reconnected the idle channel to the new sender
+    tries = []
+    for _ in range(2):  # a connection still down when the get starts fails before sending; a retry reads
+        got = receiver.get_blocking("0", "1", "after", meta, timeout_s=10.0)
+        tries.append(receiver.last_failure("after"))
+        if got is not None:
+            break
+    assert got is not None, tries
+    assert bytes(got[0].tensor.numpy()) == payload
+    got[0].release()
+    assert set(tries[:-1]) <= {"sender_unavailable"}, tries
+    health = second.health()
+    assert (health["claims"], health["delivered"], health["used_bytes"]) == (1, 1, 0), health
+
+
+def test_an_idle_channel_to_a_sender_that_died_fails_promptly(make) -> None:
+    """The other side of the rule above: a pooled channel whose sender is gone for good still
+    answers sender_unavailable at once, not at the deadline, and claims nothing anywhere."""
+    sender = make(role="sender", port=0)
+    receiver = make(role="receiver")
+    ok, _, meta = sender.put("0", "1", "once", b"o" * 512)
+    got = receiver.get("0", "1", "once", meta)
+    assert ok and got is not None
+    got[0].release()
+    sender.close()
+    start = time.monotonic()
+    assert receiver.get_blocking("0", "1", "gone", meta, timeout_s=10.0) is None
+    assert time.monotonic() - start < 2.0
+    assert receiver.last_failure("gone") == "sender_unavailable"
+
+
 def test_pool_buffer_release_is_idempotent_and_returns_the_room(make) -> None:
     sender = make(role="sender")
     receiver = make(role="receiver")
