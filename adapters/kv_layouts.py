@@ -11,6 +11,11 @@ holds K as ``[D][B]`` (dimension-major) then V as ``[B][D]``; the key view is
 ``kc, vc`` are the first and second ``B*D`` elements of each page. Another ISA's order is not
 known here, so its per-token extraction is refused (whole pages still move between engines of
 the same ISA by other means).
+
+``vllm_cpu_pages_hnd`` (what kvferry's vLLM connector publishes: a layer's K regions and V regions,
+each ``[N, H, B*D]``) is read through :func:`kvferry.core.layouts.vllm_page_order` for the ``vec``
+and ``amx`` kernels; :func:`vllm_pages_to_tokens` turns one payload into per-token
+``[num_tokens, H, D]`` K and V.
 """
 
 from __future__ import annotations
@@ -23,13 +28,16 @@ from kvferry.core.errors import ConfigError
 from kvferry.core.layouts import (
     REFERENCE_LAYOUTS,
     VLLM_CPU_ISAS,
+    VLLM_PAGES,
     LayoutSpec,
+    RegionOrder,
     check_layer_shape,
     layout_spec,
     shape_candidates,
+    vllm_page_order,
 )
 
-__all__ = ["split_named", "split_unnamed", "AmbiguousLayout"]
+__all__ = ["split_named", "split_unnamed", "vllm_pages_to_tokens", "AmbiguousLayout"]
 
 
 class AmbiguousLayout(ConfigError):
@@ -62,6 +70,8 @@ def split_named(
     assert spec is not None
     name = spec.name
     where = f"layer {layer}: " if layer is not None else ""
+    if name == VLLM_PAGES:
+        return _pages_named(layer_kv, spec, block_size=block_size, heads=heads, head_dim=head_dim, layer=layer)
     if name == "tuple":
         if (
             not isinstance(layer_kv, (tuple, list))
@@ -119,6 +129,75 @@ def split_named(
     kc, vc = pages.narrow(2, 0, b), pages.narrow(2, b, b)
     key = kc.as_strided((n, h, d, b), (kc.stride(0), kc.stride(1), b, 1), kc.storage_offset()).permute(0, 3, 1, 2)
     return key, vc.transpose(1, 2)
+
+
+def _pages_named(
+    layer_kv: Any, spec: LayoutSpec, *, block_size: int, heads: int | None, head_dim: int | None, layer: int | None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    where = f"layer {layer}: " if layer is not None else ""
+    if (
+        not isinstance(layer_kv, (tuple, list))
+        or len(layer_kv) != 2
+        or not all(isinstance(t, torch.Tensor) for t in layer_kv)
+    ):
+        raise ConfigError(
+            f"{where}layout {VLLM_PAGES!r} needs a (key pages, value pages) pair of tensors, got "
+            f"{type(layer_kv).__name__}"
+        )
+    key, value = layer_kv
+    for tensor in (key, value):
+        check_layer_shape(
+            VLLM_PAGES, tuple(tensor.shape), block_size=block_size, heads=heads, head_dim=head_dim, layer=layer
+        )
+    if key.shape != value.shape:
+        raise ConfigError(f"{where}layout {VLLM_PAGES!r}: key {list(key.shape)} and value {list(value.shape)} differ")
+    d = key.shape[2] // block_size
+    try:
+        order = vllm_page_order(spec.isa, block_size, d)
+    except ConfigError as exc:
+        raise ConfigError(f"{where}{exc}") from exc
+    return _region_blocks(key, order.key, block_size, d), _region_blocks(value, order.value, block_size, d)
+
+
+def _region_blocks(regions: torch.Tensor, order: RegionOrder, block_size: int, head_dim: int) -> torch.Tensor:
+    """``[N, H, B*D]`` regions in ``order`` -> ``[N, B, H, D]`` (a view where the order allows)."""
+    n, h, _ = regions.shape
+    axes = [2 + p for p in order.perm]
+    tokens = regions.reshape(n, h, *order.shape).permute(0, 1, *axes).reshape(n, h, block_size, head_dim)
+    return tokens.transpose(1, 2)
+
+
+def vllm_pages_to_tokens(
+    key_pages: torch.Tensor,
+    value_pages: torch.Tensor,
+    *,
+    block_size: int,
+    num_tokens: int,
+    isa: str | None,
+    heads: int | None = None,
+    head_dim: int | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """One ``vllm_cpu_pages_hnd`` payload layer -> per-token ``(K, V)``, each
+    ``[num_tokens, heads, head_dim]``, contiguous (copies, except where the pages' own bytes
+    already are in that order: then views of them).
+
+    ``key_pages``/``value_pages``: ``[N, H, block_size*head_dim]``, the request's pages in
+    order; the tokens of a partial last block are cut at ``num_tokens``. ``isa``: the CPU kernel
+    that wrote them (:data:`kvferry.core.layouts.VLLM_CPU_PAGE_ISAS`). ConfigError for a shape
+    that does not fit, an unknown ISA, or more tokens than the pages hold.
+    """
+    spec = LayoutSpec(VLLM_PAGES, None if isa is None else isa.strip().lower())
+    kb, vb = _pages_named(
+        (key_pages, value_pages), spec, block_size=block_size, heads=heads, head_dim=head_dim, layer=None
+    )
+    capacity = kb.shape[0] * block_size
+    if isinstance(num_tokens, bool) or not isinstance(num_tokens, int) or not 0 <= num_tokens <= capacity:
+        raise ConfigError(
+            f"num_tokens: {num_tokens!r} does not fit {kb.shape[0]} pages of {block_size} tokens ({capacity})"
+        )
+    k = kb.flatten(0, 1)[:num_tokens].contiguous()
+    v = vb.flatten(0, 1)[:num_tokens].contiguous()
+    return k, v
 
 
 def split_unnamed(

@@ -18,6 +18,8 @@ name                      shape (one layer)            meaning
 ``mla``                   ``[N, B, L]``                one latent per token (no heads, no V)
 ``vllm_cpu``              ``[N, H, B, 2*D]``           vLLM CPU: per (block, head) a K region then a
                                                        V region, element order set by the kernel ISA
+``vllm_cpu_pages_hnd``    ``(K, V)``, each ``[N, H, B*D]``  the K regions and the V regions of such pages
+                                                       (kvferry's vLLM connector's payload)
 ========================  ===========================  ==============================================
 
 A permuted view of a ``flash``/``flashinfer`` tensor (vLLM's stride orders) is still that
@@ -26,6 +28,8 @@ layout: kvferry reads views through their strides. The ``*_hnd`` names are for t
 
 ``vllm_cpu`` per-token decoding depends on the ISA the engine's CPU kernel wrote with
 (:data:`VLLM_CPU_ISAS`); an unknown ISA is refused, never read as ``packed`` (same shape).
+``vllm_cpu_pages_hnd`` is decoded per token for the ISAs of :data:`VLLM_CPU_PAGE_ISAS`, whose
+element order inside a region :func:`vllm_page_order` gives.
 
 Without a name, only the reference's layouts are recognised, by the reference's shape rules,
 and a shape that two known layouts could both mean is refused naming the candidates
@@ -46,7 +50,12 @@ __all__ = [
     "LAYOUT_NAMES",
     "REFERENCE_LAYOUTS",
     "VLLM_CPU_ISAS",
+    "VLLM_CPU_PAGE_ISAS",
+    "VLLM_PAGES",
     "LayoutSpec",
+    "RegionOrder",
+    "PageOrder",
+    "vllm_page_order",
     "layout_spec",
     "layout_dims",
     "check_layer_shape",
@@ -63,6 +72,7 @@ _DIMS: dict[str, tuple[str, ...]] = {
     "tuple": ("num_blocks", "block_size", "heads", "head_dim"),
     "mla": ("num_blocks", "block_size", "latent_dim"),
     "vllm_cpu": ("num_blocks", "heads", "block_size", "2*head_dim"),
+    "vllm_cpu_pages_hnd": ("num_blocks", "heads", "block_size*head_dim"),
 }
 LAYOUT_NAMES: tuple[str, ...] = tuple(_DIMS)
 #: Metadata flag of a payload whose key caches are MLA latents (values absent, never sliced).
@@ -72,6 +82,15 @@ REFERENCE_LAYOUTS: tuple[str, ...] = ("flash", "flashinfer", "packed", "tuple")
 #: vLLM CPU kernel ISAs whose page order kvferry can decode per token, with their aliases:
 #: ``vec`` (AVX2): K dimension-major ``[head_dim][block_size]``, V token-major.
 VLLM_CPU_ISAS: Mapping[str, str] = {"vec": "vec", "avx2": "vec"}
+#: The layout of kvferry's vLLM connector payloads: a layer's K regions and V regions, each
+#: ``[num_blocks, heads, block_size * head_dim]`` (the pages of a ``vllm_cpu`` cache, split).
+VLLM_PAGES = "vllm_cpu_pages_hnd"
+#: vLLM CPU kernel ISAs whose region order :func:`vllm_page_order` knows (vLLM's kernel names,
+#: with aliases): ``vec`` K ``[D][B]``, V ``[B][D]``; ``amx`` (bf16, AMX tiles of 16 rows, two
+#: elements a pair) K ``[B/16][D/2][16][2]`` over (token, dim), V ``[D/16][B/2][16][2]`` over
+#: (dim, token).
+VLLM_CPU_PAGE_ISAS: Mapping[str, str] = {"vec": "vec", "avx2": "vec", "amx": "amx"}
+_ISA_LAYOUTS = ("vllm_cpu", VLLM_PAGES)
 
 
 @attrs.frozen
@@ -92,7 +111,10 @@ class LayoutSpec:
 
     @property
     def decodable(self) -> bool:
-        """True when per-token K/V can be read (``vllm_cpu`` needs a known ISA)."""
+        """True when per-token K/V can be read (``vllm_cpu`` and ``vllm_cpu_pages_hnd`` need a
+        known ISA)."""
+        if self.name == VLLM_PAGES:
+            return self.isa in VLLM_CPU_PAGE_ISAS
         return self.name != "vllm_cpu" or self.isa in VLLM_CPU_ISAS
 
 
@@ -119,8 +141,10 @@ def layout_spec(value: Any, field: str = "kv_layout") -> LayoutSpec | None:
     if isa is not None:
         if not isinstance(isa, str) or not isa.strip():
             raise ConfigError(f"{field}.isa must be a non-empty string, got {isa!r}")
-        if name != "vllm_cpu":
-            raise ConfigError(f"{field}: layout {name!r} takes no isa (only vllm_cpu does), got {isa!r}")
+        if name not in _ISA_LAYOUTS:
+            raise ConfigError(
+                f"{field}: layout {name!r} takes no isa (only {' and '.join(_ISA_LAYOUTS)} do), got {isa!r}"
+            )
         isa = isa.strip().lower()
     return LayoutSpec(name, isa)
 
@@ -158,6 +182,7 @@ def check_layer_shape(
         "heads": heads,
         "head_dim": head_dim,
         "2*head_dim": None if head_dim is None else 2 * head_dim,
+        "block_size*head_dim": None if head_dim is None else block_size * head_dim,
         "latent_dim": latent_dim,
     }
     for index, (dim, size) in enumerate(zip(dims, shape)):
@@ -170,6 +195,11 @@ def check_layer_shape(
         if dim == "2*head_dim" and size % 2:
             raise ConfigError(
                 f"{where}layout {name!r} is {spelled}: dim {index} (2*head_dim) is odd ({size}) (shape {list(shape)})"
+            )
+        if dim == "block_size*head_dim" and (block_size < 1 or size % block_size):
+            raise ConfigError(
+                f"{where}layout {name!r} is {spelled}: dim {index} (block_size*head_dim) is {size}, not a "
+                f"multiple of block_size {block_size} (shape {list(shape)})"
             )
 
 
@@ -197,3 +227,74 @@ def shape_candidates(shape: tuple[int, ...], block_size: int | None) -> tuple[st
         if rank == 3 and shape[1] == block_size:
             out.append("mla")
     return tuple(n for n in LAYOUT_NAMES if n in out)
+
+
+@attrs.frozen
+class RegionOrder:
+    """How one K (or V) region of ``block_size * head_dim`` elements is ordered: viewed as
+    ``shape`` (row-major) and permuted by ``perm``, it reads ``[block_size, head_dim]`` (token,
+    dim) once the permuted dimensions are merged (the first ``token_dims`` of them make the
+    token, the rest the dim)."""
+
+    shape: tuple[int, ...]
+    perm: tuple[int, ...]
+    token_dims: int
+
+    def offset(self, token: int, dim: int) -> int:
+        """The element offset of ``(token, dim)`` inside the region."""
+        sizes = [self.shape[p] for p in self.perm]
+        token_sizes, dim_sizes = sizes[: self.token_dims], sizes[self.token_dims :]
+        digits = _digits(token, token_sizes) + _digits(dim, dim_sizes)
+        index = [0] * len(self.shape)
+        for position, axis in enumerate(self.perm):
+            index[axis] = digits[position]
+        out = 0
+        for size, i in zip(self.shape, index):
+            out = out * size + i
+        return out
+
+
+def _digits(value: int, sizes: list[int]) -> list[int]:
+    out = []
+    for size in reversed(sizes):
+        out.append(value % size)
+        value //= size
+    return out[::-1]
+
+
+@attrs.frozen
+class PageOrder:
+    """The element order of a ``vllm_cpu`` page's K region and V region for one kernel ISA."""
+
+    isa: str
+    key: RegionOrder
+    value: RegionOrder
+
+
+def vllm_page_order(isa: str | None, block_size: int, head_dim: int) -> PageOrder:
+    """The K and V region orders vLLM's CPU kernel ``isa`` writes (an alias of
+    :data:`VLLM_CPU_PAGE_ISAS`). ConfigError for an ISA whose order is not known (or none given),
+    and for sizes that kernel does not write (``amx``: block_size and head_dim multiples of 32,
+    as vLLM picks it only then)."""
+    kernel = VLLM_CPU_PAGE_ISAS.get((isa or "").strip().lower())
+    if kernel is None:
+        said = "no ISA was given" if not isa else f"ISA {isa!r} is not one of them"
+        raise ConfigError(
+            f"layout {VLLM_PAGES!r}: per-token K/V depend on the element order of the CPU kernel that "
+            f"wrote the pages; kvferry knows {', '.join(sorted(VLLM_CPU_PAGE_ISAS))} and {said}"
+        )
+    for name, size in (("block_size", block_size), ("head_dim", head_dim)):
+        if isinstance(size, bool) or not isinstance(size, int) or size < 1:
+            raise ConfigError(f"layout {VLLM_PAGES!r}: {name} must be a positive integer, got {size!r}")
+    b, d = block_size, head_dim
+    if kernel == "vec":
+        return PageOrder(kernel, RegionOrder((d, b), (1, 0), 1), RegionOrder((b, d), (0, 1), 1))
+    if b % 32 or d % 32:
+        raise ConfigError(
+            f"layout {VLLM_PAGES!r}: the amx kernel writes block_size and head_dim multiples of 32, "
+            f"got block_size {b}, head_dim {d}"
+        )
+    # K: (token // 16, dim // 2, token % 16, dim % 2); V: (dim // 16, token // 2, dim % 16, token % 2)
+    key = RegionOrder((b // 16, d // 2, 16, 2), (0, 2, 1, 3), 2)
+    value = RegionOrder((d // 16, b // 2, 16, 2), (1, 3, 0, 2), 2)
+    return PageOrder(kernel, key, value)

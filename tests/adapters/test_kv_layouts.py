@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
-from kvferry.adapters.kv_layouts import AmbiguousLayout, split_named, split_unnamed
+from kvferry.adapters.kv_layouts import AmbiguousLayout, split_named, split_unnamed, vllm_pages_to_tokens
 from kvferry.adapters.paged_cache import extract_request, plan_extraction
 from kvferry.core.errors import ConfigError
 from kvferry.core.layouts import LAYOUT_NAMES, check_layer_shape, layout_spec, shape_candidates
@@ -49,6 +51,9 @@ def _engine_layer(name: str, k: torch.Tensor, v: torch.Tensor):
         return (k.clone(), v.clone())
     if name == "vllm_cpu":
         return _vllm_cpu_vec_pages(k, v)
+    if name == "vllm_cpu_pages_hnd":  # the same pages as (K regions, V regions)
+        regions = _vllm_cpu_vec_pages(k, v).view(N, H, 2, B * D)
+        return (regions[:, :, 0].contiguous(), regions[:, :, 1].contiguous())
     raise AssertionError(name)
 
 
@@ -63,7 +68,9 @@ def _bits(t: torch.Tensor) -> torch.Tensor:
 IDS, TOKENS = [5, 0, 3, 2], 14
 
 
-@pytest.mark.parametrize("name", [n if n != "vllm_cpu" else "vllm_cpu:avx2" for n in LAYOUT_NAMES if n != "mla"])
+@pytest.mark.parametrize(
+    "name", [n if not n.startswith("vllm_cpu") else f"{n}:avx2" for n in LAYOUT_NAMES if n != "mla"]
+)
 def test_each_layout_reads_back_per_token_k_and_v(name: str) -> None:
     k, v = _truth()
     layer = _engine_layer(name.partition(":")[0], k, v)
@@ -153,7 +160,9 @@ def test_candidates_rules() -> None:
     assert shape_candidates((N, H, B, 2 * D), None) == ()
 
 
-@pytest.mark.parametrize("name", [n if n != "vllm_cpu" else "vllm_cpu:avx2" for n in LAYOUT_NAMES if n != "mla"])
+@pytest.mark.parametrize(
+    "name", [n if not n.startswith("vllm_cpu") else f"{n}:avx2" for n in LAYOUT_NAMES if n != "mla"]
+)
 def test_extraction_api_takes_the_layout_name(name: str) -> None:
     """plan_extraction / extract_request with a name: per-token K/V bit for bit, any layout."""
     k, v = _truth(3)
@@ -187,3 +196,74 @@ def test_extraction_refuses_ambiguous_and_mismatched_caches() -> None:
         plan_extraction([torch.stack([k, v])], IDS, TOKENS, B, cache_dtype="x", layout="fa3")
     with pytest.raises(ConfigError, match="vllm_cpu"):
         plan_extraction([_vllm_cpu_vec_pages(k, v)], IDS, TOKENS, B, cache_dtype="x", layout="vllm_cpu")
+
+
+# --------------------------------------------------------------- vllm_cpu_pages_hnd payloads
+def _kernel_pages(isa: str, k: torch.Tensor, v: torch.Tensor, b: int, blocks: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-token ``[T, H, D]`` K/V written into ``blocks`` pages the way vLLM's CPU kernel
+    ``isa`` writes them (element offsets as measured, tests/core/test_page_order.py); the slots
+    after the last token hold junk, as a reused block does."""
+    t_count, h, d = k.shape
+    junk = torch.Generator().manual_seed(99)
+    kp = torch.randint(-30000, 30000, (blocks, h, b * d), generator=junk, dtype=torch.int16).view(k.dtype)
+    vp = torch.randint(-30000, 30000, (blocks, h, b * d), generator=junk, dtype=torch.int16).view(k.dtype)
+    tok = torch.arange(t_count).view(-1, 1)
+    dim = torch.arange(d).view(1, -1)
+    tb = tok % b
+    if isa == "vec":
+        k_off, v_off = dim * b + tb, tb * d + dim
+    else:
+        k_off = ((tb // 16) * (d // 2) + dim // 2) * 32 + (tb % 16) * 2 + dim % 2
+        v_off = ((dim // 16) * (b // 2) + tb // 2) * 32 + (dim % 16) * 2 + tb % 2
+    page = (tok // b).expand(t_count, d)
+    for head in range(h):
+        kp[page, head, k_off] = k[:, head, :]
+        vp[page, head, v_off] = v[:, head, :]
+    return kp, vp
+
+
+_page_cases = st.one_of(
+    st.tuples(st.just("vec"), st.integers(1, 9), st.integers(1, 12)),
+    st.tuples(st.just("amx"), st.sampled_from([32, 64]), st.sampled_from([32, 64])),
+)
+
+
+@settings(max_examples=30, deadline=None)
+@given(_page_cases, st.integers(1, 3), st.integers(1, 100), st.integers(0, 2))
+def test_vllm_pages_round_trip_per_token_and_cut_at_num_tokens(
+    case: tuple[str, int, int], heads: int, tokens: int, spare: int
+) -> None:
+    isa, b, d = case
+    blocks = -(-tokens // b) + spare  # a partial last block, and pages beyond the tokens
+    gen = torch.Generator().manual_seed(tokens)
+    k = torch.randint(-30000, 30000, (tokens, heads, d), generator=gen, dtype=torch.int16).view(torch.bfloat16)
+    v = torch.randint(-30000, 30000, (tokens, heads, d), generator=gen, dtype=torch.int16).view(torch.bfloat16)
+    kp, vp = _kernel_pages(isa, k, v, b, blocks)
+    gk, gv = vllm_pages_to_tokens(kp, vp, block_size=b, num_tokens=tokens, isa=isa, heads=heads, head_dim=d)
+    assert gk.shape == gv.shape == (tokens, heads, d) and gk.is_contiguous() and gv.is_contiguous()
+    assert torch.equal(_bits(gk), _bits(k)) and torch.equal(_bits(gv), _bits(v))
+
+
+def test_vllm_pages_read_with_the_other_isa_come_out_wrong() -> None:
+    """The control: amx pages read as vec (and the reverse) are not the tokens."""
+    gen = torch.Generator().manual_seed(5)
+    k = torch.randint(-30000, 30000, (40, 2, 32), generator=gen, dtype=torch.int16).view(torch.bfloat16)
+    v = torch.randint(-30000, 30000, (40, 2, 32), generator=gen, dtype=torch.int16).view(torch.bfloat16)
+    for wrote, read in (("amx", "vec"), ("vec", "amx")):
+        kp, vp = _kernel_pages(wrote, k, v, 32, 2)
+        gk, gv = vllm_pages_to_tokens(kp, vp, block_size=32, num_tokens=40, isa=read)
+        assert not torch.equal(_bits(gk), _bits(k)) and not torch.equal(_bits(gv), _bits(v))
+
+
+def test_vllm_pages_refusals_name_the_problem() -> None:
+    kp = torch.zeros(2, 1, 32 * 32, dtype=torch.bfloat16)
+    with pytest.raises(ConfigError, match="num_tokens: 65 does not fit 2 pages of 32 tokens"):
+        vllm_pages_to_tokens(kp, kp, block_size=32, num_tokens=65, isa="amx")
+    with pytest.raises(ConfigError, match="no ISA was given"):
+        vllm_pages_to_tokens(kp, kp, block_size=32, num_tokens=3, isa=None)
+    with pytest.raises(ConfigError, match=r"dim 2 \(block_size\*head_dim\) is 1024, not a multiple of block_size 24"):
+        vllm_pages_to_tokens(kp, kp, block_size=24, num_tokens=3, isa="vec")
+    with pytest.raises(ConfigError, match=r"dim 1 \(heads\) is 1, expected 2"):
+        vllm_pages_to_tokens(kp, kp, block_size=32, num_tokens=3, isa="vec", heads=2)
+    with pytest.raises(ConfigError, match="key .* and value .* differ"):
+        vllm_pages_to_tokens(kp, kp[:1], block_size=32, num_tokens=3, isa="vec")
