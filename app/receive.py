@@ -465,12 +465,12 @@ class ReceivePath:
         return result
 
     def _combine(self, payloads: list[dict[str, Any]]) -> dict[str, Any]:
-        """Merge fan-in shards (source-rank order) and slice an untagged fan-out payload."""
-        if self.merger is not None:
-            merged = self.merger(payloads)
-        elif len(payloads) == 1:
+        """Merge fan-in shards (source-rank order) and slice an untagged fan-out payload. A
+        merger hook that returns None leaves the payloads to the default merge."""
+        merged = self.merger(payloads) if self.merger is not None else None
+        if merged is None and len(payloads) == 1:
             merged = payloads[0]
-        else:
+        elif merged is None:
             first = payloads[0]
             merged = {
                 "request_id": first["request_id"],

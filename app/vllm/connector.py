@@ -47,6 +47,19 @@ def _num_layers(vllm_config: Any, kv_cache_config: Any) -> int:
     return int(vllm_config.model_config.get_num_layers(vllm_config.parallel_config))
 
 
+def _kernel_isa(vllm_config: Any, kv_caches: dict[str, torch.Tensor]) -> str | None:
+    """The CPU attention kernel vLLM writes these caches with (``amx``, ``vec``, ...), by vLLM's
+    own choice; None when it cannot be told (another backend, another vLLM)."""
+    try:
+        from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
+
+        first = next(iter(kv_caches.values()))
+        cache_dtype = getattr(vllm_config.cache_config, "cache_dtype", None)
+        return str(_get_attn_isa(first.dtype, int(first.shape[2]), int(first.shape[3]) // 2, cache_dtype))
+    except Exception:  # a private vLLM function: without it the payloads just carry no isa
+        return None
+
+
 class KVFerryConnector(KVConnectorBase_V1):
     """Prefill (``kv_producer``) and decode (``kv_consumer``) hand-off through kvferry."""
 
@@ -88,6 +101,7 @@ class KVFerryConnector(KVConnectorBase_V1):
     # ------------------------------------------------------------------------ worker side
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         assert self._worker is not None
+        self._worker.kernel_isa = _kernel_isa(self._vllm_config, kv_caches)
         self._worker.register(kv_caches)
 
     def bind_connector_metadata(self, connector_metadata: KVConnectorMetadata) -> None:

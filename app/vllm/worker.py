@@ -140,6 +140,10 @@ class PageWorker:
     clock: Callable[[], float] = time.monotonic
     sleep: Callable[[float], None] = time.sleep
     retry: RetryPolicy = attrs.field(factory=lambda: RetryPolicy(attempts=5))
+    #: The CPU attention kernel that writes the pages (vLLM's name: ``amx``, ``vec``, ...), put
+    #: in every payload's metadata as ``isa`` so that a receiver outside vLLM can decode them
+    #: per token (core.layouts.vllm_page_order); None: unknown, not stated.
+    kernel_isa: str | None = None
     geometry: PageGeometry | None = attrs.field(init=False, default=None)
     stats: TransferStats = attrs.field(init=False, factory=TransferStats)
     _layers: list[torch.Tensor] = attrs.field(init=False, factory=list)
@@ -261,6 +265,8 @@ class PageWorker:
                 "from_rank": self.tp_rank,
                 "to_rank": sl.target_rank,
             }
+            if self.kernel_isa is not None:
+                meta["isa"] = self.kernel_isa
             layout = writer.layout(job.transfer_id, job.block_ids, sl.num_heads, meta)
             key = layer_key(job.transfer_id, stage, layer_idx, self.tp_rank, sl.target_rank)
             nbytes += self._put(
