@@ -4,6 +4,8 @@ Run by the vLLM venv's interpreter (KVFERRY_VLLM_PYTHON), never imported by pyte
 
     python engine_proc.py make-model DIR SEED      # a tiny random Llama saved by transformers
     python engine_proc.py serve CONFIG_JSON        # then: {"op": "generate", ...} lines
+    python engine_proc.py hf-kv DIR PROMPTS_JSON OUT   # transformers' past_key_values of each prompt
+    python engine_proc.py write-pages ISA OUT      # vLLM's CPU kernel writes known K/V into pages
 
 Replies: ``{"ok": true, ...}`` or ``{"ok": false, "error": ...}``, one line per request.
 """
@@ -36,6 +38,45 @@ def make_model(path: str, seed: int) -> None:
     )
     model = LlamaForCausalLM(config).to(torch.bfloat16)
     model.save_pretrained(path)
+
+
+def hf_kv(path: str, prompts_json: str, out: str) -> None:
+    """Per prompt, per layer, transformers' post-RoPE K and V ``[tokens, kv_heads, head_dim]``
+    (``use_cache=True``, eager attention, the model's bf16), saved with torch.save."""
+    import torch
+    from transformers import LlamaForCausalLM
+
+    model = LlamaForCausalLM.from_pretrained(path, dtype=torch.bfloat16, attn_implementation="eager").eval()
+    result = []
+    with torch.no_grad():
+        for prompt in json.loads(prompts_json):
+            cache = model(torch.tensor([prompt]), use_cache=True).past_key_values
+            layers = getattr(cache, "layers", None)
+            if layers is not None:
+                kv = [(layer.keys, layer.values) for layer in layers]
+            else:
+                kv = list(zip(cache.key_cache, cache.value_cache))
+            result.append([(k[0].transpose(0, 1).contiguous(), v[0].transpose(0, 1).contiguous()) for k, v in kv])
+    torch.save(result, out)
+
+
+def write_pages(isa: str, out: str) -> None:
+    """Random bf16 K/V ``[tokens, heads, head_dim]`` written by vLLM's own
+    ``cpu_attn_reshape_and_cache`` (kernel ``isa``) into a ``[blocks, heads, block_size,
+    2*head_size]`` cache through a shuffled slot mapping; saves the truth, the slots and the cache."""
+    import torch
+    import vllm._custom_ops as ops
+
+    g = torch.Generator().manual_seed(5)
+    blocks, heads, bs, d, tokens = 6, 2, 32, 64, 150
+    k = torch.randn(tokens, heads, d, generator=g).to(torch.bfloat16)
+    v = torch.randn(tokens, heads, d, generator=g).to(torch.bfloat16)
+    order = torch.randperm(blocks, generator=g)[: -(-tokens // bs)]
+    slots = torch.cat([b * bs + torch.arange(bs) for b in order.tolist()])[:tokens]
+    cache = torch.zeros(blocks, heads, bs, 2 * d, dtype=torch.bfloat16)
+    kc, vc = cache.view(blocks, heads, 2 * bs, d).chunk(2, dim=2)
+    ops.cpu_attn_reshape_and_cache(k, v, kc, vc, slots, isa)
+    torch.save({"k": k, "v": v, "blocks": order, "cache": cache, "block_size": bs}, out)
 
 
 PROTO = sys.stdout
@@ -167,6 +208,10 @@ def serve(cfg: dict) -> None:
 if __name__ == "__main__":
     if sys.argv[1] == "make-model":
         make_model(sys.argv[2], int(sys.argv[3]))
+    elif sys.argv[1] == "hf-kv":
+        hf_kv(sys.argv[2], sys.argv[3], sys.argv[4])
+    elif sys.argv[1] == "write-pages":
+        write_pages(sys.argv[2], sys.argv[3])
     elif sys.argv[1] == "serve":
         # vLLM logs to stdout; the protocol needs it: send everything else to stderr
         real = os.dup(1)
