@@ -37,7 +37,7 @@ from kvferry.core.layouts import (
     vllm_page_order,
 )
 
-__all__ = ["split_named", "split_unnamed", "vllm_pages_to_tokens", "AmbiguousLayout"]
+__all__ = ["split_named", "split_unnamed", "kv_pair", "vllm_pages_to_tokens", "AmbiguousLayout"]
 
 
 class AmbiguousLayout(ConfigError):
@@ -73,22 +73,9 @@ def split_named(
     if name == VLLM_PAGES:
         return _pages_named(layer_kv, spec, block_size=block_size, heads=heads, head_dim=head_dim, layer=layer)
     if name == "tuple":
-        if (
-            not isinstance(layer_kv, (tuple, list))
-            or len(layer_kv) != 2
-            or not all(isinstance(t, torch.Tensor) for t in layer_kv)
-        ):
-            raise ConfigError(
-                f"{where}layout 'tuple' needs a (key, value) pair of tensors, got {type(layer_kv).__name__}"
-            )
-        key, value = layer_kv
-        for tensor in (key, value):
-            check_layer_shape(
-                name, tuple(tensor.shape), block_size=block_size, heads=heads, head_dim=head_dim, layer=layer
-            )
-        if key.shape != value.shape:
-            raise ConfigError(f"{where}layout 'tuple': key {list(key.shape)} and value {list(value.shape)} differ")
-        return key, value
+        return _named_pair(
+            layer_kv, name, "(key, value)", block_size=block_size, heads=heads, head_dim=head_dim, layer=layer
+        )
     t = _tensor(layer_kv, name, layer)
     shape = tuple(t.shape)
     if name == "mla":
@@ -131,26 +118,46 @@ def split_named(
     return key, vc.transpose(1, 2)
 
 
-def _pages_named(
-    layer_kv: Any, spec: LayoutSpec, *, block_size: int, heads: int | None, head_dim: int | None, layer: int | None
+def _named_pair(
+    layer_kv: Any,
+    name: str,
+    what: str,
+    *,
+    block_size: int,
+    heads: int | None,
+    head_dim: int | None,
+    layer: int | None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
+    """The two tensors of a layout given as a pair (``tuple``, ``vllm_cpu_pages_hnd``), each
+    checked against the layout's shape and equal in shape; ConfigError naming what differs."""
     where = f"layer {layer}: " if layer is not None else ""
     if (
         not isinstance(layer_kv, (tuple, list))
         or len(layer_kv) != 2
         or not all(isinstance(t, torch.Tensor) for t in layer_kv)
     ):
-        raise ConfigError(
-            f"{where}layout {VLLM_PAGES!r} needs a (key pages, value pages) pair of tensors, got "
-            f"{type(layer_kv).__name__}"
-        )
+        raise ConfigError(f"{where}layout {name!r} needs a {what} pair of tensors, got {type(layer_kv).__name__}")
     key, value = layer_kv
     for tensor in (key, value):
-        check_layer_shape(
-            VLLM_PAGES, tuple(tensor.shape), block_size=block_size, heads=heads, head_dim=head_dim, layer=layer
-        )
+        check_layer_shape(name, tuple(tensor.shape), block_size=block_size, heads=heads, head_dim=head_dim, layer=layer)
     if key.shape != value.shape:
-        raise ConfigError(f"{where}layout {VLLM_PAGES!r}: key {list(key.shape)} and value {list(value.shape)} differ")
+        raise ConfigError(f"{where}layout {name!r}: key {list(key.shape)} and value {list(value.shape)} differ")
+    return key, value
+
+
+def _pages_named(
+    layer_kv: Any, spec: LayoutSpec, *, block_size: int, heads: int | None, head_dim: int | None, layer: int | None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    where = f"layer {layer}: " if layer is not None else ""
+    key, value = _named_pair(
+        layer_kv,
+        VLLM_PAGES,
+        "(key pages, value pages)",
+        block_size=block_size,
+        heads=heads,
+        head_dim=head_dim,
+        layer=layer,
+    )
     d = key.shape[2] // block_size
     try:
         order = vllm_page_order(spec.isa, block_size, d)
@@ -200,6 +207,16 @@ def vllm_pages_to_tokens(
     return k, v
 
 
+def kv_pair(layer_kv: tuple[Any, ...] | list[Any]) -> tuple[torch.Tensor, torch.Tensor] | str:
+    """A ``(key, value)`` tuple or list of tensors as the pair, or why it is not one."""
+    if len(layer_kv) != 2:
+        return f"KV pair has {len(layer_kv)} entries (expected 2)"
+    key, value = layer_kv
+    if not isinstance(key, torch.Tensor) or not isinstance(value, torch.Tensor):
+        return f"KV pair holds {type(key).__name__}, {type(value).__name__}, not tensors"
+    return key, value
+
+
 def split_unnamed(
     layer_kv: Any, *, block_size: int | None, layer: int | None = None
 ) -> tuple[torch.Tensor, torch.Tensor] | str:
@@ -210,12 +227,7 @@ def split_unnamed(
     layer is skipped, as the reference skipped it).
     """
     if isinstance(layer_kv, (tuple, list)):
-        if len(layer_kv) != 2:
-            return f"KV pair has {len(layer_kv)} entries (expected 2)"
-        key, value = layer_kv
-        if not isinstance(key, torch.Tensor) or not isinstance(value, torch.Tensor):
-            return f"KV pair holds {type(key).__name__}, {type(value).__name__}, not tensors"
-        return key, value
+        return kv_pair(layer_kv)
     if not isinstance(layer_kv, torch.Tensor):
         return f"unsupported KV type {type(layer_kv).__name__}"
     shape = tuple(layer_kv.shape)

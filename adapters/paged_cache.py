@@ -34,7 +34,7 @@ from typing import Any
 import attrs
 import torch
 
-from kvferry.adapters.kv_layouts import split_named, split_unnamed
+from kvferry.adapters.kv_layouts import kv_pair, split_named, split_unnamed
 from kvferry.adapters.paged_gather import (
     CROSS_DEVICE_MAX_RUNS,
     DEVICE_MAX_RUNS,
@@ -172,11 +172,10 @@ def _reference_split(layer_kv: Any, block_size: int | None) -> tuple[torch.Tenso
                 "[blocks, 2, ...] or packed [blocks, heads, block_size, 2*head_dim]"
             )
     elif isinstance(layer_kv, (tuple, list)):
-        if len(layer_kv) != 2:
-            return f"KV pair has {len(layer_kv)} entries (expected 2)"
-        key, value = layer_kv
-        if not isinstance(key, torch.Tensor) or not isinstance(value, torch.Tensor):
-            return f"KV pair holds {type(key).__name__}, {type(value).__name__}, not tensors"
+        pair = kv_pair(layer_kv)
+        if isinstance(pair, str):
+            return pair
+        key, value = pair
     else:
         return f"unsupported KV type {type(layer_kv).__name__}"
     if key.ndim < 2 or value.ndim < 2:
