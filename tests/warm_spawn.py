@@ -114,8 +114,11 @@ class WarmProcess:
         return self.returncode
 
     def send_signal(self, sig: int) -> None:
-        if self.poll() is None:  # not reaped yet: the pid is still this child's
-            os.kill(self.pid, sig)
+        if self.poll() is None:  # no exit status yet: the pid is still this child's, or just reaped
+            try:
+                os.kill(self.pid, sig)
+            except ProcessLookupError:
+                pass  # it ended and the server reaped it before its status reached us (as Popen)
 
     def kill(self) -> None:
         self.send_signal(signal.SIGKILL)
