@@ -71,6 +71,8 @@ class ConnectorSettings:
     the prefill's pool. ``pool_bytes``: the prefill's pool. ``checksums``: a payload checksum
     algorithm (``crc32``) or None. ``decode_tp_size``: the decode instance's TP size the prefill
     slices heads for (a request may override it). ``load_threads``: concurrent loads.
+    ``inline_load_s``: how long a load first runs in the engine's own thread, reading what is
+    there already, before the rest waits on a load thread (0: every load on a load thread).
     """
 
     connector: Mapping[str, Any] = attrs.field(factory=lambda: {"type": "shm"})
@@ -84,6 +86,7 @@ class ConnectorSettings:
     checksums: str | None = "crc32"
     decode_tp_size: int | None = None
     load_threads: int = 2
+    inline_load_s: float = 0.02
 
     @classmethod
     def from_extra_config(cls, extra: Mapping[str, Any] | None) -> ConnectorSettings:
@@ -108,6 +111,11 @@ class ConnectorSettings:
         for name in ("load_timeout_s", "lease_s"):
             if name in extra:
                 out[name] = _seconds(_EXTRA, name, extra[name])
+        if "inline_load_s" in extra:
+            value = extra["inline_load_s"]
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value <= 1:
+                raise ConfigError(f"{_EXTRA}.inline_load_s: expected seconds in 0..1, got {value!r}")
+            out["inline_load_s"] = float(value)
         if "pool_bytes" in extra:
             out["pool_bytes"] = _int(_EXTRA, "pool_bytes", extra["pool_bytes"], 1 << 16)
         if "load_threads" in extra:

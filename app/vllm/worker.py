@@ -9,13 +9,17 @@ The engine keeps the request's blocks until every layer is out; then
 :meth:`PageWorker.finished` reports the request as sent and vLLM frees them. The payloads
 themselves stay in kvferry's pool until the decode side has read them or their lease expires.
 
-Decode rank (consumer): :meth:`PageWorker.start_loads` starts one load per request on a small
-thread pool: for every layer, a blocking get (arrival notification, bounded by
-``load_timeout_s``), decode (checksums verified), checks against this cache's geometry, and a
-copy of the pages into the blocks vLLM allocated. A failed load (timeout, expired lease,
-corrupt payload, bad params, unreachable prefill) reports the request as finished with all of
-its blocks in :meth:`PageWorker.load_errors`; vLLM's ``kv_load_failure_policy`` then
-recomputes or fails it. Nothing here waits without a deadline.
+Decode rank (consumer): :meth:`PageWorker.start_loads` starts one load per request: for every
+layer, a get (arrival notification, bounded by ``load_timeout_s``), decode (checksums
+verified), checks against this cache's geometry, and a copy of the pages into the blocks vLLM
+allocated. A load first runs in the engine's thread for up to ``inline_load_s``: when the
+prefill is done, its layers are all there and the load ends before the step does, with no
+thread hand-off. (A load thread competes for the GIL with the engine's busy loop, and waits up
+to the interpreter's switch interval, 5 ms, at every get and every torch call: hundreds of
+milliseconds for one request.) What is not there in time continues on a small thread pool.
+A failed load (timeout, expired lease, corrupt payload, bad params, unreachable prefill)
+reports the request as finished with all of its blocks in :meth:`PageWorker.load_errors`;
+vLLM's ``kv_load_failure_policy`` then recomputes or fails it. Nothing here waits without a deadline.
 """
 
 from __future__ import annotations
@@ -32,6 +36,7 @@ from typing import Any
 import attrs
 import torch
 
+from kvferry.adapters.connectors.pool_buffer import release_soon
 from kvferry.adapters.torch_decode import decode_payload
 from kvferry.app.registry import create_connector
 from kvferry.app.vllm.pages import (
@@ -142,6 +147,31 @@ class _SaveState:
     @property
     def done(self) -> bool:
         return self.layers_left == 0
+
+
+@attrs.define(eq=False)
+class _LoadPlan:
+    """What one load reads (``reads``: (layer, head slice) in order, ``next`` the first not
+    read yet) and writes (``count`` local blocks from ``index``), by ``deadline``."""
+
+    job: LoadJob
+    source: DecodeSource
+    index: torch.Tensor
+    count: int
+    reads: list[tuple[int, Any]]
+    deadline: float
+    next: int = 0
+    nbytes: int = 0
+
+
+@attrs.define(eq=False)
+class _LoadRun:
+    """One load in progress: planned on its first step; ``ok`` once every read is written."""
+
+    job: LoadJob
+    started: float
+    plan: _LoadPlan | None = None
+    ok: bool = False
 
 
 @attrs.define(eq=False)
@@ -326,35 +356,55 @@ class PageWorker:
 
     # -------------------------------------------------------------------------- decode side
     def start_loads(self, loads: Sequence[LoadJob]) -> None:
-        """Start one asynchronous load per job (returns at once)."""
+        """Start one load per job. Each first runs here, in the engine's thread, for up to
+        ``inline_load_s`` (what is there already is read and written at once); what is not
+        there by then continues on the load threads, and this returns."""
         for job in loads:
             if job.req_id in self._loads:
                 continue
             if self._pool is None:
                 raise ConfigError("this instance is not a kv_consumer: it cannot load KV")
             self._load_blocks[job.req_id] = job.block_ids
-            self._loads[job.req_id] = self._pool.submit(self._load, job)
+            run = _LoadRun(job, self.clock())
+            if self.settings.inline_load_s > 0 and self._step(run, run.started + self.settings.inline_load_s):
+                done: concurrent.futures.Future[bool] = concurrent.futures.Future()
+                done.set_result(self._finish(run))
+                self._loads[job.req_id] = done
+            else:
+                self._loads[job.req_id] = self._pool.submit(self._load_rest, run)
 
-    def _load(self, job: LoadJob) -> bool:
-        start = self.clock()
-        nbytes, ok = 0, False
+    def _load_rest(self, run: _LoadRun) -> bool:
+        self._step(run, None)
+        return self._finish(run)
+
+    def _step(self, run: _LoadRun, until: float | None) -> bool:
+        """Advance ``run`` until it is done (True) or, with ``until``, until that time passes
+        with a layer not there yet (False: more to read). A failure ends the run (True)."""
         try:
-            nbytes = self._load_pages(job)
-            ok = True
+            if run.plan is None:
+                run.plan = self._plan(run.job, run.started)
+            if self._read_layers(run.plan, until):
+                run.ok = True
+                return True
+            return False
         except _LoadFailed as exc:
             self.stats.fail(exc.kind)
-            logger.error("request %s: KV load failed (%s); kv_load_failure_policy applies", job.req_id, exc)
+            logger.error("request %s: KV load failed (%s); kv_load_failure_policy applies", run.job.req_id, exc)
         except Exception:  # any other fault of one load fails that load, never the engine
             self.stats.fail("error")
-            logger.exception("request %s: KV load failed", job.req_id)
-        end = self.clock()
-        tid = job.source.transfer_id if job.source is not None else None
-        self.recent_loads.append(LoadRecord(job.req_id, tid, nbytes, start, end, ok))
-        if ok:
-            self.stats.add(requests_loaded=1, bytes_loaded=nbytes, load_seconds=max(0.0, end - start))
-        return ok
+            logger.exception("request %s: KV load failed", run.job.req_id)
+        return True
 
-    def _load_pages(self, job: LoadJob) -> int:
+    def _finish(self, run: _LoadRun) -> bool:
+        end = self.clock()
+        job, nbytes = run.job, (run.plan.nbytes if run.plan is not None else 0)
+        tid = job.source.transfer_id if job.source is not None else None
+        self.recent_loads.append(LoadRecord(job.req_id, tid, nbytes, run.started, end, run.ok))
+        if run.ok:
+            self.stats.add(requests_loaded=1, bytes_loaded=nbytes, load_seconds=max(0.0, end - run.started))
+        return run.ok
+
+    def _plan(self, job: LoadJob, started: float) -> _LoadPlan:
         if job.error is not None or job.source is None:
             raise _LoadFailed("params", job.error or "no source")
         src, geometry = job.source, self.geometry
@@ -376,53 +426,58 @@ class PageWorker:
         except KVFerryError as exc:
             raise _LoadFailed("layout", str(exc)) from exc
         needed_pages = -(-src.num_tokens // geometry.block_size)
-        count = min(len(job.block_ids), needed_pages - job.first_page)
-        if count <= 0:
-            return 0
+        count = max(0, min(len(job.block_ids), needed_pages - job.first_page))
+        reads = [(layer, sl) for layer in range(geometry.num_layers) for sl in slices] if count else []
         index = torch.tensor(job.block_ids[:count], dtype=torch.long)
-        deadline = self.clock() + self.settings.load_timeout_s
+        return _LoadPlan(job, src, index, count, reads, started + self.settings.load_timeout_s)
+
+    def _read_layers(self, plan: _LoadPlan, until: float | None) -> bool:
+        geometry, src = self.geometry, plan.source
+        assert geometry is not None
         stages = str(self.settings.from_stage), str(self.settings.to_stage)
-        nbytes = 0
-        for layer_idx in range(geometry.num_layers):
-            for sl in slices:
-                key = layer_key(src.transfer_id, self.settings.from_stage, layer_idx, sl.source_rank, self.tp_rank)
-                remaining = deadline - self.clock()
-                if remaining <= 0:
-                    raise _LoadFailed("timeout", f"{key!r} not there within {self.settings.load_timeout_s} s")
-                try:
-                    got = self._receiver.get_blocking(
-                        *stages, key, src.source_metadata(sl.source_rank), timeout_s=remaining
-                    )
-                except LeaseExpired as exc:
-                    raise _LoadFailed("expired", str(exc)) from exc
-                except KVFerryError as exc:
-                    raise _LoadFailed("unavailable", str(exc)) from exc
-                if got is None:
-                    port = src.source_metadata(sl.source_rank)["source_port"]
-                    raise _LoadFailed(
-                        "timeout",
-                        f"{key!r} not there within {self.settings.load_timeout_s} s (prefill at {src.host}:{port})",
-                    )
-                data = got[0]
-                try:
-                    decoded = decode_payload(data)
-                    check_payload(decoded, geometry, layer_idx, sl.num_heads, job.first_page + count)
-                    nbytes += write_pages(
-                        self._layers[layer_idx],
-                        geometry,
-                        decoded,
-                        index,
-                        job.first_page,
-                        sl.recv_head_start,
-                        sl.recv_head_stop,
-                    )
-                except PayloadError as exc:
-                    raise _LoadFailed("corrupt", str(exc)) from exc
-                finally:
-                    release = getattr(data, "release", None)
-                    if release is not None:
-                        release()
-        return nbytes
+        while plan.next < len(plan.reads):
+            layer_idx, sl = plan.reads[plan.next]
+            key = layer_key(src.transfer_id, self.settings.from_stage, layer_idx, sl.source_rank, self.tp_rank)
+            final = until is None or until >= plan.deadline
+            remaining = (plan.deadline if final else min(until or 0.0, plan.deadline)) - self.clock()
+            if remaining <= 0:
+                if not final:
+                    return False
+                raise _LoadFailed("timeout", f"{key!r} not there within {self.settings.load_timeout_s} s")
+            try:
+                source = src.source_metadata(sl.source_rank)
+                got = self._receiver.get_blocking(*stages, key, source, timeout_s=remaining)
+            except LeaseExpired as exc:
+                raise _LoadFailed("expired", str(exc)) from exc
+            except KVFerryError as exc:
+                raise _LoadFailed("unavailable", str(exc)) from exc
+            if got is None:
+                if not final and self.clock() < plan.deadline:
+                    return False
+                port = src.source_metadata(sl.source_rank)["source_port"]
+                raise _LoadFailed(
+                    "timeout",
+                    f"{key!r} not there within {self.settings.load_timeout_s} s (prefill at {src.host}:{port})",
+                )
+            data = got[0]
+            try:
+                decoded = decode_payload(data)
+                check_payload(decoded, geometry, layer_idx, sl.num_heads, plan.job.first_page + plan.count)
+                plan.nbytes += write_pages(
+                    self._layers[layer_idx],
+                    geometry,
+                    decoded,
+                    plan.index,
+                    plan.job.first_page,
+                    sl.recv_head_start,
+                    sl.recv_head_stop,
+                )
+            except PayloadError as exc:
+                raise _LoadFailed("corrupt", str(exc)) from exc
+            finally:
+                release_soon(data)  # written: the sender may reuse the region once it hears
+            plan.next += 1
+        return True
 
     # ------------------------------------------------------------------------ completions
     def finished(self, finished_req_ids: Sequence[str] | set[str]) -> tuple[set[str], set[str]]:

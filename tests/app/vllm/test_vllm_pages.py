@@ -102,6 +102,10 @@ def test_settings_from_extra_config() -> None:
         ConnectorSettings.from_extra_config({"bogus": 1})
     with pytest.raises(ConfigError, match=r"^kv_connector_extra_config\.load_timeout_s: "):
         ConnectorSettings.from_extra_config({"load_timeout_s": 0})
+    assert s.inline_load_s == 0.02 and ConnectorSettings.from_extra_config({"inline_load_s": 0}).inline_load_s == 0
+    for bad in (-0.1, 2, True, "0.1"):
+        with pytest.raises(ConfigError, match=r"^kv_connector_extra_config\.inline_load_s: "):
+            ConnectorSettings.from_extra_config({"inline_load_s": bad})
 
 
 # ---------------------------------------------------------------------------------- routing
@@ -521,6 +525,111 @@ def test_each_load_is_recorded_with_its_bytes_and_times() -> None:
         assert (ok.req_id, ok.transfer_id, ok.ok, ok.nbytes) == ("r", "t", True, LAYERS * 3 * HEADS * 2 * BS * HEAD * 2)
         assert ok.ended >= ok.started and ok.seconds == ok.ended - ok.started
         assert (failed.req_id, failed.ok, failed.nbytes) == ("r2", False, 0)
+    finally:
+        d.close()
+        p.close()
+
+
+# ------------------------------------------------------------------------- inline loads
+_LAYER_OF_KEY = {layer_key("t", 0, layer, 0, 0): layer for layer in range(LAYERS)}
+
+
+class _Recording:
+    """A receiving connector that notes which thread read which layer of transfer "t"."""
+
+    def __init__(self, config, log: list[tuple[int, str]]):
+        from kvferry.app.registry import create_connector
+
+        self.inner = create_connector(config)
+        self.log = log
+
+    def get_blocking(self, from_stage, to_stage, key, metadata=None, *, timeout_s):
+        got = self.inner.get_blocking(from_stage, to_stage, key, metadata, timeout_s=timeout_s)
+        if got is not None:
+            self.log.append((_LAYER_OF_KEY[key], threading.current_thread().name))
+        return got
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+
+def _recording_decode(name: str, log: list[tuple[int, str]], **extra) -> tuple[PageWorker, dict[str, torch.Tensor]]:
+    settings = ConnectorSettings.from_extra_config(
+        {"connector": {"type": "memory", "shared_name": name}, "load_timeout_s": 5.0, **extra}
+    )
+    d = PageWorker(
+        settings,
+        tp_rank=0,
+        tp_size=1,
+        total_kv_heads=HEADS,
+        producer=False,
+        consumer=True,
+        connector_factory=lambda cfg: _Recording(cfg, log),
+    )
+    dst = _caches(HEADS, None)
+    d.register(dst)
+    return d, dst
+
+
+def test_a_load_whose_pages_are_there_ends_in_the_engine_thread() -> None:
+    name = f"vllm-pages-{next(_names)}"
+    p, src = _prefill(name, SaveJob("r", "t", (3, 7, 1), 70, 1))
+    log: list[tuple[int, str]] = []
+    d, dst = _recording_decode(name, log)
+    try:
+        d.start_loads([LoadJob("r", _source("t", 70), (4, 9, 2), 0)])
+        # finished at once, no wait: the load ran inside start_loads, in this thread
+        assert d.finished(set()) == (set(), {"r"}) and d.load_errors() == set()
+        assert log == [(layer, threading.current_thread().name) for layer in range(LAYERS)]
+        for layer_name, layer in src.items():
+            assert torch.equal(dst[layer_name][[4, 9, 2]], layer[[3, 7, 1]])
+        assert d.recent_loads[-1].ok and d.recent_loads[-1].nbytes == LAYERS * 3 * HEADS * 2 * BS * HEAD * 2
+    finally:
+        d.close()
+        p.close()
+
+
+def test_without_inline_time_every_load_runs_on_a_load_thread() -> None:
+    name = f"vllm-pages-{next(_names)}"
+    p, src = _prefill(name, SaveJob("r", "t", (3, 7, 1), 70, 1))
+    log: list[tuple[int, str]] = []
+    d, dst = _recording_decode(name, log, inline_load_s=0)
+    try:
+        assert _load(d, LoadJob("r", _source("t", 70), (4, 9, 2), 0)) == ({"r"}, set())
+        assert [layer for layer, _ in log] == list(range(LAYERS))
+        assert all(thread.startswith("kvferry-load") for _, thread in log)
+        for layer_name, layer in src.items():
+            assert torch.equal(dst[layer_name][[4, 9, 2]], layer[[3, 7, 1]])
+    finally:
+        d.close()
+        p.close()
+
+
+def test_a_load_started_before_the_prefill_ended_goes_on_where_the_engine_thread_stopped() -> None:
+    name = f"vllm-pages-{next(_names)}"
+    p = _worker(name, 0, 1, True)
+    src = _caches(HEADS, 3)
+    p.register(src)
+    p.begin_step([SaveJob("r", "t", (3, 7, 1), 70, 1)])
+    names = list(src)
+    p.save_layer(names[0], src[names[0]])  # layer 0 is out; layers 1.. come after the load starts
+    _wait(lambda: p._saves["r"].layers_left == LAYERS - 1)
+    log: list[tuple[int, str]] = []
+    d, dst = _recording_decode(name, log)
+    try:
+        d.start_loads([LoadJob("r", _source("t", 70), (4, 9, 2), 0)])
+        assert d.finished(set()) == (set(), set())  # not all there: still loading
+        assert log == [(0, threading.current_thread().name)]
+        p.end_step()  # the forward ends: the other layers are published
+        got: set[str] = set()
+        _wait(lambda: got.update(d.finished(set())[1]) or "r" in got)
+        assert d.load_errors() == set()
+        assert [layer for layer, _ in log] == list(range(LAYERS))  # each layer read once, in order
+        assert all(thread.startswith("kvferry-load") for _, thread in log[1:])
+        for layer_name, layer in src.items():
+            assert torch.equal(dst[layer_name][[4, 9, 2]], layer[[3, 7, 1]])
+            assert not torch.equal(layer[[3, 7, 1]], layer[[1, 7, 3]])  # control: block order matters
+        assert d.recent_loads[-1].nbytes == LAYERS * 3 * HEADS * 2 * BS * HEAD * 2
     finally:
         d.close()
         p.close()
