@@ -162,6 +162,8 @@ class _LoadPlan:
     deadline: float
     next: int = 0
     nbytes: int = 0
+    #: Payloads fetched ahead (index into ``reads``), not written yet.
+    ready: dict[int, tuple[Any, int]] = attrs.field(factory=dict)
 
 
 @attrs.define(eq=False)
@@ -431,34 +433,46 @@ class PageWorker:
         index = torch.tensor(job.block_ids[:count], dtype=torch.long)
         return _LoadPlan(job, src, index, count, reads, started + self.settings.load_timeout_s)
 
+    def _prefetch(self, plan: _LoadPlan) -> None:
+        """Ask each prefill rank for every layer it sends at once, where the receiver can
+        (``get_many``): what is there already comes back in one exchange per rank."""
+        get_many = getattr(self._receiver, "get_many", None)
+        if get_many is None or len(plan.reads) < 2:
+            return
+        src, stage = plan.source, self.settings.from_stage
+        by_rank: dict[int, list[tuple[int, str]]] = {}
+        for i, (layer_idx, sl) in enumerate(plan.reads):
+            key = layer_key(src.transfer_id, stage, layer_idx, sl.source_rank, self.tp_rank)
+            by_rank.setdefault(sl.source_rank, []).append((i, key))
+        stages = str(self.settings.from_stage), str(self.settings.to_stage)
+        for rank, items in by_rank.items():
+            got = get_many(*stages, [key for _, key in items], src.source_metadata(rank))
+            for (i, _), one in zip(items, got):
+                if one is not None:
+                    plan.ready[i] = one
+
     def _read_layers(self, plan: _LoadPlan, until: float | None) -> bool:
-        geometry, src = self.geometry, plan.source
+        if until is not None and plan.next == 0 and not plan.ready:
+            self._prefetch(plan)
+        try:
+            return self._read_in_order(plan, until)
+        except BaseException:
+            for data, _ in plan.ready.values():  # fetched, never to be written: give them back
+                release_soon(data)
+            plan.ready.clear()
+            raise
+
+    def _read_in_order(self, plan: _LoadPlan, until: float | None) -> bool:
+        geometry = self.geometry
         assert geometry is not None
         stages = str(self.settings.from_stage), str(self.settings.to_stage)
         while plan.next < len(plan.reads):
             layer_idx, sl = plan.reads[plan.next]
-            key = layer_key(src.transfer_id, self.settings.from_stage, layer_idx, sl.source_rank, self.tp_rank)
-            final = until is None or until >= plan.deadline
-            remaining = (plan.deadline if final else min(until or 0.0, plan.deadline)) - self.clock()
-            if remaining <= 0:
-                if not final:
-                    return False
-                raise _LoadFailed("timeout", f"{key!r} not there within {self.settings.load_timeout_s} s")
-            try:
-                source = src.source_metadata(sl.source_rank)
-                got = self._receiver.get_blocking(*stages, key, source, timeout_s=remaining)
-            except LeaseExpired as exc:
-                raise _LoadFailed("expired", str(exc)) from exc
-            except KVFerryError as exc:
-                raise _LoadFailed("unavailable", str(exc)) from exc
+            got = plan.ready.pop(plan.next, None)
             if got is None:
-                if not final and self.clock() < plan.deadline:
+                got = self._get_one(plan, until, layer_idx, sl, stages)
+                if got is None:
                     return False
-                port = src.source_metadata(sl.source_rank)["source_port"]
-                raise _LoadFailed(
-                    "timeout",
-                    f"{key!r} not there within {self.settings.load_timeout_s} s (prefill at {src.host}:{port})",
-                )
             data = got[0]
             try:
                 decoded = decode_payload(data)
@@ -478,6 +492,33 @@ class PageWorker:
                 release_soon(data)  # written: the sender may reuse the region once it hears
             plan.next += 1
         return True
+
+    def _get_one(
+        self, plan: _LoadPlan, until: float | None, layer_idx: int, sl: Any, stages: tuple[str, str]
+    ) -> tuple[Any, int] | None:
+        """One layer's payload, waiting until ``until`` (None: not there by then, more time
+        left) or the load's deadline (then a timeout failure)."""
+        src = plan.source
+        key = layer_key(src.transfer_id, self.settings.from_stage, layer_idx, sl.source_rank, self.tp_rank)
+        final = until is None or until >= plan.deadline
+        remaining = (plan.deadline if final or until is None else min(until, plan.deadline)) - self.clock()
+        if remaining <= 0:
+            if not final:
+                return None
+            raise _LoadFailed("timeout", f"{key!r} not there within {self.settings.load_timeout_s} s")
+        source = src.source_metadata(sl.source_rank)
+        try:
+            got = self._receiver.get_blocking(*stages, key, source, timeout_s=remaining)
+        except LeaseExpired as exc:
+            raise _LoadFailed("expired", str(exc)) from exc
+        except KVFerryError as exc:
+            raise _LoadFailed("unavailable", str(exc)) from exc
+        if got is None:
+            if not final and self.clock() < plan.deadline:
+                return None
+            where = f"prefill at {src.host}:{source['source_port']}"
+            raise _LoadFailed("timeout", f"{key!r} not there within {self.settings.load_timeout_s} s ({where})")
+        return got
 
     # ------------------------------------------------------------------------ completions
     def finished(self, finished_req_ids: Sequence[str] | set[str]) -> tuple[set[str], set[str]]:

@@ -292,6 +292,32 @@ class ShmConnector:
         """Non-blocking: one round trip to the sender (None: not there, or no sender)."""
         return self._fetch(metadata, get_key, 0.0)
 
+    def get_many(
+        self, from_stage: Any, to_stage: Any, keys: list[str], metadata: Mapping[str, Any] | None = None
+    ) -> list[tuple[Any, int] | None]:
+        """Non-blocking gets of several keys from one sender in one exchange (the requests
+        leave together, the sender answers each at once): per key ``(data, size)`` or None
+        (not there). Without a remote sender to ask, each key as :meth:`get`."""
+        endpoint = None if self._closed or (self._sender is not None and metadata is None) else self._resolve(metadata)
+        client = None if endpoint is None or not os.path.exists(endpoint[len("ipc://") :]) else self._client(endpoint)
+        if endpoint is None or client is None:
+            return [self._fetch(metadata, key, 0.0) for key in keys]
+        pid = os.getpid()
+        replies = client.request_many(
+            [{"op": "get", "key": key, "wait_s": 0.0, "pid": pid} for key in keys], self.config.rpc_timeout_s
+        )
+        out: list[tuple[Any, int] | None] = []
+        for reply in replies:
+            if reply is None:
+                self._count("miss_no_reply")
+                out.append(None)
+            elif not reply.get("ok"):
+                self._count(f"miss_{reply.get('reason', 'unknown')}")
+                out.append(None)
+            else:
+                out.append(self._view(endpoint, client, reply))
+        return out
+
     def get_blocking(
         self,
         from_stage: Any,

@@ -217,6 +217,36 @@ class ControlClient:
         finally:
             self._checkin(sock)
 
+    def request_many(self, messages: list[dict[str, Any]], timeout_s: float) -> list[dict[str, Any] | None]:
+        """Send every message at once (ids added) and collect their replies, in the order of
+        ``messages``, until all came or ``timeout_s`` passed (None for each missing one). One
+        socket, so the sender answers them in turn with no round trip between them."""
+        sock = self._checkout()
+        if sock is None:
+            return [None] * len(messages)
+        ids = [next(self._ids) for _ in messages]
+        replies: dict[int, dict[str, Any]] = {}
+        deadline = time.monotonic() + timeout_s
+        try:
+            for request_id, message in zip(ids, messages):
+                if not self._send(sock, encode({**message, "id": request_id}), deadline):
+                    break
+            wanted = set(ids)
+            while len(replies) < len(ids) and self._wait(sock, zmq.POLLIN, deadline):
+                reply = decode(sock.recv())
+                if reply is None:
+                    continue
+                rid = reply.get("id")
+                if isinstance(rid, int) and rid in wanted and rid not in replies:
+                    replies[rid] = reply
+                else:
+                    self.on_stale(reply)
+        except zmq.ZMQError:
+            pass
+        finally:
+            self._checkin(sock)
+        return [replies.get(request_id) for request_id in ids]
+
     def notify(self, message: dict[str, Any], timeout_s: float = 1.0) -> bool:
         """Send a message that has no reply (``release``). False when it could not be sent."""
         sock = self._checkout()

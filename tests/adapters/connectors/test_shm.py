@@ -188,6 +188,34 @@ def test_partial_metadata_and_default_sender(space) -> None:
             configured.update_sender_info("h", 0)
 
 
+def test_get_many_asks_once_and_answers_each_key_in_order(space, monkeypatch) -> None:
+    from kvferry.adapters.connectors.shm.control import ControlClient
+
+    def no_single_requests(self, message, timeout_s):
+        raise AssertionError(f"get_many sent a request of its own: {message}")
+
+    with make(space, "sender") as sender, make(space, "receiver") as receiver:
+        payloads = {key: os.urandom(1000 + 17 * i) for i, key in enumerate(("k0", "k2", "k3"))}
+        for key, data in payloads.items():
+            assert sender.put("0", "1", key, data)[0]
+        meta = {"source_host": "127.0.0.1", "source_port": PORT}
+        with monkeypatch.context() as m:
+            m.setattr(ControlClient, "request", no_single_requests)
+            got = receiver.get_many("0", "1", ["k3", "k1", "k0", "k2"], meta)
+        assert got[1] is None  # never put: a miss in its place, the others still served
+        for key, one in zip(["k3", "k0", "k2"], (got[0], got[2], got[3])):
+            assert one is not None and bytes(one[0].tensor.numpy()) == payloads[key] and one[1] == len(payloads[key])
+        health = sender.health()
+        assert health["grants"] == 3 and health["miss_not_found"] == 1
+        assert receiver.get("0", "1", "k0", meta) is None  # taken by get_many: not handed out twice
+        for one in got:
+            if one is not None:
+                one[0].release_soon()
+        assert receiver.flush_releases(5.0) and sender.health()["used_bytes"] == 0
+    with make(space, "receiver", sender_port=PORT) as lone:  # no sender there: every key a miss, fast
+        assert lone.get_many("0", "1", ["a", "b"], {"source_host": "127.0.0.1", "source_port": PORT}) == [None, None]
+
+
 def test_absent_sender_is_a_fast_miss(space) -> None:
     with make(space, "receiver", sender_port=PORT) as receiver:
         start = time.monotonic()

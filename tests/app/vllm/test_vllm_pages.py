@@ -550,12 +550,21 @@ class _Recording:
         return got
 
     def __getattr__(self, name):
+        if name == "get_many" and hasattr(self.inner, "get_many"):
+
+            def get_many(from_stage, to_stage, keys, metadata=None):
+                self.log.append((-len(keys), threading.current_thread().name))  # one exchange, so many keys
+                return self.inner.get_many(from_stage, to_stage, keys, metadata)
+
+            return get_many
         return getattr(self.inner, name)
 
 
-def _recording_decode(name: str, log: list[tuple[int, str]], **extra) -> tuple[PageWorker, dict[str, torch.Tensor]]:
+def _recording_decode(
+    name: str, log: list[tuple[int, str]], connector: dict | None = None, **extra
+) -> tuple[PageWorker, dict[str, torch.Tensor]]:
     settings = ConnectorSettings.from_extra_config(
-        {"connector": {"type": "memory", "shared_name": name}, "load_timeout_s": 5.0, **extra}
+        {"connector": connector or {"type": "memory", "shared_name": name}, "load_timeout_s": 5.0, **extra}
     )
     d = PageWorker(
         settings,
@@ -630,6 +639,31 @@ def test_a_load_started_before_the_prefill_ended_goes_on_where_the_engine_thread
             assert torch.equal(dst[layer_name][[4, 9, 2]], layer[[3, 7, 1]])
             assert not torch.equal(layer[[3, 7, 1]], layer[[1, 7, 3]])  # control: block order matters
         assert d.recent_loads[-1].nbytes == LAYERS * 3 * HEADS * 2 * BS * HEAD * 2
+    finally:
+        d.close()
+        p.close()
+
+
+def test_over_shm_an_inline_load_asks_the_prefill_for_every_layer_in_one_exchange(tmp_path) -> None:
+    shm = {"type": "shm", "namespace": f"vp{os.getpid()}n{next(_names)}", "runtime_dir": str(tmp_path)}
+    settings = ConnectorSettings.from_extra_config({"connector": shm, "base_port": 41000, "pool_bytes": 1 << 20})
+    p = PageWorker(settings, tp_rank=0, tp_size=1, total_kv_heads=HEADS, producer=True, consumer=False)
+    src = _caches(HEADS, 5)
+    p.register(src)
+    p.begin_step([SaveJob("r", "t", (3, 7, 1), 70, 1)])
+    p.end_step()
+    _wait(lambda: p.pending_saves == 0 or p.finished({"r"})[0] == {"r"})
+    log: list[tuple[int, str]] = []
+    d, dst = _recording_decode("unused", log, connector=shm)
+    params = _params(transfer_id="t", num_tokens=70, remote_port=settings.sender_port(0, 1))
+    try:
+        d.start_loads([LoadJob("r", parse_decode_params(params), (4, 9, 2), 0)])
+        assert d.finished(set()) == (set(), {"r"}) and d.load_errors() == set()
+        assert log == [(-LAYERS, threading.current_thread().name)]  # one get_many, no single gets
+        for layer_name, layer in src.items():
+            assert torch.equal(dst[layer_name][[4, 9, 2]], layer[[3, 7, 1]])
+        assert d._receiver.flush_releases(5.0)
+        _wait(lambda: p.sender_health()["used_bytes"] == 0)  # every region given back
     finally:
         d.close()
         p.close()
