@@ -100,11 +100,13 @@ def run_demo(
     tick: Callable[[], None] | None = None,
     *,
     mp_context: Any = None,
+    after_error_s: float = _AFTER_ERROR_S,
 ) -> DemoReport:
     """Run the pipeline of ``spec``; returns the report (never raises for transfer faults).
     ``progress(done, total)`` after each request every receiver rank has; ``tick()`` about
     every second while waiting. The ranks are processes of ``mp_context`` (a
-    :mod:`multiprocessing` context; default: spawn)."""
+    :mod:`multiprocessing` context; default: spawn). After a rank fails (an error, or it
+    died), the others get ``after_error_s`` seconds to report, then the run stops."""
     from kvferry.app.demo.worker import run_worker
 
     reqs = request_plan(spec)
@@ -162,7 +164,7 @@ def run_demo(
                     break
                 if not threads and any(w.exitcode not in (None, 0) for w in workers):
                     # a rank killed before it could report (a signal, the OOM killer)
-                    deadline = min(deadline, time.monotonic() + _AFTER_ERROR_S)
+                    deadline = min(deadline, time.monotonic() + after_error_s)
                 continue
             kind = msg.get("kind")
             if kind == "ready":
@@ -185,14 +187,14 @@ def run_demo(
                     open(spec.done_file, "w").close()
                 # a failed rank fails the run: its peers would otherwise wait for it until the
                 # whole run's deadline (minutes); they get a short while to report, then stop
-                deadline = min(deadline, time.monotonic() + _AFTER_ERROR_S)
+                deadline = min(deadline, time.monotonic() + after_error_s)
             elif kind == "done":
                 done += 1
     finally:
         if spec.done_file:
             open(spec.done_file, "w").close()
         for w in workers:
-            w.join(timeout=2 if errors else 10)  # after a failure, whoever is still waiting is stuck
+            w.join(timeout=min(2.0, after_error_s) if errors else 10)  # after a failure: stuck
             if not threads and w.is_alive():
                 w.terminate()
                 w.join(timeout=5)

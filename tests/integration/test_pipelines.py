@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import os
 import pathlib
+import time
 from typing import Any
 
 import pytest
@@ -118,8 +119,11 @@ def test_a_rank_that_cannot_start_fails_the_run_instead_of_hanging_it(
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as squatter:
         squatter.bind(("127.0.0.1", spec.advertised_port))
         squatter.listen(1)
-        report = run_demo(spec, mp_context=warm_mp_context)
+        started = time.monotonic()
+        report = run_demo(spec, mp_context=warm_mp_context, after_error_s=1.0)
+        seconds = time.monotonic() - started
     assert not report.ok and report.bit_exact == 0
+    assert seconds < spec.timeout_s, seconds  # stopped after the error, not at the receive deadline
     assert any(e.startswith("sender rank 0:") for e in report.errors), report.errors
     assert "received" not in report.outcomes, report.outcomes
 

@@ -40,7 +40,7 @@ from kvferry.core.roles import GroupLayout
 
 WORLD = 4
 HIT_S = 30.0  # receive deadline of requests that were sent (reached only on a failure)
-MISS_S = 1.5  # receive deadline of requests whose sender does not exist
+MISS_S = 0.5  # receive deadline of requests whose sender does not exist
 #: A rank that waited for a message that never comes fails at MISS_S + 30 s (the collective
 #: deadline); finishing within MISS_S + SLACK_S proves it did not (slack for a loaded machine).
 SLACK_S = 15.0
