@@ -358,9 +358,10 @@ class PageWorker:
 
     # -------------------------------------------------------------------------- decode side
     def start_loads(self, loads: Sequence[LoadJob]) -> None:
-        """Start one load per job. Each first runs here, in the engine's thread, for up to
-        ``inline_load_s`` (what is there already is read and written at once); what is not
-        there by then continues on the load threads, and this returns."""
+        """Start one load per job. The loads first run here, in the engine's thread, for up
+        to ``inline_load_s`` in all (what is there already is read and written at once); what
+        is not there by then continues on the load threads, and this returns."""
+        until = self.clock() + self.settings.inline_load_s
         for job in loads:
             if job.req_id in self._loads:
                 continue
@@ -368,7 +369,7 @@ class PageWorker:
                 raise ConfigError("this instance is not a kv_consumer: it cannot load KV")
             self._load_blocks[job.req_id] = job.block_ids
             run = _LoadRun(job, self.clock())
-            if self.settings.inline_load_s > 0 and self._step(run, run.started + self.settings.inline_load_s):
+            if self.settings.inline_load_s > 0 and self._step(run, until):
                 done: concurrent.futures.Future[bool] = concurrent.futures.Future()
                 done.set_result(self._finish(run))
                 self._loads[job.req_id] = done

@@ -667,3 +667,47 @@ def test_over_shm_an_inline_load_asks_the_prefill_for_every_layer_in_one_exchang
     finally:
         d.close()
         p.close()
+
+
+class _NeverThere:
+    """A receiving connector where nothing ever arrives: each get waits out its timeout (as a
+    real one does) and notes the thread and the timeout it was given."""
+
+    def __init__(self, config, calls: list[tuple[str, float]]):
+        self.calls = calls
+        self.stop = threading.Event()
+
+    def get_blocking(self, from_stage, to_stage, key, metadata=None, *, timeout_s):
+        self.calls.append((threading.current_thread().name, timeout_s))
+        self.stop.wait(timeout_s)
+        return None
+
+    def close(self):
+        self.stop.set()
+
+
+def test_the_loads_of_one_step_share_one_inline_wait() -> None:
+    calls: list[tuple[str, float]] = []
+    settings = ConnectorSettings.from_extra_config(
+        {"connector": {"type": "memory"}, "load_timeout_s": 0.3, "inline_load_s": 0.05}
+    )
+    d = PageWorker(
+        settings,
+        tp_rank=0,
+        tp_size=1,
+        total_kv_heads=HEADS,
+        producer=False,
+        consumer=True,
+        connector_factory=lambda cfg: _NeverThere(cfg, calls),
+    )
+    d.register(_caches(HEADS, None))
+    try:
+        d.start_loads([LoadJob(r, _source(f"t-{r}", 70), (i + 1,), 0) for i, r in enumerate(("a", "b", "c"))])
+        engine = [t for name, t in calls if name == threading.current_thread().name]
+        assert len(engine) == 1 and 0 < engine[0] <= 0.05  # the first waited; the budget was spent then
+        got: set[str] = set()
+        _wait(lambda: got.update(d.finished(set())[1]) or got == {"a", "b", "c"})
+        assert d.load_errors() == {1, 2, 3} and d.stats.peek()["failures_timeout"] == 3
+        assert all(name.startswith("kvferry-load") for name, _ in calls[1:])
+    finally:
+        d.close()
