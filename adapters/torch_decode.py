@@ -33,7 +33,6 @@ from kvferry.core.header import (
     verify_checksum,
 )
 from kvferry.core.phrases import phrase
-from kvferry.core.ports import PoolBuffer
 
 __all__ = ["TORCH_DTYPES", "dtype_name", "torch_dtype", "host_byte_view", "DecodedKV", "decode_payload"]
 
@@ -304,11 +303,17 @@ def _tensors(data: Any, limits: DecodeLimits) -> tuple[DecodedHeader, list]:
     return decoded, out
 
 
+def _is_pool_buffer(data: Any) -> bool:
+    """``isinstance(data, PoolBuffer)`` (its members are there), without the runtime Protocol
+    check's cost (tens of microseconds, paid on every layer of every load)."""
+    return hasattr(data, "tensor") and hasattr(data, "release")
+
+
 def decode_payload(data: Any, *, verify: bool = True, limits: DecodeLimits = DecodeLimits()) -> DecodedKV:
     """Decode bytes-like data, a 1-D uint8 tensor (any device), a pool buffer (``.tensor``; not
     released here) or a sequence of frames. Checksums, when the header has them, are verified
     unless ``verify=False``. Every malformed input raises PayloadError."""
-    if not isinstance(data, (bytes, bytearray, memoryview, torch.Tensor, list, tuple)) and isinstance(data, PoolBuffer):
+    if not isinstance(data, (bytes, bytearray, memoryview, torch.Tensor, list, tuple)) and _is_pool_buffer(data):
         data = data.tensor
     decoded, tensors = _tensors(data, limits)
     h = decoded.header

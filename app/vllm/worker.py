@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import collections
 import concurrent.futures
+import contextlib
 import logging
 import queue
 import threading
@@ -453,6 +454,11 @@ class PageWorker:
                     plan.ready[i] = one
 
     def _read_layers(self, plan: _LoadPlan, until: float | None) -> bool:
+        batched = getattr(self._receiver, "batched_releases", None)
+        with batched() if batched is not None else contextlib.nullcontext():
+            return self._read_layers_releasing(plan, until)
+
+    def _read_layers_releasing(self, plan: _LoadPlan, until: float | None) -> bool:
         if until is not None and plan.next == 0 and not plan.ready:
             self._prefetch(plan)
         try:

@@ -428,3 +428,17 @@ def test_device_tensor_round_trip(align: int) -> None:
                 assert packed.data_ptr() <= t.data_ptr() < packed.data_ptr() + packed.numel()
     decoded = decode_payload(Pool(packed))
     assert all(same_bits(a, None if b is None else b.cpu()) for a, b in zip(values, decoded.value_cache))
+
+
+def test_the_pool_buffer_check_agrees_with_the_protocol() -> None:
+    from kvferry.adapters.connectors.pool_buffer import PooledBuffer
+    from kvferry.adapters.torch_decode import _is_pool_buffer
+    from kvferry.core.ports import PoolBuffer
+
+    with_both = type("WithBoth", (), {"tensor": None, "release": lambda self: None})
+    tensor_only = type("TensorOnly", (), {"tensor": None})
+    release_only = type("ReleaseOnly", (), {"release": lambda self: None})
+    pooled = PooledBuffer(torch.zeros(3, dtype=torch.uint8), on_release=lambda: None)
+    cases = [pooled, with_both(), tensor_only(), release_only(), object(), b"x", torch.zeros(2), [b"a"]]
+    assert [_is_pool_buffer(c) for c in cases] == [isinstance(c, PoolBuffer) for c in cases]
+    assert [isinstance(c, PoolBuffer) for c in cases][:2] == [True, True]  # control: both kinds occur

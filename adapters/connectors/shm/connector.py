@@ -24,11 +24,12 @@ Configuration and the sender's parts: :mod:`.config`; names and cleanup rules:
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import threading
 import weakref
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from typing import Any
 
 import attrs
@@ -42,7 +43,7 @@ from kvferry.adapters.connectors.shm.config import (
     ShmConfig,
     start_sender,
 )
-from kvferry.adapters.connectors.shm.control import ControlClient, check_grant
+from kvferry.adapters.connectors.shm.control import MAX_MANY_KEYS, ControlClient, check_grant
 from kvferry.adapters.connectors.shm.segment import (
     Segment,
     control_endpoint,
@@ -78,6 +79,7 @@ class ShmConnector:
     _current: dict[str, str] = attrs.field(init=False, factory=dict)  # endpoint -> segment
     _endpoints: dict[int, str] = attrs.field(init=False, factory=dict)  # port -> endpoint
     _lock: threading.Lock = attrs.field(init=False, factory=threading.Lock)
+    _batch: threading.local = attrs.field(init=False, factory=threading.local)
     _closed: bool = attrs.field(init=False, default=False)
     counters: dict[str, int] = attrs.field(init=False, factory=dict)
 
@@ -269,6 +271,10 @@ class ShmConnector:
                 )
 
         def release_soon() -> None:  # fire-and-forget: the sender frees it when this arrives
+            batch = getattr(self._batch, "items", None)
+            if batch is not None:  # within batched_releases() of this thread: leaves at its end
+                batch.append((client, grant["ticket"], grant["seg"]))
+                return
             if not client.send_release(grant["ticket"], grant["seg"], rpc):
                 self._count("release_unsent")
                 logger.warning(
@@ -295,28 +301,51 @@ class ShmConnector:
     def get_many(
         self, from_stage: Any, to_stage: Any, keys: list[str], metadata: Mapping[str, Any] | None = None
     ) -> list[tuple[Any, int] | None]:
-        """Non-blocking gets of several keys from one sender in one exchange (the requests
-        leave together, the sender answers each at once): per key ``(data, size)`` or None
-        (not there). Without a remote sender to ask, each key as :meth:`get`."""
-        endpoint = None if self._closed or (self._sender is not None and metadata is None) else self._resolve(metadata)
+        """Non-blocking gets of several keys from one sender in one round trip (a "get_many"
+        message each ``MAX_MANY_KEYS``): per key ``(data, size)`` or None (not there). Without
+        a remote sender to ask, each key as :meth:`get`."""
+        local = self._closed or (self._sender is not None and metadata is None)
+        endpoint = None if local else self._resolve(metadata)
         client = None if endpoint is None or not os.path.exists(endpoint[len("ipc://") :]) else self._client(endpoint)
         if endpoint is None or client is None:
             return [self._fetch(metadata, key, 0.0) for key in keys]
-        pid = os.getpid()
-        replies = client.request_many(
-            [{"op": "get", "key": key, "wait_s": 0.0, "pid": pid} for key in keys], self.config.rpc_timeout_s
-        )
         out: list[tuple[Any, int] | None] = []
-        for reply in replies:
-            if reply is None:
-                self._count("miss_no_reply")
-                out.append(None)
-            elif not reply.get("ok"):
-                self._count(f"miss_{reply.get('reason', 'unknown')}")
-                out.append(None)
-            else:
-                out.append(self._view(endpoint, client, reply))
+        for at in range(0, len(keys), MAX_MANY_KEYS):
+            part = keys[at : at + MAX_MANY_KEYS]
+            reply = client.request({"op": "get_many", "keys": part, "pid": os.getpid()}, self.config.rpc_timeout_s)
+            entries = reply.get("grants") if reply is not None and reply.get("ok") else None
+            if not isinstance(entries, list) or len(entries) != len(part):
+                self._count("miss_no_reply" if reply is None else "bad_grants")
+                out.extend([None] * len(part))
+                continue
+            for entry in entries:
+                if not isinstance(entry, dict) or not entry.get("ok"):
+                    reason = entry.get("reason", "unknown") if isinstance(entry, dict) else "unknown"
+                    self._count(f"miss_{reason}")
+                    out.append(None)
+                else:
+                    out.append(self._view(endpoint, client, entry))
         return out
+
+    @contextlib.contextmanager
+    def batched_releases(self) -> Iterator[None]:
+        """Within this block, this thread's fire-and-forget releases (``release_soon``, a
+        dropped buffer) wait, and leave at its end in one message per sender segment."""
+        if getattr(self._batch, "items", None) is not None:  # nested: the outer block sends
+            yield
+            return
+        self._batch.items = []
+        try:
+            yield
+        finally:
+            items, self._batch.items = self._batch.items, None
+            groups: dict[tuple[int, str], tuple[ControlClient, list[int]]] = {}
+            for client, ticket, segment in items:
+                groups.setdefault((id(client), segment), (client, []))[1].append(ticket)
+            for (_, segment), (client, tickets) in groups.items():
+                if not client.send_releases(tickets, segment, self.config.rpc_timeout_s):
+                    self._count("release_unsent")
+                    logger.warning("shm releases of %d tickets could not be sent", len(tickets))
 
     def get_blocking(
         self,

@@ -4,9 +4,11 @@ Receiver -> sender (a DEALER sends one msgpack frame; the sender's ROUTER adds t
 
     {"v": 1, "op": "get", "id": int, "key": str, "wait_s": float >= 0, "pid": int}
                                                                           -> one reply
+    {"v": 1, "op": "get_many", "id": int, "keys": [str, ...], "pid": int}   -> one reply
     {"v": 1, "op": "ping", "id": int}                                     -> one reply
     {"v": 1, "op": "release", "ticket": int, "seg": str, "id": int}       -> one reply
     {"v": 1, "op": "release", "ticket": int, "seg": str}                  (no reply)
+    {"v": 1, "op": "release", "tickets": [int, ...], "seg": str}          (no reply)
 
 ``pid`` (optional) is the reader's process id: the sender revokes a ticket held past
 ``hold_s`` only once that process is gone (without it, the ticket is revoked at ``hold_s``).
@@ -22,7 +24,11 @@ Sender -> receiver::
     {"v": 1, "id": int, "ok": true, "health": {...}}         (ping)
     {"v": 1, "id": int, "ok": true, "released": bool}       (release with an id; True when
                                                              this freed the region)
+    {"v": 1, "id": int, "ok": true, "grants": [...]}         (get_many: per key, in order, a
+                                                             granted read or a miss as above,
+                                                             without "v" and "id")
 
+A "get_many" never waits: each key is granted or missed at once (at most ``MAX_MANY_KEYS``).
 A "get" with ``wait_s > 0`` is parked by the sender until the key is published (it answers at
 once then) or ``wait_s`` passes on the sender's clock. Decoding never raises: a malformed
 message decodes to None and costs one counter.
@@ -44,6 +50,7 @@ import zmq
 __all__ = [
     "VERSION",
     "MAX_MESSAGE_BYTES",
+    "MAX_MANY_KEYS",
     "encode",
     "decode",
     "check_request",
@@ -53,6 +60,8 @@ __all__ = [
 
 VERSION = 1
 MAX_MESSAGE_BYTES = 64 * 1024
+#: Keys of one "get_many", tickets of one "release" (its reply stays well under the limit).
+MAX_MANY_KEYS = 256
 _MAX_KEY = 4096
 
 
@@ -85,15 +94,26 @@ def check_request(message: dict[str, Any]) -> str | None:
             return "bad id"
         if "seg" in message and not isinstance(message["seg"], str):
             return "release seg must be a segment name"
+        if "tickets" in message:
+            tickets = message["tickets"]
+            ok = isinstance(tickets, list) and 0 < len(tickets) <= MAX_MANY_KEYS and all(map(_is_int, tickets))
+            return None if ok and "ticket" not in message else "release tickets must be a list of integers"
         return None if _is_int(message.get("ticket")) else "release needs an integer ticket"
     if not _is_int(message.get("id")):
         return "missing id"
     if op == "ping":
         return None
-    if op != "get":
+    if op not in ("get", "get_many"):
         return f"unknown op {op!r}"
     if "pid" in message and not (_is_int(message["pid"]) and message["pid"] > 0):
         return "pid must be a positive integer"
+    if op == "get_many":
+        keys = message.get("keys")
+        if not isinstance(keys, list) or not 0 < len(keys) <= MAX_MANY_KEYS:
+            return f"keys must be a list of 1 to {MAX_MANY_KEYS} keys"
+        if not all(isinstance(k, str) and len(k) <= _MAX_KEY for k in keys):
+            return "keys must be strings of at most 4096 characters"
+        return None
     key, wait = message.get("key"), message.get("wait_s", 0.0)
     if not isinstance(key, str) or len(key) > _MAX_KEY:
         return "key must be a string of at most 4096 characters"
@@ -217,36 +237,6 @@ class ControlClient:
         finally:
             self._checkin(sock)
 
-    def request_many(self, messages: list[dict[str, Any]], timeout_s: float) -> list[dict[str, Any] | None]:
-        """Send every message at once (ids added) and collect their replies, in the order of
-        ``messages``, until all came or ``timeout_s`` passed (None for each missing one). One
-        socket, so the sender answers them in turn with no round trip between them."""
-        sock = self._checkout()
-        if sock is None:
-            return [None] * len(messages)
-        ids = [next(self._ids) for _ in messages]
-        replies: dict[int, dict[str, Any]] = {}
-        deadline = time.monotonic() + timeout_s
-        try:
-            for request_id, message in zip(ids, messages):
-                if not self._send(sock, encode({**message, "id": request_id}), deadline):
-                    break
-            wanted = set(ids)
-            while len(replies) < len(ids) and self._wait(sock, zmq.POLLIN, deadline):
-                reply = decode(sock.recv())
-                if reply is None:
-                    continue
-                rid = reply.get("id")
-                if isinstance(rid, int) and rid in wanted and rid not in replies:
-                    replies[rid] = reply
-                else:
-                    self.on_stale(reply)
-        except zmq.ZMQError:
-            pass
-        finally:
-            self._checkin(sock)
-        return [replies.get(request_id) for request_id in ids]
-
     def notify(self, message: dict[str, Any], timeout_s: float = 1.0) -> bool:
         """Send a message that has no reply (``release``). False when it could not be sent."""
         sock = self._checkout()
@@ -284,7 +274,19 @@ class ControlClient:
         sender (fire-and-forget). zmq queues it, bounded by the socket's high-water mark: a
         full queue, or a connection not up yet, waits up to ``timeout_s``. False when it could
         not be sent (the sender is gone or stuck, or the client closed)."""
-        frame = encode({"op": "release", "ticket": ticket, "seg": segment})
+        return self.send_releases([ticket], segment, timeout_s)
+
+    def send_releases(self, tickets: list[int], segment: str, timeout_s: float) -> bool:
+        """:meth:`send_release` of several tickets of one segment, in one message each
+        ``MAX_MANY_KEYS``."""
+        ok = True
+        for at in range(0, len(tickets), MAX_MANY_KEYS):
+            part = tickets[at : at + MAX_MANY_KEYS]
+            one = {"ticket": part[0]} if len(part) == 1 else {"tickets": part}
+            ok = self._send_release_frame(encode({"op": "release", **one, "seg": segment}), timeout_s) and ok
+        return ok
+
+    def _send_release_frame(self, frame: bytes, timeout_s: float) -> bool:
         with self._release_lock:
             sock = self._release_socket()
             if sock is None:

@@ -201,30 +201,44 @@ class ControlServer:
         self.readers.close()
 
     # ------------------------------------------------------------------ thread side only
-    def _reply(self, identity: bytes, message: dict[str, Any], ticket: Ticket | None = None) -> None:
+    def _reply(self, identity: bytes, message: dict[str, Any], *tickets: Ticket) -> None:
         try:
             self._router.send_multipart([identity, encode(message)], zmq.NOBLOCK)
         except zmq.ZMQError as exc:  # receiver gone (EHOSTUNREACH) or its queue is full
             self.counters["replies_undeliverable"] += 1
             logger.debug("shm reply to a gone receiver dropped: %s", exc)
-            if ticket is not None:
+            for ticket in tickets:
                 self.pool.release(ticket.ticket_id)
 
-    def _grant(self, identity: bytes, request_id: int, ticket: Ticket) -> None:
+    def _granted(self, ticket: Ticket) -> dict[str, Any]:
         self.counters["grants"] += 1
-        self._reply(
-            identity,
-            {
-                "id": request_id,
-                "ok": True,
-                "seg": self.segment_name,
-                "seg_bytes": self.segment_bytes,
-                "off": ticket.handle.offset,
-                "size": ticket.size,
-                "ticket": ticket.ticket_id,
-            },
-            ticket,
-        )
+        return {
+            "ok": True,
+            "seg": self.segment_name,
+            "seg_bytes": self.segment_bytes,
+            "off": ticket.handle.offset,
+            "size": ticket.size,
+            "ticket": ticket.ticket_id,
+        }
+
+    def _grant(self, identity: bytes, request_id: int, ticket: Ticket) -> None:
+        self._reply(identity, {"id": request_id, **self._granted(ticket)}, ticket)
+
+    def _get_many(self, identity: bytes, request_id: int, keys: list[str], holder: Reader | None) -> None:
+        self.counters["get_many"] += 1
+        entries: list[dict[str, Any]] = []
+        tickets: list[Ticket] = []
+        for key in keys:
+            ticket = self.pool.take(key, holder)
+            if ticket is not None:
+                tickets.append(ticket)
+                entries.append(self._granted(ticket))
+            else:
+                status = self.pool.status(key)
+                reason = _MISS.get(status, status)
+                self.counters["miss_" + reason] += 1
+                entries.append({"ok": False, "reason": reason})
+        self._reply(identity, {"id": request_id, "ok": True, "grants": entries}, *tickets)
 
     def _miss(self, identity: bytes, request_id: int, reason: str) -> None:
         self.counters["miss_" + reason] += 1
@@ -243,14 +257,17 @@ class ControlServer:
         if op == "release":
             freed = False
             if message.get("seg", self.segment_name) == self.segment_name:
-                self.counters["releases"] += 1
-                freed = self.pool.release(message["ticket"])
+                for ticket_id in message.get("tickets") or (message["ticket"],):
+                    self.counters["releases"] += 1
+                    freed = self.pool.release(ticket_id) or freed
             else:  # granted by another incarnation of this endpoint: not ours to free
                 self.counters["releases_foreign"] += 1
             if "id" in message:
                 self._reply(identity, {"id": message["id"], "ok": True, "released": freed})
         elif op == "ping":
             self._reply(identity, {"id": message["id"], "ok": True, "health": self.pool.stats()})
+        elif op == "get_many":
+            self._get_many(identity, message["id"], message["keys"], self.readers.holder(message.get("pid")))
         else:
             holder = self.readers.holder(message.get("pid"))
             self._get(identity, message["id"], message["key"], float(message.get("wait_s", 0.0)), holder)

@@ -188,32 +188,45 @@ def test_partial_metadata_and_default_sender(space) -> None:
             configured.update_sender_info("h", 0)
 
 
-def test_get_many_asks_once_and_answers_each_key_in_order(space, monkeypatch) -> None:
-    from kvferry.adapters.connectors.shm.control import ControlClient
-
-    def no_single_requests(self, message, timeout_s):
-        raise AssertionError(f"get_many sent a request of its own: {message}")
-
+def test_get_many_asks_once_and_answers_each_key_in_order(space) -> None:
     with make(space, "sender") as sender, make(space, "receiver") as receiver:
         payloads = {key: os.urandom(1000 + 17 * i) for i, key in enumerate(("k0", "k2", "k3"))}
         for key, data in payloads.items():
             assert sender.put("0", "1", key, data)[0]
         meta = {"source_host": "127.0.0.1", "source_port": PORT}
-        with monkeypatch.context() as m:
-            m.setattr(ControlClient, "request", no_single_requests)
-            got = receiver.get_many("0", "1", ["k3", "k1", "k0", "k2"], meta)
+        got = receiver.get_many("0", "1", ["k3", "k1", "k0", "k2"], meta)
         assert got[1] is None  # never put: a miss in its place, the others still served
         for key, one in zip(["k3", "k0", "k2"], (got[0], got[2], got[3])):
             assert one is not None and bytes(one[0].tensor.numpy()) == payloads[key] and one[1] == len(payloads[key])
         health = sender.health()
-        assert health["grants"] == 3 and health["miss_not_found"] == 1
+        assert (health["get_many"], health["grants"], health["miss_not_found"]) == (1, 3, 1)  # one request
         assert receiver.get("0", "1", "k0", meta) is None  # taken by get_many: not handed out twice
-        for one in got:
-            if one is not None:
-                one[0].release_soon()
-        assert receiver.flush_releases(5.0) and sender.health()["used_bytes"] == 0
+        with receiver.batched_releases():
+            for one in got:
+                if one is not None:
+                    one[0].release_soon()
+            assert receiver.flush_releases(5.0) and sender.health()["used_bytes"] > 0  # held back...
+        assert receiver.flush_releases(5.0) and sender.health()["used_bytes"] == 0  # ...sent at the end
+        assert sender.health()["releases"] == 3
     with make(space, "receiver", sender_port=PORT) as lone:  # no sender there: every key a miss, fast
         assert lone.get_many("0", "1", ["a", "b"], {"source_host": "127.0.0.1", "source_port": PORT}) == [None, None]
+
+
+def test_get_many_and_batched_releases_split_at_the_message_limit(space) -> None:
+    from kvferry.adapters.connectors.shm.control import MAX_MANY_KEYS
+
+    n = MAX_MANY_KEYS + 3
+    with make(space, "sender", pool_bytes=1 << 22) as sender, make(space, "receiver", sender_port=PORT) as receiver:
+        for i in range(n):
+            assert sender.put("0", "1", f"k{i}", i.to_bytes(4, "big") * 8)[0]
+        got = receiver.get_many("0", "1", [f"k{i}" for i in range(n)])
+        assert [bytes(g[0].tensor.numpy()[:4]) for g in got] == [i.to_bytes(4, "big") for i in range(n)]
+        assert sender.health()["get_many"] == 2
+        with receiver.batched_releases():
+            for g in got:
+                g[0].release_soon()
+        assert receiver.flush_releases(5.0) and sender.health()["used_bytes"] == 0
+        assert sender.health()["releases"] == n
 
 
 def test_absent_sender_is_a_fast_miss(space) -> None:
@@ -439,9 +452,13 @@ def test_control_rejects_bad_requests_and_keeps_serving(space) -> None:
             sock.send(b"\xc1garbage")
             sock.send(msgpack.packb({"v": 1, "op": "get", "id": 7, "key": 5}))
             sock.send(msgpack.packb({"v": 1, "op": "explode", "id": 8}))
+            sock.send(encode({"op": "get_many", "id": 10, "keys": []}))
+            sock.send(encode({"op": "get_many", "id": 11, "keys": ["a", 3]}))
+            sock.send(encode({"op": "get_many", "id": 12, "keys": ["k"] * 257}))
+            sock.send(encode({"op": "release", "id": 13, "tickets": [1, -2]}))
             sock.send(encode({"op": "ping", "id": 9}))
             replies = []
-            while len(replies) < 3 and sock.poll(5000):
+            while len(replies) < 7 and sock.poll(5000):
                 replies.append(decode(sock.recv()))
         finally:
             sock.close()
@@ -449,9 +466,13 @@ def test_control_rejects_bad_requests_and_keeps_serving(space) -> None:
         assert [(r["id"], r["ok"], r.get("reason")) for r in replies] == [
             (7, False, "bad_request"),
             (8, False, "bad_request"),
+            (10, False, "bad_request"),
+            (11, False, "bad_request"),
+            (12, False, "bad_request"),
+            (13, False, "bad_request"),
             (9, True, None),
         ]
-        assert sender.health()["bad_requests"] == 3 and sender.health()["control_thread"]
+        assert sender.health()["bad_requests"] == 7 and sender.health()["control_thread"]
 
 
 # ------------------------------------------------------------------------------- reaping
