@@ -39,6 +39,7 @@ __all__ = [
     "rank_head_count",
     "PageWriter",
     "write_pages",
+    "block_runs",
     "check_payload",
 ]
 
@@ -174,6 +175,20 @@ def check_payload(decoded: Any, geometry: PageGeometry, layer: int, heads: int, 
             raise PayloadError(f"layer {layer}: {name} pages are {dtype_name(t.dtype)}, this cache is {geometry.dtype}")
 
 
+def block_runs(block_ids: Sequence[int]) -> tuple[tuple[int, int, int], ...]:
+    """``(first block, first position, length)`` of each maximal run of consecutive ids in
+    ``block_ids``, in order: position ``p`` of a run is block ``first block + p - first
+    position``. A fresh request's blocks are mostly one or a few runs."""
+    runs: list[tuple[int, int, int]] = []
+    for pos, block in enumerate(block_ids):
+        if runs and runs[-1][0] + runs[-1][2] == block:
+            first, at, length = runs[-1]
+            runs[-1] = (first, at, length + 1)
+        else:
+            runs.append((int(block), pos, 1))
+    return tuple(runs)
+
+
 def write_pages(
     layer: torch.Tensor,
     geometry: PageGeometry,
@@ -182,13 +197,21 @@ def write_pages(
     first_page: int,
     recv_start: int,
     recv_stop: int,
+    runs: Sequence[tuple[int, int, int]] | None = None,
 ) -> int:
     """Copy received pages ``first_page:first_page+len(index)`` into ``layer[index,
-    recv_start:recv_stop]`` (K and V regions); returns the bytes written."""
+    recv_start:recv_stop]`` (K and V regions); returns the bytes written. With ``runs``
+    (:func:`block_runs` of ``index``) few enough, each run is one slice copy (several times
+    faster than an indexed copy), else one indexed copy per region."""
     k_dst, v_dst = geometry.regions(layer)
     n = index.numel()
     k_src = decoded.key_cache[0].narrow(0, first_page, n)
     v_src = decoded.value_cache[0].narrow(0, first_page, n)
-    k_dst[:, recv_start:recv_stop].index_copy_(0, index, k_src)
-    v_dst[:, recv_start:recv_stop].index_copy_(0, index, v_src)
+    if runs is not None and len(runs) <= max(1, n // 4):
+        for block, at, length in runs:
+            k_dst[block : block + length, recv_start:recv_stop].copy_(k_src[at : at + length])
+            v_dst[block : block + length, recv_start:recv_stop].copy_(v_src[at : at + length])
+    else:
+        k_dst[:, recv_start:recv_stop].index_copy_(0, index, k_src)
+        v_dst[:, recv_start:recv_stop].index_copy_(0, index, v_src)
     return 2 * k_src.numel() * k_src.element_size()

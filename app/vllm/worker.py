@@ -44,6 +44,7 @@ from kvferry.app.vllm.pages import (
     PAGE_LAYOUT,
     PageGeometry,
     PageWriter,
+    block_runs,
     check_payload,
     layer_key,
     rank_head_count,
@@ -161,6 +162,7 @@ class _LoadPlan:
     count: int
     reads: list[tuple[int, Any]]
     deadline: float
+    runs: tuple[tuple[int, int, int], ...] = ()
     next: int = 0
     nbytes: int = 0
     #: Payloads fetched ahead (index into ``reads``), not written yet.
@@ -433,7 +435,8 @@ class PageWorker:
         count = max(0, min(len(job.block_ids), needed_pages - job.first_page))
         reads = [(layer, sl) for layer in range(geometry.num_layers) for sl in slices] if count else []
         index = torch.tensor(job.block_ids[:count], dtype=torch.long)
-        return _LoadPlan(job, src, index, count, reads, started + self.settings.load_timeout_s)
+        runs = block_runs(job.block_ids[:count])
+        return _LoadPlan(job, src, index, count, reads, started + self.settings.load_timeout_s, runs)
 
     def _prefetch(self, plan: _LoadPlan) -> None:
         """Ask each prefill rank for every layer it sends at once, where the receiver can
@@ -492,6 +495,7 @@ class PageWorker:
                     plan.job.first_page,
                     sl.recv_head_start,
                     sl.recv_head_stop,
+                    plan.runs,
                 )
             except PayloadError as exc:
                 raise _LoadFailed("corrupt", str(exc)) from exc

@@ -13,8 +13,10 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
-from kvferry.app.vllm.pages import PageGeometry, layer_key, recv_slices, send_slices
+from kvferry.app.vllm.pages import PageGeometry, block_runs, layer_key, recv_slices, send_slices, write_pages
 from kvferry.app.vllm.params import ConnectorSettings, parse_decode_params, parse_prefill_params, prefill_result
 from kvferry.app.vllm.scheduler import PageScheduler
 from kvferry.app.vllm.worker import LoadJob, PageWorker, SaveJob
@@ -711,3 +713,34 @@ def test_the_loads_of_one_step_share_one_inline_wait() -> None:
         assert all(name.startswith("kvferry-load") for name, _ in calls[1:])
     finally:
         d.close()
+
+
+# ------------------------------------------------------------------------------ block runs
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.integers(0, 40), max_size=30))
+def test_block_runs_rebuild_the_ids_and_are_maximal(ids: list[int]) -> None:
+    runs = block_runs(ids)
+    rebuilt = [first + k for first, _, length in runs for k in range(length)]
+    assert rebuilt == ids
+    assert [at for _, at, _ in runs] == [sum(r[2] for r in runs[:i]) for i in range(len(runs))]
+    for (first, _, length), (nxt, _, _) in zip(runs, runs[1:]):
+        assert first + length != nxt  # maximal: a run never continues into the next
+
+
+@pytest.mark.parametrize("ids", [(4, 5, 6, 7), (9, 3, 4, 5, 12, 13, 0, 1), (5, 2, 8, 1)])
+def test_pages_written_by_runs_equal_an_indexed_copy(ids: tuple[int, ...]) -> None:
+    g = torch.Generator().manual_seed(len(ids))
+    geometry = PageGeometry.of([torch.zeros(BLOCKS, HEADS, BS, 2 * HEAD, dtype=torch.bfloat16)])
+    key = torch.randn(len(ids) + 1, 2, BS * HEAD, generator=g).to(torch.bfloat16)
+    value = torch.randn(len(ids) + 1, 2, BS * HEAD, generator=g).to(torch.bfloat16)
+    decoded = SimpleNamespace(key_cache=[key], value_cache=[value])
+    index = torch.tensor(ids, dtype=torch.long)
+    by_runs = torch.zeros(BLOCKS, HEADS, BS, 2 * HEAD, dtype=torch.bfloat16)
+    by_index = torch.zeros_like(by_runs)
+    n1 = write_pages(by_runs, geometry, decoded, index, 1, 1, 3, block_runs(ids))
+    n2 = write_pages(by_index, geometry, decoded, index, 1, 1, 3)
+    assert n1 == n2 == 2 * len(ids) * 2 * BS * HEAD * 2
+    assert torch.equal(by_runs, by_index) and by_runs.any()
+    kc = by_index.view(BLOCKS, HEADS, 2 * BS, HEAD)[:, :, :BS].reshape(BLOCKS, HEADS, BS * HEAD)
+    assert torch.equal(kc[list(ids), 1:3], key[1:])  # pages 1.. of the payload, heads 1..2
+    assert not kc[:, 0].any() and not kc[:, 3].any()  # control: other heads untouched
