@@ -24,6 +24,7 @@ from kvferry.core.errors import ConfigError
 
 __all__ = [
     "PARAMS_VERSION",
+    "LOAD_MODES",
     "ConnectorSettings",
     "PrefillRequest",
     "DecodeSource",
@@ -53,6 +54,16 @@ def _seconds(where: str, name: str, value: Any) -> float:
     return float(value)
 
 
+#: How a decode instance loads a request's KV (ConnectorSettings.load_mode).
+LOAD_MODES = ("async", "sync")
+
+
+def _load_mode(where: str, value: Any) -> str:
+    if value not in LOAD_MODES:
+        raise ConfigError(f"{where}.load_mode: expected one of {', '.join(LOAD_MODES)}, got {value!r}")
+    return str(value)
+
+
 def _str(where: str, name: str, value: Any) -> str:
     if not isinstance(value, str) or not value:
         raise ConfigError(f"{where}.{name}: expected a non-empty string, got {value!r}")
@@ -73,6 +84,10 @@ class ConnectorSettings:
     slices heads for (a request may override it). ``load_threads``: concurrent loads.
     ``inline_load_s``: how long a load first runs in the engine's own thread, reading what is
     there already, before the rest waits on a load thread (0: every load on a load thread).
+    ``load_mode``: ``"async"`` (a request waits for its KV, up to ``load_timeout_s``) or
+    ``"sync"`` (the request runs in the step its KV is asked for: the KV must be there within
+    ``inline_load_s``, or the prompt is recomputed as after any failed load); a request's
+    ``kv_transfer_params.load_mode`` overrides it.
     """
 
     connector: Mapping[str, Any] = attrs.field(factory=lambda: {"type": "shm"})
@@ -87,6 +102,7 @@ class ConnectorSettings:
     decode_tp_size: int | None = None
     load_threads: int = 2
     inline_load_s: float = 0.02
+    load_mode: str = "async"
 
     @classmethod
     def from_extra_config(cls, extra: Mapping[str, Any] | None) -> ConnectorSettings:
@@ -116,6 +132,8 @@ class ConnectorSettings:
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value <= 1:
                 raise ConfigError(f"{_EXTRA}.inline_load_s: expected seconds in 0..1, got {value!r}")
             out["inline_load_s"] = float(value)
+        if "load_mode" in extra:
+            out["load_mode"] = _load_mode(_EXTRA, extra["load_mode"])
         if "pool_bytes" in extra:
             out["pool_bytes"] = _int(_EXTRA, "pool_bytes", extra["pool_bytes"], 1 << 16)
         if "load_threads" in extra:
@@ -196,6 +214,8 @@ class DecodeSource:
     decode_tp_size: int
     connector_type: str
     engine_id: str
+    #: The request's own ``load_mode`` (None: the instance's).
+    load_mode: str | None = None
 
     def source_metadata(self, from_rank: int) -> dict[str, Any]:
         """The partial connector metadata of prefill rank ``from_rank`` (SPEC 2.3 port)."""
@@ -244,6 +264,7 @@ def parse_decode_params(params: Any) -> DecodeSource | None:
         decode_tp_size=_int(_FIELD, "decode_tp_size", params["decode_tp_size"], 1),
         connector_type=_str(_FIELD, "kvferry_connector", params["kvferry_connector"]),
         engine_id=str(params.get("remote_engine_id", "")),
+        load_mode=None if params.get("load_mode") is None else _load_mode(_FIELD, params["load_mode"]),
     )
 
 

@@ -9,7 +9,8 @@ blocks (True) and returns the decode side's params; the worker reports it sent o
 layer is out, and vLLM frees the blocks.
 
 Decode (consumer): :meth:`PageScheduler.matched_tokens` offers the prompt's tokens for an
-asynchronous load when ``do_remote_prefill`` is set; after allocation the load job (local
+asynchronous load when ``do_remote_prefill`` is set (``load_mode="sync"``: all but the last
+token, loaded in the step that computes that token); after allocation the load job (local
 block ids) goes into the next step's metadata. Bad params are logged with the field at fault
 and become a failed load, so ``kv_load_failure_policy`` decides (recompute or fail).
 """
@@ -67,7 +68,7 @@ class PageScheduler:
     block_ids_of: Callable[[str], Sequence[int]] = lambda rid: ()
     _remote_decode: dict[str, _Pending] = attrs.field(init=False, factory=dict)
     _errors: dict[str, str] = attrs.field(init=False, factory=dict)
-    _offers: dict[str, tuple[DecodeSource | None, str | None, int]] = attrs.field(init=False, factory=dict)
+    _offers: dict[str, tuple[DecodeSource | None, str | None, int, bool]] = attrs.field(init=False, factory=dict)
     _loads: list[LoadJob] = attrs.field(init=False, factory=list)
     _sending: set[str] = attrs.field(init=False, factory=set)
 
@@ -157,11 +158,14 @@ class PageScheduler:
         if source is None and error is None:
             return 0, False
         tokens = prompt if source is None else min(source.num_tokens, prompt)
+        mode = (source.load_mode if source is not None else None) or self.settings.load_mode
+        if mode == "sync":  # vLLM computes at least the prompt's last token in this step
+            tokens = min(tokens, prompt - 1)
         count = tokens - num_computed_tokens
         if count <= 0:
             return 0, False
-        self._offers[request.request_id] = (source, error, num_computed_tokens)
-        return count, True
+        self._offers[request.request_id] = (source, error, num_computed_tokens, mode == "sync")
+        return count, mode != "sync"
 
     def after_alloc(self, request: Any, block_ids: Sequence[int], num_external_tokens: int) -> None:
         """vLLM's ``update_state_after_alloc``: plan the load into ``block_ids`` (all of the
@@ -170,13 +174,13 @@ class PageScheduler:
         offer = self._offers.pop(rid, None)
         if offer is None or num_external_tokens <= 0:
             return
-        source, error, computed = offer
+        source, error, computed, sync = offer
         first = computed // self.block_size
         last = -(-(computed + num_external_tokens) // self.block_size)
         blocks = tuple(int(b) for b in list(block_ids)[first:last])
         if error is not None:
             logger.error("request %s: bad kv_transfer_params: %s", rid, error)
-        self._loads.append(LoadJob(rid, source, blocks, first, error))
+        self._loads.append(LoadJob(rid, source, blocks, first, error, sync))
         params = request.kv_transfer_params
         if isinstance(params, dict):
             params["do_remote_prefill"] = False

@@ -87,6 +87,10 @@ class LoadJob:
     block_ids: tuple[int, ...]
     first_page: int
     error: str | None = None
+    #: vLLM runs the request in this very step (``load_mode="sync"``): the load ends in
+    #: :meth:`PageWorker.start_loads`, is never reported as received, and a failure is a load
+    #: error of its blocks at once.
+    sync: bool = False
 
 
 @attrs.frozen
@@ -370,6 +374,9 @@ class PageWorker:
                 continue
             if self._pool is None:
                 raise ConfigError("this instance is not a kv_consumer: it cannot load KV")
+            if job.sync:
+                self._load_now(job, until)
+                continue
             self._load_blocks[job.req_id] = job.block_ids
             run = _LoadRun(job, self.clock())
             if self.settings.inline_load_s > 0 and self._step(run, until):
@@ -378,6 +385,25 @@ class PageWorker:
                 self._loads[job.req_id] = done
             else:
                 self._loads[job.req_id] = self._pool.submit(self._load_rest, run)
+
+    def _load_now(self, job: LoadJob, until: float) -> None:
+        """A sync load: read what is there by ``until``; whatever is missing then fails it."""
+        run = _LoadRun(job, self.clock())
+        if not self._step(run, until):
+            plan = run.plan
+            missing = "?" if plan is None else f"{len(plan.reads) - plan.next} of {len(plan.reads)}"
+            for data, _ in plan.ready.values() if plan is not None else ():
+                release_soon(data)
+            self.stats.fail("timeout")
+            logger.error(
+                "request %s: %s layer reads not there within inline_load_s (%s s) of a sync load; "
+                "kv_load_failure_policy applies",
+                job.req_id,
+                missing,
+                self.settings.inline_load_s,
+            )
+        if not self._finish(run):
+            self._load_errors.update(job.block_ids)
 
     def _load_rest(self, run: _LoadRun) -> bool:
         self._step(run, None)

@@ -328,9 +328,9 @@ def _request(rid: str, n: int, params: dict | None, computed: int = 0) -> Simple
     )
 
 
-def _scheduler(producer: bool) -> PageScheduler:
+def _scheduler(producer: bool, **settings) -> PageScheduler:
     return PageScheduler(
-        ConnectorSettings(),
+        ConnectorSettings(**settings),
         engine_id="e",
         block_size=BS,
         num_layers=LAYERS,
@@ -744,3 +744,69 @@ def test_pages_written_by_runs_equal_an_indexed_copy(ids: tuple[int, ...]) -> No
     kc = by_index.view(BLOCKS, HEADS, 2 * BS, HEAD)[:, :, :BS].reshape(BLOCKS, HEADS, BS * HEAD)
     assert torch.equal(kc[list(ids), 1:3], key[1:])  # pages 1.. of the payload, heads 1..2
     assert not kc[:, 0].any() and not kc[:, 3].any()  # control: other heads untouched
+
+
+# ----------------------------------------------------------------------------- sync loads
+def test_load_mode_is_checked_where_it_is_given() -> None:
+    assert ConnectorSettings.from_extra_config(None).load_mode == "async"
+    assert ConnectorSettings.from_extra_config({"load_mode": "sync"}).load_mode == "sync"
+    with pytest.raises(ConfigError, match=r"^kv_connector_extra_config\.load_mode: expected one of async, sync"):
+        ConnectorSettings.from_extra_config({"load_mode": "later"})
+    assert parse_decode_params(_params()).load_mode is None
+    assert parse_decode_params(_params(load_mode="sync")).load_mode == "sync"
+    with pytest.raises(ConfigError, match=r"^kv_transfer_params\.load_mode: "):
+        parse_decode_params(_params(load_mode=1))
+
+
+@pytest.mark.parametrize(
+    ("instance", "request_mode", "sync"),
+    [("sync", None, True), ("async", "sync", True), ("sync", "async", False), ("async", None, False)],
+)
+def test_a_sync_load_offers_all_but_the_last_token_for_this_step(instance: str, request_mode, sync: bool) -> None:
+    s = _scheduler(False, load_mode=instance)
+    extra = {} if request_mode is None else {"load_mode": request_mode}
+    req = _request("d", 70, _params(transfer_id="t", remote_num_tokens=70, **extra))
+    assert s.matched_tokens(req, 0) == ((69, False) if sync else (70, True))
+    s.after_alloc(req, [11, 12, 13], 69 if sync else 70)
+    [job] = s.build_plan({}).loads
+    assert (job.block_ids, job.first_page, job.sync) == ((11, 12, 13), 0, sync)
+
+
+def test_a_sync_load_ends_in_the_step_and_is_never_reported_received() -> None:
+    name = f"vllm-pages-{next(_names)}"
+    p, src = _prefill(name, SaveJob("r", "t", (3, 7, 1), 70, 1))
+    log: list[tuple[int, str]] = []
+    d, dst = _recording_decode(name, log)
+    try:
+        d.start_loads([LoadJob("r", _source("t", 70), (4, 9, 2), 0, sync=True)])
+        for layer_name, layer in src.items():  # written before start_loads returned
+            assert torch.equal(dst[layer_name][[4, 9, 2]], layer[[3, 7, 1]])
+        assert log == [(layer, threading.current_thread().name) for layer in range(LAYERS)]
+        assert d.finished(set()) == (set(), set()) and d.load_errors() == set()  # vLLM runs it already
+        assert d.recent_loads[-1].ok and d.stats.peek()["requests_loaded"] == 1
+    finally:
+        d.close()
+        p.close()
+
+
+def test_a_sync_load_whose_pages_are_missing_fails_its_blocks_at_once() -> None:
+    name = f"vllm-pages-{next(_names)}"
+    p = _worker(name, 0, 1, True)
+    src = _caches(HEADS, 3)
+    p.register(src)
+    p.begin_step([SaveJob("r", "t", (3, 7, 1), 70, 1)])
+    names = list(src)
+    p.save_layer(names[0], src[names[0]])  # only layer 0 is out when the decode step runs
+    _wait(lambda: p._saves["r"].layers_left == LAYERS - 1)
+    log: list[tuple[int, str]] = []
+    d, _ = _recording_decode(name, log, inline_load_s=0.05)
+    try:
+        d.start_loads([LoadJob("r", _source("t", 70), (4, 9, 2), 0, sync=True)])
+        assert d.load_errors() == {4, 9, 2}  # at once: vLLM recomputes (or fails) the request
+        assert d.finished(set()) == (set(), set())
+        assert d.stats.peek()["failures_timeout"] == 1 and not d.recent_loads[-1].ok
+        assert log == [(0, threading.current_thread().name)]  # layer 0 read; nothing on a load thread
+    finally:
+        p.end_step()
+        d.close()
+        p.close()

@@ -102,6 +102,61 @@ def test_decode_tokens_equal_a_single_instance(
     assert prefill_a.settled_metrics()["vllm:kvferry_requests_sent"] >= len(ps)
 
 
+def test_a_sync_load_runs_the_request_in_the_step_that_loads_it(
+    env: dict, decode: Instance, prefill_a: Instance, reference: list[list[int]]
+) -> None:
+    """A proxy that waited for the prefill asks for a sync load (``load_mode`` in the decode
+    request's params): vLLM computes only the last prompt token, in the step that loads the
+    rest; the output equals a single instance's."""
+    ps = prompts(LENGTHS, seed=7)
+    before = decode.metrics()
+    out_p = prefill_a.generate(ps, _remote(len(ps)), max_tokens=1)
+    params = [{**r["kv_transfer_params"], "load_mode": "sync"} for r in out_p]
+    out_d = decode.generate(ps, params, max_tokens=TOKENS)
+    assert [r["tokens"] for r in out_d] == reference
+    after = decode.metrics()
+    assert failures(after) == failures(before), decode.kv_log()
+    assert after["vllm:kvferry_requests_loaded"] - before["vllm:kvferry_requests_loaded"] == len(ps)
+    pages = sum(-(-(n - 1) // 32) for n in LENGTHS)  # all but the last token's KV came over
+    assert after["vllm:kvferry_bytes_loaded"] - before["vllm:kvferry_bytes_loaded"] == pages * 4 * 2 * 32 * 64 * 2
+
+
+def test_a_sync_load_of_pages_that_never_come_recomputes_at_once(
+    env: dict, decode: Instance, prefill_a: Instance, reference: list[list[int]]
+) -> None:
+    """The prefill is up but never made these pages: a sync load cannot wait for them, so it
+    fails within inline_load_s and vLLM recomputes the prompt (the same tokens), long before
+    the load timeout an async load would wait out."""
+    from kvferry.app.vllm.params import prefill_result
+
+    ps = prompts(LENGTHS[:2], seed=7)
+    params = [
+        {
+            **prefill_result(
+                transfer_id=f"never-{i}-{env['base']}",
+                host="127.0.0.1",
+                port=env["base"] + 100,
+                num_tokens=len(p),
+                block_size=32,
+                num_layers=4,
+                tp_size=1,
+                decode_tp_size=1,
+                connector_type="shm",
+                engine_id="",
+            ),
+            "load_mode": "sync",
+        }
+        for i, p in enumerate(ps)
+    ]
+    before = decode.metrics().get("vllm:kvferry_failures{timeout}", 0)
+    t = time.monotonic()
+    out = decode.generate(ps, params, max_tokens=TOKENS)
+    seconds = time.monotonic() - t
+    assert [r["tokens"] for r in out] == reference[:2]
+    assert decode.metrics()["vllm:kvferry_failures{timeout}"] == before + 2
+    assert seconds < LOAD_TIMEOUT_S, seconds  # failed in its step, not at the load timeout
+
+
 def test_decode_started_before_the_prefill(
     env: dict, decode: Instance, prefill_a: Instance, reference: list[list[int]]
 ) -> None:
