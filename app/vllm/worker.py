@@ -534,7 +534,11 @@ class PageWorker:
         self, plan: _LoadPlan, until: float | None, layer_idx: int, sl: Any, stages: tuple[str, str]
     ) -> tuple[Any, int] | None:
         """One layer's payload, waiting until ``until`` (None: not there by then, more time
-        left) or the load's deadline (then a timeout failure)."""
+        left) or the load's deadline (then a timeout failure). Before ``until`` only a receiver
+        whose short waits lose nothing waits (shm: its sender answers within the wait, and the
+        receiver waits for that answer); another one (zmq: a data reply still streaming when
+        its wait ends goes to a stash a second get may miss) asks once, without waiting, and
+        takes the reply whole."""
         src = plan.source
         key = layer_key(src.transfer_id, self.settings.from_stage, layer_idx, sl.source_rank, self.tp_rank)
         final = until is None or until >= plan.deadline
@@ -545,7 +549,10 @@ class PageWorker:
             raise _LoadFailed("timeout", f"{key!r} not there within {self.settings.load_timeout_s} s")
         source = src.source_metadata(sl.source_rank)
         try:
-            got = self._receiver.get_blocking(*stages, key, source, timeout_s=remaining)
+            if final or hasattr(self._receiver, "get_many"):
+                got = self._receiver.get_blocking(*stages, key, source, timeout_s=remaining)
+            else:  # a short wait could abandon a reply already on its way (zmq): ask, take it whole
+                got = self._receiver.get(*stages, key, source)
         except LeaseExpired as exc:
             raise _LoadFailed("expired", str(exc)) from exc
         except KVFerryError as exc:

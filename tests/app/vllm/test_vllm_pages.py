@@ -551,6 +551,12 @@ class _Recording:
             self.log.append((_LAYER_OF_KEY[key], threading.current_thread().name))
         return got
 
+    def get(self, from_stage, to_stage, key, metadata=None):
+        got = self.inner.get(from_stage, to_stage, key, metadata)
+        if got is not None:
+            self.log.append((_LAYER_OF_KEY[key], threading.current_thread().name))
+        return got
+
     def __getattr__(self, name):
         if name == "get_many" and hasattr(self.inner, "get_many"):
 
@@ -684,6 +690,9 @@ class _NeverThere:
         self.stop.wait(timeout_s)
         return None
 
+    def get_many(self, from_stage, to_stage, keys, metadata=None):
+        return [None] * len(keys)
+
     def close(self):
         self.stop.set()
 
@@ -810,3 +819,43 @@ def test_a_sync_load_whose_pages_are_missing_fails_its_blocks_at_once() -> None:
         p.end_step()
         d.close()
         p.close()
+
+
+def test_before_its_deadline_a_load_asks_a_zmq_like_receiver_without_waiting() -> None:
+    """Without get_many (zmq, memory), the engine thread asks each key once, non-blocking, and
+    waits for nothing: a short wait on zmq could abandon a reply already streaming."""
+    calls: list[tuple[str, str, float | None]] = []
+
+    class _Late:
+        def __init__(self, config):
+            self.stop = threading.Event()
+
+        def get(self, from_stage, to_stage, key, metadata=None):
+            calls.append(("get", threading.current_thread().name, None))
+            return None
+
+        def get_blocking(self, from_stage, to_stage, key, metadata=None, *, timeout_s):
+            calls.append(("get_blocking", threading.current_thread().name, timeout_s))
+            self.stop.wait(timeout_s)
+            return None
+
+        def close(self):
+            self.stop.set()
+
+    settings = ConnectorSettings.from_extra_config({"connector": {"type": "zmq"}, "load_timeout_s": 0.3})
+    d = PageWorker(
+        settings, tp_rank=0, tp_size=1, total_kv_heads=HEADS, producer=False, consumer=True, connector_factory=_Late
+    )
+    d.register(_caches(HEADS, None))
+    try:
+        d.start_loads([LoadJob("a", _source("t-a", 70), (1,), 0)])
+        me = threading.current_thread().name
+        got: set[str] = set()
+        _wait(lambda: got.update(d.finished(set())[1]) or "a" in got)
+        assert calls[0] == ("get", me, None)  # asked once, no wait in the engine's thread...
+        assert [c for c in calls if c[1] == me] == [calls[0]]
+        assert [kind for kind, _, _ in calls[1:]] == ["get_blocking"]  # ...the load thread waits it out
+        assert calls[1][1].startswith("kvferry-load") and 0 < calls[1][2] <= 0.3
+        assert d.load_errors() == {1}
+    finally:
+        d.close()
