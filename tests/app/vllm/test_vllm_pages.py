@@ -822,8 +822,8 @@ def test_a_sync_load_whose_pages_are_missing_fails_its_blocks_at_once() -> None:
 
 
 def test_before_its_deadline_a_load_asks_a_zmq_like_receiver_without_waiting() -> None:
-    """Without get_many (zmq, memory), the engine thread asks each key once, non-blocking, and
-    waits for nothing: a short wait on zmq could abandon a reply already streaming."""
+    """Without get_many (zmq, memory), the engine thread only asks (non-blocking gets, until
+    inline_load_s): a short wait on zmq could abandon a reply already streaming."""
     calls: list[tuple[str, str, float | None]] = []
 
     class _Late:
@@ -852,10 +852,11 @@ def test_before_its_deadline_a_load_asks_a_zmq_like_receiver_without_waiting() -
         me = threading.current_thread().name
         got: set[str] = set()
         _wait(lambda: got.update(d.finished(set())[1]) or "a" in got)
-        assert calls[0] == ("get", me, None)  # asked once, no wait in the engine's thread...
-        assert [c for c in calls if c[1] == me] == [calls[0]]
-        assert [kind for kind, _, _ in calls[1:]] == ["get_blocking"]  # ...the load thread waits it out
-        assert calls[1][1].startswith("kvferry-load") and 0 < calls[1][2] <= 0.3
+        mine = [c for c in calls if c[1] == me]
+        assert mine and all(c == ("get", me, None) for c in mine)  # asked, never a wait, in the engine's thread
+        theirs = [c for c in calls if c[1] != me]
+        assert [kind for kind, _, _ in theirs] == ["get_blocking"]  # the load thread waits it out
+        assert theirs[0][1].startswith("kvferry-load") and 0 < theirs[0][2] <= 0.3
         assert d.load_errors() == {1}
     finally:
         d.close()
