@@ -116,7 +116,7 @@ class _Bench:
         cfg = {**side.cfg, "model": str(self.model)}
         argv = [sys.executable, "-m", _INSTANCE, "serve", json.dumps(cfg)]
         return InstanceProcess(
-            argv, env=instance_env(side.cpu, **side.env), log=self.logs / f"{name}.log", timeout_s=startup_s
+            argv, env={**instance_env(side.cpu), **side.env}, log=self.logs / f"{name}.log", timeout_s=startup_s
         )
 
     def generate(self, inst: Any, prompt: list[int], params: Any) -> dict[str, Any]:

@@ -134,7 +134,11 @@ def groups(names: tuple[str, ...], timeout_s: float, storage: str = "") -> list[
             d, p = _kvferry(conn, timeout_s)
             out.append(Group(name, Side(d, "0"), (RowSpec(name, "remote"),), prefill=Side(p, "1")))
     if "example" in want:
-        cfg = {"connector": "ExampleConnector", "module": None, "extra": {"shared_storage_path": storage}}
+        cfg: dict[str, Any] = {
+            "connector": "ExampleConnector",
+            "module": None,
+            "extra": {"shared_storage_path": storage},
+        }
         out.append(
             Group(
                 "example",
@@ -147,7 +151,11 @@ def groups(names: tuple[str, ...], timeout_s: float, storage: str = "") -> list[
     if "mooncake" in want:
         port = free_port()
         extra = {"mooncake_protocol": "tcp", "num_workers": 2, "bootstrap_server_address": f"127.0.0.1:{port}"}
-        cfg = {"connector": "MooncakeConnector", "module": "kvferry.app.bench.engine.accelerator", "extra": extra}
+        cfg = {
+            "connector": "MooncakeConnector",
+            "module": "kvferry.app.bench.engine.accelerator",
+            "extra": extra,
+        }
         out.append(
             Group(
                 "mooncake",

@@ -123,7 +123,7 @@ def render_engine_table(report: dict[str, Any]) -> str:
         f"{'row':<36} {'tokens':>6} {'median':>8} {'min-max':>15} {'x floor':>8} {'x local':>8} "
         f"{'beats peers':>11} {'tokens ok':>9} {'KV MB':>7} {'GB/s':>6} {'x memcpy':>8}",
     ]
-    for name, row in report["rows"].items():
+    for row in report["rows"].values():
         if row.get("status") != "ok":
             lines.append(f"{row['label']:<36} {row['status'].upper()}: {row.get('reason', '')}")
             continue
@@ -143,7 +143,7 @@ def render_engine_table(report: dict[str, Any]) -> str:
                 f"{_fmt(cell.get('vs_memcpy'), 2):>8}"
             )
     lines.append("")
-    for name, row in report["rows"].items():
+    for row in report["rows"].values():
         if "beats_recompute_from" in row:
             at = row["beats_recompute_from"]
             lines.append(

@@ -4,12 +4,12 @@ hand-off and options, the summary of a report, and the error naming the extra.""
 from __future__ import annotations
 
 import io
-import sys
 
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
+from kvferry.app.bench.command import configure
 from kvferry.app.bench.engine.command import parse_lengths, parse_rows, run_engine
 from kvferry.app.bench.engine.peers import PEERS, ROWS, decode_params, groups, handoff
 from kvferry.app.bench.engine.report import (
@@ -20,7 +20,6 @@ from kvferry.app.bench.engine.report import (
     render_engine_table,
     summarise,
 )
-from kvferry.app.bench.command import configure
 
 ms = st.floats(min_value=0.01, max_value=1e5, allow_nan=False, allow_infinity=False)
 
