@@ -10,7 +10,8 @@ The serve config: ``model``; ``kv_role`` (no connector without it) with ``extra`
 path; default kvferry's, ``module`` null for one of vLLM's own), ``kv_buffer_device``;
 ``prefix_caching`` (default off) and ``tp`` (tensor_parallel_size, default 1).
 
-Ops: ``generate`` (``prompts``, ``params`` (kv_transfer_params or null each), ``max_tokens``;
+Ops: ``generate`` (``prompts``, ``params`` (kv_transfer_params or null each), ``max_tokens``,
+optionally ``logprobs`` (how many top tokens' log-probabilities to return per output token);
 prompts run one at a time, each timed from the call to its output), ``loads`` (the decode
 connector's recent loads: bytes, start and end on the same monotonic clock), ``stats``
 (kvferry's counters on this instance, after one more engine step so the last transfers are
@@ -118,18 +119,27 @@ def serve(cfg: dict[str, Any], proto: Any) -> None:
                 for prompt, params in zip(msg["prompts"], msg["params"]):
                     extra = {"kv_transfer_params": params} if params is not None else None
                     sp = SamplingParams(
-                        max_tokens=msg["max_tokens"], temperature=0.0, ignore_eos=True, extra_args=extra
+                        max_tokens=msg["max_tokens"],
+                        temperature=0.0,
+                        ignore_eos=True,
+                        extra_args=extra,
+                        logprobs=msg.get("logprobs"),
                     )
                     t = time.monotonic()
                     [res] = llm.generate([{"prompt_token_ids": prompt}], sp, use_tqdm=False)
-                    results.append(
-                        {
-                            "tokens": list(res.outputs[0].token_ids),
-                            "started": t,
-                            "seconds": time.monotonic() - t,
-                            "kv_transfer_params": res.kv_transfer_params,
-                        }
-                    )
+                    seconds = time.monotonic() - t
+                    out = {
+                        "tokens": list(res.outputs[0].token_ids),
+                        "started": t,
+                        "seconds": seconds,
+                        "kv_transfer_params": res.kv_transfer_params,
+                    }
+                    if msg.get("logprobs"):  # per output token, the top ones: [[token, logprob], ...]
+                        out["logprobs"] = [
+                            [[int(tok), float(lp.logprob)] for tok, lp in step.items()]
+                            for step in res.outputs[0].logprobs or []
+                        ]
+                    results.append(out)
                 reply: dict[str, Any] = {"ok": True, "results": results}
             elif op == "loads":
                 ranks = [_loads()] if tp == 1 else llm.collective_rpc(_loads)

