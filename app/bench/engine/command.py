@@ -199,9 +199,12 @@ class _Bench:
                         else:
                             assert prefill is not None
                             out = self._remote(spec, prefill, decode, prompt, engine_id, group.bootstrap_port, cell)
-                        cell["ttft_ms"].append(round(out["seconds"] * 1000, 2))
                         cell["tokens"].append(out["tokens"])
-                        cell["logprobs"].append(out.get("logprobs", [[]])[0])
+                        cell["logprobs"].append((out.get("logprobs") or [[]])[0])
+                        if not out["tokens"]:  # the request failed (a load that failed): no figure, a failure
+                            cell.setdefault("failed_runs", []).append(round(out["seconds"] * 1000, 2))
+                            continue
+                        cell["ttft_ms"].append(round(out["seconds"] * 1000, 2))
                     cells[str(n)] = cell
                 done.add(spec.name)
         except Exception as exc:  # the rows not measured say what failed; the others still run
@@ -280,11 +283,13 @@ def _checks(report: dict[str, Any]) -> list[str]:
                 cell["identical"] = []
                 out.append(f"{name} {n} tokens: no {REFERENCE[name]} tokens to compare with")
                 continue
+            if cell.get("failed_runs"):
+                out.append(f"{name} {n} tokens: {len(cell['failed_runs'])} requests failed (no token: the load failed)")
             theirs = ref["cells"][n]
             cell["identical"] = [a == b for a, b in zip(cell["tokens"], theirs["tokens"])]
             # where they differ: how close the reference's own top two were (a TP 2 decode's near tie)
             cell["tie_gap"] = [
-                None if same else tie_gap(mine[0], lps)
+                None if same or not mine else tie_gap(mine[0], lps)
                 for same, mine, lps in zip(cell["identical"], cell["tokens"], theirs["logprobs"])
             ]
             tp2 = name.endswith("tp2")

@@ -114,7 +114,8 @@ class Group:
 
 
 def _kvferry(connector: Mapping[str, Any], timeout_s: float, tp: int = 1) -> tuple[dict[str, Any], dict[str, Any]]:
-    extra = {"connector": dict(connector), "base_port": free_base_port(), "load_timeout_s": timeout_s}
+    # a load on loopback that has not arrived in 30 s has failed: fail it then, not at --timeout
+    extra = {"connector": dict(connector), "base_port": free_base_port(), "load_timeout_s": min(timeout_s, 30.0)}
     return (
         {"kv_role": "kv_consumer", "extra": extra, "tp": tp},
         {"kv_role": "kv_producer", "extra": extra},

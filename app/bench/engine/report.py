@@ -102,7 +102,7 @@ def summarise(report: dict[str, Any]) -> dict[str, Any]:
 
     for row in rows.values():
         for cell in row.get("cells", {}).values():
-            cell["median_ms"] = _median(cell["ttft_ms"])
+            cell["median_ms"] = _median(cell["ttft_ms"])  # of the requests that produced a token
             cell["min_ms"] = min(cell["ttft_ms"]) if cell["ttft_ms"] else None
             cell["max_ms"] = max(cell["ttft_ms"]) if cell["ttft_ms"] else None
             if cell.get("gbps"):
