@@ -46,6 +46,7 @@ ROWS = (
     "floor",
     "kvferry_shm",
     "kvferry_zmq",
+    "kvferry_shm_sync",
     "example",
     "mooncake",
     "nixl",
@@ -54,12 +55,13 @@ ROWS = (
 )
 #: vLLM's own connectors (a kvferry row "beats every peer" when faster than each that ran).
 PEERS = ("example", "mooncake", "nixl")
-KVFERRY_ROWS = ("kvferry_shm", "kvferry_zmq", "kvferry_shm_tp2")
+KVFERRY_ROWS = ("kvferry_shm", "kvferry_zmq", "kvferry_shm_sync", "kvferry_shm_tp2")
 LABELS = {
     "local": "local: D computes the prompt (TP 1)",
     "floor": "floor: prefix cache hit in D",
     "kvferry_shm": "kvferry shm P TP1 -> D TP1",
     "kvferry_zmq": "kvferry zmq P TP1 -> D TP1",
+    "kvferry_shm_sync": "kvferry shm, load_mode sync",
     "example": "vLLM ExampleConnector (disk)",
     "mooncake": "vLLM MooncakeConnector (tcp)",
     "nixl": "vLLM NixlConnector (UCX tcp)",
@@ -113,9 +115,12 @@ class Group:
     needs_dir: bool = False
 
 
-def _kvferry(connector: Mapping[str, Any], timeout_s: float, tp: int = 1) -> tuple[dict[str, Any], dict[str, Any]]:
+def _kvferry(
+    connector: Mapping[str, Any], timeout_s: float, tp: int = 1, **more: Any
+) -> tuple[dict[str, Any], dict[str, Any]]:
     # a load on loopback that has not arrived in 30 s has failed: fail it then, not at --timeout
     extra = {"connector": dict(connector), "base_port": free_base_port(), "load_timeout_s": min(timeout_s, 30.0)}
+    extra.update(more)
     return (
         {"kv_role": "kv_consumer", "extra": extra, "tp": tp},
         {"kv_role": "kv_producer", "extra": extra},
@@ -130,9 +135,15 @@ def groups(names: tuple[str, ...], timeout_s: float, storage: str = "") -> list[
         out.append(Group("local", Side({}, "0"), (RowSpec("local", "local"),)))
     if "floor" in want:
         out.append(Group("floor", Side({"prefix_caching": True}, "0"), (RowSpec("floor", "floor"),)))
-    for name, conn in (("kvferry_shm", {"type": "shm"}), ("kvferry_zmq", {"type": "zmq"})):
+    kinds: tuple[tuple[str, dict[str, Any], dict[str, Any]], ...] = (
+        ("kvferry_shm", {"type": "shm"}, {}),
+        ("kvferry_zmq", {"type": "zmq"}, {}),
+        # the request runs in the step that loads its KV (docs/vllm.md, load_mode)
+        ("kvferry_shm_sync", {"type": "shm"}, {"load_mode": "sync"}),
+    )
+    for name, conn, more in kinds:
         if name in want:
-            d, p = _kvferry(conn, timeout_s)
+            d, p = _kvferry(conn, timeout_s, **more)
             out.append(Group(name, Side(d, "0"), (RowSpec(name, "remote"),), prefill=Side(p, "1")))
     if "example" in want:
         cfg: dict[str, Any] = {

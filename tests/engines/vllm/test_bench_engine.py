@@ -17,7 +17,18 @@ from harness import vllm_python
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(2400)]
 
 LENGTH = 100  # 4 blocks, the last one partial
-ROWS = ["local", "floor", "kvferry_shm", "kvferry_zmq", "example", "mooncake", "nixl", "local_tp2", "kvferry_shm_tp2"]
+ROWS = [
+    "local",
+    "floor",
+    "kvferry_shm",
+    "kvferry_zmq",
+    "kvferry_shm_sync",
+    "example",
+    "mooncake",
+    "nixl",
+    "local_tp2",
+    "kvferry_shm_tp2",
+]
 
 
 def _installed(py: str, module: str) -> bool:
