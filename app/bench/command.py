@@ -39,8 +39,9 @@ def configure(parser: argparse.ArgumentParser) -> Callable[[argparse.Namespace],
     add(
         "--runs",
         type=int,
-        default=1,
-        help="repeat the whole measurement N times; report every run's ratios and their medians (default 1)",
+        default=None,
+        help="repeat the whole measurement N times; report every run's ratios and their medians "
+        "(default 1; --engine: runs per prompt length, default 5)",
     )
     add("--reps", type=int, default=None, help="timed repetitions per figure (default 5; quick 3)")
     add("--warmup", type=int, default=None, help="untimed warm-up repetitions (default 1)")
@@ -62,6 +63,16 @@ def configure(parser: argparse.ArgumentParser) -> Callable[[argparse.Namespace],
     )
     add("--rates", default=None, metavar="R1,R2", help="--hosts link rates, tc syntax (default 1gbit,10gbit)")
     add("--nbytes", type=int, default=None, help="--hosts payload bytes (default 235000000)")
+    add(
+        "--engine",
+        default=None,
+        choices=("vllm",),
+        help="a decode vLLM instance's time to first token: kvferry vs vLLM's own connectors, recompute and the "
+        "prefix-cache floor (needs the vllm extra)",
+    )
+    add("--lengths", default=None, metavar="N1,N2", help="--engine prompt lengths (default 128,512,1024,2047)")
+    add("--rows", default=None, metavar="R1,R2", help="--engine rows to measure (default all)")
+    add("--logs", default=None, metavar="DIR", help="--engine: keep the vLLM instances' logs in DIR")
     return run
 
 
@@ -132,7 +143,13 @@ def settings_from_args(args: argparse.Namespace) -> BenchSettings:
     overrides = {k: v for k, v in chosen.items() if v is not None}
     return BenchSettings(
         geometry,
-        **{**_fields(base), **overrides, "extra_connectors": tuple(extras), "seed": args.seed, "runs": args.runs},
+        **{
+            **_fields(base),
+            **overrides,
+            "extra_connectors": tuple(extras),
+            "seed": args.seed,
+            "runs": 1 if args.runs is None else args.runs,
+        },
     )
 
 
@@ -156,6 +173,10 @@ def run(args: argparse.Namespace, *, out: TextIO | None = None, err: TextIO | No
     err = sys.stderr if err is None else err
     if getattr(args, "hosts", False):
         return run_hosts(args, out, err)
+    if getattr(args, "engine", None):
+        from kvferry.app.bench.engine.command import run_engine
+
+        return run_engine(args, out, err)
     try:
         settings = settings_from_args(args)
     except ConfigError as exc:

@@ -85,10 +85,16 @@ class InstanceProcess:
         self._lines: queue.Queue[str | None] = queue.Queue()
         threading.Thread(target=self._read, daemon=True).start()
         started = time.monotonic()
-        ready = self.reply(timeout_s)
+        try:
+            ready = self.reply(timeout_s)
+            if not ready.get("ready"):
+                raise RuntimeError(f"instance did not say it is ready: {ready}; log: {self.tail()}")
+        except BaseException:  # no instance object for the caller to close: end the process here
+            self.kill()
+            self._log.close()
+            raise
+        self.ready = ready  # the ready line (an instance may add facts, e.g. its engine id)
         self.startup_s = time.monotonic() - started
-        if not ready.get("ready"):
-            raise RuntimeError(f"instance did not say it is ready: {ready}; log: {self.tail()}")
 
     def _read(self) -> None:
         assert self.proc.stdout is not None
