@@ -62,11 +62,11 @@ def test_engine_bench_reports_every_row(tmp_path: Path) -> None:
         assert len(cell["ttft_ms"]) == 1 and cell["median_ms"] > 0, (name, cell)
         assert len(cell["tokens"][0]) == 1, (name, cell)
         assert cell["vs_floor"] > 0, (name, cell)
-        if name == "kvferry_shm_tp2":  # TP 2 computes with another reduction order: a near tie may flip
+        if name not in ("local", "local_tp2"):
+            # a remote decode computes the last prompt token alone over loaded KV (vLLM's own connectors
+            # too; a TP 2 decode also with another reduction order): only a near tie may flip
             gap = cell["tie_gap"][0]
             assert cell["identical"] == [True] or (gap is not None and gap <= report["near_tie_nats"]), (name, cell)
-        elif name not in ("local", "local_tp2"):
-            assert cell["identical"] == [True], (name, cell)
         if row["kind"] == "kvferry":
             pages = -(-LENGTH // 32) * 32 * 8 * 2 * 2 * 32 * 2  # the model: 8 layers, K and V, 2 heads of 32, bf16
             assert cell["expected_bytes"] == pages
