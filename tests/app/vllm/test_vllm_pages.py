@@ -395,10 +395,13 @@ class Block:
             raise ImportError("vllm imported by " + repr(name))
 sys.meta_path.insert(0, Block())
 import kvferry.core, kvferry.adapters, kvferry.app
+# loaded only by vLLM itself (kv_connector_module_path): the connector class, and the bench's
+# shim that lets vLLM's MooncakeConnector run on CPU-only torch
+VLLM_MODULES = ("kvferry.app.vllm.connector", "kvferry.app.bench.engine.accelerator")
 names = []
 for pkg in (kvferry.core, kvferry.adapters, kvferry.app):
     for m in pkgutil.walk_packages(pkg.__path__, pkg.__name__ + "."):
-        if m.name == "kvferry.app.vllm.connector" or m.name.endswith("__main__"):
+        if m.name in VLLM_MODULES or m.name.endswith("__main__"):
             continue
         importlib.import_module(m.name)
         names.append(m.name)
