@@ -625,15 +625,22 @@ def test_without_inline_time_every_load_runs_on_a_load_thread() -> None:
         p.close()
 
 
-def test_a_load_started_before_the_prefill_ended_goes_on_where_the_engine_thread_stopped() -> None:
-    name = f"vllm-pages-{next(_names)}"
+def _half_saved(name: str) -> tuple[PageWorker, dict[str, torch.Tensor]]:
+    """A prefill in the middle of its forward: layer 0 of request "r" (transfer "t") is out, the
+    others come at its ``end_step()``."""
     p = _worker(name, 0, 1, True)
     src = _caches(HEADS, 3)
     p.register(src)
     p.begin_step([SaveJob("r", "t", (3, 7, 1), 70, 1)])
-    names = list(src)
-    p.save_layer(names[0], src[names[0]])  # layer 0 is out; layers 1.. come after the load starts
+    first = next(iter(src))
+    p.save_layer(first, src[first])
     _wait(lambda: p._saves["r"].layers_left == LAYERS - 1)
+    return p, src
+
+
+def test_a_load_started_before_the_prefill_ended_goes_on_where_the_engine_thread_stopped() -> None:
+    name = f"vllm-pages-{next(_names)}"
+    p, src = _half_saved(name)  # layer 0 is out; layers 1.. come after the load starts
     log: list[tuple[int, str]] = []
     d, dst = _recording_decode(name, log)
     try:
@@ -803,13 +810,7 @@ def test_a_sync_load_ends_in_the_step_and_is_never_reported_received() -> None:
 
 def test_a_sync_load_whose_pages_are_missing_fails_its_blocks_at_once() -> None:
     name = f"vllm-pages-{next(_names)}"
-    p = _worker(name, 0, 1, True)
-    src = _caches(HEADS, 3)
-    p.register(src)
-    p.begin_step([SaveJob("r", "t", (3, 7, 1), 70, 1)])
-    names = list(src)
-    p.save_layer(names[0], src[names[0]])  # only layer 0 is out when the decode step runs
-    _wait(lambda: p._saves["r"].layers_left == LAYERS - 1)
+    p, _ = _half_saved(name)  # only layer 0 is out when the decode step runs
     log: list[tuple[int, str]] = []
     d, _ = _recording_decode(name, log, inline_load_s=0.05)
     try:
