@@ -571,21 +571,20 @@ class _Recording:
         return getattr(self.inner, name)
 
 
+def _decode(settings: ConnectorSettings, factory) -> PageWorker:
+    """A TP 1 decode rank whose receiving connector ``factory`` makes."""
+    return PageWorker(
+        settings, tp_rank=0, tp_size=1, total_kv_heads=HEADS, producer=False, consumer=True, connector_factory=factory
+    )
+
+
 def _recording_decode(
     name: str, log: list[tuple[int, str]], connector: dict | None = None, **extra
 ) -> tuple[PageWorker, dict[str, torch.Tensor]]:
     settings = ConnectorSettings.from_extra_config(
         {"connector": connector or {"type": "memory", "shared_name": name}, "load_timeout_s": 5.0, **extra}
     )
-    d = PageWorker(
-        settings,
-        tp_rank=0,
-        tp_size=1,
-        total_kv_heads=HEADS,
-        producer=False,
-        consumer=True,
-        connector_factory=lambda cfg: _Recording(cfg, log),
-    )
+    d = _decode(settings, lambda cfg: _Recording(cfg, log))
     dst = _caches(HEADS, None)
     d.register(dst)
     return d, dst
@@ -712,15 +711,7 @@ def test_the_loads_of_one_step_share_one_inline_wait() -> None:
     settings = ConnectorSettings.from_extra_config(
         {"connector": {"type": "memory"}, "load_timeout_s": 0.3, "inline_load_s": 0.05}
     )
-    d = PageWorker(
-        settings,
-        tp_rank=0,
-        tp_size=1,
-        total_kv_heads=HEADS,
-        producer=False,
-        consumer=True,
-        connector_factory=lambda cfg: _NeverThere(cfg, calls),
-    )
+    d = _decode(settings, lambda cfg: _NeverThere(cfg, calls))
     d.register(_caches(HEADS, None))
     try:
         d.start_loads([LoadJob(r, _source(f"t-{r}", 70), (i + 1,), 0) for i, r in enumerate(("a", "b", "c"))])
@@ -847,9 +838,7 @@ def test_before_its_deadline_a_load_asks_a_zmq_like_receiver_without_waiting() -
             self.stop.set()
 
     settings = ConnectorSettings.from_extra_config({"connector": {"type": "zmq"}, "load_timeout_s": 0.3})
-    d = PageWorker(
-        settings, tp_rank=0, tp_size=1, total_kv_heads=HEADS, producer=False, consumer=True, connector_factory=_Late
-    )
+    d = _decode(settings, _Late)
     d.register(_caches(HEADS, None))
     try:
         d.start_loads([LoadJob("a", _source("t-a", 70), (1,), 0)])

@@ -72,6 +72,28 @@ def prefill_a(env: dict, decode: Instance) -> Any:
     inst.close()
 
 
+def _params_of_this_prefill(env: dict, tids: list[str], ps: list[list[int]]) -> list[dict]:
+    """What prefill_a's output would hand the decode for prompts ``ps`` under transfer ids
+    ``tids`` (made here: the pages may come later, or never)."""
+    from kvferry.app.vllm.params import prefill_result
+
+    return [
+        prefill_result(
+            transfer_id=t,
+            host="127.0.0.1",
+            port=env["base"] + 100,
+            num_tokens=len(p),
+            block_size=32,
+            num_layers=4,
+            tp_size=1,
+            decode_tp_size=1,
+            connector_type="shm",
+            engine_id="",
+        )
+        for t, p in zip(tids, ps)
+    ]
+
+
 def _remote(n: int, **extra: Any) -> list[dict]:
     return [{"do_remote_decode": True, **extra} for _ in range(n)]
 
@@ -127,27 +149,9 @@ def test_a_sync_load_of_pages_that_never_come_recomputes_at_once(
     """The prefill is up but never made these pages: a sync load cannot wait for them, so it
     fails within inline_load_s and vLLM recomputes the prompt (the same tokens), long before
     the load timeout an async load would wait out."""
-    from kvferry.app.vllm.params import prefill_result
-
     ps = prompts(LENGTHS[:2], seed=7)
-    params = [
-        {
-            **prefill_result(
-                transfer_id=f"never-{i}-{env['base']}",
-                host="127.0.0.1",
-                port=env["base"] + 100,
-                num_tokens=len(p),
-                block_size=32,
-                num_layers=4,
-                tp_size=1,
-                decode_tp_size=1,
-                connector_type="shm",
-                engine_id="",
-            ),
-            "load_mode": "sync",
-        }
-        for i, p in enumerate(ps)
-    ]
+    tids = [f"never-{i}-{env['base']}" for i in range(len(ps))]
+    params = [{**p, "load_mode": "sync"} for p in _params_of_this_prefill(env, tids, ps)]
     before = decode.metrics().get("vllm:kvferry_failures{timeout}", 0)
     t = time.monotonic()
     out = decode.generate(ps, params, max_tokens=TOKENS)
@@ -162,25 +166,9 @@ def test_decode_started_before_the_prefill(
 ) -> None:
     """A proxy that knows the prefill's address sends both requests at once: the decode waits
     (arrival notification) for pages the prefill has not computed yet."""
-    from kvferry.app.vllm.params import prefill_result
-
     ps = prompts(LENGTHS[:2], seed=7)
     tids = [f"early-{i}-{env['base']}" for i in range(len(ps))]
-    params = [
-        prefill_result(
-            transfer_id=t,
-            host="127.0.0.1",
-            port=env["base"] + 100,
-            num_tokens=len(p),
-            block_size=32,
-            num_layers=4,
-            tp_size=1,
-            decode_tp_size=1,
-            connector_type="shm",
-            engine_id="",
-        )
-        for t, p in zip(tids, ps)
-    ]
+    params = _params_of_this_prefill(env, tids, ps)
     before = decode.metrics()
     decode.send({"op": "generate", "prompts": ps, "params": params, "max_tokens": TOKENS})
     out_p = prefill_a.generate(ps, [{"do_remote_decode": True, "transfer_id": t} for t in tids], max_tokens=1)
