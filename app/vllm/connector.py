@@ -133,7 +133,9 @@ class KVFerryConnector(KVConnectorBase_V1):
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
         if self._worker is None:
             return None, None
-        sent, loaded = self._worker.finished(finished_req_ids)
+        meta = self._connector_metadata
+        idle = isinstance(meta, KVFerryConnectorMetadata) and meta.plan.idle
+        sent, loaded = self._worker.finished(finished_req_ids, idle=idle)
         return sent or None, loaded or None
 
     def get_block_ids_with_load_errors(self) -> set[int]:

@@ -87,7 +87,10 @@ class ConnectorSettings:
     ``load_mode``: ``"async"`` (a request waits for its KV, up to ``load_timeout_s``) or
     ``"sync"`` (the request runs in the step its KV is asked for: the KV must be there within
     ``inline_load_s``, or the prompt is recomputed as after any failed load); a request's
-    ``kv_transfer_params.load_mode`` overrides it.
+    ``kv_transfer_params.load_mode`` overrides it. ``idle_wait_s``: in a step that runs no
+    tokens while this rank has saves or loads in flight, how long the engine's thread waits
+    for one of them to end (on an event, so it returns as soon as one does) instead of going
+    straight on to the next empty step (0: never waits); see docs/vllm.md.
     """
 
     connector: Mapping[str, Any] = attrs.field(factory=lambda: {"type": "shm"})
@@ -103,6 +106,7 @@ class ConnectorSettings:
     load_threads: int = 2
     inline_load_s: float = 0.02
     load_mode: str = "async"
+    idle_wait_s: float = 0.002
 
     @classmethod
     def from_extra_config(cls, extra: Mapping[str, Any] | None) -> ConnectorSettings:
@@ -127,11 +131,12 @@ class ConnectorSettings:
         for name in ("load_timeout_s", "lease_s"):
             if name in extra:
                 out[name] = _seconds(_EXTRA, name, extra[name])
-        if "inline_load_s" in extra:
-            value = extra["inline_load_s"]
-            if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value <= 1:
-                raise ConfigError(f"{_EXTRA}.inline_load_s: expected seconds in 0..1, got {value!r}")
-            out["inline_load_s"] = float(value)
+        for name in ("inline_load_s", "idle_wait_s"):
+            if name in extra:
+                value = extra[name]
+                if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value <= 1:
+                    raise ConfigError(f"{_EXTRA}.{name}: expected seconds in 0..1, got {value!r}")
+                out[name] = float(value)
         if "load_mode" in extra:
             out["load_mode"] = _load_mode(_EXTRA, extra["load_mode"])
         if "pool_bytes" in extra:

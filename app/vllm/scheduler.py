@@ -41,10 +41,12 @@ logger = logging.getLogger(__name__)
 
 @attrs.frozen
 class StepPlan:
-    """What one step's workers do (vLLM's connector metadata wraps it)."""
+    """What one step's workers do (vLLM's connector metadata wraps it). ``idle``: the step
+    runs no tokens (vLLM steps an engine that only waits on its connector's transfers)."""
 
     saves: tuple[SaveJob, ...] = ()
     loads: tuple[LoadJob, ...] = ()
+    idle: bool = False
 
 
 @attrs.define(eq=False)
@@ -107,7 +109,7 @@ class PageScheduler:
             decode_tp = pending.ask.decode_tp_size or self.settings.decode_tp_size or self.tp_size
             saves.append(SaveJob(rid, pending.ask.transfer_id or rid, blocks, req.num_prompt_tokens, decode_tp))
         loads, self._loads = tuple(self._loads), []
-        return StepPlan(tuple(saves), loads)
+        return StepPlan(tuple(saves), loads, idle=not any(scheduled.values()))
 
     def request_finished(self, request: Any) -> tuple[bool, dict[str, Any] | None]:
         """``(keep_blocks, kv_transfer_params)`` for a finished request."""

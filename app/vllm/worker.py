@@ -17,6 +17,13 @@ prefill is done, its layers are all there and the load ends before the step does
 thread hand-off. (A load thread competes for the GIL with the engine's busy loop, and waits up
 to the interpreter's switch interval, 5 ms, at every get and every torch call: hundreds of
 milliseconds for one request.) What is not there in time continues on a small thread pool.
+
+Both sides: while a save or a load is in flight and vLLM steps the engine only to poll the
+connector (a step with no tokens), :meth:`PageWorker.finished` waits up to ``idle_wait_s``
+for one of them to end, on a condition the save and load threads signal. An engine that polls
+without pause holds the GIL, and the save or load thread would wait up to the switch interval
+at each of its many GIL hand-offs (measured beside a thread that polls without pause: a
+2047-token save of 8 layers took 556-1210 ms, against 12-32 ms with the wait; docs/vllm.md).
 A failed load (timeout, expired lease, corrupt payload, bad params, unreachable prefill)
 reports the request as finished with all of its blocks in :meth:`PageWorker.load_errors`;
 vLLM's ``kv_load_failure_policy`` then recomputes or fails it. Nothing here waits without a deadline.
@@ -209,6 +216,10 @@ class PageWorker:
     _receiver: Any = attrs.field(init=False, default=None)
     _writer: PageWriter | None = attrs.field(init=False, default=None)
     _lock: threading.Lock = attrs.field(init=False, factory=threading.Lock)
+    #: Signalled (under ``_lock``) when a save or a load ends.
+    _progress: threading.Condition = attrs.field(
+        init=False, default=attrs.Factory(lambda self: threading.Condition(self._lock), takes_self=True)
+    )
     _saves: dict[str, _SaveState] = attrs.field(init=False, factory=dict)
     _step_saves: tuple[SaveJob, ...] = attrs.field(init=False, default=())
     _engine_finished: set[str] = attrs.field(init=False, factory=set)
@@ -302,6 +313,8 @@ class PageWorker:
             with self._lock:
                 state.layers_left -= 1
                 done = state.done
+                if done:
+                    self._progress.notify_all()
             if done and state.failed is None:
                 self.stats.add(
                     requests_sent=1, bytes_sent=state.nbytes, save_seconds=max(0.0, self.clock() - state.started)
@@ -384,7 +397,9 @@ class PageWorker:
                 done.set_result(self._finish(run))
                 self._loads[job.req_id] = done
             else:
-                self._loads[job.req_id] = self._pool.submit(self._load_rest, run)
+                fut = self._pool.submit(self._load_rest, run)
+                fut.add_done_callback(self._ended)
+                self._loads[job.req_id] = fut
 
     def _load_now(self, job: LoadJob, until: float) -> None:
         """A sync load: read what is there by ``until``; whatever is missing then fails it."""
@@ -577,11 +592,27 @@ class PageWorker:
             delay = min(2 * delay, 0.004)
 
     # ------------------------------------------------------------------------ completions
-    def finished(self, finished_req_ids: Sequence[str] | set[str]) -> tuple[set[str], set[str]]:
+    def _ended(self, _fut: concurrent.futures.Future[bool]) -> None:
+        with self._lock:
+            self._progress.notify_all()
+
+    def _in_flight(self) -> int:
+        """Saves and loads not ended yet (call with ``_lock`` held)."""
+        saves = sum(1 for s in self._saves.values() if not s.done)
+        return saves + sum(1 for f in list(self._loads.values()) if not f.done())
+
+    def finished(self, finished_req_ids: Sequence[str] | set[str], *, idle: bool = False) -> tuple[set[str], set[str]]:
         """``(sent, loaded)``: requests whose blocks vLLM may free / schedule now. A failed
-        load is in ``loaded`` too, its blocks in the next :meth:`load_errors`."""
+        load is in ``loaded`` too, its blocks in the next :meth:`load_errors`. ``idle``: this
+        step ran no tokens; with a save or load in flight, first wait up to ``idle_wait_s``
+        for one to end."""
         sent: set[str] = set()
         with self._lock:
+            wait = self.settings.idle_wait_s if idle else 0.0
+            if wait > 0:
+                before = self._in_flight()
+                if before:
+                    self._progress.wait_for(lambda: self._in_flight() < before, timeout=wait)
             self._engine_finished.update(r for r in finished_req_ids if r in self._saves)
             for rid in list(self._engine_finished):
                 if self._saves[rid].done:

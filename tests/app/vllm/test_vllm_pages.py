@@ -108,6 +108,10 @@ def test_settings_from_extra_config() -> None:
     for bad in (-0.1, 2, True, "0.1"):
         with pytest.raises(ConfigError, match=r"^kv_connector_extra_config\.inline_load_s: "):
             ConnectorSettings.from_extra_config({"inline_load_s": bad})
+    assert s.idle_wait_s == 0.002 and ConnectorSettings.from_extra_config({"idle_wait_s": 0}).idle_wait_s == 0
+    for bad in (-0.001, 1.5, False, None):
+        with pytest.raises(ConfigError, match=r"^kv_connector_extra_config\.idle_wait_s: "):
+            ConnectorSettings.from_extra_config({"idle_wait_s": bad})
 
 
 # ---------------------------------------------------------------------------------- routing
@@ -624,10 +628,10 @@ def test_without_inline_time_every_load_runs_on_a_load_thread() -> None:
         p.close()
 
 
-def _half_saved(name: str) -> tuple[PageWorker, dict[str, torch.Tensor]]:
+def _half_saved(name: str, **extra) -> tuple[PageWorker, dict[str, torch.Tensor]]:
     """A prefill in the middle of its forward: layer 0 of request "r" (transfer "t") is out, the
     others come at its ``end_step()``."""
-    p = _worker(name, 0, 1, True)
+    p = _worker(name, 0, 1, True, **extra)
     src = _caches(HEADS, 3)
     p.register(src)
     p.begin_step([SaveJob("r", "t", (3, 7, 1), 70, 1)])
@@ -853,3 +857,56 @@ def test_before_its_deadline_a_load_asks_a_zmq_like_receiver_without_waiting() -
         assert d.load_errors() == {1}
     finally:
         d.close()
+
+
+# ------------------------------------------------------------------------------ idle steps
+def test_a_plan_is_idle_when_the_step_runs_no_tokens() -> None:
+    s = _scheduler(True)
+    assert s.build_plan({}).idle and not s.build_plan({"a": 3}).idle
+
+
+def _timed(call):
+    t0 = time.monotonic()
+    out = call()
+    return out, time.monotonic() - t0
+
+
+def test_an_idle_step_of_the_prefill_waits_for_a_save_and_ends_with_it() -> None:
+    """With a save in flight, an idle step's ``finished`` waits on the save thread's signal: at
+    most ``idle_wait_s`` while nothing ends, and no longer than the save once it runs."""
+    name = f"vllm-pages-{next(_names)}"
+    p, _ = _half_saved(name, idle_wait_s=0.05)  # layers 1.. are not queued before end_step
+    try:
+        (sent, _), waited = _timed(lambda: p.finished({"r"}, idle=True))
+        assert sent == set() and waited >= 0.045  # nothing could end: the whole wait
+        (sent, _), waited = _timed(lambda: p.finished({"r"}))
+        assert sent == set() and waited < 0.05  # a step that ran tokens never waits
+    finally:
+        p.close()
+    p, _ = _half_saved(name, idle_wait_s=1.0)
+    try:
+        p.end_step()  # the forward ends: the save thread publishes layers 1..
+        (sent, _), waited = _timed(lambda: p.finished({"r"}, idle=True))
+        assert sent == {"r"} and waited < 0.8  # woken by the save's end, not by the timeout
+        (sent, _), waited = _timed(lambda: p.finished(set(), idle=True))
+        assert sent == set() and waited < 0.5  # nothing in flight: no wait
+    finally:
+        p.close()
+
+
+def test_an_idle_step_of_the_decode_waits_for_a_load_and_ends_with_it() -> None:
+    name = f"vllm-pages-{next(_names)}"
+    p, src = _half_saved(name)
+    log: list[tuple[int, str]] = []
+    d, dst = _recording_decode(name, log, inline_load_s=0, idle_wait_s=1.0)
+    try:
+        d.start_loads([LoadJob("r", _source("t", 70), (4, 9, 2), 0)])
+        assert d.finished(set()) == (set(), set())  # a load thread waits for layer 1
+        p.end_step()
+        (_, loaded), waited = _timed(lambda: d.finished(set(), idle=True))
+        assert loaded == {"r"} and waited < 0.8 and d.load_errors() == set()
+        for layer_name, layer in src.items():
+            assert torch.equal(dst[layer_name][[4, 9, 2]], layer[[3, 7, 1]])
+    finally:
+        d.close()
+        p.close()
