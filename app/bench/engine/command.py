@@ -189,7 +189,15 @@ class _Bench:
                     self.say(f"{spec.name}: {n} tokens")
                     cell: dict[str, Any] = {"ttft_ms": [], "tokens": [], "logprobs": []}
                     if spec.name in KVFERRY_ROWS:
-                        cell.update(kv_bytes=[], load_ms=[], gbps=[], loads_ok=[], expected_bytes=expected_kv_bytes(n))
+                        cell.update(
+                            kv_bytes=[],
+                            load_ms=[],
+                            load_start_ms=[],
+                            after_load_ms=[],
+                            gbps=[],
+                            loads_ok=[],
+                            expected_bytes=expected_kv_bytes(n),
+                        )
                     for prompt in runs:
                         if spec.mode == "local":
                             out = self.generate(decode, prompt, None)
@@ -247,6 +255,11 @@ class _Bench:
             cell["kv_bytes"].append(nbytes)
             cell["loads_ok"].append(len(last) == len(ranks) and all(r["ok"] for r in last))
             cell["load_ms"].append(round(span * 1000, 2))
+            # where the load sat in the time to first token (one monotonic clock on this host)
+            first = min(r["started"] for r in last) if last else out["started"]
+            end = max(r["ended"] for r in last) if last else out["started"]
+            cell["load_start_ms"].append(round((first - out["started"]) * 1000, 2))
+            cell["after_load_ms"].append(round((out["started"] + out["seconds"] - end) * 1000, 2))
             cell["gbps"].append(nbytes / span / 1e9 if span > 0 else None)
         result: dict[str, Any] = out
         return result

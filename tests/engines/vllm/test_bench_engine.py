@@ -74,3 +74,7 @@ def test_engine_bench_reports_every_row(tmp_path: Path) -> None:
             assert pages <= cell["kv_bytes"][0] <= pages + 8 * 2 * 4096, (name, cell)
             assert cell["loads_ok"] == [True] and cell["median_gbps"] > 0, (name, cell)
             assert cell["beats_peers"] in (True, False), (name, cell)
+            # the load lies inside the decode's generate call: after the request, before its output
+            start, load, after = cell["load_start_ms"][0], cell["load_ms"][0], cell["after_load_ms"][0]
+            assert start >= 0 and load > 0 and after >= 0, (name, cell)
+            assert abs(start + load + after - cell["ttft_ms"][0]) < 0.5, (name, cell)
