@@ -549,11 +549,9 @@ class PageWorker:
         self, plan: _LoadPlan, until: float | None, layer_idx: int, sl: Any, stages: tuple[str, str]
     ) -> tuple[Any, int] | None:
         """One layer's payload, waiting until ``until`` (None: not there by then, more time
-        left) or the load's deadline (then a timeout failure). Before ``until`` only a receiver
-        whose short waits lose nothing waits (shm: its sender answers within the wait, and the
-        receiver waits for that answer); another one (zmq: a data reply still streaming when
-        its wait ends goes to a stash a second get may miss) is asked without waiting, again
-        until ``until``, each reply taken whole."""
+        left) or the load's deadline (then a timeout failure). A short wait loses nothing: a
+        reply that comes after it answers the next get of the key (shm: its sender answers
+        within the wait; zmq: a late reply goes to the newer get, or to its stash)."""
         src = plan.source
         key = layer_key(src.transfer_id, self.settings.from_stage, layer_idx, sl.source_rank, self.tp_rank)
         final = until is None or until >= plan.deadline
@@ -564,10 +562,7 @@ class PageWorker:
             raise _LoadFailed("timeout", f"{key!r} not there within {self.settings.load_timeout_s} s")
         source = src.source_metadata(sl.source_rank)
         try:
-            if final or hasattr(self._receiver, "get_many"):
-                got = self._receiver.get_blocking(*stages, key, source, timeout_s=remaining)
-            else:  # a short wait could abandon a reply already on its way (zmq): ask, take it whole
-                got = self._ask_until(stages, key, source, min(until or 0.0, plan.deadline))
+            got = self._receiver.get_blocking(*stages, key, source, timeout_s=remaining)
         except LeaseExpired as exc:
             raise _LoadFailed("expired", str(exc)) from exc
         except KVFerryError as exc:
@@ -578,18 +573,6 @@ class PageWorker:
             where = f"prefill at {src.host}:{source['source_port']}"
             raise _LoadFailed("timeout", f"{key!r} not there within {self.settings.load_timeout_s} s ({where})")
         return got
-
-    def _ask_until(self, stages: tuple[str, str], key: str, source: Any, until: float) -> tuple[Any, int] | None:
-        """Non-blocking gets of ``key`` (each a whole exchange) until it is there or ``until``
-        passes, 1 to 4 ms apart: a prefill's last layers are often a few milliseconds behind
-        its output."""
-        delay = 0.001
-        while True:
-            got = self._receiver.get(*stages, key, source)
-            if got is not None or self.clock() + delay >= until:
-                return got
-            self.sleep(delay)
-            delay = min(2 * delay, 0.004)
 
     # ------------------------------------------------------------------------ completions
     def _ended(self, _fut: concurrent.futures.Future[bool]) -> None:

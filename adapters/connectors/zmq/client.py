@@ -5,9 +5,11 @@ Callers (any thread, several at once) hand a request to the I/O thread and wait 
 I/O thread touches the DEALER sockets. Each request has a correlation id unique in this
 connector; a reply is handed only to the waiting request with the same id *and* endpoint.
 
-A data reply that arrives after its caller gave up (its deadline passed) is not lost: it is
-kept in a bounded stash (``late_stash_bytes``, ``late_stash_s``) and handed to the next get of
-the same key from the same endpoint. It never answers any other key.
+A data reply that arrives after its caller gave up (its deadline passed) is not lost: when a
+newer get of the same key from the same endpoint is waiting, it answers that one (the sender
+gave the key to the first get, so it can only park the newer one until its wait ends);
+otherwise it is kept in a bounded stash (``late_stash_bytes``, ``late_stash_s``) and handed to
+the next get of that key from that endpoint. It never answers any other key.
 
 DEALERs use ``IMMEDIATE``: a request is queued only to a live connection, so a request made
 while the sender is away is never delivered later to a restarted sender; it just times out.
@@ -54,6 +56,7 @@ COUNTERS = (
     "errors",
     "timeouts",
     "late_replies",
+    "late_handed_over",
     "stash_hits",
     "stash_evicted",
     "bad_replies",
@@ -214,6 +217,12 @@ class ZmqClient:
             if outcome.kind != "data":
                 return  # e.g. the sender's own "timeout" answer, just after our deadline
             self._counters["late_replies"] += 1
+            for other in self._pending.values():  # a newer get of this key, still waiting
+                if other.outcome is None and other.endpoint == endpoint and other.key == key:
+                    other.outcome = outcome
+                    other.event.set()
+                    self._counters["late_handed_over"] += 1
+                    return
             if not self._closed:
                 evicted = self._stash.put(endpoint, key, outcome, self.clock())
                 self._counters["stash_evicted"] += evicted

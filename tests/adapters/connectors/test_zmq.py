@@ -720,6 +720,36 @@ def test_late_reply_never_answers_another_request(fake_sender):
         assert receiver.health()["receiver"]["late_replies"] == 1
 
 
+def test_a_late_reply_goes_to_a_newer_get_of_the_same_key_still_waiting(fake_sender):
+    """The sender answered a get whose caller had given up while that caller's second get of the
+    same key was already on its way: the sender took the key for the first get, so it can only
+    park the second one. The late payload answers the waiting get (the stash alone would keep it
+    until a third get, and the waiting one would time out)."""
+    sock, meta = fake_sender
+    with ZmqConnector({"role": "receiver", "request_timeout_s": 0.3}) as receiver:
+        assert receiver.get("0", "1", "a", meta) is None  # gave up
+        identity, body = sock.recv_multipart()
+        first = decode_request(body)
+        result = {}
+        waiter = threading.Thread(
+            target=lambda: result.update(got=receiver.get_blocking("0", "1", "a", meta, timeout_s=WAIT))
+        )
+        waiter.start()
+        identity, body = sock.recv_multipart()
+        second = decode_request(body)
+        assert second.key == "a" and second.corr_id != first.corr_id  # asked again: not in the stash
+        sock.send_multipart([identity, encode_reply(Reply("data", first.corr_id, "a", sizes=(4,))), b"AAAA"])
+        waiter.join(WAIT)
+        assert not waiter.is_alive() and joined(result["got"][0]) == b"AAAA"
+        stats = receiver.health()["receiver"]
+        assert stats["late_replies"] == 1 and stats["late_handed_over"] == 1 and stats["stash_payloads"] == 0
+        # the sender's own answer to the second get comes later and answers nothing
+        sock.send_multipart([identity, encode_reply(Reply("miss", second.corr_id, "a", reason="timeout"))])
+        assert receiver.get("0", "1", "a", meta) is None  # nothing kept: the payload went to one get
+        identity, body = sock.recv_multipart()
+        assert decode_request(body).key == "a"
+
+
 def test_sender_gone_then_back():
     port = free_port()
     meta = {"source_host": "127.0.0.1", "source_port": port}

@@ -820,43 +820,40 @@ def test_a_sync_load_whose_pages_are_missing_fails_its_blocks_at_once() -> None:
         p.close()
 
 
-def test_before_its_deadline_a_load_asks_a_zmq_like_receiver_without_waiting() -> None:
-    """Without get_many (zmq, memory), the engine thread only asks (non-blocking gets, until
-    inline_load_s): a short wait on zmq could abandon a reply already streaming."""
-    calls: list[tuple[str, str, float | None]] = []
+def test_over_zmq_a_load_that_outlasts_the_engine_threads_wait_goes_on_and_is_exact() -> None:
+    """Over real zmq: the engine thread reads layer 0 and waits ``inline_load_s`` for layer 1,
+    which is not out yet; the load thread goes on with a new get of it, and every layer lands
+    (a reply that came after the short wait would answer that newer get)."""
+    from kvferry.adapters.platform import free_base_port
 
-    class _Late:
-        def __init__(self, config):
-            self.stop = threading.Event()
-
-        def get(self, from_stage, to_stage, key, metadata=None):
-            calls.append(("get", threading.current_thread().name, None))
-            return None
-
-        def get_blocking(self, from_stage, to_stage, key, metadata=None, *, timeout_s):
-            calls.append(("get_blocking", threading.current_thread().name, timeout_s))
-            self.stop.wait(timeout_s)
-            return None
-
-        def close(self):
-            self.stop.set()
-
-    settings = ConnectorSettings.from_extra_config({"connector": {"type": "zmq"}, "load_timeout_s": 0.3})
-    d = _decode(settings, _Late)
-    d.register(_caches(HEADS, None))
+    settings = ConnectorSettings.from_extra_config(
+        {"connector": {"type": "zmq"}, "base_port": free_base_port(), "load_timeout_s": 10.0, "inline_load_s": 0.05}
+    )
+    p = PageWorker(settings, tp_rank=0, tp_size=1, total_kv_heads=HEADS, producer=True, consumer=False)
+    src = _caches(HEADS, 9)
+    p.register(src)
+    p.begin_step([SaveJob("r", "t", (3, 7, 1), 70, 1)])
+    first = next(iter(src))
+    p.save_layer(first, src[first])
+    _wait(lambda: p._saves["r"].layers_left == LAYERS - 1)
+    log: list[tuple[int, str]] = []
+    d, dst = _recording_decode("unused", log, connector={"type": "zmq"}, inline_load_s=0.05)
+    params = _params(transfer_id="t", num_tokens=70, remote_port=settings.sender_port(0, 1), connector_type="zmq")
     try:
-        d.start_loads([LoadJob("a", _source("t-a", 70), (1,), 0)])
-        me = threading.current_thread().name
+        d.start_loads([LoadJob("r", parse_decode_params(params), (4, 9, 2), 0)])
+        assert d.finished(set()) == (set(), set())  # layer 1 not out: still loading
+        assert log == [(0, threading.current_thread().name)]
+        p.end_step()
         got: set[str] = set()
-        _wait(lambda: got.update(d.finished(set())[1]) or "a" in got)
-        mine = [c for c in calls if c[1] == me]
-        assert mine and all(c == ("get", me, None) for c in mine)  # asked, never a wait, in the engine's thread
-        theirs = [c for c in calls if c[1] != me]
-        assert [kind for kind, _, _ in theirs] == ["get_blocking"]  # the load thread waits it out
-        assert theirs[0][1].startswith("kvferry-load") and 0 < theirs[0][2] <= 0.3
-        assert d.load_errors() == {1}
+        _wait(lambda: got.update(d.finished(set())[1]) or "r" in got)
+        assert d.load_errors() == set()
+        assert [layer for layer, _ in log] == list(range(LAYERS))
+        assert all(thread.startswith("kvferry-load") for _, thread in log[1:])
+        for layer_name, layer in src.items():
+            assert torch.equal(dst[layer_name][[4, 9, 2]], layer[[3, 7, 1]])
     finally:
         d.close()
+        p.close()
 
 
 # ------------------------------------------------------------------------------ idle steps
