@@ -28,6 +28,7 @@ import os
 import re
 import secrets
 import stat
+import threading
 from typing import Any
 
 import attrs
@@ -61,6 +62,8 @@ SEGMENT_PREFIX = "kvferry-"
 _NAMESPACE_RE = re.compile(r"^[A-Za-z0-9_.]{1,48}$")
 _SEGMENT_RE = re.compile(r"^kvferry-(?P<ns>[A-Za-z0-9_.]+)-(?P<pid>\d+)-(?P<tag>\d+|x)-(?P<token>[0-9a-f]+)$")
 _PIDFILE_RE = re.compile(r"^ctl-(?P<tag>[0-9a-z]+)\.pid$")
+#: An owner file being written (claim_control), by process ``pid``.
+_DRAFT_RE = re.compile(r"^ctl-[0-9a-z]+\.pid\.(?P<pid>[0-9]+)\.[0-9]+\.new$")
 
 
 def default_namespace(uid: int | None = None) -> str:
@@ -236,10 +239,20 @@ def claim_control(namespace: str, tag: str, segment: str, base: str | None = Non
     """
     directory = runtime_dir(namespace, base)
     sock, pidfile = control_paths(namespace, tag, base)
+    # the owner file appears with its content (written to a file of our own, then linked: a
+    # hard link fails if the name exists, as O_EXCL does): a peer's reaper that looks at the
+    # moment it appears reads a live pid, never an empty file it would take for a stale one
+    draft = f"{pidfile}.{os.getpid()}.{threading.get_ident()}.new"
     for _ in range(_CLAIM_ATTEMPTS):
         try:
             _private_directory(directory)
-            fd = os.open(pidfile, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
+            fd = os.open(draft, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o600)
+            with os.fdopen(fd, "w") as out:
+                out.write(f"{os.getpid()}\n{segment}\n")
+            try:
+                os.link(draft, pidfile)
+            finally:
+                remove_quietly(draft)
         except FileExistsError:
             owner = _owner_pid(pidfile)
             if owner is not None and pid_alive(owner):
@@ -249,8 +262,6 @@ def claim_control(namespace: str, tag: str, segment: str, base: str | None = Non
             continue
         except FileNotFoundError:  # a closing or reaping peer removed the (empty) directory: retry
             continue
-        with os.fdopen(fd, "w") as out:
-            out.write(f"{os.getpid()}\n{segment}\n")
         remove_quietly(sock)
         return sock, pidfile
     raise BindError(f"could not claim shm port {tag} in namespace {namespace!r} ({pidfile})")
@@ -288,6 +299,12 @@ def reap_namespace(namespace: str, base: str | None = None, shm_dir: str = SHM_D
     except FileNotFoundError:
         return removed
     for entry in entries:
+        draft = _DRAFT_RE.match(entry)
+        if draft is not None and not pid_alive(int(draft["pid"])):  # its writer died mid-claim
+            path = os.path.join(directory, entry)
+            if remove_quietly(path):
+                removed.append(path)
+            continue
         match = _PIDFILE_RE.match(entry)
         if match is None:
             continue

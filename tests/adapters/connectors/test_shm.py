@@ -508,6 +508,35 @@ def test_sender_start_survives_a_peer_removing_the_empty_directory(space, monkey
         assert sender.put("0", "1", "k", b"v")[0]
 
 
+def test_a_peer_reaping_as_the_owner_file_appears_leaves_the_claim(space, monkeypatch) -> None:
+    """A peer that starts at the same moment reaps the namespace (owner files of dead pids go).
+    It may look right when this sender's owner file first exists: the file must already name
+    the live owner then, or the reaper removes it as stale, then the emptied directory, and the
+    control socket cannot bind (seen once in the soak test)."""
+    from kvferry.adapters.connectors.shm import segment as segment_module
+
+    namespace, base = space
+    pidfile = os.path.join(runtime_dir(namespace, base), f"ctl-{PORT}.pid")
+    reaped: list[list[str]] = []
+
+    def then_peer_reaps(real):
+        def call(*args, **kwargs):
+            out = real(*args, **kwargs)
+            if not reaped and os.path.exists(pidfile):
+                reaped.append(reap_namespace(namespace, base))  # what a peer's start does
+            return out
+
+        return call
+
+    for name in ("open", "link", "rename", "replace"):
+        monkeypatch.setattr(segment_module.os, name, then_peer_reaps(getattr(os, name)))
+    with make(space, "sender") as sender:
+        assert reaped == [[]]  # the peer looked while the owner file was new, and took nothing
+        with open(pidfile, encoding="ascii") as owner:
+            assert owner.readline().strip() == str(os.getpid())
+        assert sender.put("0", "1", "k", b"v")[0]
+
+
 def test_reaper_removes_only_dead_owners_files(space) -> None:
     namespace, base = space
     dead = _dead_pid()
@@ -515,7 +544,8 @@ def test_reaper_removes_only_dead_owners_files(space) -> None:
     other_ns = os.path.join(SHM_DIR, segment_name(namespace + "x", dead, 7, "deadbeef"))
     directory = runtime_dir(namespace, base)
     os.makedirs(directory, mode=0o700)
-    for path in (stale, other_ns, os.path.join(directory, "ctl-7.sock")):
+    draft = os.path.join(directory, f"ctl-7.pid.{dead}.1.new")  # its writer died mid-claim
+    for path in (stale, other_ns, os.path.join(directory, "ctl-7.sock"), draft):
         open(path, "wb").close()
     with open(os.path.join(directory, "ctl-7.pid"), "w") as owner:
         owner.write(f"{dead}\n")
