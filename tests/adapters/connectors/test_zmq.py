@@ -9,6 +9,7 @@ import socket
 import tempfile
 import threading
 import time
+from typing import Any
 
 import msgpack
 import pytest
@@ -697,20 +698,27 @@ def test_receiver_handles_silent_and_broken_senders(fake_sender):
         assert receiver.health()["receiver"]["bad_replies"] >= 3
 
 
+def _gave_up_then_waits(receiver, sock, meta, key: str) -> tuple[Any, Any, Any, threading.Thread, dict]:
+    """A get of "a" that times out unanswered, then a get of ``key`` waiting in a thread:
+    ``(identity, first request, second request, waiter, result)`` as the fake sender saw them."""
+    assert receiver.get("0", "1", "a", meta) is None  # gave up
+    identity, body = sock.recv_multipart()
+    first = decode_request(body)
+    result: dict = {}
+    waiter = threading.Thread(
+        target=lambda: result.update(got=receiver.get_blocking("0", "1", key, meta, timeout_s=WAIT))
+    )
+    waiter.start()
+    identity, body = sock.recv_multipart()
+    second = decode_request(body)
+    assert second.key == key and second.corr_id != first.corr_id
+    return identity, first, second, waiter, result
+
+
 def test_late_reply_never_answers_another_request(fake_sender):
     sock, meta = fake_sender
     with ZmqConnector({"role": "receiver", "request_timeout_s": 0.3}) as receiver:
-        assert receiver.get("0", "1", "a", meta) is None  # times out
-        identity, body = sock.recv_multipart()
-        late = decode_request(body)
-        result = {}
-        waiter = threading.Thread(
-            target=lambda: result.update(got=receiver.get_blocking("0", "1", "b", meta, timeout_s=WAIT))
-        )
-        waiter.start()
-        identity, body = sock.recv_multipart()
-        current = decode_request(body)
-        assert current.key == "b" and current.corr_id != late.corr_id
+        identity, late, current, waiter, result = _gave_up_then_waits(receiver, sock, meta, "b")
         sock.send_multipart([identity, encode_reply(Reply("data", late.corr_id, "a", sizes=(4,))), b"AAAA"])
         sock.send_multipart([identity, encode_reply(Reply("miss", current.corr_id, "b", reason="timeout"))])
         waiter.join(WAIT)
@@ -727,17 +735,8 @@ def test_a_late_reply_goes_to_a_newer_get_of_the_same_key_still_waiting(fake_sen
     until a third get, and the waiting one would time out)."""
     sock, meta = fake_sender
     with ZmqConnector({"role": "receiver", "request_timeout_s": 0.3}) as receiver:
-        assert receiver.get("0", "1", "a", meta) is None  # gave up
-        identity, body = sock.recv_multipart()
-        first = decode_request(body)
-        result = {}
-        waiter = threading.Thread(
-            target=lambda: result.update(got=receiver.get_blocking("0", "1", "a", meta, timeout_s=WAIT))
-        )
-        waiter.start()
-        identity, body = sock.recv_multipart()
-        second = decode_request(body)
-        assert second.key == "a" and second.corr_id != first.corr_id  # asked again: not in the stash
+        # asked again (not in the stash: no reply yet)
+        identity, first, second, waiter, result = _gave_up_then_waits(receiver, sock, meta, "a")
         sock.send_multipart([identity, encode_reply(Reply("data", first.corr_id, "a", sizes=(4,))), b"AAAA"])
         waiter.join(WAIT)
         assert not waiter.is_alive() and joined(result["got"][0]) == b"AAAA"

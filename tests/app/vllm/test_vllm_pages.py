@@ -631,8 +631,12 @@ def test_without_inline_time_every_load_runs_on_a_load_thread() -> None:
 def _half_saved(name: str, **extra) -> tuple[PageWorker, dict[str, torch.Tensor]]:
     """A prefill in the middle of its forward: layer 0 of request "r" (transfer "t") is out, the
     others come at its ``end_step()``."""
-    p = _worker(name, 0, 1, True, **extra)
-    src = _caches(HEADS, 3)
+    return _in_the_forward(_worker(name, 0, 1, True, **extra), seed=3)
+
+
+def _in_the_forward(p: PageWorker, seed: int) -> tuple[PageWorker, dict[str, torch.Tensor]]:
+    """``p`` (a TP 1 prefill rank) registered and half through the forward of request "r"."""
+    src = _caches(HEADS, seed)
     p.register(src)
     p.begin_step([SaveJob("r", "t", (3, 7, 1), 70, 1)])
     first = next(iter(src))
@@ -829,13 +833,9 @@ def test_over_zmq_a_load_that_outlasts_the_engine_threads_wait_goes_on_and_is_ex
     settings = ConnectorSettings.from_extra_config(
         {"connector": {"type": "zmq"}, "base_port": free_base_port(), "load_timeout_s": 10.0, "inline_load_s": 0.05}
     )
-    p = PageWorker(settings, tp_rank=0, tp_size=1, total_kv_heads=HEADS, producer=True, consumer=False)
-    src = _caches(HEADS, 9)
-    p.register(src)
-    p.begin_step([SaveJob("r", "t", (3, 7, 1), 70, 1)])
-    first = next(iter(src))
-    p.save_layer(first, src[first])
-    _wait(lambda: p._saves["r"].layers_left == LAYERS - 1)
+    p, src = _in_the_forward(
+        PageWorker(settings, tp_rank=0, tp_size=1, total_kv_heads=HEADS, producer=True, consumer=False), seed=9
+    )
     log: list[tuple[int, str]] = []
     d, dst = _recording_decode("unused", log, connector={"type": "zmq"}, inline_load_s=0.05)
     params = _params(transfer_id="t", num_tokens=70, remote_port=settings.sender_port(0, 1), connector_type="zmq")
