@@ -166,7 +166,7 @@ def _fields(settings: BenchSettings) -> dict[str, Any]:
 def run(args: argparse.Namespace, *, out: TextIO | None = None, err: TextIO | None = None) -> int:
     """Run the benchmark for ``args``; see the module docstring for the exit status."""
     from kvferry.app.bench.plot import write_plot
-    from kvferry.app.bench.report import render_bars, render_table, write_json
+    from kvferry.app.bench.report import render_bars, render_table, save_report
     from kvferry.app.bench.runner import run_bench
 
     out = sys.stdout if out is None else out
@@ -190,11 +190,8 @@ def run(args: argparse.Namespace, *, out: TextIO | None = None, err: TextIO | No
     report = run_bench(settings, threads=args.threads, progress=progress)
     out.write(render_table(report))
     out.write("\n" + render_bars(report))
-    try:
-        write_json(report, args.json)
-        drawer = write_plot(report, args.plot)
-    except OSError as exc:
-        print(f"kvferry bench: error: cannot write the report: {exc}", file=err)
+    written, drawer = save_report(report, args.json, args.plot, write_plot, err)
+    if not written:
         return 2
     print(f"wrote {args.json} and {args.plot} (drawn by {drawer})", file=out)
     return 1 if not all(report["data_checks"].values()) else 0

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import json
 import math
-from typing import Any
+from collections.abc import Callable
+from typing import Any, TextIO
 
 from kvferry.app.bench.model import RATIO_NAMES
 
@@ -72,6 +73,19 @@ def write_json(report: dict[str, Any], path: str) -> None:
     with open(path, "w") as handle:
         json.dump(json_safe(report), handle, indent=2, allow_nan=False)
         handle.write("\n")
+
+
+def save_report(
+    report: dict[str, Any], json_path: str, plot_path: str, draw: Callable[[dict[str, Any], str], Any], err: TextIO
+) -> tuple[bool, Any]:
+    """Write ``report`` as JSON and draw its plot (``draw(report, plot_path)``, whose result is
+    returned: what drew it). ``(False, None)`` when a file cannot be written, said on ``err``."""
+    try:
+        write_json(report, json_path)
+        return True, draw(report, plot_path)
+    except OSError as exc:
+        print(f"kvferry bench: error: cannot write the report: {exc}", file=err)
+        return False, None
 
 
 def _time(seconds: float) -> str:

@@ -326,7 +326,7 @@ def run_engine(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
     from kvferry.app.bench.engine.peers import groups
     from kvferry.app.bench.engine.report import render_engine_table, summarise, write_engine_plot
     from kvferry.app.bench.local import measure_memcpy
-    from kvferry.app.bench.report import write_json
+    from kvferry.app.bench.report import save_report
 
     if args.engine != "vllm":
         print(f"kvferry bench: error: --engine must be vllm, got {args.engine!r}", file=err)
@@ -380,11 +380,8 @@ def run_engine(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
     report["seconds"] = round(time.monotonic() - started, 1)
     summarise(report)
     out.write(render_engine_table(report))
-    try:
-        write_json(report, args.json)
-        drawer = write_engine_plot(report, args.plot)
-    except OSError as exc:
-        print(f"kvferry bench: error: cannot write the report: {exc}", file=err)
+    written, drawer = save_report(report, args.json, args.plot, write_engine_plot, err)
+    if not written:
         return 2
     plot = f"{args.plot} (drawn by {drawer})" if drawer else "no plot (needs matplotlib: the bench extra)"
     print(f"wrote {args.json}; {plot}", file=out)

@@ -276,3 +276,20 @@ def test_wrong_options_exit_2_with_one_line(capsys: pytest.CaptureFixture[str], 
     assert main(["bench", *argv]) == 2
     err = capsys.readouterr().err
     assert message in err and err.count("\n") == 1
+
+
+def test_a_report_is_saved_or_the_reason_it_cannot_be_is_said(tmp_path: pathlib.Path) -> None:
+    import io
+    import json
+
+    from kvferry.app.bench.report import save_report
+
+    drawn: list[str] = []
+    err = io.StringIO()
+    ok = save_report({"x": float("nan")}, str(tmp_path / "r.json"), "p.png", lambda r, p: drawn.append(p) or "pen", err)
+    assert ok == (True, "pen") and drawn == ["p.png"] and err.getvalue() == ""
+    assert json.loads((tmp_path / "r.json").read_text()) == {"x": None}  # strict JSON
+    missing = str(tmp_path / "no-such-dir" / "r.json")
+    assert save_report({}, missing, "p.png", lambda r, p: drawn.append(p), err) == (False, None)
+    assert drawn == ["p.png"]  # nothing drawn after the JSON failed
+    assert err.getvalue().startswith("kvferry bench: error: cannot write the report: ")
