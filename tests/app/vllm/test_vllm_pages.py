@@ -594,11 +594,18 @@ def _recording_decode(
     return d, dst
 
 
-def test_a_load_whose_pages_are_there_ends_in_the_engine_thread() -> None:
+def _saved_and_recording(**extra) -> tuple[PageWorker, dict, PageWorker, dict, list[tuple[int, str]]]:
+    """``(prefill, its caches, decode, its caches, the decode's read log)``: request "r"
+    (transfer "t", blocks 3, 7, 1) saved whole, and a recording decode rank beside it."""
     name = f"vllm-pages-{next(_names)}"
     p, src = _prefill(name, SaveJob("r", "t", (3, 7, 1), 70, 1))
     log: list[tuple[int, str]] = []
-    d, dst = _recording_decode(name, log)
+    d, dst = _recording_decode(name, log, **extra)
+    return p, src, d, dst, log
+
+
+def test_a_load_whose_pages_are_there_ends_in_the_engine_thread() -> None:
+    p, src, d, dst, log = _saved_and_recording()
     try:
         d.start_loads([LoadJob("r", _source("t", 70), (4, 9, 2), 0)])
         # finished at once, no wait: the load ran inside start_loads, in this thread
@@ -613,10 +620,7 @@ def test_a_load_whose_pages_are_there_ends_in_the_engine_thread() -> None:
 
 
 def test_without_inline_time_every_load_runs_on_a_load_thread() -> None:
-    name = f"vllm-pages-{next(_names)}"
-    p, src = _prefill(name, SaveJob("r", "t", (3, 7, 1), 70, 1))
-    log: list[tuple[int, str]] = []
-    d, dst = _recording_decode(name, log, inline_load_s=0)
+    p, src, d, dst, log = _saved_and_recording(inline_load_s=0)
     try:
         assert _load(d, LoadJob("r", _source("t", 70), (4, 9, 2), 0)) == ({"r"}, set())
         assert [layer for layer, _ in log] == list(range(LAYERS))
@@ -791,10 +795,7 @@ def test_a_sync_load_offers_all_but_the_last_token_for_this_step(instance: str, 
 
 
 def test_a_sync_load_ends_in_the_step_and_is_never_reported_received() -> None:
-    name = f"vllm-pages-{next(_names)}"
-    p, src = _prefill(name, SaveJob("r", "t", (3, 7, 1), 70, 1))
-    log: list[tuple[int, str]] = []
-    d, dst = _recording_decode(name, log)
+    p, src, d, dst, log = _saved_and_recording()
     try:
         d.start_loads([LoadJob("r", _source("t", 70), (4, 9, 2), 0, sync=True)])
         for layer_name, layer in src.items():  # written before start_loads returned
