@@ -30,7 +30,7 @@ from pathlib import Path
 from typing import Any, TextIO
 
 from kvferry.app.bench.engine.peers import KVFERRY_ROWS, PEERS, REFERENCE, ROWS, Group, RowSpec, Side
-from kvferry.app.bench.engine.report import NEAR_TIE, expected_kv_bytes, tie_gap
+from kvferry.app.bench.engine.report import KV_BYTES_PER_TOKEN, NEAR_TIE, expected_kv_bytes, tie_gap
 
 __all__ = ["run_engine", "DEFAULT_LENGTHS", "parse_lengths", "parse_rows"]
 
@@ -354,7 +354,7 @@ def run_engine(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
         "runs": runs,
         "seed": args.seed,
         "max_tokens": 1,
-        "kv_bytes_per_token": 2048,
+        "kv_bytes_per_token": KV_BYTES_PER_TOKEN,
         "near_tie_nats": NEAR_TIE,
         "memcpy_gbps": (64 << 20) / memcpy.median / 1e9,
         "memcpy_s": memcpy.to_json(),

@@ -32,9 +32,10 @@ def expected_kv_bytes(tokens: int, per_token: int = KV_BYTES_PER_TOKEN, block_si
     return -(-tokens // block_size) * block_size * per_token
 
 
-#: A TP 2 decode computes with another reduction order than TP 1 (its own recompute included):
-#: its greedy token may flip where the reference's top two log-probabilities are this close
-#: (nats; in the runs of docs/vllm.md TP 1 and TP 2 recomputing one prompt differed by up to 0.33).
+#: A remote decode computes the prompt's last token alone over the loaded KV (another kernel than
+#: its reference's), and a TP 2 decode with another reduction order: its greedy token may flip
+#: where the reference's top two log-probabilities are this close (nats; in the runs of
+#: docs/vllm.md the top log-probabilities differed by up to 0.36).
 NEAR_TIE = 0.5
 
 
