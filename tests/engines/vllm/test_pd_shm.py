@@ -75,13 +75,14 @@ def prefill_a(env: dict, decode: Instance) -> Any:
 def _params_of_this_prefill(env: dict, tids: list[str], ps: list[list[int]]) -> list[dict]:
     """What prefill_a's output would hand the decode for prompts ``ps`` under transfer ids
     ``tids`` (made here: the pages may come later, or never)."""
-    from kvferry.app.vllm.params import prefill_result
+    from kvferry.app.vllm.params import ConnectorSettings, prefill_result
 
+    port = ConnectorSettings.from_extra_config({"base_port": env["base"]}).sender_port(0, 1)
     return [
         prefill_result(
             transfer_id=t,
             host="127.0.0.1",
-            port=env["base"] + 100,
+            port=port,
             num_tokens=len(p),
             block_size=32,
             num_layers=4,
