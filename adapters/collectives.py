@@ -32,6 +32,7 @@ import attrs
 from kvferry.adapters.object_codec import MAX_OBJECT_BYTES, decode_object, encode_object
 from kvferry.core.errors import ConfigError, PayloadError, RoutingError, TransferError, TransferTimeout
 from kvferry.core.roles import GroupLayout
+from kvferry.core.validate import check_int, check_seconds
 
 __all__ = [
     "MAX_OBJECT_BYTES",
@@ -56,8 +57,7 @@ def _check_peer(name: str, peer: Any, size: int) -> int:
 
 
 def _check_size(size: Any) -> None:
-    if isinstance(size, bool) or not isinstance(size, int) or size < 1:
-        raise ConfigError(f"size must be an integer >= 1, got {size!r}")
+    check_int("size", size, 1)
 
 
 def _encode_or_failure(obj: Any) -> tuple[bytes | None, Exception | None]:
@@ -77,9 +77,7 @@ def _source_failed(src: int) -> TransferError:
 
 
 def _check_timeout(timeout_s: Any) -> float:
-    if isinstance(timeout_s, bool) or not isinstance(timeout_s, (int, float)) or not timeout_s > 0:
-        raise ConfigError(f"timeout_s must be a positive number of seconds, got {timeout_s!r}")
-    return float(timeout_s)
+    return check_seconds("timeout_s", timeout_s)
 
 
 def _torch() -> Any:

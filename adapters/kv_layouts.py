@@ -37,11 +37,23 @@ from kvferry.core.layouts import (
     vllm_page_order,
 )
 
-__all__ = ["split_named", "split_unnamed", "kv_pair", "vllm_pages_to_tokens", "AmbiguousLayout"]
+__all__ = [
+    "split_named",
+    "split_unnamed",
+    "split_engine_cache",
+    "kv_pair",
+    "vllm_pages_to_tokens",
+    "tokens_to_vllm_pages",
+    "AmbiguousLayout",
+]
 
 
 class AmbiguousLayout(ConfigError):
-    """A cache shape two known layouts could both mean; the message names the candidates."""
+    """A cache shape two known layouts could both mean; ``candidates`` names them (the message too)."""
+
+    def __init__(self, message: str, candidates: tuple[str, ...] = ()) -> None:
+        super().__init__(message)
+        self.candidates: tuple[str, ...] = candidates
 
 
 def _tensor(layer_kv: Any, name: str, layer: int | None) -> torch.Tensor:
@@ -174,6 +186,71 @@ def _region_blocks(regions: torch.Tensor, order: RegionOrder, block_size: int, h
     return tokens.transpose(1, 2)
 
 
+def _tokens_to_regions(tokens: torch.Tensor, order: RegionOrder) -> torch.Tensor:
+    """``[N, B, H, D]`` blocks of tokens -> ``[N, H, B*D]`` regions in ``order`` (the inverse of
+    :func:`_region_blocks`; a copy)."""
+    n, b, h, d = tokens.shape
+    out = torch.empty((n, h, b * d), dtype=tokens.dtype)
+    axes = [2 + p for p in order.perm]
+    view = out.view(n, h, *order.shape).permute(0, 1, *axes)
+    view.copy_(tokens.transpose(1, 2).reshape(view.shape))
+    return out
+
+
+def tokens_to_vllm_pages(
+    key: torch.Tensor, value: torch.Tensor, *, block_size: int, isa: str | None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-token ``(K, V)``, each ``[num_tokens, H, D]``, -> the K regions and V regions
+    ``[ceil(num_tokens / block_size), H, block_size*D]`` vLLM's CPU kernel ``isa`` would hold
+    for them (the inverse of :func:`vllm_pages_to_tokens`; the tail of a partial last block is
+    zero). ConfigError for an unknown ISA or sizes that kernel does not write."""
+    if key.shape != value.shape or key.dim() != 3:
+        raise ConfigError(f"key {list(key.shape)} and value {list(value.shape)} must both be [tokens, heads, head_dim]")
+    t, h, d = key.shape
+    order = vllm_page_order(isa, block_size, d)
+    n = -(-t // block_size)
+    pages = []
+    for src, region in ((key, order.key), (value, order.value)):
+        padded = torch.zeros((n * block_size, h, d), dtype=src.dtype)
+        padded[:t] = src
+        pages.append(_tokens_to_regions(padded.view(n, block_size, h, d), region))
+    return pages[0], pages[1]
+
+
+def split_engine_cache(
+    cache: torch.Tensor, layout: LayoutSpec, *, block_size: int, layer: int | None = None
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """``(key_blocks, value_blocks)`` ``[N, B, H, D]`` (MLA: ``[N, B, L]`` and None) of one
+    vLLM 0.32 layer view: logical ``[N, heads, B, content]`` in any stride order
+    (``kvferry.core.backends`` says which layout a backend's content is).
+
+    ``packed`` (FlashAttention, FlashInfer, Triton): strided views; ``vllm_cpu`` with ISA
+    ``vec``: strided views, ``amx``: copies (its order is no strided view); ``mla``: the
+    latent of the one head slot. ConfigError when the shape does not fit."""
+    where = f"layer {layer}: " if layer is not None else ""
+    if not isinstance(cache, torch.Tensor) or cache.dim() != 4:
+        got = list(cache.shape) if isinstance(cache, torch.Tensor) else type(cache).__name__
+        raise ConfigError(f"{where}a vLLM cache view is [num_blocks, heads, block_size, content], got {got}")
+    if layout.name == "mla":
+        if cache.shape[1] != 1:
+            raise ConfigError(
+                f"{where}an MLA cache has one head slot, got {cache.shape[1]} (shape {list(cache.shape)})"
+            )
+        return split_named(cache.squeeze(1), "mla", block_size=block_size, layer=layer)
+    if layout.name == "vllm_cpu" and layout.isa not in VLLM_CPU_ISAS:
+        n, h, b, two_d = cache.shape
+        check_layer_shape("vllm_cpu", tuple(cache.shape), block_size=block_size, layer=layer)
+        if not cache.is_contiguous():
+            raise ConfigError(f"{where}layout 'vllm_cpu' needs a contiguous cache, got strides {list(cache.stride())}")
+        regions = cache.view(n, h, 2, b * two_d // 2)
+        pair = (regions[:, :, 0], regions[:, :, 1])
+        key, value = split_named(pair, LayoutSpec(VLLM_PAGES, layout.isa), block_size=block_size, layer=layer)
+        return key, value
+    if layout.name not in ("packed", "vllm_cpu"):
+        raise ConfigError(f"{where}layout {layout.name!r} is not a vLLM cache view's (packed, vllm_cpu, mla)")
+    return split_named(cache, layout, block_size=block_size, layer=layer)
+
+
 def vllm_pages_to_tokens(
     key_pages: torch.Tensor,
     value_pages: torch.Tensor,
@@ -237,7 +314,8 @@ def split_unnamed(
         raise AmbiguousLayout(
             f"{where}KV cache shape {list(shape)} (block_size={block_size}) fits layouts "
             f"{', '.join(repr(c) for c in candidates)}; name the layout (kv_layout) instead of "
-            f"having it guessed"
+            f"having it guessed",
+            tuple(candidates),
         )
     if not candidates or candidates[0] not in REFERENCE_LAYOUTS:
         hint = f" (it fits {candidates[0]!r}, which is never guessed: name it)" if candidates else ""

@@ -22,6 +22,7 @@ from typing import Any
 import attrs
 import torch
 
+from kvferry.adapters.checksums import verify_checksum
 from kvferry.core.errors import ConfigError, PayloadError
 from kvferry.core.header import (
     DTYPE_ITEMSIZE,
@@ -30,7 +31,6 @@ from kvferry.core.header import (
     DecodeLimits,
     TensorDescriptor,
     decode_header,
-    verify_checksum,
 )
 from kvferry.core.phrases import phrase
 

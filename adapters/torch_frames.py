@@ -20,6 +20,7 @@ from typing import Any
 import attrs
 import torch
 
+from kvferry.adapters.checksums import compute_checksum
 from kvferry.adapters.torch_decode import (
     _NAMES,
     _NUMPY_AS,
@@ -33,7 +34,7 @@ from kvferry.adapters.torch_decode import (
 )
 from kvferry.core.errors import ConfigError, RoutingError
 from kvferry.core.head_slices import slice_bounds
-from kvferry.core.header import AbsentTensor, LayoutTemplate, PayloadLayout, compute_checksum, kv_layout_template
+from kvferry.core.header import AbsentTensor, LayoutTemplate, PayloadLayout, kv_layout_template
 
 __all__ = [
     "TORCH_DTYPES",

@@ -2,14 +2,35 @@
 
 The typed API is :class:`KVTransferManager` (built by :func:`build_manager`); the reference's
 names are in :mod:`kvferry.app.compat`.
+
+The names below are imported on first access, so importing a torch-free module of this package
+(:mod:`kvferry.app.vllm.params`, the hand-off a proxy builds; :mod:`kvferry.app.plan`) does not
+load torch through this package (a test checks it).
 """
 
-from kvferry.app.manager import KVCache, KVTransferManager, StageGroups
-from kvferry.app.receive import ReceiveResult
-from kvferry.app.registry import available_connectors, create_connector, register_connector
-from kvferry.app.wiring import build_manager
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from kvferry.app.manager import KVCache, KVTransferManager, StageGroups
+    from kvferry.app.receive import ReceiveResult
+    from kvferry.app.registry import available_connectors, create_connector, register_connector
+    from kvferry.app.wiring import build_manager
 
 __version__ = "0.1.0"
+
+_LAZY = {
+    "KVCache": "kvferry.app.manager",
+    "KVTransferManager": "kvferry.app.manager",
+    "StageGroups": "kvferry.app.manager",
+    "ReceiveResult": "kvferry.app.receive",
+    "available_connectors": "kvferry.app.registry",
+    "create_connector": "kvferry.app.registry",
+    "register_connector": "kvferry.app.registry",
+    "build_manager": "kvferry.app.wiring",
+}
 
 __all__ = [
     "KVCache",
@@ -22,3 +43,12 @@ __all__ = [
     "create_connector",
     "register_connector",
 ]
+
+
+def __getattr__(name: str) -> Any:
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value
+    return value

@@ -19,11 +19,11 @@ from typing import Any
 import attrs
 
 from kvferry.app.receive import ReceivePath, ReceiveResult
-from kvferry.app.registry import create_connector
+from kvferry.app.registry import SERVING_CONNECTORS, connector_role_config, create_connector
 from kvferry.app.send import SendPath
-from kvferry.core.addressing import kv_port
+from kvferry.core.addressing import kv_port, pull_port
 from kvferry.core.config import TransferConfig
-from kvferry.core.errors import ConnectorUnavailable
+from kvferry.core.errors import ConfigError, ConnectorUnavailable
 from kvferry.core.header import DecodeLimits
 from kvferry.core.outcomes import Counters, ReceiveKind, ReceiveOutcome, SendOutcome, SendReason
 from kvferry.core.policy import RetryPolicy
@@ -37,7 +37,6 @@ logger = logging.getLogger(__name__)
 
 #: Connectors that serve payloads from the sender's process: the manager gives them a role and
 #: the sender rank's port (SPEC 2.3).
-SERVING_CONNECTORS = frozenset({"zmq", "shm", "mooncake"})
 
 
 class SystemClock:
@@ -150,18 +149,14 @@ class KVTransferManager:
         cfg = self.config.connector_dict()
         if cfg is None:
             return None
-        kind = str(cfg.get("type"))
-        if kind in SERVING_CONNECTORS:
-            cfg.pop("zmq_port", None)  # the base port: already turned into this rank's port
-            cfg["role"] = role
-            if role == "sender":
-                cfg.setdefault("host", self.bind_host)
-                cfg["port"] = self.sender_port()
-            else:
-                cfg.pop("port", None)
-                cfg.pop("sender_host", None)
-                cfg.pop("sender_port", None)
-        return cfg
+        return connector_role_config(
+            cfg,
+            role=role,
+            sender_port=self.sender_port() if role == "sender" else None,
+            host=self.bind_host,
+            from_stage=self.config.from_stage,
+            to_stage=self.config.to_stage,
+        )
 
     def _create(self, role: str) -> Connector | None:
         if self.connector is not None:
@@ -185,7 +180,7 @@ class KVTransferManager:
             return None
         if role == "receiver" and self._sender is not None and isinstance(conn, SenderAware):
             if self._sender.port is not None:
-                conn.update_sender_info(self._sender.host, self._sender.port + self.tp_rank * 16)
+                conn.update_sender_info(self._sender.host, pull_port(self._sender.port, None, self.tp_rank))
         return conn
 
     def send_connector(self) -> Connector | None:
@@ -234,7 +229,7 @@ class KVTransferManager:
             self._sender = endpoint
             conn = self._recv_connector if self.connector is None else self.connector
         if conn is not None and isinstance(conn, SenderAware) and endpoint.port is not None:
-            conn.update_sender_info(endpoint.host, endpoint.port + self.tp_rank * 16)
+            conn.update_sender_info(endpoint.host, pull_port(endpoint.port, None, self.tp_rank))
         return endpoint
 
     @property
@@ -242,6 +237,23 @@ class KVTransferManager:
         return self._sender
 
     # ---------------------------------------------------------------------------------- send
+    #: The engine's hooks (SPEC 2.2, 2.4), set through :meth:`set_hooks`.
+    HOOKS = ("kv_send_key_builder", "kv_recv_key_builder", "kv_payload_merger", "kv_payload_slicer")
+
+    def set_hooks(self, **hooks: Callable[..., Any] | None) -> None:
+        """Set any of :data:`HOOKS` (a callable, or None for the default) in one call; the send
+        and receive paths are rebuilt on their next use. ConfigError naming an unknown hook or a
+        value that is not callable; nothing is set then."""
+        for name, value in hooks.items():
+            if name not in self.HOOKS:
+                raise ConfigError(f"unknown hook {name!r}; hooks: {', '.join(self.HOOKS)}")
+            if value is not None and not callable(value):
+                raise ConfigError(f"{name} must be callable or None, got {type(value).__name__}")
+        with self._lock:
+            for name, value in hooks.items():
+                setattr(self, name, value)
+            self._send_path = self._recv_path = None
+
     def send_path(self) -> SendPath:
         """The send path for the current settings: built once and reused while the key hook,
         retry policy, checksums, clock and TP sizes stay the same."""

@@ -35,6 +35,7 @@ import attrs
 import torch
 
 from kvferry.adapters.connectors.pool_buffer import PooledBuffer, release_soon
+from kvferry.adapters.torch_decode import host_byte_view
 from kvferry.adapters.torch_frames import DecodedKV, decode_payload, merge_layers, slice_layers
 from kvferry.core.addressing import get_metadata
 from kvferry.core.errors import KVFerryError, LeaseExpired, PayloadError
@@ -45,6 +46,7 @@ from kvferry.core.layouts import KV_LATENT_KEY, LayoutSpec
 from kvferry.core.outcomes import ReceiveKind, ReceiveOutcome, SkipReason
 from kvferry.core.policy import Deadline, PollBackoff
 from kvferry.core.ports import BlockingGet, Clock, Connector, Implements
+from kvferry.core.refusal import MARKER_MAX_BYTES, Refusal
 from kvferry.core.routing import route_heads
 from kvferry.core.scales import KV_SCALES_KEY, merge_scales, read_scales, slice_scales
 from kvferry.core.sender_info import SenderEndpoint, resolve_sender
@@ -113,6 +115,39 @@ def release_all(items: list[Any], *, wait: bool = True) -> None:
                 release_soon(item)
         except Exception:  # a release failure must not hide the receive's outcome
             logger.exception("releasing a pool buffer failed")
+
+
+#: Most padding a marker's header may be followed by (the codec aligns tensor data to <= 4 KiB).
+_MARKER_PAD_BYTES = 4096
+
+
+def _header_only(data: Any) -> bool:
+    """Whether ``data`` could be a refusal marker: a header and at most alignment padding after
+    it (a marker carries no tensor bytes). Read from the length prefix alone, so an ordinary small
+    payload is not decoded twice; frames (a list) are left to the decode."""
+    tensor = getattr(data, "tensor", None) if not isinstance(data, torch.Tensor) else data
+    try:
+        view = host_byte_view(tensor) if isinstance(tensor, torch.Tensor) else memoryview(data).cast("B")
+    except TypeError:
+        return True
+    if view.nbytes < 4:
+        return False
+    header = int.from_bytes(view[:4], "big")
+    return view.nbytes - 4 - header < _MARKER_PAD_BYTES
+
+
+def _byte_len(data: Any) -> int:
+    """Bytes of a received item (bytes-like, uint8 tensor, pool buffer, frames); unknown: a
+    size past every marker."""
+    tensor = getattr(data, "tensor", None) if not isinstance(data, torch.Tensor) else data
+    if isinstance(tensor, torch.Tensor):
+        return int(tensor.numel() * tensor.element_size())
+    if isinstance(data, (list, tuple)):
+        return sum(_byte_len(f) for f in data)
+    try:  # bytes-like, zmq frames
+        return memoryview(data).nbytes
+    except TypeError:
+        return MARKER_MAX_BYTES + 1
 
 
 def _is_pooled(item: Any) -> bool:
@@ -297,10 +332,23 @@ class ReceivePath:
         deadline = Deadline(start, self.timeout_s if timeout_s is None else timeout_s)
         got: list[Any] = []
         expired: list[str] = []
+        refused: list[Refusal] = []
         handed: list[Any] = []  # pool buffers a zero-copy result took over
         try:
-            missing = self._wait_all(connector, keys, metas, deadline, got, expired)
+            missing = self._wait_all(connector, keys, metas, deadline, got, expired, refused)
             names = tuple(k for k, _ in keys)
+            if refused:
+                logger.error("request %s: the sender refused: %s", request_id, refused[0].describe())
+                return ReceiveResult(
+                    ReceiveOutcome.failed(
+                        request_id,
+                        ReceiveKind.REFUSED,
+                        refused[0].describe(),
+                        keys=names,
+                        missing_keys=missing,
+                        seconds=self._since(start),
+                    )
+                )
             if expired:
                 return ReceiveResult(
                     ReceiveOutcome.failed(
@@ -338,12 +386,20 @@ class ReceivePath:
         return connector.get(from_stage=str(self.from_stage), to_stage=str(self.to_stage), get_key=key, metadata=meta)
 
     def _wait_all(
-        self, connector: Connector, keys: tuple, metas: list, deadline: Deadline, got: list, expired: list
+        self,
+        connector: Connector,
+        keys: tuple,
+        metas: list,
+        deadline: Deadline,
+        got: list,
+        expired: list,
+        refused: list | None = None,
     ) -> tuple[str, ...]:
         """Fill ``got`` with ``(data, size)`` per key in order; return the keys still missing.
 
         A key whose lease expired at the sender ends the wait at once (its reason goes to
-        ``expired``): the request cannot complete."""
+        ``expired``): the request cannot complete. So does a refusal marker (the sender could
+        not send; its :class:`~kvferry.core.refusal.Refusal` goes to ``refused``)."""
         blocking = self._is_blocking(connector)
         pending = list(range(len(keys)))
         results: dict[int, Any] = {}
@@ -359,9 +415,13 @@ class ReceivePath:
                 if result is not None:
                     results[i] = result
                     pending.remove(i)
+                    refusal = self.refusal_of(result[0])
+                    if refusal is not None and refused is not None:
+                        refused.append(refusal)
+                        break
                 elif blocking:
                     break  # the deadline passed while blocked on this key
-            if not pending or expired:
+            if not pending or expired or refused:
                 break
             remaining = deadline.remaining(self.clock.monotonic())
             if remaining <= 0.0:
@@ -372,6 +432,19 @@ class ReceivePath:
             polls += 1
         got.extend(results[i] for i in sorted(results))
         return tuple(keys[i][0] for i in pending)
+
+    def refusal_of(self, data: Any) -> Refusal | None:
+        """The refusal a received item carries (a marker is a small header-only payload), else
+        None; a payload that does not decode is left to the ordinary checks."""
+        if isinstance(data, Mapping):  # a payload dict a foreign connector decoded itself
+            return Refusal.from_metadata(data.get("metadata"))
+        if _byte_len(data) > MARKER_MAX_BYTES or not _header_only(data):
+            return None
+        try:
+            decoded = decode_payload(data, limits=self.limits)
+        except PayloadError:
+            return None
+        return Refusal.from_metadata(decoded.metadata)
 
     def _assemble(
         self, request_id: str, keys: tuple, got: list, device: Any, start: float, handed: list | None

@@ -5,10 +5,18 @@ optional connector's heavy package is loaded only when that connector is asked f
 callable. The target is called with the whole config dict; a class with a ``from_config``
 classmethod is built through it.
 
+vllm-omni's connector names (what its deploy configs write, e.g. ``SharedMemoryConnector``)
+are served too, by one rule (:data:`REFERENCE_CONNECTORS`, docs/compat.md): when ``vllm_omni``
+is importable, by vllm-omni's own class, built through its public ``OmniConnectorFactory`` with
+the config vllm-omni's manager would give it (so a kvferry stage and a vllm-omni stage of one
+deployment speak the same protocol); otherwise such a name cannot be served and
+:meth:`ConnectorRegistry.check` (called when a manager is built) raises ConfigError naming
+``connector_config.type`` and the names that can be.
+
 Failures are values the caller sees, and are remembered:
 
-- an unknown ``type`` raises :class:`~kvferry.core.errors.ConfigError` listing the names
-  available (a local misuse);
+- an unknown ``type`` raises :class:`~kvferry.core.errors.ConfigError` naming
+  ``connector_config.type`` and listing the names available (a local misuse);
 - an import or constructor failure raises :class:`~kvferry.core.errors.ConnectorUnavailable`
   with the cause chained. The failure is remembered per (name, config): asking again raises the
   same error at once without importing or constructing again, so a hot path that retries
@@ -19,6 +27,7 @@ Failures are values the caller sees, and are remembered:
 from __future__ import annotations
 
 import importlib
+import importlib.util
 import json
 import logging
 import threading
@@ -32,6 +41,12 @@ from kvferry.core.ports import Connector
 
 __all__ = [
     "BUILTIN_CONNECTORS",
+    "REFERENCE_CONNECTORS",
+    "ReferenceConnector",
+    "reference_connector_config",
+    "check_connector_config",
+    "SERVING_CONNECTORS",
+    "connector_role_config",
     "ConnectorRegistry",
     "default_registry",
     "create_connector",
@@ -49,6 +64,116 @@ BUILTIN_CONNECTORS: dict[str, str] = {
     "zmq": "kvferry.adapters.connectors.zmq.connector:ZmqConnector",
     "mooncake": "kvferry.adapters.connectors.mooncake.connector:MooncakeConnector",
 }
+
+
+@attrs.frozen
+class ReferenceConnector:
+    """How kvferry serves one of vllm-omni's connector names.
+
+    ``transfer_engine``: vllm-omni's manager gives this connector its stages, role and (on a
+    sender) the rank's port (its ``TRANSFER_ENGINE_CONNECTOR_NAMES``); kvferry does the same
+    (:func:`reference_connector_config`). ``alias_of``: vllm-omni registers the name as another
+    name's alias. ``note``: what the operator should know (platform, package)."""
+
+    name: str
+    transfer_engine: bool = False
+    alias_of: str | None = None
+    note: str = ""
+
+
+#: vllm-omni 0.30.0's connector names (its ``OmniConnectorFactory`` registrations, read from the
+#: released package's ``distributed/omni_connectors/factory.py``). Each is served by vllm-omni's
+#: own class when ``vllm_omni`` is importable (same protocol as a vllm-omni stage), else it is a
+#: ConfigError at start. The one table of names; docs/compat.md shows it.
+REFERENCE_CONNECTORS: dict[str, ReferenceConnector] = {
+    r.name: r
+    for r in (
+        ReferenceConnector("SharedMemoryConnector", note="one host; POSIX segments named by key"),
+        ReferenceConnector("MooncakeTransferEngineConnector", transfer_engine=True, note="needs mooncake"),
+        ReferenceConnector("MooncakeStoreConnector", note="needs a mooncake store"),
+        ReferenceConnector("MooncakeConnector", alias_of="MooncakeStoreConnector", note="needs a mooncake store"),
+        ReferenceConnector("NixlConnector", transfer_engine=True, note="needs nixl"),
+        ReferenceConnector("MoriTransferEngineConnector", transfer_engine=True, note="needs mori (ROCm)"),
+        ReferenceConnector("YuanrongConnector", note="needs yuanrong"),
+        ReferenceConnector("YuanrongTransferEngineConnector", transfer_engine=True, note="NPU platform only"),
+    )
+}
+
+
+def _vllm_omni_importable() -> bool:
+    try:
+        return importlib.util.find_spec("vllm_omni") is not None
+    except (ImportError, ValueError):
+        return False
+
+
+def build_reference_connector(name: str, extra: dict[str, Any]) -> Any:
+    """vllm-omni's own connector ``name``, through its public factory (as its manager builds it:
+    ``ConnectorSpec(name, extra)`` with ``extra`` the config without ``type``)."""
+    from vllm_omni.distributed.omni_connectors.factory import OmniConnectorFactory
+    from vllm_omni.distributed.omni_connectors.utils.config import ConnectorSpec
+
+    return OmniConnectorFactory.create_connector(ConnectorSpec(name=name, extra=extra))
+
+
+def reference_connector_config(
+    cfg: dict[str, Any], *, role: str, from_stage: Any, to_stage: Any, sender_port: int | None
+) -> dict[str, Any]:
+    """The config vllm-omni's manager gives a connector of one of its transfer-engine names:
+    ``from_stage``/``to_stage`` as strings ("0"/"1" when unset), ``role``, and on a sender the
+    rank's own port (SPEC 2.3) as ``zmq_port``; a NIXL receiver loses ``zmq_port`` (it would
+    listen on it). Other names get ``cfg`` unchanged. A new dict; ``cfg`` is not modified."""
+    out = dict(cfg)
+    entry = REFERENCE_CONNECTORS.get(str(out.get("type")))
+    if entry is None or not entry.transfer_engine:
+        return out
+    out["from_stage"] = "0" if from_stage is None else str(from_stage)
+    out["to_stage"] = "1" if to_stage is None else str(to_stage)
+    out["role"] = role
+    if role == "sender" and sender_port is not None:
+        out["zmq_port"] = sender_port
+    elif entry.name == "NixlConnector":
+        out.pop("zmq_port", None)
+    return out
+
+
+#: kvferry's connectors that serve payloads from the sender's process: told their role, a sender
+#: its own port and bind host, a receiver nothing of a sender (it arrives with each request).
+SERVING_CONNECTORS = frozenset({"zmq", "shm", "mooncake"})
+
+
+def connector_role_config(
+    cfg: Mapping[str, Any],
+    *,
+    role: str,
+    sender_port: int | None,
+    host: str,
+    from_stage: Any = None,
+    to_stage: Any = None,
+) -> dict[str, Any]:
+    """The one rule for a rank's connector config (the manager's and the vLLM connector's).
+
+    kvferry's serving connectors: ``role``; a sender binds ``sender_port`` (its rank's port,
+    SPEC 2.3; the base port ``zmq_port`` is dropped) on ``host`` unless the config names one; a
+    receiver loses ``port``/``sender_host``/``sender_port`` (its sender is request-scoped).
+    vllm-omni's names: :func:`reference_connector_config`. Others (memory, a registered
+    connector): the config unchanged. A new dict; ``cfg`` is not modified."""
+    out = dict(cfg)
+    kind = str(out.get("type"))
+    if kind in REFERENCE_CONNECTORS:
+        port = sender_port if role == "sender" else None
+        return reference_connector_config(out, role=role, from_stage=from_stage, to_stage=to_stage, sender_port=port)
+    if kind not in SERVING_CONNECTORS:
+        return out
+    out.pop("zmq_port", None)
+    out["role"] = role
+    if role == "sender":
+        out.setdefault("host", host)
+        out["port"] = sender_port
+    else:
+        for key in ("port", "sender_host", "sender_port"):
+            out.pop(key, None)
+    return out
 
 
 def _config_key(name: str, config: Mapping[str, Any]) -> str:
@@ -73,6 +198,10 @@ class ConnectorRegistry:
     """Names -> connector targets, plus the failures seen so far. Thread-safe."""
 
     _targets: dict[str, Any] = attrs.field(factory=lambda: dict(BUILTIN_CONNECTORS), alias="targets")
+    #: Builds vllm-omni's connector ``(name, extra)``; the default imports vllm-omni's factory.
+    reference_factory: Callable[[str, dict[str, Any]], Any] = build_reference_connector
+    #: Whether vllm-omni's names can be served here (default: ``vllm_omni`` is importable).
+    reference_available: Callable[[], bool] = _vllm_omni_importable
     _failures: dict[str, ConnectorUnavailable] = attrs.field(init=False, factory=dict)
     _lock: threading.Lock = attrs.field(init=False, factory=threading.Lock)
 
@@ -93,6 +222,48 @@ class ConnectorRegistry:
         """Registered names, sorted (whether or not their optional package is installed)."""
         with self._lock:
             return tuple(sorted(self._targets))
+
+    def served_by(self, name: str) -> str:
+        """``"kvferry"`` (a registered name), ``"vllm-omni"`` (one of vllm-omni's names, its own
+        class) or ``"none"`` (unknown, or vllm-omni's name where vllm_omni is not importable)."""
+        with self._lock:
+            if name in self._targets:
+                return "kvferry"
+        if name in REFERENCE_CONNECTORS and self.reference_available():
+            return "vllm-omni"
+        return "none"
+
+    def servable(self) -> tuple[str, ...]:
+        """Every name this registry can build here: its own, then vllm-omni's when importable."""
+        ref = tuple(REFERENCE_CONNECTORS) if self.reference_available() else ()
+        return self.available() + tuple(n for n in ref if n not in self.available())
+
+    def unservable(self, name: Any) -> ConfigError:
+        """The start-time error for a connector name that cannot be served here."""
+        mine = ", ".join(self.available())
+        if name in REFERENCE_CONNECTORS:
+            return ConfigError(
+                f"connector_config.type {name!r} is vllm-omni's connector; kvferry serves vllm-omni's names "
+                f"({', '.join(REFERENCE_CONNECTORS)}) with vllm-omni's own classes, and vllm_omni is not "
+                f"importable here: install vllm-omni (0.30.0) in this environment, or name one of kvferry's "
+                f"connectors; available: {mine}"
+            )
+        ref = "" if not self.reference_available() else f"; with vllm-omni: {', '.join(REFERENCE_CONNECTORS)}"
+        return ConfigError(f"unknown connector type {name!r} (connector_config.type); available: {mine}{ref}")
+
+    def check(self, config: Mapping[str, Any] | None) -> str:
+        """Fail at start for a connector config that cannot work here: ConfigError naming
+        ``connector_config.type`` and the names that can be served. Returns :meth:`served_by`
+        (``"none"`` only for a missing config, which is not checked)."""
+        if config is None:
+            return "none"
+        name = config.get("type") if isinstance(config, Mapping) else None
+        if not isinstance(name, str) or not name:
+            raise ConfigError(f"connector_config.type must name one of {list(self.servable())}, got {name!r}")
+        served = self.served_by(name)
+        if served == "none":
+            raise self.unservable(name)
+        return served
 
     def failures(self) -> dict[str, str]:
         """Remembered failures: ``"name|config" -> message``."""
@@ -122,8 +293,10 @@ class ConnectorRegistry:
             target = self._targets.get(name)
             key = _config_key(name, config)
             remembered = self._failures.get(key)
+        if target is None and self.served_by(name) == "vllm-omni":
+            target = self._reference_target(name)
         if target is None:
-            raise ConfigError(f"unknown connector type {name!r}; available: {', '.join(self.available())}")
+            raise self.unservable(name)
         if remembered is not None:
             raise remembered
         try:
@@ -139,6 +312,14 @@ class ConnectorRegistry:
             raise error from exc
         return connector
 
+    def _reference_target(self, name: str) -> Callable[[dict[str, Any]], Any]:
+        factory = self.reference_factory
+
+        def build(config: dict[str, Any]) -> Any:
+            return factory(name, {k: v for k, v in config.items() if k != "type"})
+
+        return build
+
 
 default_registry = ConnectorRegistry()
 
@@ -146,6 +327,11 @@ default_registry = ConnectorRegistry()
 def create_connector(config: Mapping[str, Any], *, registry: ConnectorRegistry | None = None) -> Any:
     """Create a connector from ``{"type": name, ...}`` (see :meth:`ConnectorRegistry.create`)."""
     return (registry or default_registry).create(config)
+
+
+def check_connector_config(config: Mapping[str, Any] | None, *, registry: ConnectorRegistry | None = None) -> str:
+    """:meth:`ConnectorRegistry.check` on the default registry (fail at start, naming the key)."""
+    return (registry or default_registry).check(config)
 
 
 def register_connector(name: str, target: Any, *, replace: bool = True) -> None:

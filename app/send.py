@@ -43,7 +43,9 @@ from kvferry.adapters.torch_frames import (
     encode_frames,
     finish_payload_in,
 )
-from kvferry.core.errors import ConfigError, KVFerryError, PoolFullError, RoutingError
+from kvferry.app.put import put_with_retry
+from kvferry.app.refusals import refuse
+from kvferry.core.errors import ConfigError, KVFerryError, RoutingError
 from kvferry.core.head_slices import fan_out_slice, slice_bounds, tp_head_slice_record
 from kvferry.core.header import kv_layout_template
 from kvferry.core.ids import send_keys
@@ -61,8 +63,8 @@ logger = logging.getLogger(__name__)
 
 #: Layout templates a send path keeps (one per tensor shape signature; all dropped when full).
 _TEMPLATES_KEPT = 64
-#: Put failure reasons that retrying cannot help (the payload never fits; the connector is gone).
-_UNRETRIED = ("too_large", "closed")
+#: A failed put's reason (:func:`kvferry.app.put.put_with_retry`) as the request's outcome.
+_SEND_REASONS = {"pool_full": SendReason.POOL_FULL, "error": SendReason.ERROR}
 
 
 def slice_plan_heads(plan: ExtractionPlan, offset_in_shard: int, num_slices: int) -> ExtractionPlan:
@@ -252,6 +254,11 @@ class SendPath:
         start = self.clock.monotonic()
         connector = self.get_connector()
         if connector is None:
+            logger.error(
+                "request %s: KV not sent: no connector could be created (the receiving stage cannot be told; "
+                "fix connector_config, see the error at start)",
+                request_id,
+            )
             return SendOutcome.failed(request_id, SendReason.CONNECTOR_UNAVAILABLE, "no connector")
         try:
             plan = plan_extraction(
@@ -265,18 +272,19 @@ class SendPath:
                 layout=self.layout,
             )
         except KVFerryError as exc:
-            return SendOutcome.failed(request_id, SendReason.ERROR, f"extraction: {exc}")
+            return refuse(self, connector, request_id, kv_caches, SendReason.ERROR, f"extraction: {exc}", exc)
         if isinstance(plan, ExtractionSkipped):
             reason = SendReason.NO_BLOCKS if plan.reason == "no_block_ids" else SendReason.NO_PAYLOAD
-            return SendOutcome.failed(request_id, reason, plan.detail)
+            return refuse(self, connector, request_id, kv_caches, reason, plan.detail)
         if kv_scales is not None:
             try:
                 plan = attrs.evolve(plan, metadata={**plan.metadata, KV_SCALES_KEY: request_scales(kv_scales, plan)})
             except KVFerryError as exc:
-                return SendOutcome.failed(request_id, SendReason.ERROR, f"kv_scales: {exc}")
+                return refuse(self, connector, request_id, kv_caches, SendReason.ERROR, f"kv_scales: {exc}", exc)
         try:
             jobs = self.jobs(request_id, plan.shard_heads)
         except KVFerryError as exc:
+            logger.error("request %s: KV not sent: no keys (%s); the receiving stage cannot be told", request_id, exc)
             return SendOutcome.failed(request_id, SendReason.ERROR, f"keys: {exc}")
         sent: list[str] = []
         failed: list[str] = []
@@ -298,21 +306,17 @@ class SendPath:
                 last_reason, last_detail = reason, detail
         seconds = max(0.0, self.clock.monotonic() - start)
         if failed:
-            logger.warning(
-                "request %s: %d of %d keys not sent (%s: %s)",
+            return refuse(
+                self,
+                connector,
                 request_id,
-                len(failed),
-                len(jobs),
-                last_reason.value,
-                last_detail,
-            )
-            return SendOutcome.failed(
-                request_id,
+                kv_caches,
                 last_reason,
-                last_detail,
-                nbytes=nbytes,
-                keys=sent,
+                f"{len(failed)} of {len(jobs)} keys not put: {last_detail}",
+                keys=failed,
                 failed_keys=failed,
+                nbytes=nbytes,
+                sent_keys=sent,
                 attempts=attempts,
                 seconds=seconds,
             )
@@ -355,30 +359,16 @@ class SendPath:
         except KVFerryError as exc:
             return False, 0, 0, SendReason.ERROR, f"head slice: {exc}"
         meta = self._metadata(plan, job)
-        delays = self.retry.delays()
-        reason, detail = SendReason.PUT_FAILED, ""
-        for attempt in range(self.retry.attempts):
-            try:
-                if self._is_reservable(connector):
-                    ok, size, info = self._put_reserved(connector, sliced, job.key, meta)
-                else:
-                    ok, size, info = self._put_frames(connector, sliced, job, meta, materialized)
-            except PoolFullError as exc:  # reserve() says "<reason>: <detail>", like a put failure
-                word, sep, _ = str(exc).partition(":")
-                word = word.strip() if sep and word.strip() in _UNRETRIED + ("pool_full",) else "pool_full"
-                ok, size, info = False, 0, {"reason": word, "detail": str(exc)}
-            except KVFerryError as exc:  # a local fault (layout, shapes): retrying cannot help
-                return False, 0, attempt + 1, SendReason.ERROR, str(exc)
-            if ok:
-                return True, size, attempt + 1, reason, ""
-            info = info or {}
-            reason = SendReason.POOL_FULL if info.get("reason") == "pool_full" else SendReason.PUT_FAILED
-            detail = str(info.get("detail") or info.get("reason") or "put returned ok=False")
-            if info.get("reason") in _UNRETRIED:
-                return False, 0, attempt + 1, reason, detail
-            if attempt < len(delays):
-                self.sleep(delays[attempt])
-        return False, 0, self.retry.attempts, reason, detail
+
+        def attempt() -> tuple[bool, int, Any]:
+            if self._is_reservable(connector):
+                return self._put_reserved(connector, sliced, job.key, meta)
+            return self._put_frames(connector, sliced, job, meta, materialized)
+
+        done = put_with_retry(attempt, self.retry, self.sleep)
+        if done.ok:
+            return True, done.size, done.attempts, SendReason.PUT_FAILED, ""
+        return False, 0, done.attempts, _SEND_REASONS.get(done.reason, SendReason.PUT_FAILED), done.detail
 
     def _put_slices_together(
         self, connector: Connector, plan: ExtractionPlan, jobs: tuple[KeyJob, ...]

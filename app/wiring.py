@@ -16,7 +16,7 @@ from typing import Any
 
 from kvferry.adapters.platform import memory_info
 from kvferry.app.manager import KVTransferManager, StageGroups
-from kvferry.app.registry import create_connector
+from kvferry.app.registry import check_connector_config, create_connector
 from kvferry.core.config import TransferConfig
 
 __all__ = ["build_manager", "free_memory_ratio"]
@@ -57,6 +57,12 @@ def build_manager(
         if isinstance(omni_kv_config, TransferConfig)
         else TransferConfig.from_omni_kv_config(omni_kv_config, env)
     )
+    if (
+        connector is None
+        and connector_factory is create_connector
+        and (config.need_send_cache or config.need_recv_cache)
+    ):
+        check_connector_config(config.connector_config)  # a name that cannot be served fails at start
     manager = KVTransferManager(
         config,
         tp_rank=tp_rank,

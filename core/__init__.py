@@ -171,7 +171,7 @@ from kvferry.core.roles import (
     receive_role,
     tp_active,
 )
-from kvferry.core.routing import Routing, rank_heads, route_heads, route_latent
+from kvferry.core.routing import Routing, rank_heads, reference_routing, route_heads, route_latent, routing_for
 from kvferry.core.sender_info import (
     HOST_KEY,
     PORT_KEY,
@@ -327,6 +327,8 @@ __all__ = [
     "Routing",
     "rank_heads",
     "route_heads",
+    "reference_routing",
+    "routing_for",
     "route_latent",
     "LAYOUT_NAMES",
     "LayoutSpec",

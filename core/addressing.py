@@ -21,6 +21,8 @@ import re
 from collections.abc import Mapping
 from typing import Any
 
+import attrs
+
 from kvferry.core.errors import ConfigError, RoutingError
 from kvferry.core.validate import check_int
 
@@ -37,6 +39,8 @@ __all__ = [
     "sender_endpoint_port",
     "pull_port",
     "get_metadata",
+    "GetSource",
+    "resolve_get_source",
     "replica_id_from_env",
     "expand_base_port",
     "expand_env_text",
@@ -157,6 +161,71 @@ def get_metadata(
     if host is None or advertised_port is None or (from_rank is None and not request_scoped):
         return None
     return {"source_host": host, "source_port": sender_endpoint_port(advertised_port, from_rank or 0)}
+
+
+@attrs.frozen
+class GetSource:
+    """The sender a get asks, read from the get's metadata or the connector's default sender.
+
+    ``host`` is None only for a connector that ignores hosts (shm: same host by nature);
+    ``size`` (bytes) when the put's metadata announced it; ``transport``/``ipc_path`` when the
+    metadata names them (zmq's put metadata); ``from_metadata`` tells the default apart.
+    """
+
+    host: str | None
+    port: int
+    size: int | None = None
+    transport: str | None = None
+    ipc_path: str | None = None
+    from_metadata: bool = True
+
+
+def _metadata_port(value: Any) -> int:
+    if isinstance(value, str) and value.strip().isdigit():
+        value = int(value.strip())
+    if isinstance(value, bool) or not isinstance(value, int) or not MIN_PORT <= value <= MAX_PORT:
+        raise ConfigError(f"get metadata 'source_port' must be a port number in 1..65535, got {value!r}")
+    return value
+
+
+def resolve_get_source(
+    metadata: Mapping[str, Any] | None, default: tuple[str, int] | None, *, needs_host: bool = True
+) -> GetSource | None:
+    """The one rule every connector's get uses to find its sender (the inverse of
+    :func:`get_metadata`; ``put`` metadata, which holds the same two fields, resolves alike).
+
+    - ``source_port`` named: that sender, on ``source_host`` (required when ``needs_host``;
+      ConfigError naming ``source_host`` otherwise). A port may be a decimal string.
+    - no ``source_port``: the ``default`` sender (``update_sender_info``), unless the metadata
+      names another host (then None: unresolved, the get misses).
+    - None when nothing names a sender.
+
+    Wrongly typed metadata (not a mapping, a port outside 1..65535, a bad ``size``) is a
+    ConfigError naming the field.
+    """
+    if metadata is not None and not isinstance(metadata, Mapping):
+        raise ConfigError(f"get metadata must be a mapping or None, got {type(metadata).__name__}")
+    meta = metadata or {}
+    size = meta.get("size")
+    if size is not None and (isinstance(size, bool) or not isinstance(size, int) or size < 0):
+        raise ConfigError(f"get metadata 'size' must be a non-negative int, got {size!r}")
+    host, port = meta.get("source_host"), meta.get("source_port")
+    if port is None:
+        if default is None or (host is not None and host != default[0]):
+            return None
+        return GetSource(default[0], _metadata_port(default[1]), size, from_metadata=False)
+    if host is not None or needs_host:
+        if not isinstance(host, str) or not host.strip():
+            raise ConfigError(f"get metadata 'source_host' must be a non-empty host string, got {host!r}")
+        host = host.strip()
+    transport, path = meta.get("transport"), meta.get("ipc_path")
+    return GetSource(
+        host,
+        _metadata_port(port),
+        size,
+        transport if isinstance(transport, str) else None,
+        path if isinstance(path, str) else None,
+    )
 
 
 def replica_id_from_env(raw: str | None) -> int:

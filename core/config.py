@@ -33,6 +33,7 @@ import attrs
 from kvferry.core.addressing import DEFAULT_BASE_PORT, expand_base_port, replica_id_from_env
 from kvferry.core.errors import ConfigError
 from kvferry.core.layouts import LayoutSpec, layout_spec
+from kvferry.core.validate import check_int
 
 __all__ = [
     "REPLICA_ID_ENV",
@@ -114,9 +115,7 @@ def _port(key: str, value: Any) -> int:
 
 
 def _replica(key: str, value: Any) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-        raise ConfigError(f"{key} must be an integer >= 0, got {value!r}")
-    return value
+    return check_int(key, value, 0)
 
 
 def _sources(key: str, value: Any) -> tuple[Stage, ...]:
@@ -136,9 +135,7 @@ def _sources(key: str, value: Any) -> tuple[Stage, ...]:
 def _heads(key: str, value: Any) -> int | None:
     if value is None:
         return None
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ConfigError(f"{key} must be an integer >= 1 (the model's KV heads), got {value!r}")
-    return value
+    return check_int(f"{key} (the model's KV heads)", value, 1)
 
 
 def _connector(key: str, value: Any) -> Mapping[str, Any] | None:

@@ -61,7 +61,22 @@ class ConnectorUnavailable(TransferError):
 
 
 class PoolFullError(TransferError):
-    """The connector's bounded pool has no room for the payload (back-pressure)."""
+    """The connector's bounded pool has no room for the payload (back-pressure).
+
+    ``reason`` is the put failure word (:data:`kvferry.core.policy.PUT_FAILURES`): ``pool_full``
+    (no room now: retrying may help), ``too_large`` (it never fits) or ``closed`` (the connector
+    is gone); ``detail`` says more. A message of the old form ``"<reason>: <detail>"`` without
+    ``reason=`` is read the same way.
+    """
+
+    def __init__(self, message: str = "", *, reason: str | None = None, detail: str | None = None) -> None:
+        word, sep, rest = message.partition(":")
+        if reason is None:
+            reason = word.strip() if sep and word.strip() in ("pool_full", "too_large", "closed") else "pool_full"
+            detail = rest.strip() if sep and detail is None and word.strip() == reason else detail
+        self.reason: str = reason
+        self.detail: str = message if detail is None else detail
+        super().__init__(message or f"{reason}: {self.detail}")
 
 
 class LeaseExpired(TransferError):

@@ -17,7 +17,8 @@ plans themselves never touch tensors.
 
 Which sender sends which heads to which receiver, replicated heads (TP > H) included, is
 :func:`kvferry.core.routing.route_heads`; :func:`plan_heads` and :func:`sender_slices` read it.
-:func:`fan_out_slice` and :func:`merge_order` are the reference's rank-map view (no head count).
+:func:`fan_out_slice` and :func:`merge_order` are the reference's rank-map view (no head count):
+:func:`kvferry.core.routing.reference_routing`, the same rule at a virtual head count of max(S, T).
 """
 
 from __future__ import annotations
@@ -28,8 +29,7 @@ from typing import Any
 import attrs
 
 from kvferry.core.errors import RoutingError
-from kvferry.core.routing import HeadSlice, rank_heads, route_heads
-from kvferry.core.topology import recv_rank_map, validate_sizes
+from kvferry.core.routing import HeadSlice, rank_heads, reference_routing, route_heads
 from kvferry.core.validate import check_int
 
 __all__ = [
@@ -70,24 +70,16 @@ def slice_bounds(shard_heads: int, offset_in_shard: int, num_slices: int) -> tup
 def fan_out_slice(source_tp: int, target_tp: int, target_rank: int) -> tuple[int, int]:
     """``(offset_in_shard, num_slices)`` receiver ``target_rank`` takes from its sender's shard.
 
-    Fan-out: ``(target_rank % k, k)``; equal sizes or fan-in: ``(0, 1)`` (the whole shard).
+    Fan-out: ``(target_rank % k, k)``; equal sizes or fan-in: ``(0, 1)`` (the whole shard). Read
+    from :func:`kvferry.core.routing.reference_routing`.
     """
-    ratio = validate_sizes(source_tp, target_tp)
-    rank = check_int("target_rank", target_rank, 0, RoutingError)
-    if rank >= target_tp:
-        raise RoutingError(f"target_rank {rank} is not a receiver rank (target_tp={target_tp})")
-    if source_tp < target_tp:
-        return rank % ratio, ratio
-    return 0, 1
+    (first, *_) = reference_routing(source_tp, target_tp).reads(target_rank)
+    return first.offset_in_shard, first.num_slices
 
 
 def merge_order(source_tp: int, target_tp: int, target_rank: int) -> tuple[int, ...]:
     """Sender ranks whose payloads receiver ``target_rank`` concatenates on dim 1, increasing."""
-    rank = check_int("target_rank", target_rank, 0, RoutingError)
-    ranks = recv_rank_map(source_tp, target_tp)
-    if rank >= target_tp:
-        raise RoutingError(f"target_rank {rank} is not a receiver rank (target_tp={target_tp})")
-    return ranks[rank]
+    return reference_routing(source_tp, target_tp).sources(target_rank)
 
 
 @attrs.frozen

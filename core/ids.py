@@ -22,8 +22,9 @@ from typing import Any
 import attrs
 
 from kvferry.core.errors import RoutingError
-from kvferry.core.routing import route_heads
+from kvferry.core.routing import routing_for
 from kvferry.core.topology import TPTopology, source_ranks, target_ranks
+from kvferry.core.validate import check_int
 
 __all__ = [
     "DUMMY_REQUEST_ID",
@@ -81,9 +82,7 @@ def _stage_str(name: str, stage: object) -> str:
 
 
 def _check_non_negative(name: str, value: object) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-        raise RoutingError(f"{name} must be a non-negative integer, got {value!r}")
-    return value
+    return check_int(name, value, 0, RoutingError)
 
 
 def legacy_key(from_stage: Stage, to_stage: Stage, request_id: str) -> str:
@@ -166,18 +165,14 @@ def feeds(topo: TPTopology, num_heads: int | None = None) -> tuple[int, ...]:
     """Receiver ranks sender ``topo.local_rank`` feeds: with a head count, as
     :func:`~kvferry.core.routing.route_heads` routes them (a replica may feed none); without
     one, the reference's rank map (:func:`~kvferry.core.topology.target_ranks`)."""
-    if num_heads is None:
-        return target_ranks(topo)
     target_ranks(topo)  # the rank checks
-    return route_heads(topo.source_tp, topo.target_tp, num_heads).targets(topo.local_rank)
+    return routing_for(topo.source_tp, topo.target_tp, num_heads).targets(topo.local_rank)
 
 
 def reads(topo: TPTopology, num_heads: int | None = None) -> tuple[int, ...]:
     """Sender ranks receiver ``topo.local_rank`` reads, in merge order (see :func:`feeds`)."""
-    if num_heads is None:
-        return source_ranks(topo)
-    source_ranks(topo)
-    return route_heads(topo.source_tp, topo.target_tp, num_heads).sources(topo.local_rank)
+    source_ranks(topo)  # the rank checks
+    return routing_for(topo.source_tp, topo.target_tp, num_heads).sources(topo.local_rank)
 
 
 def send_keys(

@@ -56,6 +56,7 @@ __all__ = [
     "RegionOrder",
     "PageOrder",
     "vllm_page_order",
+    "reblock_span",
     "layout_spec",
     "layout_dims",
     "check_layer_shape",
@@ -298,3 +299,27 @@ def vllm_page_order(isa: str | None, block_size: int, head_dim: int) -> PageOrde
     key = RegionOrder((b // 16, d // 2, 16, 2), (0, 2, 1, 3), 2)
     value = RegionOrder((d // 16, b // 2, 16, 2), (1, 3, 0, 2), 2)
     return PageOrder(kernel, key, value)
+
+
+def reblock_span(
+    first_page: int, count: int, block_size: int, src_block_size: int, num_tokens: int
+) -> tuple[int, int, int, int]:
+    """Re-blocking a prompt's pages: ``(start, stop, src_first, src_stop)``.
+
+    Local pages ``first_page .. first_page + count`` (``block_size`` tokens each) hold tokens
+    ``[start, stop)`` of a prompt of ``num_tokens`` (``stop`` never past the prompt); the
+    sender's pages of ``src_block_size`` tokens that hold them are ``[src_first, src_stop)``,
+    the fewest that do. With equal block sizes the span is the local pages themselves (as far
+    as the prompt reaches). ConfigError for a size below 1 or a negative page or count."""
+    for name, size in (("block_size", block_size), ("src_block_size", src_block_size)):
+        if isinstance(size, bool) or not isinstance(size, int) or size < 1:
+            raise ConfigError(f"{name} must be a positive integer, got {size!r}")
+    for name, value in (("first_page", first_page), ("count", count), ("num_tokens", num_tokens)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+            raise ConfigError(f"{name} must be a non-negative integer, got {value!r}")
+    start = first_page * block_size
+    stop = min(num_tokens, (first_page + count) * block_size)
+    if stop <= start:
+        first = start // src_block_size
+        return start, start, first, first
+    return start, stop, start // src_block_size, -(-stop // src_block_size)

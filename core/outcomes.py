@@ -76,8 +76,10 @@ class SendOutcome:
 
     ``nbytes`` counts bytes of keys put successfully; ``keys`` are those keys, ``failed_keys``
     the ones that were not; ``attempts`` is the total number of ``put`` calls; ``seconds`` is
-    wall time from extraction to the last put. Invariants: SENT has no reason and no failed
-    keys; FAILED has a reason other than NOT_SENDING; SKIPPED has reason NOT_SENDING.
+    wall time from extraction to the last put. ``refusal_keys``: the keys a FAILED send put a
+    refusal marker under (:mod:`kvferry.core.refusal`), so the receiving stage learns of the
+    failure at once. Invariants: SENT has no reason, no failed keys and no refusal keys; FAILED
+    has a reason other than NOT_SENDING; SKIPPED has reason NOT_SENDING.
     """
 
     request_id: str
@@ -89,10 +91,11 @@ class SendOutcome:
     failed_keys: tuple[str, ...] = attrs.field(default=(), converter=_str_tuple)
     attempts: int = attrs.field(default=0, validator=_non_negative_int)
     seconds: float = attrs.field(default=0.0, validator=_seconds)
+    refusal_keys: tuple[str, ...] = attrs.field(default=(), converter=_str_tuple)
 
     def __attrs_post_init__(self) -> None:
-        if self.kind is SendKind.SENT and (self.reason is not None or self.failed_keys):
-            raise ConfigError("a SENT outcome has no reason and no failed keys")
+        if self.kind is SendKind.SENT and (self.reason is not None or self.failed_keys or self.refusal_keys):
+            raise ConfigError("a SENT outcome has no reason, no failed keys and no refusal keys")
         if self.kind is SendKind.FAILED and self.reason in (None, SendReason.NOT_SENDING):
             raise ConfigError(f"a FAILED outcome needs a failure reason, got {self.reason}")
         if self.kind is SendKind.SKIPPED and self.reason is not SendReason.NOT_SENDING:
@@ -128,6 +131,7 @@ class ReceiveKind(enum.Enum):
     SKIPPED = "skipped"  # dummy request / stage not receiving (``skip_reason``)
     DROPPED_BY_CONSENSUS = "dropped_by_consensus"  # received, but a TP peer did not: all drop
     ERROR = "error"  # an unexpected fault (detail has it)
+    REFUSED = "refused"  # the sender could not send and said so (a refusal marker): ended at once
 
 
 class SkipReason(enum.Enum):
@@ -145,6 +149,7 @@ _RECEIVE_ERRORS = frozenset(
         ReceiveKind.DECODE_FAILED,
         ReceiveKind.CONSUMED_BUT_FAILED,
         ReceiveKind.ERROR,
+        ReceiveKind.REFUSED,
     }
 )
 

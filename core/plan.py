@@ -17,8 +17,8 @@ import attrs
 
 from kvferry.core.addressing import kv_port, pull_port
 from kvferry.core.ids import Stage, recv_keys, send_keys
-from kvferry.core.routing import HeadSlice, rank_heads, route_heads
-from kvferry.core.topology import TPTopology, target_ranks, validate_sizes
+from kvferry.core.routing import HeadSlice, rank_heads, routing_for
+from kvferry.core.topology import TPTopology, validate_sizes
 
 __all__ = ["SENDER", "RECEIVER", "KeyRoute", "RankPlan", "stage_plan", "to_json_records"]
 
@@ -128,17 +128,14 @@ def stage_plan(
     stage = str(from_stage)
     sender_ports = tuple(kv_port(base_port, from_stage, r, replica, dp_rank, from_tp) for r in range(from_tp))
     advertised = sender_ports[0]
-    routing = route_heads(from_tp, to_tp, num_heads) if num_heads is not None else None
+    # one routing value; head slices are shown only when the model's head count is known
+    routing = routing_for(from_tp, to_tp, num_heads)
     plans: list[RankPlan] = []
     for rank in range(from_tp):
         topo = TPTopology(from_tp, to_tp, rank)
         keys = send_keys(request_id, from_stage, to_stage, topo, num_heads=num_heads)
-        if routing is not None:
-            slices: tuple[HeadSlice | None, ...] = routing.sends(rank)
-            targets = tuple(s.target_rank for s in routing.sends(rank))
-        else:
-            targets = target_ranks(topo)
-            slices = (None,) * len(targets)
+        targets = routing.targets(rank)
+        slices: tuple[HeadSlice | None, ...] = routing.sends(rank) if num_heads is not None else (None,) * len(targets)
         routes = tuple(
             KeyRoute(key, target, sender_ports[rank], head)
             for key, target, head in zip(keys, targets, slices, strict=True)
@@ -149,7 +146,7 @@ def stage_plan(
     for rank in range(to_tp):
         topo = TPTopology(from_tp, to_tp, rank)
         pairs = recv_keys(request_id, from_stage, to_stage, topo, num_heads=num_heads)
-        heads = routing.reads(rank) if routing is not None else (None,) * len(pairs)
+        heads: tuple[HeadSlice | None, ...] = routing.reads(rank) if num_heads is not None else (None,) * len(pairs)
         pulls = tuple(
             KeyRoute(key, src, pull_port(advertised, src, rank), head)
             for (key, src), head in zip(pairs, heads, strict=True)

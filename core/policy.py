@@ -14,9 +14,14 @@ import attrs
 
 from kvferry.core.errors import ConfigError
 from kvferry.core.roles import ReceiveRole
+from kvferry.core.validate import check_int
 
 __all__ = [
     "RetryPolicy",
+    "PUT_FAILURES",
+    "UNRETRIED_PUT_FAILURES",
+    "put_failure_reason",
+    "retry_may_help",
     "PollBackoff",
     "Deadline",
     "lease_expired",
@@ -45,8 +50,7 @@ def _check(minimum: float, inclusive: bool = True) -> Callable[[Any, attrs.Attri
 
 
 def _positive_int(instance: Any, attribute: attrs.Attribute[int], value: Any) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ConfigError(f"{attribute.name} must be an integer >= 1, got {value!r}")
+    check_int(attribute.name, value, 1)
 
 
 @attrs.frozen
@@ -69,6 +73,22 @@ class RetryPolicy:
         return sum(self.delays())
 
 
+#: Why a put did not publish: no room now, never fits, connector gone, anything else.
+PUT_FAILURES = ("pool_full", "too_large", "closed", "put_failed")
+#: Put failures that another attempt cannot cure: the payload never fits; the connector is gone.
+UNRETRIED_PUT_FAILURES = ("too_large", "closed")
+
+
+def put_failure_reason(reason: object) -> str:
+    """The put failure word for a connector's ``reason`` (anything unknown is ``put_failed``)."""
+    return reason if isinstance(reason, str) and reason in PUT_FAILURES else "put_failed"
+
+
+def retry_may_help(reason: str) -> bool:
+    """Whether another attempt of a put that failed for ``reason`` can succeed (the one rule)."""
+    return put_failure_reason(reason) not in UNRETRIED_PUT_FAILURES
+
+
 @attrs.frozen
 class PollBackoff:
     """Sleep durations while polling a non-blocking ``get``: 10 ms doubling to a 0.5 s cap.
@@ -88,8 +108,7 @@ class PollBackoff:
 
     def delay(self, n: int) -> float:
         """The ``n``-th sleep in seconds (``n >= 0``)."""
-        if isinstance(n, bool) or not isinstance(n, int) or n < 0:
-            raise ConfigError(f"poll index must be an integer >= 0, got {n!r}")
+        check_int("poll index", n, 0)
         if self.factor == 1.0:
             return self.first_s
         # stop growing once capped (avoids float overflow for large n)

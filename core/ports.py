@@ -17,6 +17,7 @@ Data vocabulary used below:
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Mapping, Sequence
 from typing import Any, Protocol, runtime_checkable
 
@@ -26,6 +27,8 @@ __all__ = [
     "Connector",
     "FramesPut",
     "BlockingGet",
+    "GetMany",
+    "BatchedReleases",
     "SenderAware",
     "Reservable",
     "Reservation",
@@ -127,6 +130,28 @@ class BlockingGet(Protocol):
         the sender reports that the key was dropped unread because its lease passed: waiting
         longer cannot help. ``get`` keeps answering None ("not found") for such a key.
         """
+        ...
+
+
+@runtime_checkable
+class GetMany(Protocol):
+    """Optional: several keys from one sender in one exchange (the shm connector). Never waits."""
+
+    def get_many(
+        self, from_stage: Any, to_stage: Any, keys: list[str], metadata: Mapping[str, Any] | None = None
+    ) -> list[tuple[Any, int] | None]:
+        """Per key, in order: ``(data, size)`` as :meth:`Connector.get` returns it, or None (not
+        there now). A key missing here may still be fetched with ``get``/``get_blocking``."""
+        ...
+
+
+@runtime_checkable
+class BatchedReleases(Protocol):
+    """Optional: pool buffers released inside the block leave together at its end (one message
+    per sender instead of one per buffer)."""
+
+    def batched_releases(self) -> contextlib.AbstractContextManager[None]:
+        """A context manager; nested blocks send at the outermost block's end."""
         ...
 
 

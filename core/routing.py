@@ -24,6 +24,11 @@ The same rule routes an MLA latent (:func:`route_latent`): every rank holds the 
 which is one unsliceable "head" replicated on every rank, so each receiver gets it whole from
 exactly one sender and receivers spread over the senders.
 
+The reference's rank map (SPEC 2.1: no head count) is this rule at a virtual head count of
+``max(source_tp, target_tp)`` (:func:`reference_routing`): one head per rank of the larger stage,
+so nothing is replicated and every pair carries whole ranks' heads. :func:`routing_for` is the one
+value every caller reads: the model's head count when it is known, else the reference's map.
+
 Invariants (property-tested over ``H`` in 1..64 and TP sizes 1..16 on both sides): every
 receiver gets exactly its heads, each from exactly one sender rank that holds them; no sender
 replica idles while another replica of the same head serves more than ``ceil(|Q|/|P|)``
@@ -37,7 +42,6 @@ import functools
 import attrs
 
 from kvferry.core.errors import RoutingError
-from kvferry.core.topology import validate_sizes
 from kvferry.core.validate import check_int
 
 __all__ = [
@@ -47,7 +51,27 @@ __all__ = [
     "check_head_count",
     "route_heads",
     "route_latent",
+    "reference_routing",
+    "routing_for",
+    "validate_sizes",
 ]
+
+
+def validate_sizes(source_tp: int, target_tp: int) -> int:
+    """Check that ``source_tp`` and ``target_tp`` (>= 1) can be mapped; return the ratio.
+
+    Raises RoutingError naming the field for a size below 1, and one that says "divisible" and
+    names both sizes when the larger is not a multiple of the smaller.
+    """
+    check_int("source_tp", source_tp, 1, RoutingError)
+    check_int("target_tp", target_tp, 1, RoutingError)
+    larger, smaller = max(source_tp, target_tp), min(source_tp, target_tp)
+    if larger % smaller:
+        raise RoutingError(
+            f"TP sizes are not divisible: source_tp={source_tp}, target_tp={target_tp} "
+            f"(the larger size must be divisible by the smaller)"
+        )
+    return larger // smaller
 
 
 @attrs.frozen
@@ -207,3 +231,19 @@ def route_latent(source_tp: int, target_tp: int) -> Routing:
     receiver from exactly one sender, receivers spread evenly over the senders (the head rule
     with one head replicated on every rank; no payload is ever a slice)."""
     return route_heads(source_tp, target_tp, 1)
+
+
+def reference_routing(source_tp: int, target_tp: int) -> Routing:
+    """The reference's rank map (SPEC 2.1) and fan-out slices (SPEC 2.4) as a routing:
+    :func:`route_heads` at a virtual head count of ``max(source_tp, target_tp)`` (property-tested
+    against the SPEC's formulas). RoutingError for sizes that cannot be mapped."""
+    validate_sizes(source_tp, target_tp)
+    return route_heads(source_tp, target_tp, max(source_tp, target_tp))
+
+
+def routing_for(source_tp: int, target_tp: int, num_heads: int | None = None) -> Routing:
+    """The routing a transfer uses: :func:`route_heads` for the model's ``num_heads`` KV heads,
+    or :func:`reference_routing` when the head count is not known."""
+    if num_heads is None:
+        return reference_routing(source_tp, target_tp)
+    return route_heads(source_tp, target_tp, num_heads)

@@ -30,6 +30,7 @@ from typing import Any
 import attrs
 
 from kvferry.core.errors import RoutingError
+from kvferry.core.validate import check_port
 
 __all__ = [
     "HOST_KEY",
@@ -53,8 +54,7 @@ def _check_host(instance: Any, attribute: attrs.Attribute[str], value: Any) -> N
 def _check_port(instance: Any, attribute: attrs.Attribute[int | None], value: Any) -> None:
     if value is None:
         return
-    if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= 65535:
-        raise RoutingError(f"port must be an integer in 1..65535 or None, got {value!r}")
+    check_port("port", value, RoutingError)
 
 
 @attrs.frozen

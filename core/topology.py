@@ -11,6 +11,9 @@ smaller. Rank maps:
 - fan-out (``source_tp < target_tp``, ``k = target_tp // source_tp``): sender ``r`` feeds
   receivers ``r*k .. r*k+k-1``; receiver ``r`` reads sender ``r // k``.
 
+The maps are :func:`kvferry.core.routing.reference_routing` (the head routing at a virtual head
+count of ``max(source_tp, target_tp)``), so there is one routing function.
+
 Invariants (property-tested): the send maps of all sender ranks cover every receiver rank,
 send and receive maps are exact inverses, and every (sender, receiver) pair appears once.
 """
@@ -22,6 +25,7 @@ from typing import Any
 import attrs
 
 from kvferry.core.errors import RoutingError
+from kvferry.core.routing import reference_routing, validate_sizes
 from kvferry.core.validate import check_int
 
 __all__ = [
@@ -83,44 +87,17 @@ class TPTopology:
         return self.source_tp <= 1 and self.target_tp <= 1
 
 
-def validate_sizes(source_tp: int, target_tp: int) -> int:
-    """Check that ``source_tp`` and ``target_tp`` (>= 1) can be mapped; return the ratio.
-
-    Raises RoutingError naming the field for a size below 1, and one that says "divisible" and
-    names both sizes when the larger is not a multiple of the smaller.
-    """
-    check_int("source_tp", source_tp, 1, RoutingError)
-    check_int("target_tp", target_tp, 1, RoutingError)
-    larger, smaller = max(source_tp, target_tp), min(source_tp, target_tp)
-    if larger % smaller:
-        raise RoutingError(
-            f"TP sizes are not divisible: source_tp={source_tp}, target_tp={target_tp} "
-            f"(the larger size must be divisible by the smaller)"
-        )
-    return larger // smaller
-
-
 def validate_topology(topo: TPTopology) -> None:
     """Raise RoutingError (message contains "divisible" and both sizes) for an unmappable topology."""
     validate_sizes(topo.source_tp, topo.target_tp)
 
 
 def _feeds(source_tp: int, target_tp: int, sender: int) -> tuple[int, ...]:
-    if source_tp == target_tp:
-        return (sender,)
-    if source_tp > target_tp:
-        return (sender // (source_tp // target_tp),)
-    k = target_tp // source_tp
-    return tuple(range(sender * k, sender * k + k))
+    return reference_routing(source_tp, target_tp).targets(sender)
 
 
 def _reads(source_tp: int, target_tp: int, receiver: int) -> tuple[int, ...]:
-    if source_tp == target_tp:
-        return (receiver,)
-    if source_tp > target_tp:
-        k = source_tp // target_tp
-        return tuple(range(receiver * k, receiver * k + k))
-    return (receiver // (target_tp // source_tp),)
+    return reference_routing(source_tp, target_tp).sources(receiver)
 
 
 def target_ranks(topo: TPTopology) -> tuple[int, ...]:

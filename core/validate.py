@@ -1,7 +1,8 @@
-"""Argument checks the pure core shares: an integer at or above a bound, a positive duration.
+"""Argument checks every layer shares: an integer in bounds, a port, a positive duration.
 
 Each raises the caller's error type (``RoutingError`` for routing numbers, ``ConfigError`` for
-settings) with a message naming the field, so every module reports bad input the same way.
+settings, ``PayloadError`` for remote data) with a message naming the field, so every module
+reports bad input the same way. Modules do not write these checks out again.
 """
 
 from __future__ import annotations
@@ -10,16 +11,26 @@ from typing import Any
 
 from kvferry.core.errors import ConfigError, KVFerryError
 
-__all__ = ["check_int", "check_seconds"]
+__all__ = ["check_int", "check_port", "check_seconds"]
 
 
-def check_int(name: str, value: Any, minimum: int, error: type[KVFerryError] = ConfigError) -> int:
-    """``value`` when it is an int (not a bool) ``>= minimum``; else ``error`` naming ``name``."""
+def check_int(
+    name: str, value: Any, minimum: int, error: type[KVFerryError] = ConfigError, maximum: int | None = None
+) -> int:
+    """``value`` when it is an int (not a bool) ``>= minimum`` (and ``<= maximum`` when given);
+    else ``error`` naming ``name``."""
     if isinstance(value, bool) or not isinstance(value, int):
         raise error(f"{name} must be an integer, got {value!r}")
     if value < minimum:
         raise error(f"{name} must be >= {minimum}, got {value}")
+    if maximum is not None and value > maximum:
+        raise error(f"{name} must be <= {maximum}, got {value}")
     return value
+
+
+def check_port(name: str, value: Any, error: type[KVFerryError] = ConfigError) -> int:
+    """``value`` when it is a port number (an int in 1..65535); else ``error`` naming ``name``."""
+    return check_int(name, value, 1, error, 65535)
 
 
 def check_seconds(name: str, value: Any, error: type[KVFerryError] = ConfigError) -> float:

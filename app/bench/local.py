@@ -16,6 +16,7 @@ from typing import Any
 
 import torch
 
+from kvferry.adapters.checksums import DEFAULT_CHECKSUM
 from kvferry.adapters.torch_frames import decode_payload, encode_frames
 from kvferry.app.bench.model import Stat
 from kvferry.app.bench.payload import (
@@ -31,7 +32,7 @@ from kvferry.app.bench.payload import (
 )
 from kvferry.core.errors import TransferError
 
-__all__ = ["timed", "measure_memcpy", "measure_local"]
+__all__ = ["timed", "timed_pairs", "memcpy_step", "measure_memcpy", "measure_local"]
 
 
 def timed(fn: Callable[[], Any], reps: int, warmup: int, clock: Callable[[], float] = time.perf_counter) -> Stat:
@@ -47,6 +48,40 @@ def timed(fn: Callable[[], Any], reps: int, warmup: int, clock: Callable[[], flo
     return Stat.of(samples)
 
 
+def timed_pairs(limit: Callable[[], float], fn: Callable[[], Any], reps: int, warmup: int) -> tuple[Stat, Stat]:
+    """``limit()`` (one repetition of the limit, returning its seconds) and ``fn`` alternating:
+    ``warmup`` untimed pairs, then ``reps`` timed ones; (the limit's Stat, ``fn``'s Stat), their
+    samples in pair order."""
+    for _ in range(warmup):
+        limit()
+        fn()
+    limits, samples = [], []
+    for _ in range(reps):
+        limits.append(limit())
+        start = time.perf_counter()
+        fn()
+        samples.append(time.perf_counter() - start)
+    return Stat.of(limits), Stat.of(samples)
+
+
+def memcpy_step(nbytes: int) -> Callable[[], float]:
+    """One repetition of the memcpy limit per call (the buffers of :func:`measure_memcpy`,
+    allocated and touched once): returns its seconds."""
+    src = torch.full((nbytes,), 3, dtype=torch.uint8)
+    dst = torch.zeros(nbytes, dtype=torch.uint8)
+    s, d = src.data_ptr(), dst.data_ptr()
+
+    def step(buffers: tuple[torch.Tensor, torch.Tensor] = (src, dst)) -> float:  # keeps both alive
+        start = time.perf_counter()
+        ctypes.memmove(d, s, nbytes)
+        return time.perf_counter() - start
+
+    step()
+    if not torch.equal(src[-4096:], dst[-4096:]):
+        raise TransferError("memcpy check failed")
+    return step
+
+
 def measure_memcpy(nbytes: int, reps: int, warmup: int, clock: Callable[[], float] = time.perf_counter) -> Stat:
     """Single-thread ``memcpy`` (``ctypes.memmove``) of ``nbytes`` into a reused, touched buffer
     (timed by ``clock``, see :func:`timed`)."""
@@ -59,10 +94,14 @@ def measure_memcpy(nbytes: int, reps: int, warmup: int, clock: Callable[[], floa
     return stat
 
 
-def measure_local(cache: PagedCache, reps: int, warmup: int) -> dict[str, Any]:
-    """Extraction, kvferry encode/decode (with and without crc32 checksums) and the baseline's
-    encode/decode, all for request 0 of ``cache``. Returns ``{"stats": {...}, "checks": {...},
-    "payload_nbytes": int}``; the checks compare crc32s of what each path produced."""
+def measure_local(
+    cache: PagedCache, reps: int, warmup: int, limit: Callable[[], float] | None = None
+) -> dict[str, Any]:
+    """Extraction, kvferry encode/decode (with and without checksums, ``DEFAULT_CHECKSUM``) and the baseline's
+    encode/decode, all for request 0 of ``cache``; with ``limit`` (:func:`memcpy_step`), the
+    extraction alternates with it (figures ``extraction`` and ``extraction_limit``). Returns
+    ``{"stats": {...}, "checks": {...}, "payload_nbytes": int}``; the checks compare crc32s of
+    what each path produced."""
     stats: dict[str, Stat] = {}
     checks: dict[str, bool] = {}
     plan = plan_request(cache, 0, request_id="bench-local")
@@ -73,7 +112,10 @@ def measure_local(cache: PagedCache, reps: int, warmup: int) -> dict[str, Any]:
         p = plan_request(cache, 0, request_id="bench-local")
         gather_payload_into(p, layout, dest)
 
-    stats["extraction"] = timed(extract, reps, warmup)
+    if limit is None:
+        stats["extraction"] = timed(extract, reps, warmup)
+    else:
+        stats["extraction_limit"], stats["extraction"] = timed_pairs(limit, extract, reps, warmup)
     stats["extraction_cpu"] = timed(extract, reps, 0, time.process_time)  # CPU time, beside the wall
     keys, values = plan.materialize()
     expected = kv_crc(keys, values)
@@ -96,11 +138,11 @@ def measure_local(cache: PagedCache, reps: int, warmup: int) -> dict[str, Any]:
     stats["kvferry_codec"] = timed(lambda: (encode(), decode()), reps, warmup)
     checks["codec"] = payload_crc(decode_payload(frames)) == expected
 
-    def encode_ck() -> Any:
-        return encode_frames("bench-local", keys, values, bids, meta, checksums="crc32")
+    def encode_ck() -> Any:  # the checksum kvferry writes by default where asked for one
+        return encode_frames("bench-local", keys, values, bids, meta, checksums=DEFAULT_CHECKSUM)
 
     ck_frames = list(encode_ck().frames)
-    ck_layout = layout_for(plan, checksums="crc32")
+    ck_layout = layout_for(plan, checksums=DEFAULT_CHECKSUM)
     ck_dest = torch.zeros(ck_layout.total_nbytes, dtype=torch.uint8)
     gather_payload_into(plan, ck_layout, ck_dest)
     stats["checksum_encode"] = timed(encode_ck, reps, warmup)

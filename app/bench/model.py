@@ -153,24 +153,27 @@ class Geometry:
 
 @attrs.frozen
 class Stat:
-    """Median, min and max of ``n >= 1`` samples (seconds unless ``unit`` says otherwise)."""
+    """Median, min and max of ``n >= 1`` samples (seconds unless ``unit`` says otherwise);
+    ``samples`` in measurement order when built by :meth:`of` (for interleaved pairs)."""
 
     median: float
     min: float
     max: float
     n: int
     unit: str = "s"
+    samples: tuple[float, ...] = attrs.field(default=(), eq=False, repr=False)
 
     @classmethod
     def of(cls, samples: Iterable[float], unit: str = "s") -> Stat:
         values = [float(v) for v in samples]
         if not values:
             raise ConfigError("a statistic needs at least one sample")
-        return cls(statistics.median(values), min(values), max(values), len(values), unit)
+        return cls(statistics.median(values), min(values), max(values), len(values), unit, tuple(values))
 
     def scaled(self, factor: float, unit: str) -> Stat:
         """The same statistic times ``factor`` (``factor > 0`` keeps min <= median <= max)."""
-        return Stat(self.median * factor, self.min * factor, self.max * factor, self.n, unit)
+        scaled = tuple(v * factor for v in self.samples)
+        return Stat(self.median * factor, self.min * factor, self.max * factor, self.n, unit, scaled)
 
     def to_json(self) -> dict[str, Any]:
         return {"median": self.median, "min": self.min, "max": self.max, "n": self.n, "unit": self.unit}

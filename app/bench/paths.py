@@ -63,6 +63,11 @@ def connector_configs(name: str, settings: BenchSettings, pool: int) -> tuple[di
     )
 
 
+#: The paths measured as interleaved pairs with a limit: figure -> the limit (a name of
+#: :attr:`RunState.limits`), whose repetitions alternate with the path's (app/bench/pairs.py).
+PAIR_LIMITS: dict[str, str] = {"shm_e2e_1": "memcpy", "shm_e2e_n": "memcpy", "zmq_e2e_1": "raw_tcp"}
+
+
 @attrs.define(eq=False)
 class RunState:
     """One run's state: live peers, figures (``stats`` in their units, ``nbytes`` each moved),
@@ -80,6 +85,8 @@ class RunState:
     peers: list[Peer] = attrs.Factory(list)
     #: figure name -> the label of the scenario that produced it
     figure_paths: dict[str, str] = attrs.Factory(dict)
+    #: limit name -> one repetition of it (returns seconds), for :data:`PAIR_LIMITS`
+    limits: dict[str, Callable[[], float]] = attrs.Factory(dict)
 
     def peer(self, name: str) -> Peer:
         """Start a peer process (torch limited to ``threads``); closed by :meth:`close_peer`."""
@@ -101,6 +108,9 @@ class RunState:
     ) -> ScenarioResult | None:
         self.progress(f"{scenario.label} ...")
         start = time.monotonic()
+        limit = self.limits.get(PAIR_LIMITS.get(figure, ""))
+        if limit is not None and scenario.limit is None:
+            scenario = attrs.evolve(scenario, limit=limit)
         try:
             result = run_scenario(sender, receiver, scenario, self.settings, receiver_baseline_kb=baseline_kb)
         except KVFerryError as exc:
@@ -110,6 +120,8 @@ class RunState:
         self.scenarios[scenario.label] = result
         self.figure_paths[figure] = scenario.label
         self.record(figure, result.time, scenario.nbytes)
+        if result.limit_time is not None:  # the limit's repetitions, in pair order
+            self.record(f"{figure}_limit", result.limit_time, 0)
         if result.checked is not None:
             self.checks[scenario.label] = result.checked
         self.progress(f"{scenario.label}: median {result.time.median * 1e3:.2f} ms ({time.monotonic() - start:.1f} s)")

@@ -24,9 +24,9 @@ _FIGURE_LABELS: tuple[tuple[str, str], ...] = (
     ("kvferry_decode", "kvferry decode (views, one buffer)"),
     ("kvferry_decode_frames", "kvferry decode (views, frames)"),
     ("kvferry_codec", "kvferry encode + decode"),
-    ("checksum_encode", "kvferry encode with crc32"),
-    ("checksum_decode", "kvferry decode verifying crc32"),
-    ("checksum_gather_finish", "kvferry gather + header with crc32"),
+    ("checksum_encode", "kvferry encode with checksums"),
+    ("checksum_decode", "kvferry decode verifying checksums"),
+    ("checksum_gather_finish", "kvferry gather + header with checksums"),
     ("shm_direct_1", "kvferry shm primitives e2e, 1 request"),
     ("shm_e2e_1", "kvferry shm e2e, 1 request"),
     ("shm_e2e_n", "kvferry shm e2e, N requests"),
@@ -136,33 +136,59 @@ def _runs_line(report: dict[str, Any]) -> str:
     )
 
 
+#: How a verdict reads in the table (one letter per run where there are several).
+_VERDICT_WORD = {"met": "met", "missed": "MISSED", "unsteady": "unsteady", "none": "n/a"}
+_VERDICT_LETTER = {"met": "y", "missed": "N", "unsteady": "~", "none": "-"}
+
+
+def _spread(report: dict[str, Any], name: str) -> str:
+    spread = (report.get("spreads") or {}).get(name)
+    paired = name in (report.get("pairs") or {})
+    return ("" if spread is None else f"{100 * spread:.0f}%") + (" paired" if paired else "")
+
+
+def _noise_line(report: dict[str, Any]) -> str:
+    runs = report.get("runs") or ()
+    noises = [r.get("noise") or {} for r in runs] if len(runs) > 1 else [report.get("noise") or {}]
+    limits = sorted({k for n in noises for k in n})
+    if not limits:
+        return ""
+    parts = [f"{k} {' / '.join('n/a' if n.get(k) is None else f'{100 * n[k]:.0f}%' for n in noises)}" for k in limits]
+    max_spread = report.get("max_spread")
+    return (
+        "noise (the limits' own spread, interquartile range over median" + (", each run" if len(runs) > 1 else "")
+        + "): " + "; ".join(parts)
+        + ("" if max_spread is None else f"; a ratio whose spread is over {100 * max_spread:.0f}% is unsteady")
+    )  # fmt: skip
+
+
 def _ratio_rows(report: dict[str, Any]) -> list[str]:
-    """The ratio table; with several runs, every run's value and verdict beside the median."""
+    """The ratio table: value, target, verdict (met / missed / unsteady) and spread (paired:
+    the spread of the ratio's interleaved pairs); with several runs, every run's value and
+    verdict beside the median."""
     runs = report.get("ratio_runs") or {}
     several = len(report.get("runs") or ()) > 1
+    verdicts = report.get("verdicts") or {}
+    each = report.get("verdict_runs") or {}
     rows = []
     for name in RATIO_NAMES:
         value = report["ratios"].get(name)
-        met = report["meets_target"].get(name)
-        row = [name, _value(value), report["targets"][name], "n/a" if value is None else ("yes" if met else "NO")]
+        row = [name, _value(value), report["targets"][name], _VERDICT_WORD.get(verdicts.get(name, "none"), "n/a")]
         if several:
-            per = runs.get(name) or {"values": [], "met": []}
+            per = runs.get(name) or {"values": []}
             row.append(" ".join(_value(v) for v in per["values"]))
-            row.append(" ".join("y" if ok else "N" for ok in per["met"]))
+            row.append(" ".join(_VERDICT_LETTER.get(v, "?") for v in each.get(name, ())))
+        else:
+            row.append(_spread(report, name))
         rows.append([*row, ", ".join(report["ratio_inputs"].get(name, ()))])
-    met = report["meets_target"]
-    if several:
-        header = ["ratio", "median", "target", "met", "each run", "met each", "from"]
-        every = report.get("met_every_run") or {}
-        return [
-            *_rows(header, rows),
-            f"targets met at the median: {sum(bool(met.get(n)) for n in RATIO_NAMES)} of {len(RATIO_NAMES)}; "
-            f"in every run: {sum(bool(every.get(n)) for n in RATIO_NAMES)} of {len(RATIO_NAMES)}",
-        ]
-    return [
-        *_rows(["ratio", "value", "target", "met", "from"], rows),
-        f"targets met: {sum(bool(met.get(n)) for n in RATIO_NAMES)} of {len(RATIO_NAMES)}",
-    ]
+    count = {v: sum(verdicts.get(n) == v for n in RATIO_NAMES) for v in ("met", "missed", "unsteady")}
+    summary = (
+        f"of {len(RATIO_NAMES)} ratios: met {count['met']}, missed {count['missed']}, unsteady {count['unsteady']}"
+        + (" (over every run: y met, N missed, ~ unsteady)" if several else "")
+    )
+    header = ["ratio", "median" if several else "value", "target", "verdict"]
+    header += ["each run", "each"] if several else ["spread"]
+    return [*_rows([*header, "from"], rows), summary, _noise_line(report)]
 
 
 def render_table(report: dict[str, Any]) -> str:
@@ -246,9 +272,9 @@ def render_table(report: dict[str, Any]) -> str:
     ck = report.get("checksum_cost") or {}
     if ck:
         lines.append(
-            f"crc32 checksums: +{ck['encode_extra_ms']:.1f} ms to encode, "
-            f"{ck['decode_verify_ms']:.1f} ms to verify per request "
-            f"({ck['crc32_gbps']:.2f} GB/s)"
+            f"{ck.get('algorithm', 'crc32')} checksums ({ck.get('engine', '?')}): +{ck['encode_extra_ms']:.1f} ms "
+            f"to encode, {ck['decode_verify_ms']:.1f} ms to verify per request "
+            f"(encode with checksums {ck.get('encode_gbps', math.nan):.2f} GB/s)"
         )
     checks = report.get("data_checks", {})
     bad = [k for k, ok in checks.items() if not ok]

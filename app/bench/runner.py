@@ -14,7 +14,8 @@
   heterogeneous TP 2->4, replicated-head TP 2->8 (4 KV heads) and an MLA latent TP 2->4
   against 2->2 for the same bytes,
   readiness latency of a small request, page faults per MB and peak RSS of both sides, the
-  cost of crc32 checksums; optional connectors (``mooncake``) beside them.
+  cost of the default checksums (crc32c where the native routine is built); optional
+  connectors (``mooncake``) beside them.
 
 It returns the report (a JSON-able dict with ``ratios`` under the names of
 :data:`~kvferry.app.bench.model.RATIO_NAMES`, every figure's median/min/max, the machine,
@@ -39,6 +40,7 @@ from typing import Any, TypedDict
 import attrs
 import torch
 
+from kvferry.adapters.checksums import DEFAULT_CHECKSUM, checksum_engine
 from kvferry.app.bench.model import (
     RATIO_NAMES,
     TARGETS,
@@ -47,12 +49,13 @@ from kvferry.app.bench.model import (
     compute_ratios,
     ratio_of,
 )
-from kvferry.app.bench.paths import COPYING, RunState, connector_paths, mooncake_raw
+from kvferry.app.bench.pairs import MAX_SPREAD, paired_ratio, relative_spread, verdict
+from kvferry.app.bench.paths import COPYING, PAIR_LIMITS, RunState, connector_paths, mooncake_raw
 from kvferry.app.bench.proc import Peer
-from kvferry.app.bench.scenarios import Scenario
+from kvferry.app.bench.scenarios import Scenario, one_repetition
 from kvferry.core.errors import KVFerryError
 
-__all__ = ["run_bench", "run_once", "machine_info", "RATIO_INPUTS", "SMALL", "RAW_TCP"]
+__all__ = ["run_bench", "run_once", "machine_info", "RATIO_INPUTS", "PAIRED_RATIOS", "SMALL", "RAW_TCP"]
 
 logger = logging.getLogger(__name__)
 
@@ -86,6 +89,17 @@ RATIO_INPUTS: dict[str, tuple[str, ...]] = {
     "faults_per_mb_sender": ("faults_per_mb_sender",),
     "faults_per_mb_receiver": ("faults_per_mb_receiver",),
     "rss_ratio_receiver": ("rss_ratio_receiver",),
+}
+
+
+#: The ratios measured as interleaved pairs: ``name -> (figure, requests per repetition)``; the
+#: limit's repetitions are figure ``{figure}_limit`` (``extraction``'s limit is memcpy, the
+#: others' :data:`~kvferry.app.bench.paths.PAIR_LIMITS`).
+PAIRED_RATIOS: dict[str, tuple[str, bool]] = {
+    "extraction_vs_memcpy": ("extraction", False),
+    "shm_e2e_vs_memcpy": ("shm_e2e_1", False),
+    "shm_8req_vs_memcpy": ("shm_e2e_n", True),
+    "zmq_1req_vs_raw_tcp": ("zmq_e2e_1", False),
 }
 
 
@@ -179,7 +193,7 @@ def run_once(
 
 
 def _measure(run: RunState) -> None:
-    from kvferry.app.bench.local import measure_local, measure_memcpy
+    from kvferry.app.bench.local import measure_local, measure_memcpy, memcpy_step
     from kvferry.app.bench.payload import make_paged_cache
 
     s = run.settings
@@ -197,7 +211,8 @@ def _measure(run: RunState) -> None:
     run.progress("memcpy and in-process paths ...")
     run.record("memcpy", measure_memcpy(g.nbytes, s.reps, s.warmup), g.nbytes)
     run.record("memcpy_cpu", measure_memcpy(g.nbytes, s.reps, s.warmup, time.process_time), g.nbytes)
-    local = measure_local(make_paged_cache(g, 1, seed=s.seed), s.reps, s.warmup)
+    run.limits["memcpy"] = memcpy_step(g.nbytes)  # alternates with the paths of PAIR_LIMITS
+    local = measure_local(make_paged_cache(g, 1, seed=s.seed), s.reps, s.warmup, limit=run.limits["memcpy"])
     for name, stat in local["stats"].items():
         run.record(name, stat, g.nbytes)
     run.checks.update({f"local_{k}": v for k, v in local["checks"].items()})
@@ -241,13 +256,19 @@ def _measure(run: RunState) -> None:
     )
     if res is not None:
         run.record("readiness_baseline", res.latency, small.nbytes)
-    run.close_peer(receiver)
+    if "raw_tcp" in run.stats:  # the raw TCP pair stays connected: one repetition between zmq's
+        raw = Scenario(RAW_TCP, "tcp_send", "tcp_recv", lambda i: {}, lambda i: {}, g.nbytes)
+        run.limits["raw_tcp"] = lambda: one_repetition(sender, receiver, raw, t)
+    else:
+        run.close_peer(receiver)
 
     pool = max(s.requests, 4) * (g.nbytes + (1 << 20)) + (64 << 20)
     for name in ("shm", "zmq", *s.extra_connectors):
         if name == "mooncake":
             mooncake_raw(run)
         connector_paths(run, sender, name, pool, small)
+    run.limits.pop("raw_tcp", None)
+    run.close_peer(receiver)
 
 
 def _raw_tcp(run: RunState, sender: Peer, receiver: Peer) -> None:
@@ -363,6 +384,36 @@ def _cpu_ratios(run: RunState) -> dict[str, float]:
     return out
 
 
+def _pairs(run: RunState, ratios: dict[str, float]) -> dict[str, Any]:
+    """The interleaved ratios (replacing ``ratios``' values by the median of their pairs), every
+    ratio's spread and verdict, and the run's noise figure per limit."""
+    pairs: dict[str, Any] = {}
+    spreads: dict[str, float] = {}
+    limit_samples: dict[str, list[float]] = {}
+    for name, (figure, per_request) in PAIRED_RATIOS.items():
+        subject, limit = run.stats.get(figure), run.stats.get(f"{figure}_limit")
+        if subject is None or limit is None or len(subject.samples) != len(limit.samples):
+            continue
+        scale = run.settings.requests if per_request else 1
+        paired = paired_ratio(limit.samples, subject.samples, scale)
+        limit_name = PAIR_LIMITS.get(figure, "memcpy")
+        limit_samples.setdefault(limit_name, []).extend(limit.samples)
+        pairs[name] = {**paired.to_json(), "limit": limit_name}
+        ratios[name] = paired.value
+        spreads[name] = paired.spread
+    for name in RATIO_NAMES:  # the rest: the larger spread of the figures it divides
+        if name not in spreads:
+            inputs = [run.stats[f] for f in RATIO_INPUTS.get(name, ()) if f in run.stats]
+            spreads[name] = max((relative_spread(s.samples) for s in inputs), default=math.nan)
+    return {
+        "pairs": pairs,
+        "spreads": {name: _finite(spreads[name]) for name in RATIO_NAMES},
+        "verdicts": {name: verdict(ratios[name], TARGETS[name], spreads[name]) for name in RATIO_NAMES},
+        "noise": {name: _finite(relative_spread(samples)) for name, samples in limit_samples.items()},
+        "max_spread": MAX_SPREAD,
+    }
+
+
 def _finite(value: float) -> float | None:
     return value if isinstance(value, (int, float)) and math.isfinite(value) else None
 
@@ -370,6 +421,7 @@ def _finite(value: float) -> float | None:
 def _report(run: RunState, machine: dict[str, Any], seconds: float) -> dict[str, Any]:
     _worst(run)
     ratios = compute_ratios(run.stats, run.settings.requests)
+    steadiness = _pairs(run, ratios)
     extra = _extra_ratios(run)
     figures = {
         name: {**stat.to_json(), "nbytes": run.nbytes.get(name), "gbps": _gbps(stat, run.nbytes.get(name, 0))}
@@ -398,7 +450,9 @@ def _report(run: RunState, machine: dict[str, Any], seconds: float) -> dict[str,
         checksum = {
             "encode_extra_ms": (ck[0].median - ck[1].median) * 1e3,
             "decode_verify_ms": run.stats["checksum_decode"].median * 1e3,
-            "crc32_gbps": run.settings.geometry.nbytes / ck[0].median / 1e9,
+            "algorithm": DEFAULT_CHECKSUM,
+            "engine": checksum_engine(DEFAULT_CHECKSUM),
+            "encode_gbps": run.settings.geometry.nbytes / ck[0].median / 1e9,
         }
     return {
         "kvferry_bench": 1,
@@ -406,6 +460,7 @@ def _report(run: RunState, machine: dict[str, Any], seconds: float) -> dict[str,
         "extra_ratios": {name: _finite(value) for name, value in extra.items()},
         "targets": {name: str(TARGETS[name]) for name in RATIO_NAMES},
         "meets_target": {name: TARGETS[name].met(ratios[name]) for name in RATIO_NAMES},
+        **steadiness,
         "ratio_inputs": {name: list(v) for name, v in RATIO_INPUTS.items()},
         "figures": figures,
         "paths": per_path,

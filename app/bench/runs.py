@@ -7,6 +7,8 @@ keys, now over all runs:
 - ``ratios``: per ratio the median of the runs' values (:func:`~kvferry.app.bench.model.ratio_runs`),
   ``meets_target`` that median against its target, ``met_every_run`` whether every run met it;
 - ``ratio_runs``: per ratio every run's value, the median and each run's verdict;
+- ``verdicts``: per ratio met / missed / unsteady over the runs
+  (:func:`~kvferry.app.bench.pairs.runs_verdict`), ``verdict_runs`` each run's;
 - ``runs``: per run its ratios, extra ratios, verdicts, failures, data checks, load and seconds;
 - ``figures``: per figure the median of the runs' medians, the lowest min, the highest max
   (:func:`~kvferry.app.bench.model.combine_stats`); ``extra_ratios`` the medians over runs;
@@ -23,6 +25,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from kvferry.app.bench.model import RATIO_NAMES, TARGETS, Stat, combine_stats, ratio_runs
+from kvferry.app.bench.pairs import runs_verdict
 from kvferry.core.errors import ConfigError
 
 __all__ = ["combine_reports"]
@@ -87,6 +90,9 @@ def combine_reports(reports: Sequence[dict[str, Any]], *, seconds: float | None 
             "run": k,
             "ratios": dict(report["ratios"]),
             "meets_target": dict(report["meets_target"]),
+            "verdicts": dict(report.get("verdicts", {})),
+            "spreads": dict(report.get("spreads", {})),
+            "noise": dict(report.get("noise", {})),
             "extra_ratios": dict(report.get("extra_ratios", {})),
             "failures": dict(report.get("failures", {})),
             "data_checks": dict(report.get("data_checks", {})),
@@ -103,6 +109,10 @@ def combine_reports(reports: Sequence[dict[str, Any]], *, seconds: float | None 
         "meets_target": {name: TARGETS[name].met(r.median) for name, r in per_ratio.items()},
         "met_every_run": {name: r.met_every_run for name, r in per_ratio.items()},
         "ratio_runs": {name: r.to_json() for name, r in per_ratio.items()},
+        "verdicts": {
+            name: runs_verdict([r.get("verdicts", {}).get(name, "none") for r in reports]) for name in RATIO_NAMES
+        },
+        "verdict_runs": {name: [r.get("verdicts", {}).get(name, "none") for r in reports] for name in RATIO_NAMES},
         "runs": runs,
         "extra_ratios": extra,
         "figures": _figures(reports),

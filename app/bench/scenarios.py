@@ -31,7 +31,7 @@ from kvferry.core.ids import connector_key
 from kvferry.core.routing import route_heads
 from kvferry.core.topology import TPTopology, source_ranks
 
-__all__ = ["Scenario", "ScenarioResult", "run_scenario", "key_items", "manager_items", "tp_items"]
+__all__ = ["Scenario", "ScenarioResult", "run_scenario", "one_repetition", "key_items", "manager_items", "tp_items"]
 
 logger = logging.getLogger(__name__)
 _MB = 1e6
@@ -41,7 +41,9 @@ _MB = 1e6
 class Scenario:
     """One measured path. ``send``/``recv`` build a repetition's command arguments from its
     index; ``expected`` lists ``(cache, request, heads)`` whose crc32s the receiver must see,
-    in receive order; ``nbytes`` is the KV tensor bytes one repetition moves."""
+    in receive order; ``nbytes`` is the KV tensor bytes one repetition moves. ``limit``, when
+    set, runs one repetition of the ratio's limit (returning its seconds) before every
+    repetition of this path, so the two alternate (app/bench/pairs.py)."""
 
     label: str
     send_cmd: str
@@ -51,6 +53,7 @@ class Scenario:
     nbytes: int
     expected: tuple[tuple[str, int, tuple[int, int] | None], ...] = ()
     reps: int | None = None
+    limit: Callable[[], float] | None = None
 
 
 @attrs.frozen
@@ -60,7 +63,8 @@ class ScenarioResult:
     went: ``sender_busy`` (the sender's command, s) and ``receiver_tail`` (receiver done minus
     sender done, s); and what it cost in CPU time: ``sender_cpu`` (the sender process, every
     thread, from before its command until the receiver is done) and ``receiver_cpu`` (the
-    receiver process until it holds everything)."""
+    receiver process until it holds everything); ``limit_time``: the limit's repetitions that
+    alternated with the timed ones (same order), when the scenario had a ``limit``."""
 
     label: str
     time: Stat
@@ -76,6 +80,7 @@ class ScenarioResult:
     call_latency: Stat | None = None
     sender_cpu: Stat | None = None
     receiver_cpu: Stat | None = None
+    limit_time: Stat | None = None
 
 
 def key_items(tag: str, rep: int, requests: int, cache: str = "main") -> tuple[list[dict], list[dict]]:
@@ -142,6 +147,18 @@ def _per_mb(faults: int, nbytes: int) -> float:
     return faults / (nbytes / _MB) if nbytes else 0.0
 
 
+def one_repetition(sender: Peer, receiver: Peer, scenario: Scenario, timeout: float) -> float:
+    """One repetition of ``scenario`` (index 0), nothing else counted: its seconds, as
+    :func:`run_scenario` times them (a limit's step between a path's repetitions)."""
+    ident = receiver.begin(scenario.recv_cmd, timeout_s=timeout, **scenario.recv(0))
+    receiver.wait_ready(ident, timeout)
+    try:
+        sent = sender.call(scenario.send_cmd, timeout, **scenario.send(0))
+    finally:
+        got = receiver.result(ident, timeout + 30)
+    return float(got["t_done"] - sent["t_go"])
+
+
 def run_scenario(
     sender: Peer,
     receiver: Peer,
@@ -161,6 +178,7 @@ def run_scenario(
     s_cpu: list[float] = []
     r_cpu: list[float] = []
     crcs: list[int] = []
+    limits: list[float] = []
     s_reset: dict[str, Any] = {"rss_kb": 0}
     r_reset: dict[str, Any] = {"rss_kb": 0}
     for i in range(settings.warmup + reps):
@@ -168,6 +186,7 @@ def run_scenario(
         if i == settings.warmup:
             s_reset = sender.call("rss_reset", timeout)
             r_reset = receiver.call("rss_reset", timeout)
+        limit_s = scenario.limit() if scenario.limit is not None else None
         ident = receiver.begin(scenario.recv_cmd, timeout_s=timeout, **scenario.recv(i))
         receiver.wait_ready(ident, timeout)
         try:
@@ -182,6 +201,8 @@ def run_scenario(
         got = receiver.result(ident, timeout + 30)
         if not timed:
             continue
+        if limit_s is not None:
+            limits.append(limit_s)
         s_cpu.append(sender.call("cpu", timeout)["cpu_s"] - cpu0)  # the serving threads' work too
         if "cpu_s" in got:
             r_cpu.append(got["cpu_s"])
@@ -220,4 +241,5 @@ def run_scenario(
         Stat.of(from_call) if from_call else None,
         Stat.of(s_cpu),
         Stat.of(r_cpu) if r_cpu else None,
+        Stat.of(limits) if limits else None,
     )

@@ -38,10 +38,13 @@ from kvferry.app.distribute import Distributor, kv_fields_of
 from kvferry.app.manager import KVCache, KVTransferManager, StageGroups
 from kvferry.app.prefetch import CONSUMED_KINDS, Prefetcher
 from kvferry.app.receive import ReceiveResult
+from kvferry.app.registry import check_connector_config
+from kvferry.core.addressing import pull_port
 from kvferry.core.config import TransferConfig, extract_omni_kv_config
 from kvferry.core.errors import ConfigError
 from kvferry.core.ids import is_dummy_request
-from kvferry.core.outcomes import ReceiveOutcome, SendOutcome
+from kvferry.core.layouts import VLLM_CPU_ISAS
+from kvferry.core.outcomes import ReceiveKind, ReceiveOutcome, SendOutcome
 from kvferry.core.roles import ReceiveRole, tp_active
 
 # The reference's kv_transfer_manager module also holds the routing helpers, the port stride and
@@ -76,6 +79,8 @@ logger = logging.getLogger(__name__)
 
 #: Followers wait for the leader's receive (up to ``recv_timeout``) plus this margin.
 COLLECTIVE_MARGIN_S = 30.0
+#: Prefetched refusals kept for the synchronous receive that follows (all dropped when full).
+_REFUSALS_KEPT = 1024
 
 
 @attrs.frozen
@@ -118,6 +123,36 @@ class TransferTopoConfig:
         return self.sp_size > 1
 
 
+def _with_engine_layout(typed: TransferConfig, vllm_config: Any) -> TransferConfig:
+    """``typed`` with ``kv_layout`` taken from what the engine runs (its attention backend, its
+    platform and CPU kernel ISA: :func:`kvferry.app.vllm.backends.engine_layout`) when the
+    config names none. A named ``kv_layout`` wins; when vLLM cannot tell, or runs a backend
+    kvferry does not move, the config is left without a layout and the reason is logged (the
+    cache is then read only where its shape is unambiguous, never guessed)."""
+    if typed.is_empty or typed.kv_layout is not None:
+        return typed
+    from kvferry.app.vllm.backends import engine_layout
+
+    try:
+        chosen = engine_layout(vllm_config)
+    except ConfigError as exc:
+        logger.error("kv_layout: not taken from the engine (%s); name kv_layout in omni_kv_config", exc)
+        return typed
+    except ImportError as exc:  # no vLLM: the engine's config cannot be asked
+        logger.warning("kv_layout: vLLM is not importable (%s); name kv_layout in omni_kv_config", exc)
+        return typed
+    if not chosen.per_token or (chosen.layout.name == "vllm_cpu" and chosen.layout.isa not in VLLM_CPU_ISAS):
+        logger.error(
+            "kv_layout: the engine writes %s (backend %s), which kvferry's manager cannot read per token "
+            "(it reads the vLLM CPU kernel's %s order); its sends will be refused, never misread",
+            chosen.label,
+            chosen.backend,
+            "/".join(sorted(VLLM_CPU_ISAS)),
+        )
+    logger.info("kv_layout %s from the engine (backend %s)", chosen.label, chosen.backend)
+    return attrs.evolve(typed, kv_layout=chosen.layout)
+
+
 class OmniKVTransferManager:
     """The reference's manager (REFERENCE_API.md) backed by kvferry's typed manager."""
 
@@ -143,6 +178,12 @@ class OmniKVTransferManager:
         else:
             typed = config.to_transfer_config(env)
         self.config = config
+        if (
+            connector is None
+            and "connector_factory" not in manager_kwargs
+            and (typed.need_send_cache or typed.need_recv_cache)
+        ):
+            check_connector_config(typed.connector_config)  # a name that cannot be served fails here
         self._manager = KVTransferManager(
             typed,
             tp_rank=get_local_tp_rank() if tp_rank is None else tp_rank,
@@ -155,6 +196,9 @@ class OmniKVTransferManager:
         m = self._manager
         self.last_send_outcomes: list[SendOutcome] = []
         self.last_receive_outcome: ReceiveOutcome | None = None
+        #: Refusals a prefetch took (the marker is gone): the synchronous receive that follows
+        #: a ``(None, 0)`` from :meth:`consume_prefetched_kv` answers them at once.
+        self._refused: dict[str, ReceiveOutcome] = {}
         enabled = (
             typed.need_recv_cache
             and (async_prefetch or typed.enable_kv_async_prefetch)
@@ -191,6 +235,7 @@ class OmniKVTransferManager:
     def from_vllm_config(cls, vllm_config: Any, model_config: Any = None, **kwargs: Any) -> OmniKVTransferManager:
         env = kwargs.pop("env", None)
         typed = TransferConfig.from_vllm_config(vllm_config, model_config, os.environ if env is None else env)
+        typed = _with_engine_layout(typed, vllm_config)
         collector = getattr(model_config, "cfg_kv_collect_func", None) if model_config is not None else None
         return cls(typed, has_cfg_collector=collector is not None, env=env, **kwargs)
 
@@ -262,9 +307,7 @@ class OmniKVTransferManager:
             return getattr(self._manager, name)
 
         def set_(self: OmniKVTransferManager, value: Any) -> None:
-            if value is not None and not callable(value):
-                raise ConfigError(f"{name} must be callable or None")
-            setattr(self._manager, name, value)
+            self._manager.set_hooks(**{name: value})
 
         return property(get, set_)
 
@@ -283,7 +326,7 @@ class OmniKVTransferManager:
         if isinstance(cc, dict):
             cc["sender_host"] = endpoint.host
             if endpoint.port is not None:
-                cc["sender_zmq_port"] = endpoint.port + self._manager.tp_rank * 16
+                cc["sender_zmq_port"] = pull_port(endpoint.port, None, self._manager.tp_rank)
 
     def handle_finished_requests_kv_transfer(
         self,
@@ -307,6 +350,10 @@ class OmniKVTransferManager:
 
     # ---------------------------------------------------------------------------- receiving
     def _receive(self, request_id: str, target_device: Any = None, sender_info: Any = None) -> ReceiveResult:
+        refused = self._refused.pop(str(request_id), None)
+        if refused is not None:
+            self.last_receive_outcome = refused
+            return ReceiveResult(refused)
         result = self._manager.receive(
             request_id, sender_info=sender_info, target_device=target_device, zero_copy=False
         )  # the reference hands out tensors of their own
@@ -412,6 +459,10 @@ class OmniKVTransferManager:
         if result is None:
             return None, 0
         self.last_receive_outcome = result.outcome
+        if result.outcome.kind is ReceiveKind.REFUSED:  # the sender said it cannot come: never wait for it
+            if len(self._refused) >= _REFUSALS_KEPT:
+                self._refused.clear()
+            self._refused[str(rid)] = result.outcome
         if result.outcome.kind in CONSUMED_KINDS:
             raise KVPrefetchConsumeError(
                 f"request {rid}: prefetched KV was consumed but could not be used: {result.outcome.detail}",

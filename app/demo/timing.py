@@ -8,16 +8,29 @@ Pure functions of monotonic-clock stamps (seconds, one clock for every process o
   receive (with TP consensus) returns, and has *verified* it after comparing every tensor.
 
 :func:`request_timing` splits a request into transfer, queueing and verification;
-:func:`wall_split` splits the run's wall time into start-up, transfer, checking and shutdown.
+:func:`transfer_figure` is the one transfer figure of the summary: per request, the memcpy of its
+bytes over its transfer time (as ``kvferry bench`` defines ``shm_e2e_vs_memcpy``), the median
+over requests; :func:`wall_split` splits the run's wall time into start-up, receiving, checking
+and shutdown (no rate is made of it: requests overlap while the receivers receive).
 """
 
 from __future__ import annotations
 
+import math
+import statistics
 from collections.abc import Iterable, Sequence
 
 import attrs
 
-__all__ = ["RequestTiming", "WallSplit", "request_timing", "wall_split", "percentile"]
+__all__ = [
+    "RequestTiming",
+    "TransferFigure",
+    "WallSplit",
+    "request_timing",
+    "transfer_figure",
+    "wall_split",
+    "percentile",
+]
 
 
 @attrs.frozen
@@ -57,12 +70,13 @@ class WallSplit:
     """The wall time (``total_s``, launch -> every worker finished) in four parts that add up to
     it: ``startup_s`` (processes, imports, caches, connections: launch -> every rank ready),
     ``checking_s`` (the receivers verifying, request after request), ``shutdown_s`` (last
-    request verified -> every worker finished) and ``transfer_s``, the rest: the receivers
-    waiting for and taking in the requests."""
+    request verified -> every worker finished) and ``receiving_s``, the rest: the receivers
+    waiting for and taking in the requests, several of them in flight at once (so bytes over
+    it is no transfer rate: :class:`TransferFigure` is)."""
 
     total_s: float
     startup_s: float
-    transfer_s: float
+    receiving_s: float
     checking_s: float
     shutdown_s: float
 
@@ -75,6 +89,30 @@ def wall_split(launch: float, ready: float, last_verified: float, end: float, ch
     shutdown = min(total - startup, max(0.0, end - max(last_verified, ready)))
     checking = min(total - startup - shutdown, sum(checks))
     return WallSplit(total, startup, total - startup - shutdown - checking, checking, shutdown)
+
+
+@attrs.frozen
+class TransferFigure:
+    """The summary's one transfer figure: ``gbps`` the median over requests of a request's bytes
+    over its transfer time (GB/s), ``vs_memcpy`` the same median of a request's memcpy time over
+    its transfer time (the memcpy of its bytes at ``memcpy_gbps``; larger is faster, 1.0 is a
+    transfer as fast as one memcpy). NaN without requests or without a memcpy figure."""
+
+    gbps: float
+    vs_memcpy: float
+    memcpy_gbps: float
+
+
+def transfer_figure(request_bytes: Sequence[int], transfer_s: Sequence[float], memcpy_gbps: float) -> TransferFigure:
+    """``request_bytes[i]`` moved in ``transfer_s[i]`` seconds; ``memcpy_gbps`` this machine's
+    memcpy (GB/s). Requests of zero time or zero bytes are left out. ValueError when the two
+    lists differ in length."""
+    if len(request_bytes) != len(transfer_s):
+        raise ValueError("one transfer time per request")
+    rates = [b / t / 1e9 for b, t in zip(request_bytes, transfer_s) if b > 0 and t > 0]
+    gbps = statistics.median(rates) if rates else math.nan
+    ok = memcpy_gbps > 0 and math.isfinite(gbps)
+    return TransferFigure(gbps, gbps / memcpy_gbps if ok else math.nan, memcpy_gbps)
 
 
 def percentile(values: Sequence[float], q: float) -> float:

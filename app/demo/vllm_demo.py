@@ -240,7 +240,8 @@ def _run(args: argparse.Namespace, tmp: Path, lengths: list[int]) -> int:
         stdout=subprocess.DEVNULL,
         stderr=subprocess.PIPE,
     )
-    extra = {"base_port": free_base_port(), "load_timeout_s": args.timeout}
+    # kv_recompute_threshold 0: the demo hands off its prompts, short or not
+    extra = {"base_port": free_base_port(), "load_timeout_s": args.timeout, "kv_recompute_threshold": 0}
     p_cpu, d_cpu = _cores()
     start_s = max(600.0, args.timeout)
     say = (lambda *_: None) if args.json else (lambda text: print(text, file=sys.stderr, flush=True))

@@ -67,7 +67,14 @@ def _loads(_worker: Any = None) -> list[dict[str, Any]]:
 
     worker = get_kv_transfer_group().page_worker
     return [
-        {"req_id": r.req_id, "nbytes": r.nbytes, "started": r.started, "ended": r.ended, "ok": r.ok}
+        {
+            "req_id": r.req_id,
+            "nbytes": r.nbytes,
+            "started": r.started,
+            "ended": r.ended,
+            "ok": r.ok,
+            "reported": r.reported,
+        }
         for r in (worker.recent_loads if worker is not None else ())
     ]
 

@@ -17,8 +17,9 @@ import sys
 from collections.abc import Callable
 from typing import Any, TextIO
 
+from kvferry.adapters.checksums import compute_checksum
 from kvferry.core.errors import PayloadError
-from kvferry.core.header import AbsentTensor, DecodedHeader, compute_checksum, decode_header
+from kvferry.core.header import AbsentTensor, DecodedHeader, decode_header
 
 __all__ = ["configure", "run", "inspect_buffer"]
 

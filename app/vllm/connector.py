@@ -20,9 +20,12 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorPromMetrics, KVConnectorStats
 
+from kvferry.app.vllm.backends import layer_layouts
 from kvferry.app.vllm.params import ConnectorSettings
 from kvferry.app.vllm.scheduler import PageScheduler, StepPlan
 from kvferry.app.vllm.worker import FAILURE_KINDS, PageWorker
+from kvferry.core.backends import BackendLayout
+from kvferry.core.errors import ConfigError
 
 if TYPE_CHECKING:
     import torch
@@ -47,17 +50,30 @@ def _num_layers(vllm_config: Any, kv_cache_config: Any) -> int:
     return int(vllm_config.model_config.get_num_layers(vllm_config.parallel_config))
 
 
-def _kernel_isa(vllm_config: Any, kv_caches: dict[str, torch.Tensor]) -> str | None:
-    """The CPU attention kernel vLLM writes these caches with (``amx``, ``vec``, ...), by vLLM's
-    own choice; None when it cannot be told (another backend, another vLLM)."""
-    try:
-        from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
-
-        first = next(iter(kv_caches.values()))
-        cache_dtype = getattr(vllm_config.cache_config, "cache_dtype", None)
-        return str(_get_attn_isa(first.dtype, int(first.shape[2]), int(first.shape[3]) // 2, cache_dtype))
-    except Exception:  # a private vLLM function: without it the payloads just carry no isa
-        return None
+def _page_layouts(vllm_config: Any, kv_caches: dict[str, torch.Tensor], kv_cache_config: Any) -> BackendLayout:
+    """The one layout of every registered cache, from what vLLM chose (app.vllm.backends);
+    ConfigError at start for a backend kvferry does not move, for layers in different layouts,
+    and for what this connector's page moves do not cover yet (MLA latents; a dense cache in
+    NHD order, whose (block, head) pages are not contiguous)."""
+    layouts = layer_layouts(vllm_config, kv_caches, kv_cache_config)
+    labels = {bl.label for bl in layouts.values()}
+    if len(labels) > 1:
+        raise ConfigError(
+            f"kv_caches: layers in different layouts {sorted(labels)}; kvferry moves one layout per engine"
+        )
+    name, first = next(iter(layouts.items()))
+    if first.layout.name == "mla":
+        raise ConfigError(
+            f"layer {name!r}: backend {first.backend} writes an MLA latent (kvferry's layout 'mla'); the vLLM "
+            f"connector moves dense K/V pages only (CPU_ATTN, and FLASH_ATTN / FLASHINFER / TRITON_ATTN in HND "
+            f"order), not MLA caches yet"
+        )
+    if first.layout.name == "packed" and first.stride_order not in (None, "LBHNC"):
+        raise ConfigError(
+            f"layer {name!r}: backend {first.backend} in stride order {first.stride_order}: the vLLM connector moves "
+            f"whole (block, head) pages of one contiguous layer, which needs LBHNC (set VLLM_KV_CACHE_LAYOUT=LBHNC)"
+        )
+    return first
 
 
 class KVFerryConnector(KVConnectorBase_V1):
@@ -106,7 +122,10 @@ class KVFerryConnector(KVConnectorBase_V1):
     # ------------------------------------------------------------------------ worker side
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         assert self._worker is not None
-        self._worker.kernel_isa = _kernel_isa(self._vllm_config, kv_caches)
+        layout = _page_layouts(self._vllm_config, kv_caches, self._kv_cache_config)
+        self._worker.kernel_isa = layout.layout.isa
+        self._worker.cache_layout = layout.label
+        logger.info("kvferry: %d layers, backend %s, layout %s", len(kv_caches), layout.backend, layout.label)
         self._worker.register(kv_caches)
 
     def bind_connector_metadata(self, connector_metadata: KVConnectorMetadata) -> None:

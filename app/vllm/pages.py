@@ -22,12 +22,14 @@ from typing import Any
 import attrs
 import torch
 
+from kvferry.adapters.kv_layouts import tokens_to_vllm_pages, vllm_pages_to_tokens
 from kvferry.adapters.torch_decode import dtype_name
 from kvferry.adapters.torch_frames import dest_views, finish_payload_in
 from kvferry.core.errors import ConfigError, PayloadError
 from kvferry.core.head_slices import HeadSlice
 from kvferry.core.header import LayoutTemplate, kv_layout_template
 from kvferry.core.ids import connector_key
+from kvferry.core.layouts import VLLM_CPU_PAGE_ISAS, reblock_span
 from kvferry.core.routing import rank_heads, route_heads
 
 __all__ = [
@@ -41,6 +43,10 @@ __all__ = [
     "write_pages",
     "block_runs",
     "check_payload",
+    "layout_family",
+    "needs_relay",
+    "pages_to_tokens",
+    "write_relaid",
 ]
 
 #: The layout name recorded in every payload's metadata.
@@ -163,12 +169,18 @@ def check_payload(decoded: Any, geometry: PageGeometry, layer: int, heads: int, 
     if decoded.num_layers != 1 or decoded.key_cache[0] is None or decoded.value_cache[0] is None:
         raise PayloadError(f"layer {layer}: expected one layer of K and V pages")
     k, v = decoded.key_cache[0], decoded.value_cache[0]
-    want = (heads, geometry.region)
+    region = geometry.region
+    src_bs = meta.get("block_size", geometry.block_size)
+    if src_bs != geometry.block_size:  # re-blocked on write: the sender's pages hold its block size
+        if isinstance(src_bs, bool) or not isinstance(src_bs, int) or src_bs < 1:
+            raise PayloadError(f"layer {layer}: payload block_size {src_bs!r}")
+        region = src_bs * geometry.head_size
+    want = (heads, region)
     for name, t in (("K", k), ("V", v)):
         if t.dim() != 3 or tuple(t.shape[1:]) != want or t.shape[0] < min_blocks:
             raise PayloadError(
                 f"layer {layer}: {name} pages {tuple(t.shape)}, expected "
-                f"[>= {min_blocks}, {heads}, {geometry.region}] (block_size {geometry.block_size}, "
+                f"[>= {min_blocks}, {heads}, {region}] (block_size {src_bs}, "
                 f"head_size {geometry.head_size})"
             )
         if dtype_name(t.dtype) != geometry.dtype:
@@ -215,3 +227,108 @@ def write_pages(
         k_dst[:, recv_start:recv_stop].index_copy_(0, index, k_src)
         v_dst[:, recv_start:recv_stop].index_copy_(0, index, v_src)
     return 2 * k_src.numel() * k_src.element_size()
+
+
+def layout_family(label: Any) -> str:
+    """``packed`` or ``vllm_cpu`` of a payload's ``cache_layout`` label (``core.backends.
+    BackendLayout.label``: ``packed/LBHNC``, ``vllm_cpu:amx/LBHNC``, ...); a payload without
+    one is the CPU backend's (what this connector sent before it said)."""
+    if not isinstance(label, str) or not label:
+        return "vllm_cpu"
+    return label.split("/", 1)[0].split(":", 1)[0]
+
+
+def _kernel(isa: Any) -> str | None:
+    return VLLM_CPU_PAGE_ISAS.get(isa.strip().lower()) if isinstance(isa, str) else None
+
+
+def needs_relay(metadata: Any, geometry: PageGeometry, cache_layout: str | None, isa: str | None) -> bool:
+    """True when a payload's pages are not this cache's page for page: another block size,
+    another layout family (``packed`` pages into a CPU cache or back), or another CPU kernel's
+    order (all stated by the sender: ``block_size``, ``cache_layout``, ``isa``)."""
+    meta = metadata or {}
+    if meta.get("block_size", geometry.block_size) != geometry.block_size:
+        return True
+    family = layout_family(cache_layout)
+    if layout_family(meta.get("cache_layout")) != family:
+        return True
+    theirs = meta.get("isa")
+    return family == "vllm_cpu" and theirs is not None and isa is not None and _kernel(theirs) != _kernel(isa)
+
+
+def pages_to_tokens(
+    k_regions: torch.Tensor, v_regions: torch.Tensor, family: str, isa: Any, block_size: int, num_tokens: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Pages (K regions, V regions ``[n, H, B*D]``) of layout ``family`` (:func:`layout_family`;
+    ``vllm_cpu`` in kernel ``isa``'s order) -> per-token ``[num_tokens, H, D]``, contiguous.
+    ConfigError for an unknown ISA, a shape that does not fit, or more tokens than the pages hold."""
+    if family == "packed":  # a (block, head) page is [B, 2*D]: each token's K then V
+        n, h, region = k_regions.shape
+        if region % block_size or not 0 <= num_tokens <= n * block_size:
+            raise ConfigError(f"packed pages [{n}, {h}, {region}] do not hold {num_tokens} tokens of {block_size}")
+        page = torch.cat((k_regions, v_regions), dim=2).view(n, h, block_size, 2 * region // block_size)
+        d = page.shape[3] // 2
+        tokens = page.transpose(1, 2).reshape(n * block_size, h, 2 * d)[:num_tokens]
+        return tokens[..., :d].contiguous(), tokens[..., d:].contiguous()
+    if family != "vllm_cpu":
+        raise ConfigError(f"pages of layout {family!r}: kvferry reads packed and vllm_cpu pages")
+    return vllm_pages_to_tokens(k_regions, v_regions, block_size=block_size, num_tokens=num_tokens, isa=isa)
+
+
+def _tokens_to_pages(
+    k: torch.Tensor, v: torch.Tensor, family: str, isa: Any, block_size: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-token ``[T, H, D]`` -> this cache's pages (K regions, V regions), zero-padded."""
+    if family == "packed":
+        t, h, d = k.shape
+        n = -(-t // block_size)
+        page = torch.zeros((n * block_size, h, 2 * d), dtype=k.dtype)
+        page[:t, :, :d], page[:t, :, d:] = k, v
+        regions = page.view(n, block_size, h, 2 * d).transpose(1, 2).reshape(n, h, 2, block_size * d)
+        return regions[:, :, 0], regions[:, :, 1]
+    return tokens_to_vllm_pages(k, v, block_size=block_size, isa=isa)
+
+
+def write_relaid(
+    layer: torch.Tensor,
+    geometry: PageGeometry,
+    cache_layout: str | None,
+    isa: str | None,
+    decoded: Any,
+    index: torch.Tensor,
+    first_page: int,
+    recv_start: int,
+    recv_stop: int,
+) -> int:
+    """Write a payload whose pages differ from this cache's (:func:`needs_relay`): decode the
+    sender's pages that hold local pages ``first_page .. first_page + len(index)`` into tokens
+    (its block size, layout and kernel ISA, from the payload), lay them out as this cache's
+    pages (``geometry.block_size``, ``cache_layout``, kernel ``isa``) and copy those into
+    ``layer[index, recv_start:recv_stop]``. Bit-exact per token; the tail of a partial last
+    page is zero. Returns the bytes written. PayloadError when the sender's pages cannot be
+    decoded or re-laid (naming both sides)."""
+    meta: dict[str, Any] = dict(decoded.metadata or {})
+    src_bs: Any = meta.get("block_size")
+    num_tokens: Any = meta.get("num_tokens")
+    src_isa = meta.get("isa")
+    src_family, family = layout_family(meta.get("cache_layout")), layout_family(cache_layout)
+    n = index.numel()
+    try:
+        start, stop, src_first, src_stop = reblock_span(first_page, n, geometry.block_size, src_bs, num_tokens)
+        k_src = decoded.key_cache[0].narrow(0, src_first, src_stop - src_first)
+        v_src = decoded.value_cache[0].narrow(0, src_first, src_stop - src_first)
+        k, v = pages_to_tokens(k_src, v_src, src_family, src_isa, src_bs, (src_stop - src_first) * src_bs)
+        offset = start - src_first * src_bs
+        k, v = k[offset : offset + stop - start], v[offset : offset + stop - start]
+        k_pages, v_pages = _tokens_to_pages(k, v, family, isa, geometry.block_size)
+    except ConfigError as exc:
+        raise PayloadError(
+            f"pages of block_size {src_bs} in layout {meta.get('cache_layout') or 'vllm_cpu'} (kernel {src_isa!r}) "
+            f"cannot be re-laid as this cache's (block_size {geometry.block_size}, {cache_layout}, "
+            f"kernel {isa!r}): {exc}"
+        ) from exc
+    k_dst, v_dst = geometry.regions(layer)
+    index = index[: k_pages.shape[0]]  # local pages past the prompt's end hold nothing of it
+    k_dst[:, recv_start:recv_stop].index_copy_(0, index, k_pages[: index.numel()])
+    v_dst[:, recv_start:recv_stop].index_copy_(0, index, v_pages[: index.numel()])
+    return 2 * k_pages.numel() * k_pages.element_size()

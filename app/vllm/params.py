@@ -19,14 +19,17 @@ from typing import Any
 
 import attrs
 
-from kvferry.core.addressing import kv_port
+from kvferry.app.registry import connector_role_config
+from kvferry.core.addressing import get_metadata, kv_port
 from kvferry.core.errors import ConfigError
 
 __all__ = [
     "PARAMS_VERSION",
     "LOAD_MODES",
+    "RECOMPUTE_THRESHOLD",
     "ConnectorSettings",
     "PrefillRequest",
+    "recompute_instead",
     "DecodeSource",
     "parse_prefill_params",
     "parse_decode_params",
@@ -64,6 +67,21 @@ def _load_mode(where: str, value: Any) -> str:
     return str(value)
 
 
+#: Default ``kv_recompute_threshold`` (prompt tokens): measured with ``kvferry bench --engine vllm``
+#: (tiny 8-layer model, 2 cores): the decode computing the prompt itself (12-18 ms at 128-512
+#: tokens, 31-32 ms at 1024) against the async shm load (18-23 ms at every length) crosses at about
+#: 700 tokens (docs/vllm.md, "Short prompts"). A real model computes a token hundreds of times
+#: slower for tens of times more KV bytes: there the crossing is far lower; measure it and set it.
+RECOMPUTE_THRESHOLD = 768
+
+
+def recompute_instead(num_tokens: int, threshold: int) -> bool:
+    """Whether a hand-off of ``num_tokens`` prompt tokens is skipped for a recompute by the
+    decode instance (``kv_recompute_threshold``; 0: never). The one rule both sides apply: the
+    prefill then saves nothing, the decode loads nothing."""
+    return threshold > 0 and num_tokens < threshold
+
+
 def _str(where: str, name: str, value: Any) -> str:
     if not isinstance(value, str) or not value:
         raise ConfigError(f"{where}.{name}: expected a non-empty string, got {value!r}")
@@ -80,7 +98,7 @@ class ConnectorSettings:
     ``load_timeout_s``: how long the decode side waits for each layer before the load fails
     (then ``kv_load_failure_policy`` applies). ``lease_s``: how long an unread layer stays in
     the prefill's pool. ``pool_bytes``: the prefill's pool. ``checksums``: a payload checksum
-    algorithm (``crc32``) or None. ``decode_tp_size``: the decode instance's TP size the prefill
+    algorithm (``crc32c``, ``crc32``) or None. ``decode_tp_size``: the decode instance's TP size the prefill
     slices heads for (a request may override it). ``load_threads``: concurrent loads.
     ``inline_load_s``: how long a load first runs in the engine's own thread, reading what is
     there already, before the rest waits on a load thread (0: every load on a load thread).
@@ -91,6 +109,9 @@ class ConnectorSettings:
     tokens while this rank has saves or loads in flight, how long the engine's thread waits
     for one of them to end (on an event, so it returns as soon as one does) instead of going
     straight on to the next empty step (0: never waits); see docs/vllm.md.
+    ``kv_recompute_threshold``: prompts of fewer tokens are not handed off: the prefill saves
+    nothing for them and the decode computes them itself (:func:`recompute_instead`; 0: every
+    prompt is handed off). Set the same value on both sides.
     """
 
     connector: Mapping[str, Any] = attrs.field(factory=lambda: {"type": "shm"})
@@ -101,12 +122,13 @@ class ConnectorSettings:
     load_timeout_s: float = 30.0
     lease_s: float = 60.0
     pool_bytes: int = 256 << 20
-    checksums: str | None = "crc32"
+    checksums: str | None = "crc32c"
     decode_tp_size: int | None = None
     load_threads: int = 2
     inline_load_s: float = 0.02
     load_mode: str = "async"
     idle_wait_s: float = 0.002
+    kv_recompute_threshold: int = RECOMPUTE_THRESHOLD
 
     @classmethod
     def from_extra_config(cls, extra: Mapping[str, Any] | None) -> ConnectorSettings:
@@ -141,6 +163,8 @@ class ConnectorSettings:
             out["load_mode"] = _load_mode(_EXTRA, extra["load_mode"])
         if "pool_bytes" in extra:
             out["pool_bytes"] = _int(_EXTRA, "pool_bytes", extra["pool_bytes"], 1 << 16)
+        if "kv_recompute_threshold" in extra:
+            out["kv_recompute_threshold"] = _int(_EXTRA, "kv_recompute_threshold", extra["kv_recompute_threshold"], 0)
         if "load_threads" in extra:
             out["load_threads"] = _int(_EXTRA, "load_threads", extra["load_threads"], 1, 64)
         if "decode_tp_size" in extra and extra["decode_tp_size"] is not None:
@@ -163,23 +187,16 @@ class ConnectorSettings:
         return kv_port(self.base_port, self.from_stage, tp_rank, 0, 0, tp_size=tp_size)
 
     def sender_config(self, tp_rank: int, tp_size: int) -> dict[str, Any]:
-        """The kvferry connector config of a prefill rank (role sender)."""
+        """The kvferry connector config of a prefill rank (role sender; the one rule,
+        :func:`kvferry.app.registry.connector_role_config`)."""
         cfg = dict(self.connector)
         cfg.setdefault("pool_bytes", self.pool_bytes)
         cfg.setdefault("lease_s", self.lease_s)
-        cfg.pop("zmq_port", None)
-        cfg.update(role="sender", port=self.sender_port(tp_rank, tp_size))
-        if self.connector_type in ("zmq", "mooncake"):
-            cfg.setdefault("host", self.host)
-        return cfg
+        return connector_role_config(cfg, role="sender", sender_port=self.sender_port(tp_rank, tp_size), host=self.host)
 
     def receiver_config(self) -> dict[str, Any]:
         """The kvferry connector config of a decode rank (role receiver)."""
-        cfg = dict(self.connector)
-        for key in ("port", "zmq_port", "sender_host", "sender_port"):
-            cfg.pop(key, None)
-        cfg["role"] = "receiver"
-        return cfg
+        return connector_role_config(self.connector, role="receiver", sender_port=None, host=self.host)
 
 
 @attrs.frozen
@@ -224,7 +241,9 @@ class DecodeSource:
 
     def source_metadata(self, from_rank: int) -> dict[str, Any]:
         """The partial connector metadata of prefill rank ``from_rank`` (SPEC 2.3 port)."""
-        return {"source_host": self.host, "source_port": self.port + from_rank * 16}
+        metadata = get_metadata(self.host, self.port, from_rank, request_scoped=True)
+        assert metadata is not None  # a host and a port, request-scoped: always named
+        return metadata
 
 
 _DECODE_FIELDS = (

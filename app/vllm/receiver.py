@@ -31,10 +31,9 @@ from typing import Any
 import attrs
 import torch
 
-from kvferry.adapters.kv_layouts import vllm_pages_to_tokens
 from kvferry.app.manager import KVTransferManager
 from kvferry.app.receive import ReceiveResult
-from kvferry.app.vllm.pages import PAGE_LAYOUT, layer_key, recv_slices
+from kvferry.app.vllm.pages import PAGE_LAYOUT, layer_key, layout_family, pages_to_tokens, recv_slices
 from kvferry.app.vllm.params import DecodeSource, parse_decode_params
 from kvferry.core.errors import ConfigError, KVFerryError, PayloadError
 from kvferry.core.head_slices import tp_head_slice_record
@@ -82,8 +81,7 @@ class VllmPageReceiver:
         receiver = cls(manager, isa, num_kv_heads)
         receiver._next_keys = manager.kv_recv_key_builder
         receiver._next_merger = manager.kv_payload_merger
-        manager.kv_recv_key_builder = receiver._keys
-        manager.kv_payload_merger = receiver._merge
+        manager.set_hooks(kv_recv_key_builder=receiver._keys, kv_payload_merger=receiver._merge)
         return receiver
 
     # ------------------------------------------------------------------------------ receive
@@ -185,10 +183,9 @@ class VllmPageReceiver:
                 v_parts.append(v_pages)
             k_pages = k_parts[0] if len(k_parts) == 1 else torch.cat(k_parts, dim=1)
             v_pages = v_parts[0] if len(v_parts) == 1 else torch.cat(v_parts, dim=1)
-            try:
-                k, v = vllm_pages_to_tokens(
-                    k_pages, v_pages, block_size=src.block_size, num_tokens=src.num_tokens, isa=isa
-                )
+            try:  # the layout the prefill's backend wrote (a dense GPU cache's packed pages, or the CPU kernel's)
+                family = layout_family((group[0].get("metadata") or {}).get("cache_layout"))
+                k, v = pages_to_tokens(k_pages, v_pages, family, isa, src.block_size, src.num_tokens)
             except ConfigError as exc:
                 raise PayloadError(f"layer {layer}: {exc}") from exc
             keys.append(k)

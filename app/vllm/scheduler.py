@@ -30,6 +30,7 @@ from kvferry.app.vllm.params import (
     parse_decode_params,
     parse_prefill_params,
     prefill_result,
+    recompute_instead,
 )
 from kvferry.app.vllm.worker import LoadJob, SaveJob
 from kvferry.core.errors import ConfigError
@@ -73,12 +74,14 @@ class PageScheduler:
     _offers: dict[str, tuple[DecodeSource | None, str | None, int, bool]] = attrs.field(init=False, factory=dict)
     _loads: list[LoadJob] = attrs.field(init=False, factory=list)
     _sending: set[str] = attrs.field(init=False, factory=set)
+    #: Remote-decode requests not handed off (``kv_recompute_threshold``): prompt tokens.
+    _short: dict[str, int] = attrs.field(init=False, factory=dict)
 
     # ----------------------------------------------------------------------- prefill side
     def track(self, request: Any) -> None:
         """Note a request scheduled for the first time (a prefill with ``do_remote_decode``)."""
         rid = request.request_id
-        if not self.producer or rid in self._remote_decode or rid in self._errors:
+        if not self.producer or rid in self._remote_decode or rid in self._errors or rid in self._short:
             return
         try:
             ask = parse_prefill_params(request.kv_transfer_params)
@@ -86,8 +89,19 @@ class PageScheduler:
             self._errors[rid] = str(exc)
             logger.error("request %s: %s (computed without a remote decode)", rid, exc)
             return
-        if ask is not None:
-            self._remote_decode[rid] = _Pending(request, ask)
+        if ask is None:
+            return
+        n = int(request.num_prompt_tokens)
+        if recompute_instead(n, self.settings.kv_recompute_threshold):
+            self._short[rid] = n
+            logger.debug(
+                "request %s: %d prompt tokens < kv_recompute_threshold %d: not handed off",
+                rid,
+                n,
+                self.settings.kv_recompute_threshold,
+            )
+            return
+        self._remote_decode[rid] = _Pending(request, ask)
 
     def build_plan(self, scheduled: dict[str, int]) -> StepPlan:
         """This step's saves (requests whose prefill completes with ``scheduled`` tokens) and
@@ -118,6 +132,14 @@ class PageScheduler:
         error = self._errors.pop(rid, None)
         if error is not None:
             return False, {"kvferry_error": error}
+        short = self._short.pop(rid, None)
+        if short is not None:  # the decode side reads this as "compute the prompt yourself"
+            return False, {
+                "do_remote_prefill": False,
+                "do_remote_decode": False,
+                "kvferry_not_sent": f"{short} prompt tokens < kv_recompute_threshold "
+                f"{self.settings.kv_recompute_threshold}: the decode computes the prompt",
+            }
         pending = self._remote_decode.pop(rid, None)
         if pending is None or not pending.saved:
             return False, None
@@ -160,11 +182,20 @@ class PageScheduler:
         if source is None and error is None:
             return 0, False
         tokens = prompt if source is None else min(source.num_tokens, prompt)
+        remote = tokens - num_computed_tokens  # what a load would bring
         mode = (source.load_mode if source is not None else None) or self.settings.load_mode
         if mode == "sync":  # vLLM computes at least the prompt's last token in this step
             tokens = min(tokens, prompt - 1)
         count = tokens - num_computed_tokens
         if count <= 0:
+            return 0, False
+        if source is not None and recompute_instead(remote, self.settings.kv_recompute_threshold):
+            logger.debug(
+                "request %s: %d remote tokens < kv_recompute_threshold %d: computed here",
+                request.request_id,
+                remote,
+                self.settings.kv_recompute_threshold,
+            )
             return 0, False
         self._offers[request.request_id] = (source, error, num_computed_tokens, mode == "sync")
         return count, mode != "sync"

@@ -44,8 +44,10 @@ from typing import Any
 import attrs
 import torch
 
+from kvferry.adapters.checksums import sending_checksum
 from kvferry.adapters.connectors.pool_buffer import release_soon
 from kvferry.adapters.torch_decode import decode_payload
+from kvferry.app.put import put_with_retry
 from kvferry.app.registry import create_connector
 from kvferry.app.vllm.pages import (
     PAGE_LAYOUT,
@@ -54,19 +56,24 @@ from kvferry.app.vllm.pages import (
     block_runs,
     check_payload,
     layer_key,
+    needs_relay,
     rank_head_count,
     recv_slices,
     send_slices,
     write_pages,
+    write_relaid,
 )
 from kvferry.app.vllm.params import ConnectorSettings, DecodeSource
-from kvferry.core.errors import ConfigError, KVFerryError, LeaseExpired, PayloadError, PoolFullError
-from kvferry.core.policy import RetryPolicy
-from kvferry.core.ports import Implements, Reservable
+from kvferry.core.errors import ConfigError, KVFerryError, LeaseExpired, PayloadError, PoolFullError, TransferError
+from kvferry.core.layouts import VLLM_CPU_PAGE_ISAS, reblock_span
+from kvferry.core.policy import PUT_FAILURES, RetryPolicy
+from kvferry.core.ports import BatchedReleases, GetMany, Implements, Reservable
 
 __all__ = ["SaveJob", "LoadJob", "LoadRecord", "TransferStats", "PageWorker", "FAILURE_KINDS"]
 
 logger = logging.getLogger(__name__)
+_has_get_many = Implements(GetMany)
+_has_batched_releases = Implements(BatchedReleases)
 
 #: Failure kinds counted in the stats (``failures_<kind>``).
 FAILURE_KINDS = ("timeout", "expired", "corrupt", "params", "layout", "unavailable", "put", "error")
@@ -103,7 +110,8 @@ class LoadJob:
 @attrs.frozen
 class LoadRecord:
     """One finished load on a decode rank: its bytes, when it started and ended (the worker's
-    clock), and whether it succeeded."""
+    clock), whether it succeeded, and when :meth:`PageWorker.finished` reported it to vLLM
+    (None: not yet, or a sync load, which is never reported: its request runs in its step)."""
 
     req_id: str
     transfer_id: str | None
@@ -111,6 +119,7 @@ class LoadRecord:
     started: float
     ended: float
     ok: bool
+    reported: float | None = None
 
     @property
     def seconds(self) -> float:
@@ -174,6 +183,8 @@ class _LoadPlan:
     reads: list[tuple[int, Any]]
     deadline: float
     runs: tuple[tuple[int, int, int], ...] = ()
+    #: The sender's pages the load needs (its block size; ``reblock_span``).
+    src_pages: int = 0
     next: int = 0
     nbytes: int = 0
     #: Payloads fetched ahead (index into ``reads``), not written yet.
@@ -208,6 +219,10 @@ class PageWorker:
     #: in every payload's metadata as ``isa`` so that a receiver outside vLLM can decode them
     #: per token (core.layouts.vllm_page_order); None: unknown, not stated.
     kernel_isa: str | None = None
+    #: What vLLM's backend writes these caches in (``core.backends.BackendLayout.label``, e.g.
+    #: ``vllm_cpu:vec/LBHNC``), put in every payload as ``cache_layout``: a receiver whose cache
+    #: differs (layout, block size, kernel) re-lays the pages per token (pages.write_relaid).
+    cache_layout: str | None = None
     geometry: PageGeometry | None = attrs.field(init=False, default=None)
     stats: TransferStats = attrs.field(init=False, factory=TransferStats)
     _layers: list[torch.Tensor] = attrs.field(init=False, factory=list)
@@ -250,7 +265,7 @@ class PageWorker:
                 f"kv_caches: {self.geometry.heads} KV heads on each of {self.tp_size} ranks, but a model "
                 f"with {self.total_kv_heads} KV heads holds {per_rank} per rank at TP {self.tp_size}"
             )
-        self._writer = PageWriter(self.geometry, checksums=self.settings.checksums)
+        self._writer = PageWriter(self.geometry, checksums=sending_checksum(self.settings.checksums))
         if self.producer:
             self._sender = self.connector_factory(self.settings.sender_config(self.tp_rank, self.tp_size))
             self._thread = threading.Thread(target=self._save_loop, name="kvferry-save", daemon=True)
@@ -339,6 +354,8 @@ class PageWorker:
             }
             if self.kernel_isa is not None:
                 meta["isa"] = self.kernel_isa
+            if self.cache_layout is not None:
+                meta["cache_layout"] = self.cache_layout
             layout = writer.layout(job.transfer_id, job.block_ids, sl.num_heads, meta)
             key = layer_key(job.transfer_id, stage, layer_idx, self.tp_rank, sl.target_rank)
             nbytes += self._put(
@@ -347,34 +364,31 @@ class PageWorker:
         return nbytes
 
     def _put(self, key: str, layout: Any, fill: Callable[[torch.Tensor], None]) -> int:
+        """Publish one page payload under the one put rule (:func:`kvferry.app.put.put_with_retry`);
+        its bytes in the pool. PoolFullError (with its reason) or TransferError when it fails."""
         conn = self._sender
         stages = str(self.settings.from_stage), str(self.settings.to_stage)
-        delays = self.retry.delays()
-        detail = ""
-        for attempt in range(self.retry.attempts):
+
+        def attempt() -> tuple[bool, int, Any]:
             if self._is_reservable(conn):
+                reservation = conn.reserve(*stages, key, layout.total_nbytes)
                 try:
-                    reservation = conn.reserve(*stages, key, layout.total_nbytes)
-                except PoolFullError as exc:
-                    ok, detail = False, str(exc)
-                else:
-                    try:
-                        fill(reservation.buffer)
-                    except BaseException:
-                        reservation.abort()
-                        raise
-                    ok, size, info = reservation.commit()
-                    detail = "" if ok else str((info or {}).get("detail") or info)
-            else:
-                buf = torch.empty(layout.total_nbytes, dtype=torch.uint8)
-                fill(buf)
-                ok, size, info = conn.put(from_stage=stages[0], to_stage=stages[1], put_key=key, data=buf)
-                detail = "" if ok else str((info or {}).get("detail") or info)
-            if ok:
-                return int(size)
-            if attempt < len(delays):
-                self.sleep(delays[attempt])
-        raise PoolFullError(f"put of {key!r} failed after {self.retry.attempts} attempts: {detail}")
+                    fill(reservation.buffer)
+                except BaseException:
+                    reservation.abort()
+                    raise
+                return reservation.commit()
+            buf = torch.empty(layout.total_nbytes, dtype=torch.uint8)
+            fill(buf)
+            return conn.put(from_stage=stages[0], to_stage=stages[1], put_key=key, data=buf)
+
+        done = put_with_retry(attempt, self.retry, self.sleep)
+        if done.ok:
+            return done.size
+        message = f"put of {key!r} failed after {done.attempts} attempts ({done.reason}): {done.detail}"
+        if done.reason in PUT_FAILURES:
+            raise PoolFullError(message, reason=done.reason, detail=done.detail)
+        raise TransferError(message)
 
     # -------------------------------------------------------------------------- decode side
     def start_loads(self, loads: Sequence[LoadJob]) -> None:
@@ -462,11 +476,13 @@ class PageWorker:
                 f"the prefill sliced heads for decode TP {src.decode_tp_size}, this "
                 f"instance runs TP {self.tp_size} (set decode_tp_size on the prefill)",
             )
-        if src.block_size != geometry.block_size or src.num_layers != geometry.num_layers:
+        if src.num_layers != geometry.num_layers:
+            raise _LoadFailed("layout", f"prefill has {src.num_layers} layers, this cache {geometry.num_layers}")
+        if src.block_size != geometry.block_size and not self._relays():
             raise _LoadFailed(
                 "layout",
-                f"prefill block_size {src.block_size} / {src.num_layers} layers, this "
-                f"cache {geometry.block_size} / {geometry.num_layers}",
+                f"prefill block_size {src.block_size}, this cache {geometry.block_size}: re-blocking needs a "
+                f"page order kvferry knows, and this cache's is {self.cache_layout or self.kernel_isa!r}",
             )
         try:
             slices = recv_slices(src.prefill_tp_size, self.tp_size, self.total_kv_heads, self.tp_rank)
@@ -477,14 +493,26 @@ class PageWorker:
         reads = [(layer, sl) for layer in range(geometry.num_layers) for sl in slices] if count else []
         index = torch.tensor(job.block_ids[:count], dtype=torch.long)
         runs = block_runs(job.block_ids[:count])
-        return _LoadPlan(job, src, index, count, reads, started + self.settings.load_timeout_s, runs)
+        try:
+            src_pages = reblock_span(job.first_page, count, geometry.block_size, src.block_size, src.num_tokens)[3]
+        except ConfigError as exc:
+            raise _LoadFailed("params", str(exc)) from exc
+        deadline = started + self.settings.load_timeout_s
+        return _LoadPlan(job, src, index, count, reads, deadline, runs, src_pages=src_pages)
+
+    def _relays(self) -> bool:
+        """Whether this cache's pages can be written from other pages per token (its page
+        order is known: a dense ``packed`` cache, or a CPU kernel kvferry knows)."""
+        family = (self.cache_layout or "vllm_cpu").split("/", 1)[0].split(":", 1)[0]
+        return family == "packed" or (self.kernel_isa or "").lower() in VLLM_CPU_PAGE_ISAS
 
     def _prefetch(self, plan: _LoadPlan) -> None:
         """Ask each prefill rank for every layer it sends at once, where the receiver can
         (``get_many``): what is there already comes back in one exchange per rank."""
-        get_many = getattr(self._receiver, "get_many", None)
-        if get_many is None or len(plan.reads) < 2:
+        receiver = self._receiver
+        if not _has_get_many(receiver) or len(plan.reads) < 2:
             return
+        get_many = receiver.get_many
         src, stage = plan.source, self.settings.from_stage
         by_rank: dict[int, list[tuple[int, str]]] = {}
         for i, (layer_idx, sl) in enumerate(plan.reads):
@@ -498,8 +526,8 @@ class PageWorker:
                     plan.ready[i] = one
 
     def _read_layers(self, plan: _LoadPlan, until: float | None) -> bool:
-        batched = getattr(self._receiver, "batched_releases", None)
-        with batched() if batched is not None else contextlib.nullcontext():
+        receiver = self._receiver
+        with receiver.batched_releases() if _has_batched_releases(receiver) else contextlib.nullcontext():
             return self._read_layers_releasing(plan, until)
 
     def _read_layers_releasing(self, plan: _LoadPlan, until: float | None) -> bool:
@@ -527,17 +555,24 @@ class PageWorker:
             data = got[0]
             try:
                 decoded = decode_payload(data)
-                check_payload(decoded, geometry, layer_idx, sl.num_heads, plan.job.first_page + plan.count)
-                plan.nbytes += write_pages(
-                    self._layers[layer_idx],
-                    geometry,
-                    decoded,
-                    plan.index,
-                    plan.job.first_page,
-                    sl.recv_head_start,
-                    sl.recv_head_stop,
-                    plan.runs,
-                )
+                check_payload(decoded, geometry, layer_idx, sl.num_heads, plan.src_pages)
+                args = (plan.index, plan.job.first_page, sl.recv_head_start, sl.recv_head_stop)
+                layer = self._layers[layer_idx]
+                if needs_relay(decoded.metadata, geometry, self.cache_layout, self.kernel_isa):
+                    meta = decoded.metadata or {}
+                    theirs = f"{meta.get('cache_layout') or 'vllm_cpu'}, block_size {meta.get('block_size')}"
+                    if not self._relays():
+                        raise _LoadFailed(
+                            "layout",
+                            f"layer {layer_idx}: the prefill's pages ({theirs}) differ from this cache's "
+                            f"({self.cache_layout}), whose page order kvferry cannot write",
+                        )
+                    try:
+                        plan.nbytes += write_relaid(layer, geometry, self.cache_layout, self.kernel_isa, decoded, *args)
+                    except PayloadError as exc:
+                        raise _LoadFailed("layout", f"layer {layer_idx}: {exc}") from exc
+                else:
+                    plan.nbytes += write_pages(layer, geometry, decoded, *args, plan.runs)
             except PayloadError as exc:
                 raise _LoadFailed("corrupt", str(exc)) from exc
             finally:
@@ -610,7 +645,20 @@ class PageWorker:
                 blocks = self._load_blocks.pop(rid, ())
                 if not fut.result():
                     self._load_errors.update(blocks)
+        if loaded:
+            self._mark_reported(loaded, self.clock())
         return sent, loaded
+
+    def _mark_reported(self, req_ids: set[str], now: float) -> None:
+        """Stamp the newest record of each of ``req_ids`` with the time vLLM heard of it."""
+        left = set(req_ids)
+        for i in range(len(self.recent_loads) - 1, -1, -1):
+            if not left:
+                return
+            record = self.recent_loads[i]
+            if record.req_id in left and record.reported is None:
+                self.recent_loads[i] = attrs.evolve(record, reported=now)
+                left.discard(record.req_id)
 
     def load_errors(self) -> set[int]:
         """Blocks of loads reported failed since the last call."""

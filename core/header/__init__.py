@@ -28,7 +28,7 @@ from __future__ import annotations
 import functools
 import json
 import struct
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import attrs
@@ -470,9 +470,14 @@ def plan_layout(
 
 
 # ---------------------------------------------------------------------------------- checksums
-def compute_checksum(algorithm: str, data: Any) -> int:
-    """Checksum of a bytes-like object or of a sequence of them (concatenated meaning)."""
-    fn = CHECKSUM_ALGORITHMS.get(algorithm)
+def compute_checksum(
+    algorithm: str, data: Any, functions: Mapping[str, Callable[[Any, int], int]] = CHECKSUM_ALGORITHMS
+) -> int:
+    """Checksum of a bytes-like object or of a sequence of them (concatenated meaning).
+
+    ``functions`` maps algorithm names to their routines (default: the pure ones of
+    :data:`CHECKSUM_ALGORITHMS`; ``kvferry.adapters.checksums`` passes native ones)."""
+    fn = functions.get(algorithm)
     if fn is None:
         raise ConfigError(f"unknown checksum algorithm {algorithm!r}")
     parts = data if isinstance(data, (list, tuple)) else (data,)
@@ -482,11 +487,16 @@ def compute_checksum(algorithm: str, data: Any) -> int:
     return value & 0xFFFFFFFF
 
 
-def verify_checksum(header: PayloadHeader, descriptor: TensorDescriptor, data: Any) -> None:
+def verify_checksum(
+    header: PayloadHeader,
+    descriptor: TensorDescriptor,
+    data: Any,
+    functions: Mapping[str, Callable[[Any, int], int]] = CHECKSUM_ALGORITHMS,
+) -> None:
     """Raise PayloadError naming the tensor when ``data`` does not match its checksum."""
     if header.checksum_algorithm is None or descriptor.checksum is None:
         return
-    actual = compute_checksum(header.checksum_algorithm, data)
+    actual = compute_checksum(header.checksum_algorithm, data, functions)
     if actual != descriptor.checksum:
         raise _fail(
             f"{header.checksum_algorithm} mismatch: header says {descriptor.checksum:08x}, data has {actual:08x}",

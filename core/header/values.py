@@ -14,14 +14,14 @@ from __future__ import annotations
 import functools
 import math
 import re
-import zlib
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Iterable, Mapping
 from types import MappingProxyType
 from typing import Any
 
 import attrs
 
 from kvferry.core.errors import ConfigError, PayloadError
+from kvferry.core.header.checksums import CHECKSUM_ALGORITHMS
 from kvferry.core.phrases import phrase
 
 __all__ = [
@@ -60,8 +60,6 @@ DTYPE_ITEMSIZE: Mapping[str, int] = MappingProxyType(
 )
 #: The kvferry format version written under ``"v"``; bumped only for incompatible changes.
 FORMAT_VERSION = 1
-#: Checksum algorithms by header name: ``fn(buffer, running) -> int`` (unsigned 32 bit).
-CHECKSUM_ALGORITHMS: Mapping[str, Callable[[Any, int], int]] = MappingProxyType({"crc32": zlib.crc32})
 PREFIX_NBYTES = 4
 _MAX_INT = 2**63 - 1  # no offset, size or dimension may exceed a signed 64-bit integer
 _KINDS = {"key": "key_cache_", "value": "value_cache_"}

@@ -15,7 +15,7 @@ import torch
 from kvferry.adapters.torch_frames import decode_payload
 from kvferry.app.compat.manager import OmniKVTransferManager
 from kvferry.core.errors import ConnectorUnavailable
-from kvferry.core.outcomes import SendKind, SendReason
+from kvferry.core.outcomes import ReceiveKind, SendKind, SendReason
 
 REQ = {"block_ids": [3, 1, 5], "seq_len": 10}
 
@@ -74,13 +74,23 @@ def test_spec4_unusable_layers_skipped_others_sent(kit, memory_connector, make_s
 
 
 # -------------------------------------------------------------------------------- outcomes
-def test_spec4_request_without_block_ids_fails_no_blocks(kit, memory_connector, make_sender) -> None:
+def told_and_drained(kit, connector: Any, make_receiver: Any, outcome: Any) -> None:
+    """The receiving stage was told of the refusal (a marker under the request's key, read as
+    a ``refused`` outcome), and then nothing is left in the pool."""
+    assert outcome.refusal_keys == ("omni_0_to_1_kv_cache_r1",)
+    result = make_receiver(connector).receive("r1")
+    assert result.outcome.kind is ReceiveKind.REFUSED and result.payload is None
+    assert outcome.reason.value in result.outcome.detail
+    assert kit.pool_is_empty(connector)
+
+
+def test_spec4_request_without_block_ids_fails_no_blocks(kit, memory_connector, make_sender, make_receiver) -> None:
     model = kit.PagedModel()
     [outcome] = make_sender(memory_connector).send_requests(
         {"r1": {"block_ids": [], "seq_len": 4}}, model.rank_cache(), 4, "float32"
     )
     assert outcome.kind is SendKind.FAILED and outcome.reason is SendReason.NO_BLOCKS
-    assert kit.pool_is_empty(memory_connector)
+    told_and_drained(kit, memory_connector, make_receiver, outcome)
 
 
 @pytest.mark.parametrize(
@@ -88,11 +98,11 @@ def test_spec4_request_without_block_ids_fails_no_blocks(kit, memory_connector, 
     [{"block_ids": [99, 100], "seq_len": 8}, {"block_ids": [1], "seq_len": 0}],
     ids=["blocks-out-of-range", "zero-tokens"],
 )
-def test_spec4_all_layers_empty_fails_no_payload(kit, memory_connector, make_sender, spec) -> None:
+def test_spec4_all_layers_empty_fails_no_payload(kit, memory_connector, make_sender, make_receiver, spec) -> None:
     model = kit.PagedModel()
     [outcome] = make_sender(memory_connector).send_requests({"r1": spec}, model.rank_cache(), 4, "float32")
     assert outcome.kind is SendKind.FAILED and outcome.reason is SendReason.NO_PAYLOAD
-    assert kit.pool_is_empty(memory_connector)
+    told_and_drained(kit, memory_connector, make_receiver, outcome)
 
 
 def test_spec4_no_usable_layout_fails_no_payload(memory_connector, make_sender) -> None:

@@ -25,6 +25,7 @@ from kvferry.adapters.connectors.pool_buffer import PooledBuffer, tie_release, w
 from kvferry.app.manager import KVTransferManager
 from kvferry.app.receive import ReceiveResult
 from kvferry.app.registry import create_connector
+from kvferry.core.errors import ConfigError
 from kvferry.core.outcomes import ReceiveKind, ReceiveOutcome
 
 settings.register_profile(
@@ -198,8 +199,15 @@ def test_the_manager_reuses_its_receive_path_until_a_hook_changes(kit, memory_co
     receiver = make_receiver(memory_connector)
     first = receiver.receive_path()
     assert receiver.receive_path() is first
-    receiver.kv_payload_slicer = lambda payload: payload
+    receiver.set_hooks(kv_payload_slicer=lambda payload: payload)
     assert receiver.receive_path() is not first
+    again = receiver.receive_path()
+    assert receiver.receive_path() is again
+    with pytest.raises(ConfigError, match="kv_payload_slicer must be callable"):
+        receiver.set_hooks(kv_payload_slicer="not callable")
+    with pytest.raises(ConfigError, match="unknown hook 'slicer'"):
+        receiver.set_hooks(slicer=None)
+    assert receiver.receive_path() is again  # nothing was set
 
 
 def test_a_pool_buffer_that_is_not_tied_is_wrapped(kit, make_receiver) -> None:

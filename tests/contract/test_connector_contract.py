@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from kvferry.core.errors import PoolFullError
-from kvferry.core.ports import BlockingGet, Connector, PoolBuffer, Reservable
+from kvferry.core.ports import BatchedReleases, BlockingGet, Connector, GetMany, PoolBuffer, Reservable
 
 MiB = 1 << 20
 
@@ -112,6 +112,31 @@ def test_bad_data_is_refused_and_not_stored(pair) -> None:
         assert (ok, size, info["reason"]) == (False, 0, "error") and info["detail"]
     assert pair.receiver.get("0", "1", "bad") is None
     assert pair.sender.put("0", "1", "good", b"fine")[0]  # and the connector still works
+
+
+def test_get_many_answers_each_key_as_get_would(pair) -> None:
+    """GetMany (optional): per key in order, the payload or None, consumed as by get."""
+    if not isinstance(pair.receiver, GetMany):
+        pytest.skip(f"{type(pair.receiver).__name__} does not offer get_many")
+    metas = [pair.sender.put("0", "1", f"many_{i}", payload(1000 + i, seed=i))[2] for i in range(3)]
+    got = pair.receiver.get_many("0", "1", ["many_0", "absent", "many_2", "many_1"], metas[0])
+    assert [None if g is None else as_bytes(g[0]) for g in got] == [
+        payload(1000, seed=0),
+        None,
+        payload(1002, seed=2),
+        payload(1001, seed=1),
+    ]
+    batched = pair.receiver.batched_releases() if isinstance(pair.receiver, BatchedReleases) else None
+    if batched is not None:
+        with batched:
+            for g in got:
+                if g is not None:
+                    release(g[0])
+    else:
+        for g in got:
+            if g is not None:
+                release(g[0])
+    assert pair.receiver.get_many("0", "1", ["many_0"], metas[0]) == [None]  # consumed
 
 
 def test_get_without_metadata_uses_the_default_sender(pair) -> None:

@@ -12,11 +12,13 @@ from kvferry.core.addressing import (
     KV_REPLICA_PORT_STRIDE,
     KV_TRANSFER_PORT_OFFSET,
     MAX_RANK_SLOTS,
+    GetSource,
     expand_base_port,
     get_metadata,
     kv_port,
     pull_port,
     replica_id_from_env,
+    resolve_get_source,
     sender_endpoint_port,
 )
 from kvferry.core.errors import ConfigError, RoutingError
@@ -222,3 +224,49 @@ def test_get_metadata_is_the_reference_rule(host, port, from_rank, request_scope
         assert meta is None
     else:
         assert meta == {"source_host": host, "source_port": port + (from_rank or 0) * 16}
+
+
+# ------------------------------------------------------------------ the one get-source rule
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    st.sampled_from(["127.0.0.1", "10.0.0.7", "::1", "node-3"]),
+    st.integers(1, 50000),
+    st.integers(0, 31),
+    st.one_of(st.none(), st.tuples(st.sampled_from(["127.0.0.1", "other"]), st.integers(1, 65535))),
+)
+def test_property_get_metadata_resolves_to_the_rank_it_names(host, advertised, rank, default) -> None:
+    """resolve_get_source is the inverse of get_metadata: the sender a receiver is told to ask
+    is the one every connector asks, whatever default sender it holds."""
+    meta = get_metadata(host, advertised, rank, request_scoped=False)
+    source = resolve_get_source(meta, default)
+    assert source == GetSource(host, sender_endpoint_port(advertised, rank))
+    # the port as a decimal string (partial metadata written by hand) names the same sender
+    assert resolve_get_source({"source_host": host, "source_port": str(source.port)}, default) == source
+
+
+def test_get_source_without_a_port_is_the_default_unless_another_host_is_named() -> None:
+    assert resolve_get_source(None, None) is None
+    assert resolve_get_source(None, ("h", 9)) == GetSource("h", 9, from_metadata=False)
+    assert resolve_get_source({"source_host": "h"}, ("h", 9)) == GetSource("h", 9, from_metadata=False)
+    assert resolve_get_source({"source_host": "other"}, ("h", 9)) is None
+    assert resolve_get_source({"size": 5}, ("h", 9)) == GetSource("h", 9, 5, from_metadata=False)
+    assert resolve_get_source({"source_port": 7}, None, needs_host=False) == GetSource(None, 7)
+
+
+@pytest.mark.parametrize(
+    ("metadata", "field"),
+    [
+        ({"source_host": "h", "source_port": 0}, "source_port"),
+        ({"source_host": "h", "source_port": 70000}, "source_port"),
+        ({"source_host": "h", "source_port": True}, "source_port"),
+        ({"source_port": 5}, "source_host"),
+        ({"source_host": "", "source_port": 5}, "source_host"),
+        ({"source_host": "h", "source_port": 5, "size": -1}, "size"),
+        (["not", "a", "mapping"], "mapping"),
+    ],
+)
+def test_get_source_names_the_bad_field(metadata, field) -> None:
+    with pytest.raises(ConfigError, match=field):
+        resolve_get_source(metadata, None)

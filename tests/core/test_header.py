@@ -55,7 +55,7 @@ def payload_plans(draw: st.DrawFn) -> dict:
         "values": values,
         "align": draw(st.sampled_from([1, 2, 8, 64, 4096])),
         "version": draw(st.booleans()),
-        "checksums": draw(st.sampled_from([None, "crc32"])),
+        "checksums": draw(st.sampled_from([None, "crc32", "crc32c"])),
     }
 
 

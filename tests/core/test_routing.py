@@ -10,8 +10,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvferry.core.errors import RoutingError
-from kvferry.core.routing import check_head_count, rank_heads, route_heads, route_latent
-from kvferry.core.topology import rank_pairs
+from kvferry.core.head_slices import fan_out_slice, merge_order
+from kvferry.core.routing import check_head_count, rank_heads, reference_routing, route_heads, route_latent
+from kvferry.core.topology import rank_pairs, recv_rank_map, send_rank_map
 
 TP_SIZES = (1, 2, 4, 8, 16)
 PROPERTY = settings(max_examples=400, deadline=None)
@@ -157,3 +158,32 @@ def test_bad_input_names_sizes_and_head_count() -> None:
         route_heads(2, 4, 4).reads(4)
     with pytest.raises(RoutingError, match="outside the stage"):
         rank_heads(4, 8, 4)
+
+
+@PROPERTY
+@given(st.integers(1, 32), st.integers(1, 8), st.booleans())
+def test_property_reference_rank_map_is_route_heads_at_max_tp(smaller: int, k: int, fan_out: bool) -> None:
+    """One routing function: the reference's rank map (SPEC 2.1) and its fan-out slices (SPEC
+    2.4) are route_heads at a virtual head count of max(S, T), computed here from the SPEC's
+    formulas, not from the code under test."""
+    s, t = (smaller, smaller * k) if fan_out else (smaller * k, smaller)
+    routing = route_heads(s, t, max(s, t))
+    assert reference_routing(s, t) == routing
+    for sender in range(s):
+        if s == t:
+            expected: tuple[int, ...] = (sender,)
+        elif s > t:
+            expected = (sender // (s // t),)
+        else:
+            expected = tuple(range(sender * (t // s), (sender + 1) * (t // s)))
+        assert routing.targets(sender) == expected == send_rank_map(s, t)[sender]
+    for receiver in range(t):
+        if s > t:
+            expected = tuple(range(receiver * (s // t), (receiver + 1) * (s // t)))
+        else:
+            expected = (receiver * s // t,)
+        assert routing.sources(receiver) == expected == recv_rank_map(s, t)[receiver]
+        assert merge_order(s, t, receiver) == expected
+        offsets = {(sl.offset_in_shard, sl.num_slices) for sl in routing.reads(receiver)}
+        assert offsets == {(receiver % (t // s), t // s) if s < t else (0, 1)}
+        assert fan_out_slice(s, t, receiver) == offsets.pop()

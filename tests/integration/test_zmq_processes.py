@@ -10,7 +10,6 @@ import json
 import os
 import selectors
 import shutil
-import socket
 import subprocess
 import sys
 import tempfile
@@ -19,6 +18,8 @@ import time
 from typing import Any
 
 import pytest
+
+from kvferry.adapters.platform import free_port
 
 N_PAYLOADS = 8
 WAIT = 30.0
@@ -236,12 +237,6 @@ def ipc_dir():
     path = tempfile.mkdtemp(prefix="zqp", dir="/tmp")
     yield path
     shutil.rmtree(path, ignore_errors=True)
-
-
-def free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
 
 
 def sender_config(transport: str, ipc_dir: str, port: int) -> dict:

@@ -1,75 +1,163 @@
-"""What per-tensor crc32 checksums cost, against the encode they would be added to.
+"""What per-tensor checksums cost: against an encode, and against a vLLM connector load.
 
-A 235 MB request (28 layers, 4 KV heads of 128, bfloat16, 4096 tokens: a 7B-class model's
-KV for one long prompt) is encoded the way the sender does it (gather into one reserved
-buffer + header), then the crc32 of every tensor is computed, and the receiver's verification
-is timed too. Prints one JSON line; docs/reliability.md records the figures.
+``--vllm`` (default): the vLLM connector's load path driven in-process on a 4 MiB load (8 layers
+of 512 KiB: 64 blocks of 2 KV heads x 16 tokens x 64 dims, bfloat16, K and V pages). Each layer's
+payload is written the way the prefill writes it (``PageWriter.gather``: pages into a buffer,
+header, checksums), then loaded the way the decode side loads it (``decode_payload`` with
+verification, ``check_payload``, ``write_pages`` into the decode cache). The loads without a
+checksum, with crc32 and with crc32c alternate round by round (the order rotating), so each
+round's three figures are taken together; the checksum's cost is its load minus the plain load
+of the same round, and the share is that over the plain load (median over rounds).
 
-    python tests/reliability/checksum_cost.py [--repeat N]
+``--encode``: the older figure, a 235 MB request (28 layers, 4 KV heads of 128, bfloat16, 4096
+tokens) encoded into one buffer, then each algorithm alone and the receiver's verification.
+
+Prints one JSON line; docs/reliability.md records the figures.
+
+    python tests/reliability/checksum_cost.py [--encode] [--rounds N]
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import statistics
 import time
-import zlib
+from collections.abc import Callable
 
 import torch
 
+from kvferry.adapters.checksums import CHECKSUMS, checksum_engine
 from kvferry.adapters.torch_frames import decode_payload, host_byte_view, plan_tensors, write_payload_into
+from kvferry.app.vllm.pages import PageGeometry, PageWriter, block_runs, check_payload, write_pages
 
-LAYERS, HEADS, HEAD_DIM, TOKENS = 28, 4, 128, 4096
+ALGORITHMS = (None, "crc32", "crc32c")
 
 
-def _best(fn, repeat: int) -> float:
-    times = []
-    for _ in range(repeat):
-        started = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - started)
-    return min(times)
+def _timed(fn: Callable[[], object]) -> float:
+    started = time.perf_counter()
+    fn()
+    return time.perf_counter() - started
+
+
+def vllm_load(rounds: int) -> dict[str, object]:
+    layers, blocks, heads, block_size, head_size = 8, 64, 2, 16, 64
+    torch.manual_seed(0)
+    shape = (blocks * 2, heads, block_size, 2 * head_size)
+    prefill = [torch.randn(shape).to(torch.bfloat16) for _ in range(layers)]
+    decode = [torch.zeros(shape, dtype=torch.bfloat16) for _ in range(layers)]
+    geometry = PageGeometry.of(prefill)
+    index = torch.arange(blocks, dtype=torch.int64)
+    runs = block_runs(index.tolist())
+    payloads: dict[str | None, list[torch.Tensor]] = {}
+    save_s: dict[str | None, list[float]] = {a: [] for a in ALGORITHMS}
+    for algorithm in ALGORITHMS:
+        writer = PageWriter(geometry, checksums=algorithm)
+        layout = writer.layout("t", index.tolist(), heads, {"layout": "vllm_cpu_pages_hnd", "layer": 0})
+        bufs = [torch.empty(layout.total_nbytes, dtype=torch.uint8) for _ in range(layers)]
+        for i, buf in enumerate(bufs):
+            lay = writer.layout("t", index.tolist(), heads, {"layout": "vllm_cpu_pages_hnd", "layer": i})
+            writer.gather(prefill[i], index, 0, heads, buf, lay)
+        payloads[algorithm] = bufs
+
+    def save(algorithm: str | None) -> None:
+        writer = PageWriter(geometry, checksums=algorithm)
+        for i, buf in enumerate(payloads[algorithm]):
+            lay = writer.layout("t", index.tolist(), heads, {"layout": "vllm_cpu_pages_hnd", "layer": i})
+            writer.gather(prefill[i], index, 0, heads, buf, lay)
+
+    def load(algorithm: str | None) -> None:
+        for i, buf in enumerate(payloads[algorithm]):
+            decoded = decode_payload(buf)
+            check_payload(decoded, geometry, i, heads, blocks)
+            write_pages(decode[i], geometry, decoded, index, 0, 0, heads, runs)
+
+    load_s: dict[str | None, list[float]] = {a: [] for a in ALGORITHMS}
+    alone_s: dict[str | None, list[float]] = {a: [] for a in ALGORITHMS}
+    regions = [host_byte_view(t[:blocks].contiguous()) for layer in prefill for t in geometry.regions(layer)]
+
+    def alone(algorithm: str | None) -> None:  # the routine alone over the load's bytes
+        if algorithm is not None:
+            fn = CHECKSUMS[algorithm]
+            for view in regions:
+                fn(view, 0)
+
+    for algorithm in ALGORITHMS:  # warm up every path once
+        load(algorithm)
+        save(algorithm)
+    for r in range(rounds):
+        order = ALGORITHMS[r % 3 :] + ALGORITHMS[: r % 3]
+        for algorithm in order:
+            load_s[algorithm].append(_timed(lambda: load(algorithm)))
+            save_s[algorithm].append(_timed(lambda: save(algorithm)))
+            alone_s[algorithm].append(_timed(lambda: alone(algorithm)))
+    assert torch.equal(decode[3][:blocks], prefill[3][:blocks])  # the load moved the pages
+    nbytes = sum(b.numel() for b in payloads[None])
+    out: dict[str, object] = {
+        "load_mib": round(nbytes / 2**20, 2),
+        "rounds": rounds,
+        "torch_threads": torch.get_num_threads(),
+        "engines": {a: checksum_engine(a) for a in ALGORITHMS if a},
+        "load_ms_none": round(statistics.median(load_s[None]) * 1e3, 3),
+        "load_best_ms_none": round(min(load_s[None]) * 1e3, 3),
+        "save_ms_none": round(statistics.median(save_s[None]) * 1e3, 3),
+    }
+    for algorithm in ALGORITHMS[1:]:
+        extra = [a - b for a, b in zip(load_s[algorithm], load_s[None])]
+        share = [(a - b) / b for a, b in zip(load_s[algorithm], load_s[None])]
+        out[f"load_ms_{algorithm}"] = round(statistics.median(load_s[algorithm]) * 1e3, 3)
+        out[f"load_best_ms_{algorithm}"] = round(min(load_s[algorithm]) * 1e3, 3)
+        out[f"save_ms_{algorithm}"] = round(statistics.median(save_s[algorithm]) * 1e3, 3)
+        out[f"alone_ms_{algorithm}"] = round(statistics.median(alone_s[algorithm]) * 1e3, 3)
+        out[f"alone_best_ms_{algorithm}"] = round(min(alone_s[algorithm]) * 1e3, 3)
+        out[f"alone_best_over_load_best_{algorithm}"] = round(min(alone_s[algorithm]) / min(load_s[None]), 3)
+        out[f"alone_over_load_{algorithm}"] = round(
+            statistics.median([a / b for a, b in zip(alone_s[algorithm], load_s[None])]), 3
+        )
+        out[f"load_cost_ms_{algorithm}"] = round(statistics.median(extra) * 1e3, 3)
+        out[f"load_cost_share_{algorithm}"] = round(statistics.median(share), 3)
+        out[f"load_cost_share_{algorithm}_quartiles"] = [round(q, 3) for q in statistics.quantiles(share, n=4)]
+    return out
+
+
+def encode_cost(repeat: int) -> dict[str, object]:
+    layers, heads, head_dim, tokens = 28, 4, 128, 4096
+    torch.manual_seed(0)
+    keys = [torch.randn(tokens, heads, head_dim).to(torch.bfloat16) for _ in range(layers)]
+    values = [torch.randn(tokens, heads, head_dim).to(torch.bfloat16) for _ in range(layers)]
+    meta = {"seq_len": tokens, "block_size": 16, "num_layers": layers, "dtype": "bfloat16"}
+    plain, tensors = plan_tensors("r", keys, values, [0], meta)
+    dest = torch.empty(plain.total_nbytes + 4096, dtype=torch.uint8)
+    dest.fill_(0)  # fault the pages in once, as a warm pool would be
+    nbytes = sum(t.numel() * t.element_size() for t in tensors)
+    out: dict[str, object] = {"payload_mb": round(nbytes / 1e6, 1), "repeats": repeat}
+    out["encode_s"] = round(
+        min(_timed(lambda: write_payload_into(dest[: plain.total_nbytes], plain, tensors)) for _ in range(repeat)), 4
+    )
+    views = [host_byte_view(t) for t in tensors]
+    for algorithm in ALGORITHMS[1:]:
+        fn = CHECKSUMS[algorithm]
+        alone = min(_timed(lambda: [fn(v, 0) for v in views]) for _ in range(repeat))
+        summed, _ = plan_tensors("r", keys, values, [0], meta, checksums=algorithm)
+        written = dest[: summed.total_nbytes]
+        write_payload_into(written, summed, tensors)
+        out[f"{algorithm}_alone_s"] = round(alone, 4)
+        out[f"{algorithm}_gb_per_s"] = round(nbytes / alone / 1e9, 2)
+        out[f"decode_verify_{algorithm}_s"] = round(
+            min(_timed(lambda: decode_payload(written, verify=True)) for _ in range(repeat)), 4
+        )
+    out["torch_threads"] = torch.get_num_threads()
+    return out
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("--repeat", type=int, default=3)
+    parser.add_argument("--encode", action="store_true", help="the 235 MB encode figure instead")
+    parser.add_argument("--rounds", type=int, default=60)
+    parser.add_argument("--threads", type=int, default=1, help="torch threads (a decode rank's copies)")
     args = parser.parse_args()
-    torch.manual_seed(0)
-    keys = [torch.randn(TOKENS, HEADS, HEAD_DIM).to(torch.bfloat16) for _ in range(LAYERS)]
-    values = [torch.randn(TOKENS, HEADS, HEAD_DIM).to(torch.bfloat16) for _ in range(LAYERS)]
-    meta = {"seq_len": TOKENS, "block_size": 16, "num_layers": LAYERS, "dtype": "bfloat16"}
-    plain, tensors = plan_tensors("r", keys, values, [0], meta)
-    summed, _ = plan_tensors("r", keys, values, [0], meta, checksums="crc32")
-    dest = torch.empty(max(plain.total_nbytes, summed.total_nbytes), dtype=torch.uint8)
-    dest.fill_(0)  # fault the pages in once, as a warm pool would be
-    nbytes = sum(t.numel() * t.element_size() for t in tensors)
-
-    encode = _best(lambda: write_payload_into(dest[: plain.total_nbytes], plain, tensors), args.repeat)
-    encode_crc = _best(lambda: write_payload_into(dest[: summed.total_nbytes], summed, tensors), args.repeat)
-    views = [host_byte_view(t) for t in tensors]
-    crc_only = _best(lambda: [zlib.crc32(v) for v in views], args.repeat)
-    written = dest[: summed.total_nbytes]
-    write_payload_into(written, summed, tensors)
-    verify = _best(lambda: decode_payload(written, verify=True), args.repeat)
-    no_verify = _best(lambda: decode_payload(written, verify=False), args.repeat)
-    print(
-        json.dumps(
-            {
-                "payload_mb": round(nbytes / 1e6, 1),
-                "encode_s": round(encode, 4),
-                "encode_with_crc32_s": round(encode_crc, 4),
-                "crc32_alone_s": round(crc_only, 4),
-                "crc32_gb_per_s": round(nbytes / crc_only / 1e9, 2),
-                "encode_gb_per_s": round(nbytes / encode / 1e9, 2),
-                "decode_verify_s": round(verify, 4),
-                "decode_no_verify_s": round(no_verify, 4),
-                "crc32_over_encode": round(crc_only / encode, 2),
-                "torch_threads": torch.get_num_threads(),
-                "repeats": args.repeat,
-            }
-        )
-    )
+    torch.set_num_threads(args.threads)
+    print(json.dumps(encode_cost(max(3, args.rounds // 20)) if args.encode else vllm_load(args.rounds)))
 
 
 if __name__ == "__main__":

@@ -233,7 +233,7 @@ def test_long_real_content_costs_linear_time_and_bounded_memory(name: str) -> No
         peak = _peak_alloc(lambda: (decode_kv(data, verdict), decode_side(data, verdict)))
     finally:
         tracemalloc.stop()
-    assert time.monotonic() - started < 20.0  # seconds, on a loaded 2-core machine; was hours
+    assert time.monotonic() - started < 60.0  # seconds: 20.5 s seen on a 2-core machine at load 10; quadratic was hours
     assert peak <= 32 * len(data), (peak, len(data))
 
 

@@ -1,7 +1,8 @@
 """Per-tensor checksums (SPEC 3.1 extension): a corrupted payload is rejected, never delivered.
 
-- any byte flipped inside any tensor of a crc32 payload raises PayloadError naming exactly that
-  tensor (bytes or split frames), and a tampered checksum field does too;
+- any byte flipped inside any tensor of a crc32 or crc32c payload raises PayloadError naming
+  exactly that tensor and the algorithm (bytes or split frames), and a tampered checksum field
+  does too;
 - through the manager (sender ``checksums="crc32"``, a link that flips one byte in transit):
   the receive is DECODE_FAILED naming the tensor, no payload is handed out, the pool buffer is
   released, and the next request arrives bit-exact;
@@ -51,13 +52,14 @@ def _tensor(dtype: str, shape: tuple[int, ...], seed: int) -> torch.Tensor:
     align=st.sampled_from([1, 8, 64]),
     pick=st.randoms(use_true_random=False),
     split=st.booleans(),
+    algorithm=st.sampled_from(["crc32", "crc32c"]),
 )
 def test_any_flipped_tensor_byte_is_rejected_naming_that_tensor(
-    layers: int, dtype: str, tokens: int, align: int, pick: random.Random, split: bool
+    layers: int, dtype: str, tokens: int, align: int, pick: random.Random, split: bool, algorithm: str
 ) -> None:
     keys = [_tensor(dtype, (tokens, 2, 2), i) for i in range(layers)]
     values = [_tensor(dtype, (tokens, 2, 2), 100 + i) for i in range(layers)]
-    raw = encode_bytes("r", keys, values, [0], {}, align=align, checksums="crc32")
+    raw = encode_bytes("r", keys, values, [0], {}, align=align, checksums=algorithm)
     decoded = decode_header(raw)
     index = pick.randrange(len(decoded.spans))
     start, nbytes = decoded.spans[index]
@@ -65,20 +67,21 @@ def test_any_flipped_tensor_byte_is_rejected_naming_that_tensor(
     data = bytearray(raw)
     data[start + pick.randrange(nbytes)] ^= 1 << pick.randrange(8)
     container: Any = [bytes(data[: start + 1]), bytes(data[start + 1 :])] if split else bytes(data)
-    with pytest.raises(PayloadError, match=rf"tensor '{victim}'.*crc32 mismatch"):
+    with pytest.raises(PayloadError, match=rf"tensor '{victim}'.*{algorithm} mismatch"):
         decode_payload(container)
     assert decode_payload(raw).key_cache[0] is not None  # the untouched payload decodes
 
 
-def test_a_tampered_checksum_field_is_rejected_naming_the_tensor() -> None:
+@pytest.mark.parametrize("algorithm", ["crc32", "crc32c"])
+def test_a_tampered_checksum_field_is_rejected_naming_the_tensor(algorithm: str) -> None:
     keys = [_tensor("bfloat16", (3, 2, 2), i) for i in (1, 2)]
     values = [_tensor("bfloat16", (3, 2, 2), i) for i in (3, 4)]
-    raw = encode_bytes("r", keys, values, [0], {}, checksums="crc32")
+    raw = encode_bytes("r", keys, values, [0], {}, checksums=algorithm)
     text = raw.decode("latin-1")
     checksums = re.findall(r'"c":"([0-9a-f]{8})"', text)
     assert len(set(checksums)) == 4  # keys 0, 1, then values 0, 1
     tampered = text.replace(f'"c":"{checksums[2]}"', '"c":"00000000"', 1).encode("latin-1")
-    with pytest.raises(PayloadError, match=r"tensor 'value_cache_0'.*crc32 mismatch"):
+    with pytest.raises(PayloadError, match=rf"tensor 'value_cache_0'.*{algorithm} mismatch"):
         decode_payload(tampered)
 
 
@@ -133,15 +136,15 @@ class CorruptingLink:
         self.inner.close()
 
 
-@pytest.mark.parametrize("kind", ["memory", "zmq"])
-def test_a_payload_corrupted_in_transit_is_decode_failed_and_never_delivered(kind: str) -> None:
+@pytest.mark.parametrize(("kind", "algorithm"), [("memory", "crc32c"), ("zmq", "crc32")])
+def test_a_payload_corrupted_in_transit_is_decode_failed_and_never_delivered(kind: str, algorithm: str) -> None:
     base = free_base_port()
     cache = sender_cache(GEOM, 4, 0, 1)
     rng = random.Random(8)
     shared = MemoryConnector.from_config({"pool_bytes": 1 << 20}) if kind == "memory" else None
     connector = {"type": kind}
     sender = build_manager(
-        omni_config("sender", connector, base_port=base), env={}, connector=shared, checksums="crc32"
+        omni_config("sender", connector, base_port=base), env={}, connector=shared, checksums=algorithm
     )
     inner = shared if shared is not None else ZmqConnector({"role": "receiver"})
     link = CorruptingLink(inner, "value_cache_1")
@@ -158,7 +161,7 @@ def test_a_payload_corrupted_in_transit_is_decode_failed_and_never_delivered(kin
         result = receiver.receive("corrupted", sender_info=info)
         assert link.flipped == 1
         assert result.outcome.kind is ReceiveKind.DECODE_FAILED and result.payload is None, result.outcome
-        assert "value_cache_1" in result.outcome.detail and "crc32 mismatch" in result.outcome.detail
+        assert "value_cache_1" in result.outcome.detail and f"{algorithm} mismatch" in result.outcome.detail
         if shared is not None:  # the corrupted buffer went back: only "clean" is held
             assert shared.pool.ledger.stats()["entries"] == 1
         link.enabled = False

@@ -36,6 +36,7 @@ from kvferry.core.pool import (
     Ticket,
 )
 from kvferry.core.ports import Clock, PutResult
+from kvferry.core.validate import check_int
 
 __all__ = [
     "DEFAULT_LEASE_S",
@@ -83,9 +84,7 @@ class MonotonicClock:
 
 def _int_key(config: Mapping[str, Any], key: str, default: int, minimum: int) -> int:
     value = config.get(key, default)
-    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-        raise ConfigError(f"connector config {key!r} must be an integer >= {minimum}, got {value!r}")
-    return value
+    return check_int(f"connector config {key!r}", value, minimum)
 
 
 def _seconds_key(config: Mapping[str, Any], key: str, default: float | None) -> float | None:

@@ -30,7 +30,7 @@ import zmq
 from zmq.utils.monitor import recv_monitor_message
 
 from kvferry.adapters.connectors.mooncake import wire
-from kvferry.core.errors import PayloadError
+from kvferry.core.control import Rejection
 
 __all__ = ["HEARTBEAT_IVL_MS", "HEARTBEAT_TIMEOUT_MS", "Failure", "PeerChannel"]
 
@@ -121,10 +121,9 @@ class PeerChannel:
             events = dict(poller.poll(max(1, int(left * 1000))))
             if self._sock in events:  # first: a reply that came is ours, whatever the monitor says
                 raw = self._sock.recv(zmq.NOBLOCK)
-                try:
-                    reply = wire.decode(raw)
-                except PayloadError as exc:
-                    return Failure("bad_reply", str(exc))
+                reply = wire.decode(raw)
+                if isinstance(reply, Rejection):
+                    return Failure("bad_reply", reply.detail)
                 if reply.id == request_id:
                     if not isinstance(reply, kind):
                         return Failure("bad_reply", f"unexpected {type(reply).__name__}")

@@ -34,6 +34,7 @@ from typing import Any
 import attrs
 
 from kvferry.core.errors import ConfigError
+from kvferry.core.validate import check_int
 
 __all__ = ["MooncakeConfig", "ROLES"]
 
@@ -41,12 +42,7 @@ ROLES = ("sender", "receiver")
 
 
 def _int(name: str, value: Any, lo: int, hi: int | None = None) -> int:
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise ConfigError(f"mooncake config {name!r} must be an integer, got {value!r}")
-    if value < lo or (hi is not None and value > hi):
-        bound = f"in [{lo}, {hi}]" if hi is not None else f">= {lo}"
-        raise ConfigError(f"mooncake config {name!r} must be {bound}, got {value}")
-    return value
+    return check_int(f"mooncake config {name!r}", value, lo, maximum=hi)
 
 
 def _seconds(name: str, value: Any) -> float:

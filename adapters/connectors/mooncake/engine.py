@@ -28,6 +28,7 @@ from typing import Any
 import attrs
 
 from kvferry.core.errors import ConfigError, ConnectorUnavailable
+from kvferry.core.validate import check_int
 
 __all__ = [
     "INSTALL_HINT",
@@ -147,8 +148,7 @@ class EnginePool:
 
         if protocol not in ("tcp", "rdma"):
             raise ConfigError(f"mooncake protocol must be 'tcp' or 'rdma', got {protocol!r}")
-        if isinstance(pool_bytes, bool) or not isinstance(pool_bytes, int) or pool_bytes <= 0:
-            raise ConfigError(f"mooncake pool_bytes must be a positive int, got {pool_bytes!r}")
+        check_int("mooncake pool_bytes", pool_bytes, 1)
         if shared and engine_factory is None:
             engine = shared_engine(host, protocol, device_name)
         else:

@@ -19,7 +19,7 @@ import attrs
 
 from kvferry.adapters.connectors.mooncake.client import Failure, PeerChannel
 from kvferry.adapters.connectors.mooncake.engine import EnginePool
-from kvferry.core.errors import ConfigError
+from kvferry.core.addressing import resolve_get_source
 from kvferry.core.pool import Region, RegionAllocator
 
 __all__ = ["Endpoint", "resolve_endpoint", "pin_margin_s", "Space", "AllocatorSpace", "ReceiveSide"]
@@ -38,26 +38,13 @@ class Endpoint:
 
 
 def resolve_endpoint(metadata: Mapping[str, Any] | None, default: tuple[str, int] | None) -> Endpoint | None:
-    """The endpoint named by ``metadata`` (``source_host``/``source_port``, optional ``size``),
-    else ``default`` (also when the metadata names only the default's host); None when neither
-    names one (unresolved: the get misses with ``no_sender``). Wrongly typed metadata is a
-    ConfigError."""
-    if metadata is not None and not isinstance(metadata, Mapping):
-        raise ConfigError(f"get metadata must be a mapping or None, got {type(metadata).__name__}")
-    meta = metadata or {}
-    size = meta.get("size")
-    if size is not None and (isinstance(size, bool) or not isinstance(size, int) or size < 0):
-        raise ConfigError(f"get metadata 'size' must be a non-negative int, got {size!r}")
-    host, port = meta.get("source_host"), meta.get("source_port")
-    if port is None:  # no endpoint (or a host alone): the default sender, if any
-        if default is None or (host is not None and host != default[0]):
-            return None
-        host, port = default
-    if not isinstance(host, str) or not host:
-        raise ConfigError(f"get metadata 'source_host' must be a non-empty str, got {host!r}")
-    if isinstance(port, bool) or not isinstance(port, int) or not 1 <= port <= 65535:
-        raise ConfigError(f"get metadata 'source_port' must be an int in [1, 65535], got {port!r}")
-    return Endpoint(host, port, size)
+    """The endpoint a get asks: :func:`kvferry.core.addressing.resolve_get_source`'s rule (None:
+    unresolved, the get misses with ``no_sender``; wrongly typed metadata is a ConfigError)."""
+    source = resolve_get_source(metadata, default)
+    if source is None:
+        return None
+    assert source.host is not None  # needs_host: a named port came with its host
+    return Endpoint(source.host, source.port, source.size)
 
 
 def pin_margin_s(pin_s: float) -> float:

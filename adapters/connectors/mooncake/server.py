@@ -6,8 +6,9 @@
 
 - a :class:`~.wire.Lookup` for a readable key claims it (a ledger ticket) and answers
   with its pool address; the region stays pinned until the matching ``Done`` or ``pin_s``;
-- a lookup for a key not published yet with ``wait_s > 0`` is parked and answered when a put
-  publishes the key (arrival notification through an inproc socket) or when ``wait_s`` passes;
+- a lookup for a key not published yet with ``wait_s > 0`` is parked
+  (:class:`~kvferry.core.parked.ParkedTable`) and answered when a put publishes the key (the put
+  rings the loop's :class:`~kvferry.adapters.connectors.wake.Doorbell`) or when ``wait_s`` passes;
 - a lookup for a key already consumed or expired is answered "not found"/"expired" at once.
 
 Leases are swept on every wake-up (at the latest every :data:`SWEEP_S` seconds): an unread
@@ -20,13 +21,15 @@ import logging
 import threading
 import time
 from collections.abc import Callable
-from typing import Any
 
 import attrs
 import zmq
 
 from kvferry.adapters.connectors.mooncake import wire
-from kvferry.core.errors import BindError, PayloadError
+from kvferry.adapters.connectors.wake import Doorbell
+from kvferry.core.control import Rejection
+from kvferry.core.errors import BindError
+from kvferry.core.parked import MissReason, Parked, ParkedTable
 from kvferry.core.pool import EntryState, PoolLedger, Region
 
 __all__ = ["SWEEP_S", "SenderState", "SenderSpace", "ControlServer", "bind_router"]
@@ -35,7 +38,6 @@ logger = logging.getLogger(__name__)
 
 #: Longest sleep of the server loop between lease sweeps, in seconds.
 SWEEP_S = 0.5
-_STOP = b"\x00stop"
 
 
 @attrs.define(eq=False)
@@ -174,11 +176,10 @@ def bind_router(ctx: zmq.Context, host: str, port: int) -> tuple[zmq.Socket, int
     return sock, int(bound.rsplit(":", 1)[1])
 
 
-@attrs.define(eq=False)
-class _Parked:
+@attrs.frozen
+class _Waiter:
     ident: bytes
     lookup: wire.Lookup
-    deadline_s: float  # time.monotonic() seconds
 
 
 @attrs.define(eq=False)
@@ -188,28 +189,19 @@ class ControlServer:
     ctx: zmq.Context
     router: zmq.Socket
     state: SenderState
-    _wake_endpoint: str = attrs.field(init=False, default="")
-    _wake_tx: Any = attrs.field(init=False, default=None)
-    _wake_lock: threading.Lock = attrs.field(init=False, factory=threading.Lock)
+    _bell: Doorbell = attrs.field(init=False, factory=Doorbell)
+    _stopping: bool = attrs.field(init=False, default=False)
     _thread: threading.Thread | None = attrs.field(init=False, default=None)
-    _parked: dict[str, list[_Parked]] = attrs.field(init=False, factory=dict)
-    _parked_count: int = attrs.field(init=False, default=0)
+    _table: ParkedTable[_Waiter] = attrs.field(init=False, factory=ParkedTable)
 
     def start(self) -> None:
-        self._wake_endpoint = f"inproc://kvferry-mooncake-wake-{id(self)}"
-        wake_rx = self.ctx.socket(zmq.PULL)
-        wake_rx.linger = 0
-        wake_rx.bind(self._wake_endpoint)
-        self._wake_tx = self.ctx.socket(zmq.PUSH)
-        self._wake_tx.linger = 0
-        self._wake_tx.connect(self._wake_endpoint)
-        self._thread = threading.Thread(target=self._run, args=(wake_rx,), name="kvferry-mooncake-control", daemon=True)
+        self._thread = threading.Thread(target=self._run, name="kvferry-mooncake-control", daemon=True)
         self._thread.start()
 
     @property
     def parked(self) -> int:
         """Lookups waiting for their key right now (a snapshot written by the thread)."""
-        return self._parked_count
+        return len(self._table)
 
     @property
     def running(self) -> bool:
@@ -217,66 +209,56 @@ class ControlServer:
         return self._thread is not None and self._thread.is_alive()
 
     def notify(self, key: str) -> None:
-        """Wake the server: ``key`` was published (serve parked lookups for it)."""
-        with self._wake_lock:
-            if self._wake_tx is not None:
-                self._wake_tx.send(key.encode())
+        """Wake the server: ``key`` was published (serve parked lookups for it). Any thread."""
+        self._bell.ring(key)
 
     def close(self, timeout_s: float = 5.0) -> None:
-        """Stop the thread (parked lookups get ``closed``) and close the sockets. Idempotent."""
-        with self._wake_lock:
-            if self._wake_tx is None:
-                return
-            self._wake_tx.send(_STOP)
-            self._wake_tx.close()
-            self._wake_tx = None
+        """Stop the thread (parked lookups get ``closing``) and close the sockets. Idempotent."""
+        if self._stopping:
+            return
+        self._stopping = True
+        self._bell.ring()
         if self._thread is not None:
             self._thread.join(timeout_s)
             if self._thread.is_alive():
                 logger.error("mooncake control thread did not stop within %.1f s", timeout_s)
+                return
+        self._bell.close()
 
     # -- the thread -----------------------------------------------------------------------
 
-    def _run(self, wake_rx: zmq.Socket) -> None:
+    def _run(self) -> None:
         poller = zmq.Poller()
         poller.register(self.router, zmq.POLLIN)
-        poller.register(wake_rx, zmq.POLLIN)
+        poller.register(self._bell.fileno, zmq.POLLIN)
         try:
-            while True:
+            while not self._stopping:
                 events = dict(poller.poll(int(self._sleep_s() * 1000)))
-                if wake_rx in events and self._drain_wake(wake_rx):
+                if self._bell.fileno in events:
+                    for key in self._bell.take():
+                        self._serve_parked(key)
+                if self._stopping:
                     break
                 if self.router in events:
                     self._drain_router()
                 self.state.sweep()
-                self._expire_parked()
-                self._parked_count = sum(len(group) for group in self._parked.values())
+                self._answer(self._table.expire(time.monotonic()), MissReason.TIMEOUT)
         finally:
-            self._answer_all_parked("closed")
-            wake_rx.close()
+            self._answer(self._table.drain(), MissReason.CLOSING)
             self.router.close()
 
     def _sleep_s(self) -> float:
         """Seconds until the next parked deadline or lease event, at most SWEEP_S. Parked
         lookups run on the real clock (a receiver is waiting); leases on the injected one."""
         waits = [SWEEP_S]
-        wall = time.monotonic()
-        waits.extend(p.deadline_s - wall for group in self._parked.values() for p in group)
+        parked = self._table.seconds_to_next(time.monotonic())
+        if parked is not None:
+            waits.append(parked)
         with self.state.lock:
             lease_deadline = self.state.ledger.leases.next_deadline()
         if lease_deadline is not None:
             waits.append(lease_deadline - self.state.clock())
         return max(0.0, min(waits))
-
-    def _drain_wake(self, wake_rx: zmq.Socket) -> bool:
-        while True:
-            try:
-                key = wake_rx.recv(zmq.NOBLOCK)
-            except zmq.Again:
-                return False
-            if key == _STOP:
-                return True
-            self._serve_parked(key.decode())
 
     def _drain_router(self) -> None:
         while True:
@@ -288,11 +270,10 @@ class ControlServer:
                 self.state.count("bad_requests")
                 continue
             ident, raw = frames
-            try:
-                message = wire.decode(raw)
-            except PayloadError as exc:
+            message = wire.decode(raw)
+            if isinstance(message, Rejection):
                 self.state.count("bad_requests")
-                logger.warning("mooncake control: dropped a malformed message: %s", exc)
+                logger.warning("mooncake control: dropped a malformed message: %s", message.detail)
                 continue
             if isinstance(message, wire.Lookup):
                 self._lookup(ident, message)
@@ -307,42 +288,23 @@ class ControlServer:
         if reply is not None:
             self._send(ident, reply)
         elif lookup.wait_s > 0:
-            deadline = time.monotonic() + lookup.wait_s
-            self._parked.setdefault(lookup.key, []).append(_Parked(ident, lookup, deadline))
+            self._table.park(lookup.key, _Waiter(ident, lookup), time.monotonic(), lookup.wait_s)
         else:
-            self._send(ident, wire.LookupReply(lookup.id, False, reason="not_found"))
+            self._send(ident, wire.LookupReply(lookup.id, False, reason=MissReason.NOT_FOUND))
 
     def _serve_parked(self, key: str) -> None:
-        waiting = self._parked.pop(key, [])
-        still = []
-        for parked in waiting:
-            reply = self.state.answer(parked.lookup)
-            if reply is None:
-                still.append(parked)
-            else:
-                self._send(parked.ident, reply)
-        if still:
-            self._parked[key] = still
+        def offer(waiter: _Waiter) -> bool:
+            reply = self.state.answer(waiter.lookup)
+            if reply is None:  # still unknown: it and the later lookups keep waiting
+                return False
+            self._send(waiter.ident, reply)
+            return True
 
-    def _expire_parked(self) -> None:
-        now = time.monotonic()
-        for key in list(self._parked):
-            keep = []
-            for parked in self._parked[key]:
-                if now >= parked.deadline_s:
-                    self._send(parked.ident, wire.LookupReply(parked.lookup.id, False, reason="timeout"))
-                else:
-                    keep.append(parked)
-            if keep:
-                self._parked[key] = keep
-            else:
-                del self._parked[key]
+        self._answer(self._table.serve(key, time.monotonic(), offer), MissReason.TIMEOUT)
 
-    def _answer_all_parked(self, reason: str) -> None:
-        for group in self._parked.values():
-            for parked in group:
-                self._send(parked.ident, wire.LookupReply(parked.lookup.id, False, reason=reason))
-        self._parked.clear()
+    def _answer(self, parked: list[Parked[_Waiter]], reason: str) -> None:
+        for p in parked:
+            self._send(p.waiter.ident, wire.LookupReply(p.waiter.lookup.id, False, reason=reason))
 
     def _send(self, ident: bytes, reply: wire.LookupReply | wire.Ack) -> None:
         try:

@@ -29,7 +29,9 @@ from typing import Any
 import attrs
 import msgpack
 
+from kvferry.core.control import Rejection
 from kvferry.core.errors import PayloadError
+from kvferry.core.parked import MISS_REASONS as PARKED_MISS_REASONS
 
 __all__ = [
     "WIRE_VERSION",
@@ -53,8 +55,9 @@ _MAX_U64 = 2**64 - 1
 _MAX_ID = 2**63 - 1
 #: Why a lookup found nothing: never published / already consumed, lease passed, payload larger
 #: than the receiver's ``room``, long-poll ended without the key, sender closing, malformed
-#: request.
-MISS_REASONS = ("not_found", "expired", "no_room", "timeout", "closed", "bad_request")
+#: request; the first four are :data:`kvferry.core.parked.MISS_REASONS` ("closed" is what senders
+#: before that table said for "closing", still accepted).
+MISS_REASONS = (*PARKED_MISS_REASONS, "no_room", "bad_request", "closed")
 
 
 def _u64(name: str, limit: int = _MAX_U64):
@@ -151,7 +154,16 @@ def encode(message: Message) -> bytes:
     return msgpack.packb(body, use_bin_type=True)
 
 
-def decode(raw: bytes) -> Message:
+def decode(raw: bytes) -> Message | Rejection:
+    """One control message, or a :class:`~kvferry.core.control.Rejection` saying why ``raw`` is
+    not one (never raises)."""
+    try:
+        return _parse(raw)
+    except PayloadError as exc:
+        return Rejection("bad_request", str(exc))
+
+
+def _parse(raw: bytes) -> Message:
     """Parse and validate one control message; raises PayloadError (only) when malformed."""
     if not isinstance(raw, (bytes, bytearray, memoryview)):
         raise PayloadError("control message must be bytes")

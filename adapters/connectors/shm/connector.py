@@ -50,6 +50,7 @@ from kvferry.adapters.connectors.shm.segment import (
     open_segment,
     reap_namespace,
 )
+from kvferry.core.addressing import resolve_get_source
 from kvferry.core.errors import ConfigError, LeaseExpired
 from kvferry.core.ports import PutResult
 
@@ -157,19 +158,23 @@ class ShmConnector:
 
     # ------------------------------------------------------------------------- receiver side
     def _resolve(self, metadata: Mapping[str, Any] | None) -> str | None:
+        """The put's ``endpoint`` when the metadata carries one, else the sender
+        :func:`~kvferry.core.addressing.resolve_get_source` names (its port in this namespace;
+        the host is not used), else the default sender."""
         if metadata:
             endpoint = metadata.get("endpoint")
             if isinstance(endpoint, str) and endpoint.startswith("ipc://"):
                 return endpoint
-            port = metadata.get("source_port")
-            if isinstance(port, int) and not isinstance(port, bool) and 0 < port < 65536:
-                endpoint = self._endpoints.get(port)
-                if endpoint is None:  # derived once per port (path joins on every get add up)
-                    endpoint = control_endpoint(self.config.namespace, port, self.config.runtime_base)
-                    if len(self._endpoints) < 4096:
-                        self._endpoints[port] = endpoint
-                return endpoint
-        return self._default_endpoint
+        source = resolve_get_source(metadata, None, needs_host=False)
+        if source is None:
+            return self._default_endpoint
+        port = source.port
+        endpoint = self._endpoints.get(port)
+        if endpoint is None:  # derived once per port (path joins on every get add up)
+            endpoint = control_endpoint(self.config.namespace, port, self.config.runtime_base)
+            if len(self._endpoints) < 4096:
+                self._endpoints[port] = endpoint
+        return endpoint
 
     def _client(self, endpoint: str) -> ControlClient | None:
         with self._lock:

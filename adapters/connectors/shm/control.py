@@ -30,8 +30,10 @@ Sender -> receiver::
 
 A "get_many" never waits: each key is granted or missed at once (at most ``MAX_MANY_KEYS``).
 A "get" with ``wait_s > 0`` is parked by the sender until the key is published (it answers at
-once then) or ``wait_s`` passes on the sender's clock. Decoding never raises: a malformed
-message decodes to None and costs one counter.
+once then) or ``wait_s`` passes on the sender's clock. Decoding never raises: the sender
+decodes a request to a typed value (:class:`GetRequest`, :class:`GetManyRequest`,
+:class:`PingRequest`, :class:`ReleaseRequest`) or a :class:`~kvferry.core.control.Rejection`
+(:func:`decode_request`); a receiver reads a reply map, None when malformed (:func:`decode`).
 """
 
 from __future__ import annotations
@@ -47,6 +49,8 @@ import attrs
 import msgpack
 import zmq
 
+from kvferry.core.control import Rejection
+
 __all__ = [
     "VERSION",
     "MAX_MESSAGE_BYTES",
@@ -54,6 +58,12 @@ __all__ = [
     "encode",
     "decode",
     "check_request",
+    "decode_request",
+    "GetRequest",
+    "GetManyRequest",
+    "PingRequest",
+    "ReleaseRequest",
+    "Request",
     "check_grant",
     "ControlClient",
 ]
@@ -120,6 +130,66 @@ def check_request(message: dict[str, Any]) -> str | None:
     if isinstance(wait, bool) or not isinstance(wait, (int, float)) or not 0 <= wait < 1e7:
         return "wait_s must be a number of seconds >= 0"
     return None
+
+
+@attrs.frozen
+class GetRequest:
+    """One key; parked up to ``wait_s`` seconds when it is not there yet; ``pid``: the reader."""
+
+    id: int
+    key: str
+    wait_s: float = 0.0
+    pid: int | None = None
+
+
+@attrs.frozen
+class GetManyRequest:
+    """Up to :data:`MAX_MANY_KEYS` keys at once, never parked."""
+
+    id: int
+    keys: tuple[str, ...]
+    pid: int | None = None
+
+
+@attrs.frozen
+class PingRequest:
+    id: int
+
+
+@attrs.frozen
+class ReleaseRequest:
+    """Give ``tickets`` back; ``seg``: the segment they were granted in (None: this one);
+    ``id``: answer with whether the region was freed (None: no reply)."""
+
+    tickets: tuple[int, ...]
+    seg: str | None = None
+    id: int | None = None
+
+
+Request = GetRequest | GetManyRequest | PingRequest | ReleaseRequest
+
+
+def decode_request(frame: bytes) -> Request | Rejection:
+    """A receiver's request as a typed value, or a Rejection (with the id when it could be read)."""
+    message = decode(frame)
+    if message is None:
+        return Rejection("bad_request", "not a control message")
+    request_id = message.get("id")
+    corr_id = request_id if _is_int(request_id) else None
+    problem = check_request(message)
+    if problem is not None:
+        return Rejection("bad_request", problem, corr_id)
+    op = message["op"]
+    pid = message.get("pid")
+    if op == "release":
+        tickets = tuple(message["tickets"]) if "tickets" in message else (message["ticket"],)
+        return ReleaseRequest(tickets, message.get("seg"), corr_id)
+    assert corr_id is not None  # check_request: every other op has an id
+    if op == "ping":
+        return PingRequest(corr_id)
+    if op == "get_many":
+        return GetManyRequest(corr_id, tuple(message["keys"]), pid)
+    return GetRequest(corr_id, message["key"], float(message.get("wait_s", 0.0)), pid)
 
 
 def check_grant(message: dict[str, Any]) -> str | None:

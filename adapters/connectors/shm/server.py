@@ -17,9 +17,6 @@ receiver) gets a ticket revoked at ``hold_s``, as before.
 from __future__ import annotations
 
 import collections
-import errno
-import heapq
-import itertools
 import logging
 import os
 import select
@@ -31,16 +28,25 @@ import attrs
 import zmq
 
 from kvferry.adapters.connectors.memory.pool import LocalPool
-from kvferry.adapters.connectors.shm.control import check_request, decode, encode
+from kvferry.adapters.connectors.shm.control import (
+    GetManyRequest,
+    PingRequest,
+    ReleaseRequest,
+    decode_request,
+    encode,
+)
 from kvferry.adapters.connectors.shm.segment import pid_alive
+from kvferry.adapters.connectors.wake import Doorbell
+from kvferry.core.control import Rejection
 from kvferry.core.errors import BindError
+from kvferry.core.parked import MissReason, Parked, ParkedTable
 from kvferry.core.pool import Ticket
 
 __all__ = ["ControlServer", "Reader", "ReaderRegistry"]
 
 logger = logging.getLogger(__name__)
 
-_MISS = {"unknown": "not_found", "published": "not_found"}
+_MISS = {"unknown": MissReason.NOT_FOUND, "published": MissReason.NOT_FOUND}
 
 
 @attrs.define(eq=False)
@@ -122,14 +128,13 @@ class ReaderRegistry:
             reader.close()
 
 
-@attrs.define(eq=False)
+@attrs.frozen
 class _Waiter:
+    """Where a parked get's answer goes, and which reader process will hold the grant."""
+
     identity: bytes
     request_id: int
-    key: str
-    deadline: float
     holder: Reader | None = None
-    done: bool = False
 
 
 @attrs.define(eq=False)
@@ -143,11 +148,8 @@ class ControlServer:
     context: zmq.Context = attrs.field(factory=zmq.Context)
     counters: collections.Counter = attrs.field(init=False, factory=collections.Counter)
     _router: Any = attrs.field(init=False, default=None)
-    _wake: tuple[int, int] = attrs.field(init=False, default=(-1, -1))
-    _published: collections.deque = attrs.field(init=False, factory=collections.deque)
-    _waiters: dict[str, collections.deque] = attrs.field(init=False, factory=dict)
-    _deadlines: list[tuple[float, int, _Waiter]] = attrs.field(init=False, factory=list)
-    _seq: Any = attrs.field(init=False, factory=itertools.count)
+    _bell: Doorbell | None = attrs.field(init=False, default=None)
+    _table: ParkedTable[_Waiter] = attrs.field(init=False, factory=ParkedTable)
     _stopping: bool = attrs.field(init=False, default=False)
     _thread: threading.Thread | None = attrs.field(init=False, default=None)
     readers: ReaderRegistry = attrs.field(init=False, factory=ReaderRegistry)
@@ -163,40 +165,28 @@ class ControlServer:
             router.close()
             raise BindError(f"shm control endpoint {self.endpoint} cannot bind: {exc}") from exc
         self._router = router
-        read_fd, write_fd = os.pipe()
-        os.set_blocking(read_fd, False)
-        os.set_blocking(write_fd, False)
-        self._wake = (read_fd, write_fd)
+        self._bell = Doorbell()
         self.pool.on_publish.append(self.notify_published)
         self._thread = threading.Thread(target=self._run, name=f"kvferry-shm-{self.segment_name}", daemon=True)
         self._thread.start()
 
-    def _poke(self) -> None:
-        try:
-            os.write(self._wake[1], b"\0")
-        except BlockingIOError:
-            pass  # the pipe is full: a wake-up is already pending
-        except OSError as exc:
-            if exc.errno != errno.EBADF:
-                raise
-
     def notify_published(self, key: str) -> None:
         """Called (any thread) after ``key`` was published in the pool."""
-        self._published.append(key)
-        self._poke()
+        if self._bell is not None:
+            self._bell.ring(key)
 
     def stop(self, timeout_s: float = 5.0) -> None:
         """Answer parked gets with "closing", stop the thread, close the socket. Idempotent."""
         if self._thread is None or self._stopping:
             return
         self._stopping = True
-        self._poke()
+        assert self._bell is not None  # made by start(), as the thread
+        self._bell.ring()
         self._thread.join(timeout_s)
         if self._thread.is_alive():
             logger.error("shm control thread of %s did not stop within %.1f s", self.endpoint, timeout_s)
             return
-        for fd in self._wake:
-            os.close(fd)
+        self._bell.close()
         self.context.term()
         self.readers.close()
 
@@ -224,7 +214,7 @@ class ControlServer:
     def _grant(self, identity: bytes, request_id: int, ticket: Ticket) -> None:
         self._reply(identity, {"id": request_id, **self._granted(ticket)}, ticket)
 
-    def _get_many(self, identity: bytes, request_id: int, keys: list[str], holder: Reader | None) -> None:
+    def _get_many(self, identity: bytes, request_id: int, keys: tuple[str, ...], holder: Reader | None) -> None:
         self.counters["get_many"] += 1
         entries: list[dict[str, Any]] = []
         tickets: list[Ticket] = []
@@ -245,96 +235,75 @@ class ControlServer:
         self._reply(identity, {"id": request_id, "ok": False, "reason": reason})
 
     def _handle(self, identity: bytes, frame: bytes) -> None:
-        message = decode(frame)
-        problem = "not a control message" if message is None else check_request(message)
-        if message is None or problem is not None:
+        request = decode_request(frame)
+        if isinstance(request, Rejection):
             self.counters["bad_requests"] += 1
-            request_id = message.get("id") if message else None
-            if isinstance(request_id, int):
-                self._reply(identity, {"id": request_id, "ok": False, "reason": "bad_request", "detail": problem})
+            if request.corr_id is not None:
+                reply = {"id": request.corr_id, "ok": False, "reason": request.reason, "detail": request.detail}
+                self._reply(identity, reply)
             return
-        op = message["op"]
-        if op == "release":
+        if isinstance(request, ReleaseRequest):
             freed = False
-            if message.get("seg", self.segment_name) == self.segment_name:
-                for ticket_id in message.get("tickets") or (message["ticket"],):
+            if request.seg is None or request.seg == self.segment_name:
+                for ticket_id in request.tickets:
                     self.counters["releases"] += 1
                     freed = self.pool.release(ticket_id) or freed
             else:  # granted by another incarnation of this endpoint: not ours to free
                 self.counters["releases_foreign"] += 1
-            if "id" in message:
-                self._reply(identity, {"id": message["id"], "ok": True, "released": freed})
-        elif op == "ping":
-            self._reply(identity, {"id": message["id"], "ok": True, "health": self.pool.stats()})
-        elif op == "get_many":
-            self._get_many(identity, message["id"], message["keys"], self.readers.holder(message.get("pid")))
+            if request.id is not None:
+                self._reply(identity, {"id": request.id, "ok": True, "released": freed})
+        elif isinstance(request, PingRequest):
+            self._reply(identity, {"id": request.id, "ok": True, "health": self.pool.stats()})
+        elif isinstance(request, GetManyRequest):
+            self._get_many(identity, request.id, request.keys, self.readers.holder(request.pid))
         else:
-            holder = self.readers.holder(message.get("pid"))
-            self._get(identity, message["id"], message["key"], float(message.get("wait_s", 0.0)), holder)
+            self._get(identity, request.id, request.key, request.wait_s, self.readers.holder(request.pid))
 
     def _get(self, identity: bytes, request_id: int, key: str, wait_s: float, holder: Reader | None = None) -> None:
         ticket = self.pool.take(key, holder)
         if ticket is not None:
             self._grant(identity, request_id, ticket)
-        elif wait_s > 0 and not self._stopping and self.pool.status(key) != "expired":
-            waiter = _Waiter(identity, request_id, key, time.monotonic() + wait_s, holder)
-            self._waiters.setdefault(key, collections.deque()).append(waiter)
-            heapq.heappush(self._deadlines, (waiter.deadline, next(self._seq), waiter))
+        elif wait_s > 0 and not self._stopping and self.pool.status(key) != MissReason.EXPIRED:
+            self._table.park(key, _Waiter(identity, request_id, holder), time.monotonic(), wait_s)
         else:
             status = self.pool.status(key)
             self._miss(identity, request_id, _MISS.get(status, status))
 
-    def _serve_published(self) -> None:
-        while self._published:
-            key = self._published.popleft()
-            queue = self._waiters.get(key)
-            now = time.monotonic()
-            while queue:
-                waiter = queue[0]
-                if waiter.deadline > now:
-                    ticket = self.pool.take(key, waiter.holder)
-                    if ticket is None:
-                        break
-                    self._grant(waiter.identity, waiter.request_id, ticket)
-                else:
-                    self._miss(waiter.identity, waiter.request_id, "timeout")
-                waiter.done = True
-                queue.popleft()
-            if queue is not None and not queue:
-                del self._waiters[key]
+    def _serve_published(self, keys: list[str]) -> None:
+        now = time.monotonic()
+        for key in keys:
 
-    def _expire_waiters(self, everyone: bool = False) -> float | None:
+            def offer(waiter: _Waiter) -> bool:
+                ticket = self.pool.take(key, waiter.holder)
+                if ticket is None:
+                    return False
+                self._grant(waiter.identity, waiter.request_id, ticket)
+                return True
+
+            self._answer(self._table.serve(key, now, offer), MissReason.TIMEOUT)
+
+    def _answer(self, parked: list[Parked[_Waiter]], reason: str) -> None:
+        for p in parked:
+            self._miss(p.waiter.identity, p.waiter.request_id, reason)
+
+    def _expire_waiters(self) -> float | None:
         """Answer parked gets past their deadline; returns seconds to the next deadline."""
         now = time.monotonic()
-        while self._deadlines and (everyone or self._deadlines[0][0] <= now):
-            _, _, waiter = heapq.heappop(self._deadlines)
-            if waiter.done:
-                continue
-            waiter.done = True
-            queue = self._waiters.get(waiter.key)
-            if queue is not None:
-                queue.remove(waiter)
-                if not queue:
-                    del self._waiters[waiter.key]
-            self._miss(waiter.identity, waiter.request_id, "closing" if everyone else "timeout")
-        return self._deadlines[0][0] - now if self._deadlines else None
+        self._answer(self._table.expire(now), MissReason.TIMEOUT)
+        return self._table.seconds_to_next(now)
 
     def _run(self) -> None:
         poller = zmq.Poller()
         poller.register(self._router, zmq.POLLIN)
-        poller.register(self._wake[0], zmq.POLLIN)
+        bell = self._bell
+        assert bell is not None  # made by start() before the thread
+        poller.register(bell.fileno, zmq.POLLIN)
         try:
             while not self._stopping:
                 wait = self._expire_waiters()
                 ready = dict(poller.poll(None if wait is None else max(1, int(wait * 1000) + 1)))
-                if self._wake[0] in ready:
-                    while True:
-                        try:
-                            if not os.read(self._wake[0], 4096):
-                                break
-                        except BlockingIOError:
-                            break
-                    self._serve_published()
+                if bell.fileno in ready:
+                    self._serve_published(bell.take())
                 if self._router in ready:
                     for _ in range(256):  # bounded batch, then look at the pipe again
                         try:
@@ -345,7 +314,7 @@ class ControlServer:
                             self.counters["bad_requests"] += 1
                             continue
                         self._handle(identity, frame)
-            self._expire_waiters(everyone=True)
+            self._answer(self._table.drain(), MissReason.CLOSING)
         except Exception:  # the thread must never die silently: log, count, stop serving
             self.counters["thread_errors"] += 1
             logger.exception("shm control thread of %s failed; receivers will time out", self.endpoint)
@@ -358,4 +327,4 @@ class ControlServer:
 
     def parked(self) -> int:
         """Parked gets (approximate when read from another thread; for health only)."""
-        return len(self._deadlines)
+        return len(self._table)

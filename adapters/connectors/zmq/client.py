@@ -34,12 +34,12 @@ from collections.abc import Callable
 import attrs
 import zmq
 
+from kvferry.adapters.connectors.wake import Waker
 from kvferry.adapters.connectors.zmq.buffers import RecvPool
 from kvferry.adapters.connectors.zmq.config import ZmqConfig
 from kvferry.adapters.connectors.zmq.inbound import Outcome, ReplyReader
 from kvferry.adapters.connectors.zmq.protocol import Request, encode_request
 from kvferry.adapters.connectors.zmq.stash import LateStash
-from kvferry.adapters.connectors.zmq.wake import Waker
 
 __all__ = ["ZmqClient", "Outcome"]
 

@@ -42,6 +42,7 @@ from kvferry.adapters.connectors.zmq.protocol import resolve_endpoint
 from kvferry.adapters.connectors.zmq.server import ZmqServer
 from kvferry.adapters.connectors.zmq.store import PublishFailure, ZmqReservation
 from kvferry.core.errors import ConfigError, LeaseExpired, PoolFullError, TransferError
+from kvferry.core.validate import check_int, check_seconds
 
 __all__ = ["ZmqConnector"]
 
@@ -160,11 +161,7 @@ class ZmqConnector:
             raise ConfigError(f"put_key must be a non-empty string, got {put_key!r}")
         readers = self.config.readers if readers is None else readers
         lease = self.config.lease_s if lease_s is None else lease_s
-        if isinstance(readers, bool) or not isinstance(readers, int) or readers < 1:
-            raise ConfigError(f"readers must be an integer >= 1, got {readers!r}")
-        if isinstance(lease, bool) or not isinstance(lease, (int, float)) or not lease > 0:
-            raise ConfigError(f"lease_s must be a number of seconds > 0, got {lease!r}")
-        return readers, float(lease)
+        return check_int("readers", readers, 1), check_seconds("lease_s", lease)
 
     def _refusal(self) -> dict[str, str] | None:
         if self._closed:
@@ -247,8 +244,7 @@ class ZmqConnector:
         ``pool_full`` after waiting up to ``drain_wait_s`` for sends in flight), TransferError
         when closed, ConfigError for a receiver or bad arguments."""
         readers, lease = self._check_put(put_key, readers, lease_s)
-        if isinstance(nbytes, bool) or not isinstance(nbytes, int) or nbytes < 0:
-            raise ConfigError(f"nbytes must be an integer >= 0, got {nbytes!r}")
+        check_int("nbytes", nbytes, 0)
         refusal = self._refusal()
         if refusal is not None:
             if refusal["reason"] == "closed":

@@ -39,7 +39,11 @@ from typing import Any, Literal, overload
 import attrs
 import msgpack
 
+from kvferry.core.addressing import resolve_get_source
+from kvferry.core.control import Rejection
 from kvferry.core.errors import BindError, ConfigError
+from kvferry.core.parked import MISS_REASONS as PARKED_MISS_REASONS
+from kvferry.core.validate import check_port
 
 __all__ = [
     "PROTOCOL_VERSION",
@@ -76,7 +80,7 @@ MAX_PAYLOAD_FRAMES = 1 << 16
 MAX_IPC_PATH_BYTES = 107
 
 MODES = ("now", "wait")
-MISS_REASONS = ("not_found", "expired", "timeout", "closing")
+MISS_REASONS = PARKED_MISS_REASONS  # the one closed set (kvferry.core.parked)
 _MAX_ID = (1 << 63) - 1
 
 
@@ -110,15 +114,6 @@ class Reply:
     def size(self) -> int:
         """Total payload bytes (data replies)."""
         return sum(self.sizes)
-
-
-@attrs.frozen
-class Rejection:
-    """Why a control frame was not understood. ``corr_id`` when it could still be read."""
-
-    reason: str
-    detail: str
-    corr_id: int | None = None
 
 
 def _pack(obj: Mapping[str, Any]) -> bytes:
@@ -313,8 +308,7 @@ def ipc_path(directory: str, port: int | None) -> str:
     """
     if not isinstance(directory, str) or not directory.startswith("/"):
         raise ConfigError(f"ipc_dir must be an absolute path, got {directory!r}")
-    if isinstance(port, bool) or not isinstance(port, int) or not 1 <= port <= 65535:
-        raise ConfigError(f"port must be an integer in 1..65535 for ipc, got {port!r}")
+    check_port("port (for ipc)", port)
     path = f"{directory.rstrip('/') or ''}/kvferry-zmq-{port}.ipc"
     if len(path.encode("utf-8")) > MAX_IPC_PATH_BYTES:
         raise ConfigError(f"ipc_dir {directory!r} is too long: socket path {path!r} exceeds {MAX_IPC_PATH_BYTES} bytes")
@@ -329,14 +323,6 @@ def tcp_endpoint(host: str, port: int | str) -> str:
     return f"tcp://{shown}:{port}"
 
 
-def _port_of(value: Any, name: str) -> int:
-    if isinstance(value, str) and value.strip().isdigit():
-        value = int(value.strip())
-    if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= 65535:
-        raise ConfigError(f"{name} must be a port number in 1..65535, got {value!r}")
-    return value
-
-
 def resolve_endpoint(
     metadata: Mapping[str, Any] | None,
     default: tuple[str, int] | None,
@@ -346,35 +332,25 @@ def resolve_endpoint(
 ) -> str | None:
     """The zmq endpoint a receiver asks, or None when nothing names a sender.
 
-    ``metadata`` (what ``put`` returned, or a partial dict with only ``source_host`` and
-    ``source_port``) wins over ``default`` (``(host, port)`` from ``update_sender_info``).
-    Metadata naming ``transport: "ipc"`` uses its ``ipc_path`` (else the path of
-    ``ipc_dir`` + port); otherwise the receiver's own ``transport`` decides. Raises ConfigError
-    for a host or port that is not one.
+    Which sender: :func:`kvferry.core.addressing.resolve_get_source`'s rule (``metadata``, what
+    ``put`` returned or a partial ``source_host``/``source_port`` dict, wins over ``default``, the
+    ``(host, port)`` of ``update_sender_info``). Metadata naming ``transport: "ipc"`` uses its
+    ``ipc_path`` (else the path of ``ipc_dir`` + port); otherwise the receiver's own ``transport``
+    decides. Raises ConfigError for a host or port that is not one.
     """
-    transport_of = transport
-    host: Any = None
-    port: Any = None
-    path: Any = None
-    if isinstance(metadata, Mapping) and (
-        metadata.get("source_host") is not None or metadata.get("source_port") is not None
-    ):
-        host, port = metadata.get("source_host"), metadata.get("source_port")
-        transport_of = metadata.get("transport") or transport
-        path = metadata.get("ipc_path")
-    elif default is not None:
-        host, port = default
-    else:
+    source = resolve_get_source(metadata, default, needs_host=False)
+    if source is None:
         return None
+    transport_of = (source.transport or transport) if source.from_metadata else transport
     if transport_of == "ipc":
-        if isinstance(path, str) and path.startswith("/"):
-            return f"ipc://{path}"
-        return f"ipc://{ipc_path(ipc_dir, _port_of(port, 'source_port'))}"
+        if source.ipc_path is not None and source.ipc_path.startswith("/"):
+            return f"ipc://{source.ipc_path}"
+        return f"ipc://{ipc_path(ipc_dir, source.port)}"
     if transport_of != "tcp":
         raise ConfigError(f"transport must be 'tcp' or 'ipc', got {transport_of!r}")
-    if not isinstance(host, str) or not host.strip():
-        raise ConfigError(f"source_host must be a non-empty host string, got {host!r}")
-    return tcp_endpoint(host.strip(), _port_of(port, "source_port"))
+    if source.host is None:
+        raise ConfigError("get metadata 'source_host' must be a non-empty host string, got None")
+    return tcp_endpoint(source.host, source.port)
 
 
 def refuse_live_ipc(path: str, host: str, port: int) -> None:

@@ -15,8 +15,6 @@ reaps finished sends on every pass without ever waiting for one.
 
 from __future__ import annotations
 
-import collections
-import heapq
 import logging
 import os
 import threading
@@ -27,6 +25,7 @@ from typing import Any
 import attrs
 import zmq
 
+from kvferry.adapters.connectors.wake import Doorbell
 from kvferry.adapters.connectors.zmq.config import CurveConfig, ZmqConfig, start_authenticator
 from kvferry.adapters.connectors.zmq.protocol import (
     MAX_CONTROL_BYTES,
@@ -41,8 +40,8 @@ from kvferry.adapters.connectors.zmq.protocol import (
 )
 from kvferry.adapters.connectors.zmq.store import Held, HeldPayloads, PublishFailure
 from kvferry.adapters.connectors.zmq.stream import send_message, send_payload
-from kvferry.adapters.connectors.zmq.wake import Waker
 from kvferry.core.errors import BindError
+from kvferry.core.parked import MissReason, Parked, ParkedTable
 
 __all__ = ["ZmqServer"]
 
@@ -68,14 +67,13 @@ COUNTERS = (
 _MAX_POLL_S = 3600.0
 
 
-@attrs.define(eq=False)
-class _Parked:
+@attrs.frozen
+class _Waiter:
+    """Where a parked get's answer goes."""
+
     identity: bytes
     corr_id: int
-    key: str
-    deadline: float
     stream: bool = False
-    done: bool = False
 
 
 @attrs.define(eq=False)
@@ -93,12 +91,8 @@ class ZmqServer:
     port: int = 0
     ipc_file: str | None = None
     store: HeldPayloads = attrs.field(init=False)
-    _waker: Waker = attrs.field(init=False, factory=Waker.create)
-    _published: collections.deque = attrs.field(init=False, factory=collections.deque)
-    _parked: dict[str, collections.deque] = attrs.field(init=False, factory=dict)
-    _deadlines: list = attrs.field(init=False, factory=list)
-    _seq: int = attrs.field(init=False, default=0)
-    _parked_count: int = attrs.field(init=False, default=0)
+    _bell: Doorbell = attrs.field(init=False, factory=Doorbell)
+    _table: ParkedTable[_Waiter] = attrs.field(init=False)
     _counters: dict[str, int] = attrs.field(init=False, factory=lambda: dict.fromkeys(COUNTERS, 0))
     _thread: threading.Thread | None = attrs.field(init=False, default=None)
     _ready: threading.Event = attrs.field(init=False, factory=threading.Event)
@@ -109,6 +103,7 @@ class ZmqServer:
 
     def __attrs_post_init__(self) -> None:
         cfg = self.config
+        self._table = ParkedTable(max_parked=cfg.max_parked)
         self.store = HeldPayloads(
             cfg.pool_bytes, cfg.max_payloads, self.lease_clock, prefault=cfg.prefault, drain_wait_s=cfg.drain_wait_s
         )
@@ -127,7 +122,7 @@ class ZmqServer:
         if self._bind_error is not None:
             self._thread.join(self.config.start_timeout_s)
             self._stop_authenticator()
-            self._waker.close()
+            self._bell.close()
             raise self._bind_error
 
     def close(self, timeout_s: float = 5.0) -> bool:
@@ -135,7 +130,7 @@ class ZmqServer:
         thread, remove the ipc file. Idempotent; False when the thread did not stop in time."""
         self._stopping = True
         self.store.close()
-        self._waker.poke()
+        self._bell.ring()
         stopped = True
         if self._thread is not None and self._thread is not threading.current_thread():
             self._thread.join(timeout_s)
@@ -143,7 +138,7 @@ class ZmqServer:
             if not stopped:
                 logger.error("zmq serving thread for %s did not stop in %.1fs", self.endpoint, timeout_s)
         if stopped:
-            self._waker.close()
+            self._bell.close()
         self._stop_authenticator()
         return stopped
 
@@ -170,14 +165,13 @@ class ZmqServer:
         requests parked on it."""
         failure = self.store.publish(key, region, sizes, readers=readers, lease_s=lease_s)
         if failure is None:
-            self._published.append(key)
-            self._waker.poke()
+            self._bell.ring(key)
         return failure
 
     def stats(self) -> dict[str, int]:
         out = self.store.stats()
         out.update(self._counters)
-        out["parked"] = self._parked_count
+        out["parked"] = len(self._table)
         return out
 
     @property
@@ -241,29 +235,29 @@ class ZmqServer:
             return
         poller = zmq.Poller()
         poller.register(sock, zmq.POLLIN)
-        poller.register(self._waker.fileno, zmq.POLLIN)
+        poller.register(self._bell.fileno, zmq.POLLIN)
         try:
             while not self._stopping:
                 events = dict(poller.poll(self._poll_timeout_ms()))
-                if self._waker.fileno in events:
-                    self._waker.drain()
+                published = self._bell.take() if self._bell.fileno in events else []
                 if self._stopping:
                     break
                 if sock in events:
                     self._read_requests(sock)
-                self._serve_published(sock)
+                self._serve_published(sock, published)
                 self._fire_timers(sock)
                 self.store.reap()
         except Exception:  # a bug or a zmq fault: visible in health (ok False) and the log
             logger.exception("zmq serving loop for %s failed; the sender stops serving", self.endpoint)
             self._counters["loop_failures"] += 1
         finally:
-            self._answer_all_parked(sock, "closing")
+            self._answer_all_parked(sock)
             sock.close(linger=0)
             self._remove_ipc_file()
 
     def _poll_timeout_ms(self) -> int | None:
-        waits = [self._deadlines[0][0] - time.monotonic()] if self._deadlines else []
+        parked_wait = self._table.seconds_to_next(time.monotonic())
+        waits = [] if parked_wait is None else [parked_wait]
         lease_wait = self.store.seconds_to_next_expiry()
         if lease_wait is not None:
             waits.append(lease_wait)
@@ -328,66 +322,37 @@ class ZmqServer:
             self._counters["misses_" + outcome] += 1
             self._reply(sock, identity, Reply("miss", request.corr_id, request.key, reason=outcome))
             return
-        parked_count = self._parked_count
-        if parked_count >= self.config.max_parked:
-            self._counters["parked_refused"] += 1
-            self._reply(
-                sock,
-                identity,
-                Reply(
-                    "error", request.corr_id, reason="busy", detail=f"{parked_count} requests already wait (max_parked)"
-                ),
-            )
-            return
         wait = min(request.wait_s, self.config.max_wait_s)
-        parked = _Parked(identity, request.corr_id, request.key, time.monotonic() + wait, request.stream)
-        self._parked.setdefault(request.key, collections.deque()).append(parked)
-        self._seq += 1
-        heapq.heappush(self._deadlines, (parked.deadline, self._seq, parked))
-        self._parked_count += 1
+        waiter = _Waiter(identity, request.corr_id, request.stream)
+        if self._table.park(request.key, waiter, time.monotonic(), wait) is None:
+            self._counters["parked_refused"] += 1
+            detail = f"{len(self._table)} requests already wait (max_parked)"
+            self._reply(sock, identity, Reply("error", request.corr_id, reason="busy", detail=detail))
+            return
         self._counters["parked_total"] += 1
 
-    def _serve_published(self, sock: zmq.Socket) -> None:
-        while self._published:
-            key = self._published.popleft()
-            queue = self._parked.get(key)
-            while queue:
-                parked = queue[0]
-                outcome = self._try_send(sock, parked.identity, parked.corr_id, key, parked.stream)
-                if outcome not in ("sent", "gone"):
-                    break  # every permitted reader was served; the rest keep waiting
-                queue.popleft()
-                parked.done = True
-                self._parked_count -= 1
-            if queue is not None and not queue:
-                del self._parked[key]
+    def _serve_published(self, sock: zmq.Socket, keys: list[str]) -> None:
+        now = time.monotonic()
+        for key in keys:
+
+            def offer(waiter: _Waiter) -> bool:
+                # False once every permitted reader was served: the rest keep waiting
+                return self._try_send(sock, waiter.identity, waiter.corr_id, key, waiter.stream) in ("sent", "gone")
+
+            self._time_out(sock, self._table.serve(key, now, offer))
 
     def _fire_timers(self, sock: zmq.Socket) -> None:
-        now = time.monotonic()
-        while self._deadlines and self._deadlines[0][0] <= now:
-            parked = heapq.heappop(self._deadlines)[2]
-            if parked.done:
-                continue
-            parked.done = True
-            self._parked_count -= 1
-            queue = self._parked.get(parked.key)
-            if queue is not None:
-                queue.remove(parked)
-                if not queue:
-                    del self._parked[parked.key]
-            self._counters["wait_timeouts"] += 1
-            self._reply(sock, parked.identity, Reply("miss", parked.corr_id, parked.key, reason="timeout"))
+        self._time_out(sock, self._table.expire(time.monotonic()))
         self.store.expire()
 
-    def _answer_all_parked(self, sock: zmq.Socket, reason: str) -> None:
-        for queue in self._parked.values():
-            for parked in queue:
-                if not parked.done:
-                    parked.done = True
-                    self._reply(sock, parked.identity, Reply("miss", parked.corr_id, parked.key, reason=reason))
-        self._parked.clear()
-        self._deadlines.clear()
-        self._parked_count = 0
+    def _time_out(self, sock: zmq.Socket, parked: list[Parked[_Waiter]]) -> None:
+        for p in parked:
+            self._counters["wait_timeouts"] += 1
+            self._reply(sock, p.waiter.identity, Reply("miss", p.waiter.corr_id, p.key, reason=MissReason.TIMEOUT))
+
+    def _answer_all_parked(self, sock: zmq.Socket) -> None:
+        for p in self._table.drain():
+            self._reply(sock, p.waiter.identity, Reply("miss", p.waiter.corr_id, p.key, reason=MissReason.CLOSING))
 
     def _remove_ipc_file(self) -> None:
         path = self.ipc_file

@@ -194,6 +194,7 @@ class _Bench:
                             load_ms=[],
                             load_start_ms=[],
                             after_load_ms=[],
+                            report_ms=[],
                             gbps=[],
                             loads_ok=[],
                             expected_bytes=expected_kv_bytes(n),
@@ -260,6 +261,11 @@ class _Bench:
             end = max(r["ended"] for r in last) if last else out["started"]
             cell["load_start_ms"].append(round((first - out["started"]) * 1000, 2))
             cell["after_load_ms"].append(round((out["started"] + out["seconds"] - end) * 1000, 2))
+            # of that, until vLLM heard the load ended (None: a sync load, never reported)
+            told = [r.get("reported") for r in last]
+            cell["report_ms"].append(
+                round((max(told) - end) * 1000, 2) if last and all(t is not None for t in told) else None
+            )
             cell["gbps"].append(nbytes / span / 1e9 if span > 0 else None)
         result: dict[str, Any] = out
         return result

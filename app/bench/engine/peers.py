@@ -119,7 +119,13 @@ def _kvferry(
     connector: Mapping[str, Any], timeout_s: float, tp: int = 1, **more: Any
 ) -> tuple[dict[str, Any], dict[str, Any]]:
     # a load on loopback that has not arrived in 30 s has failed: fail it then, not at --timeout
-    extra = {"connector": dict(connector), "base_port": free_base_port(), "load_timeout_s": min(timeout_s, 30.0)}
+    # kv_recompute_threshold 0: every length is handed off (the rows measure the hand-off itself)
+    extra = {
+        "connector": dict(connector),
+        "base_port": free_base_port(),
+        "load_timeout_s": min(timeout_s, 30.0),
+        "kv_recompute_threshold": 0,
+    }
     extra.update(more)
     return (
         {"kv_role": "kv_consumer", "extra": extra, "tp": tp},

@@ -21,7 +21,17 @@ from hypothesis import strategies as st
 
 from kvferry.adapters.connectors.pool_buffer import wait_for_gc_releases
 from kvferry.adapters.connectors.shm.connector import ShmConnector
-from kvferry.adapters.connectors.shm.control import check_grant, check_request, decode, encode
+from kvferry.adapters.connectors.shm.control import (
+    GetManyRequest,
+    GetRequest,
+    PingRequest,
+    ReleaseRequest,
+    check_grant,
+    check_request,
+    decode,
+    decode_request,
+    encode,
+)
 from kvferry.adapters.connectors.shm.segment import (
     SHM_DIR,
     check_namespace,
@@ -34,6 +44,7 @@ from kvferry.adapters.connectors.shm.segment import (
 )
 from kvferry.adapters.connectors.shm.server import Reader, ReaderRegistry
 from kvferry.app.registry import create_connector
+from kvferry.core.control import Rejection
 from kvferry.core.errors import BindError, ConfigError, ConnectorUnavailable
 
 PORT = 50151
@@ -440,6 +451,22 @@ def test_decoding_garbage_never_raises(frame) -> None:
     if message is not None:
         check_request(message)
         check_grant(message)
+    request = decode_request(frame)
+    assert isinstance(request, (Rejection, GetRequest, GetManyRequest, PingRequest, ReleaseRequest))
+
+
+def test_requests_decode_to_typed_values_and_bad_ones_to_rejections() -> None:
+    assert decode_request(encode({"op": "get", "id": 3, "key": "k", "wait_s": 0.5, "pid": 9})) == GetRequest(
+        3, "k", 0.5, 9
+    )
+    assert decode_request(encode({"op": "get_many", "id": 4, "keys": ["a", "b"]})) == GetManyRequest(4, ("a", "b"))
+    assert decode_request(encode({"op": "ping", "id": 5})) == PingRequest(5)
+    assert decode_request(encode({"op": "release", "ticket": 7, "seg": "s"})) == ReleaseRequest((7,), "s")
+    assert decode_request(encode({"op": "release", "tickets": [1, 2], "id": 6})) == ReleaseRequest((1, 2), None, 6)
+    bad = decode_request(encode({"op": "get", "id": 8, "key": "k", "wait_s": -1}))
+    assert bad == Rejection("bad_request", "wait_s must be a number of seconds >= 0", 8)
+    assert decode_request(b"not msgpack") == Rejection("bad_request", "not a control message")
+    assert decode_request(encode({"op": "exec", "id": 2})).corr_id == 2
 
 
 def test_control_rejects_bad_requests_and_keeps_serving(space) -> None:

@@ -45,6 +45,7 @@ from kvferry.adapters.connectors.zmq.stream import (
     decode_incoming,
     encode_chunk,
 )
+from kvferry.adapters.platform import free_port
 from kvferry.core.errors import BindError, ConfigError, PoolFullError
 from kvferry.core.ports import BlockingGet, Connector, SenderAware
 
@@ -69,12 +70,6 @@ def buffer_address(view: memoryview) -> int:
     import numpy as np
 
     return np.frombuffer(view, dtype=np.uint8).ctypes.data
-
-
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
 
 
 # ----------------------------------------------------------------------------- protocol

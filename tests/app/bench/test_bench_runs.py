@@ -141,6 +141,27 @@ def test_tiny_two_runs_report_each_run_and_the_medians(tiny_run: tuple[int, str,
         assert report["ratio_runs"][name]["met"] == met == [run["meets_target"][name] for run in report["runs"]]
         assert report["met_every_run"][name] is all(met)
         assert report["meets_target"][name] is TARGETS[name].met(report["ratios"][name])
+    # the ratios against a limit are interleaved pairs: each run's value is its pairs' median
+    for run in report["runs"]:
+        assert set(run["verdicts"]) == set(RATIO_NAMES)
+        assert all(v in ("met", "missed", "unsteady", "none") for v in run["verdicts"].values())
+        assert set(run["noise"]) == {"memcpy", "raw_tcp"} and all(v >= 0 for v in run["noise"].values())
+    for name in ("extraction_vs_memcpy", "shm_e2e_vs_memcpy", "shm_8req_vs_memcpy", "zmq_1req_vs_raw_tcp"):
+        assert report["verdict_runs"][name] == [run["verdicts"][name] for run in report["runs"]]
+    last = report["runs"][-1]
+    for name, pair in report["pairs"].items():  # the last run's pairs (the report's top level)
+        assert pair["n"] == 2 and pair["low"] <= pair["value"] <= pair["high"], name
+        assert last["ratios"][name] == pytest.approx(pair["value"]), name
+    assert set(report["pairs"]) == {
+        "extraction_vs_memcpy",
+        "shm_e2e_vs_memcpy",
+        "shm_8req_vs_memcpy",
+        "zmq_1req_vs_raw_tcp",
+    }
+    assert {p["limit"] for p in report["pairs"].values()} == {"memcpy", "raw_tcp"}
+    for figure in ("shm_e2e_1", "shm_e2e_n", "zmq_e2e_1", "extraction"):  # every limit step alongside
+        assert report["figures"][f"{figure}_limit"]["n"] == 4, figure
+    assert "noise (the limits' own spread" in table and "verdict" in table and "paired" not in table
     # the kernel's TCP limit sits beside raw zmq, and the zmq path is compared with both
     assert report["figures"]["raw_tcp"]["gbps"]["median"] > 0
     assert "raw tcp" in table and "limit: raw zmq" in table and "each run" in table

@@ -369,3 +369,25 @@ def test_handle_finished_requests_uses_the_resolver(kit, compat, memory_connecto
         {"a": SPEC}, model.rank_cache(), 4, "float32", request_id_resolver=lambda rid: "g-" + rid
     ) == ["a"]
     assert m.last_send_outcomes[0].keys == ("omni_0_to_1_kv_cache_g-a",)
+
+
+def test_from_vllm_config_keeps_a_named_layout_and_needs_vllm_to_pick_one(caplog: pytest.LogCaptureFixture) -> None:
+    """The engine's layout is asked of vLLM (tests/engines/vllm/test_compat_layout.py runs it
+    for real); a named ``kv_layout`` wins without asking, and without vLLM the config keeps
+    no layout and says why."""
+    from types import SimpleNamespace
+
+    from kvferry.app.compat import OmniKVTransferManager
+    from kvferry.core.layouts import LayoutSpec
+
+    engine = SimpleNamespace(model_config=SimpleNamespace(), cache_config=SimpleNamespace(block_size=32))
+    named = {"connector_config": {"type": "memory"}, "need_send_cache": True, "kv_layout": "flash"}
+    m = OmniKVTransferManager.from_vllm_config(engine, SimpleNamespace(omni_kv_config=named), tp_rank=0, tp_size=1)
+    assert m.manager.config.kv_layout == LayoutSpec("flash")
+    unnamed = {"connector_config": {"type": "memory"}, "need_send_cache": True}
+    with caplog.at_level("WARNING"):
+        m = OmniKVTransferManager.from_vllm_config(
+            engine, SimpleNamespace(omni_kv_config=unnamed), tp_rank=0, tp_size=1
+        )
+    assert m.manager.config.kv_layout is None
+    assert "name kv_layout in omni_kv_config" in caplog.text

@@ -162,7 +162,8 @@ def test_spec9_4_full_pool_is_explicit_and_queued_payloads_are_kept(
 # ------------------------------------------------------------------------------------ 9.5
 def test_spec9_5_nothing_delivered_is_never_sent(kit, memory_connector, make_sender, make_receiver) -> None:
     """One of two fan-out keys fails every attempt: the request is FAILED (not sent), names the
-    failed key, and the receiver of that key reports a timeout, not success."""
+    failed key, and the receiver of that key reports the refusal (the sender put a marker
+    under the failed key), not success; without the marker, a timeout."""
     model = kit.PagedModel()
     spy = kit.SpyConnector(memory_connector)
     spy.put_script = [None] + [(False, 0, {"reason": "error", "detail": "peer gone"})] * 3
@@ -170,12 +171,17 @@ def test_spec9_5_nothing_delivered_is_never_sent(kit, memory_connector, make_sen
     [outcome] = sender.send_requests({"r": SPEC}, model.rank_cache(0, 1), 4, "float32")
     assert outcome.kind is SendKind.FAILED and not outcome.ok and outcome.reason is SendReason.PUT_FAILED
     assert outcome.keys == ("r_0_0_0_0",) and outcome.failed_keys == ("r_0_0_0_1",)
+    assert outcome.refusal_keys == ("r_0_0_0_1",)
     assert sender.counters.get("send.sent") == 0 and sender.counters.get("send.failed") == 1
     assert make_receiver(memory_connector, 1, 2, rank=0).receive("r").ok
     late = make_receiver(
         kit.SpyConnector(memory_connector), 1, 2, rank=1, config=kit.receiver_config(1, 2, recv_timeout=0.5)
     ).receive("r")
-    assert late.outcome.kind is ReceiveKind.TIMED_OUT
+    assert late.outcome.kind is ReceiveKind.REFUSED and "peer gone" in late.outcome.detail
+    again = make_receiver(
+        kit.SpyConnector(memory_connector), 1, 2, rank=1, config=kit.receiver_config(1, 2, recv_timeout=0.5)
+    ).receive("r")
+    assert again.outcome.kind is ReceiveKind.TIMED_OUT  # the marker was read once, like a payload
 
 
 # ------------------------------------------------------------------------------------ 9.6

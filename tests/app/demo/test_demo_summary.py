@@ -1,5 +1,6 @@
-"""The demo's summary: per-request transfer apart from queueing and verification, the wall time's
-split, the memcpy reference; and its progress display (a bar only on a terminal).
+"""The demo's summary: per-request transfer apart from queueing and verification, its one transfer
+figure against memcpy (per request, as the bench's e2e ratio), the wall time's split; and its
+progress display (a bar only on a terminal).
 
 The arithmetic is checked against hand-worked timelines and properties; one tiny real run
 (in-process ``memory`` connector, TP 2 -> 4 threads) checks the ``--json`` fields and the
@@ -11,6 +12,7 @@ from __future__ import annotations
 import io
 import json
 import math
+import statistics
 
 import pytest
 from hypothesis import given
@@ -18,7 +20,7 @@ from hypothesis import strategies as st
 
 from kvferry.app.cli import main
 from kvferry.app.demo.progress import Progress
-from kvferry.app.demo.timing import percentile, request_timing, wall_split
+from kvferry.app.demo.timing import percentile, request_timing, transfer_figure, wall_split
 
 stamp = st.floats(min_value=0, max_value=1e4, allow_nan=False)
 
@@ -67,12 +69,42 @@ def test_request_timing_parts_are_never_negative_and_cover_put_to_received(sende
 def test_wall_split_parts_add_up_to_the_wall(launch, up, run, down, checks) -> None:
     ready, last, end = launch + up, launch + up + run, launch + up + run + down
     w = wall_split(launch, ready, last, end, checks)
-    parts = (w.startup_s, w.transfer_s, w.checking_s, w.shutdown_s)
+    parts = (w.startup_s, w.receiving_s, w.checking_s, w.shutdown_s)
     assert all(p >= 0 for p in parts)
     assert sum(parts) == pytest.approx(w.total_s) and w.total_s == pytest.approx(end - launch)
     assert w.startup_s == pytest.approx(up)
     if sum(checks) <= run:
         assert w.checking_s == pytest.approx(sum(checks)) and w.shutdown_s == pytest.approx(down)
+
+
+def test_the_transfer_figure_is_per_request_not_bytes_over_summed_or_wall_time() -> None:
+    # three requests of 1, 2 and 4 GB in 1, 1 and 2 s; memcpy 4 GB/s: a request's memcpy takes
+    # 0.25, 0.5 and 1 s, so its ratios are 0.25, 0.5 and 0.5 and their median 0.5
+    figure = transfer_figure([10**9, 2 * 10**9, 4 * 10**9], [1.0, 1.0, 2.0], 4.0)
+    assert figure.gbps == pytest.approx(2.0) and figure.vs_memcpy == pytest.approx(0.5)
+    assert figure.gbps != pytest.approx(7 / 4)  # all bytes over the summed times: the old figure
+
+
+@given(
+    st.lists(st.tuples(st.integers(1, 10**10), st.floats(1e-4, 100)), min_size=1, max_size=20),
+    st.floats(0.01, 100),
+)
+def test_the_transfer_figure_is_the_median_of_the_bench_style_ratios(requests, memcpy_gbps) -> None:
+    sizes, times = [b for b, _ in requests], [t for _, t in requests]
+    figure = transfer_figure(sizes, times, memcpy_gbps)
+    # the bench's e2e ratio of one request: memcpy seconds of its bytes over its seconds
+    ratios = [(b / (memcpy_gbps * 1e9)) / t for b, t in requests]
+    assert figure.vs_memcpy == pytest.approx(statistics.median(ratios), rel=1e-9)
+    assert figure.vs_memcpy == pytest.approx(figure.gbps / memcpy_gbps, rel=1e-9)
+    assert min(ratios) * (1 - 1e-9) <= figure.vs_memcpy <= max(ratios) * (1 + 1e-9)
+
+
+def test_the_transfer_figure_without_data_is_nan_and_lists_must_agree() -> None:
+    assert math.isnan(transfer_figure([], [], 3.0).vs_memcpy)
+    assert math.isnan(transfer_figure([5], [1.0], math.nan).vs_memcpy)
+    assert math.isnan(transfer_figure([5], [0.0], 3.0).gbps)  # no time: left out
+    with pytest.raises(ValueError):
+        transfer_figure([1, 2], [1.0], 3.0)
 
 
 def test_percentile_is_nearest_rank() -> None:
@@ -133,9 +165,9 @@ def test_demo_json_reports_transfer_apart_from_queueing_and_checking(capsys: pyt
     doc = json.loads(capsys.readouterr().out)
     assert doc["bit_exact"] == 4 and doc["errors"] == []
     wall = doc["wall_s"]
-    assert set(wall) == {"total", "startup", "transfer", "checking", "shutdown"}
+    assert set(wall) == {"total", "startup", "receiving", "checking", "shutdown"}
     assert all(v >= 0 for v in wall.values()) and wall["startup"] > 0 and wall["checking"] > 0
-    parts = wall["startup"] + wall["transfer"] + wall["checking"] + wall["shutdown"]
+    parts = wall["startup"] + wall["receiving"] + wall["checking"] + wall["shutdown"]
     assert parts == pytest.approx(wall["total"], abs=1e-3) and wall["total"] == pytest.approx(doc["seconds"], abs=1e-3)
     assert 0 < doc["transfer_ms"]["p50"] <= doc["transfer_ms"]["p99"]
     assert doc["queue_ms"]["p50"] >= 0 and doc["check_ms"]["p50"] > 0
@@ -153,6 +185,8 @@ def test_demo_table_and_progress_off_a_terminal(capsys: pytest.CaptureFixture[st
     assert (
         captured.err.splitlines()[-1] == "  progress: 4/4 requests received, " + captured.err.rsplit(", ", 1)[1].strip()
     )
-    for label in ("transfer ", "transfer rate", "memcpy", "queueing", "verification", "start-up", "checking"):
+    for label in ("transfer ", "x a memcpy", "queueing", "verification", "start-up", "receiving", "checking"):
         assert label in captured.out, label
+    assert "transfer rate" not in captured.out  # one transfer figure, not a second rate beside it
+    assert captured.out.count("GB/s, memcpy") == 1 and captured.out.count("GB/s") == 2
     assert "PASS" in captured.out

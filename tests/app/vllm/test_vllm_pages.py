@@ -333,6 +333,7 @@ def _request(rid: str, n: int, params: dict | None, computed: int = 0) -> Simple
 
 
 def _scheduler(producer: bool, **settings) -> PageScheduler:
+    settings.setdefault("kv_recompute_threshold", 0)  # short prompts here are handed off
     return PageScheduler(
         ConnectorSettings(**settings),
         engine_id="e",
@@ -534,6 +535,30 @@ def test_each_load_is_recorded_with_its_bytes_and_times() -> None:
         assert (ok.req_id, ok.transfer_id, ok.ok, ok.nbytes) == ("r", "t", True, LAYERS * 3 * HEADS * 2 * BS * HEAD * 2)
         assert ok.ended >= ok.started and ok.seconds == ok.ended - ok.started
         assert (failed.req_id, failed.ok, failed.nbytes) == ("r2", False, 0)
+        # each is stamped once, when finished() told vLLM (the bench's report_ms)
+        assert ok.reported is not None and ok.reported >= ok.ended
+        assert failed.reported is not None and failed.reported >= failed.ended
+    finally:
+        d.close()
+        p.close()
+
+
+def test_a_load_is_stamped_reported_only_when_finished_reports_it() -> None:
+    name = f"vllm-pages-{next(_names)}"
+    p, _ = _prefill(name, SaveJob("r", "t", (3, 7, 1), 70, 1))
+    now = [100.0]
+    d = _worker(name, 0, 1, False)
+    d.clock = lambda: now[0]
+    d.register(_caches(HEADS, None))
+    try:
+        d.start_loads([LoadJob("r", _source("t", 70), (4, 9, 2), 0)])  # there already: ends inline
+        [record] = d.recent_loads
+        assert record.ok and record.reported is None  # ended, vLLM not told yet
+        now[0] = 100.5
+        assert d.finished(set())[1] == {"r"}
+        [record] = d.recent_loads
+        assert record.reported == 100.5
+        assert d.finished(set())[1] == set() and d.recent_loads[0].reported == 100.5  # stamped once
     finally:
         d.close()
         p.close()
@@ -908,3 +933,29 @@ def test_an_idle_step_of_the_decode_waits_for_a_load_and_ends_with_it() -> None:
     finally:
         d.close()
         p.close()
+
+
+def test_a_save_into_a_pool_it_never_fits_fails_without_retrying() -> None:
+    """The one put rule (app/put.py) in the saver: a page payload larger than the whole pool is
+    too_large, so it fails the request's transfer at the first attempt (no backoff), counted as a
+    put failure; a payload that fits the same pool goes through (the control)."""
+    name = f"pages-full-{next(_names)}"
+    settings = ConnectorSettings.from_extra_config(
+        {"connector": {"type": "memory", "shared_name": name}, "pool_bytes": 1 << 16, "load_timeout_s": 2.0}
+    )
+    slept: list[float] = []
+    p = PageWorker(
+        settings, tp_rank=0, tp_size=1, total_kv_heads=HEADS, producer=True, consumer=False, sleep=slept.append
+    )
+    p.register(_caches(HEADS, 1))
+    big = SaveJob("big", "t-big", tuple(range(8)), 8 * BS, 1)  # 8 blocks of 16 KiB per layer: over 64 KiB
+    small = SaveJob("small", "t-small", (0,), BS, 1)  # one block per layer: fits
+    for job in (big, small):
+        p.begin_step([job])
+        p.end_step()
+    sent: set[str] = set()
+    _wait(lambda: sent.update(p.finished({"big", "small"})[0]) or sent == {"big", "small"})
+    stats = p.stats.peek()
+    assert slept == []  # too_large is never retried
+    assert stats.get("failures_put") == 1, stats
+    assert stats.get("requests_sent") == 1, stats

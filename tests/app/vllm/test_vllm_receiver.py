@@ -186,3 +186,36 @@ def test_no_num_kv_heads_is_refused_naming_it() -> None:
     rx = VllmPageReceiver.install(KVTransferManager(config))
     out = rx.receive(_params(1, 1), timeout_s=0.1)
     assert out.outcome.kind == ReceiveKind.SENDER_UNRESOLVED and out.outcome.detail.startswith("num_kv_heads:")
+
+
+def test_pages_of_a_dense_gpu_cache_are_read_as_packed_not_as_the_cpu_kernels() -> None:
+    """A prefill whose backend writes the dense GPU layout (``cache_layout`` ``packed/...``, as
+    FlashAttention's reshape_and_cache_flash fills ``[N, H, B, 2D]``): the receiver reads each
+    token's K then V from the page rows, even when it was given a CPU kernel ISA to fall back on."""
+    name = f"vllm-recv-{next(_names)}"
+    truth = _truth(3)
+    settings = ConnectorSettings.from_extra_config({"connector": {"type": "memory", "shared_name": name}})
+    w = PageWorker(settings, tp_rank=0, tp_size=1, total_kv_heads=HEADS, producer=True, consumer=False)
+    w.kernel_isa, w.cache_layout = None, "packed/LBHNC"
+    caches = {}
+    for i, (k, v) in enumerate(truth):
+        layer = torch.zeros(BLOCKS, HEADS, BS, 2 * HEAD, dtype=torch.bfloat16)
+        for t in range(TOKENS):  # reshape_and_cache_flash: block P_BLOCKS[t // BS], row t % BS
+            layer[P_BLOCKS[t // BS], :, t % BS, :HEAD] = k[t]
+            layer[P_BLOCKS[t // BS], :, t % BS, HEAD:] = v[t]
+        caches[f"model.layers.{i}.self_attn.attn"] = layer
+    w.register(caches)
+    w.begin_step([SaveJob("r", "t", P_BLOCKS, TOKENS, 1)])
+    w.end_step()
+    deadline, idle = time.monotonic() + 10, threading.Event()
+    while w.finished({"r"})[0] != {"r"}:
+        assert time.monotonic() < deadline, "prefill did not publish"
+        idle.wait(0.01)
+    try:
+        result = _receiver(name, 0, 1, 1, isa="vec").receive(_params(1, 1), timeout_s=5)
+        assert result.ok, result.outcome
+        for layer, (k, v) in enumerate(truth):
+            got_k, got_v = (result.payload["layer_blocks"][n][layer] for n in ("key_cache", "value_cache"))
+            assert torch.equal(got_k, k) and torch.equal(got_v, v)
+    finally:
+        w.close()

@@ -9,7 +9,9 @@ the end of stdin, so shared memory a sender published outlives the read.
 Commands: ``send`` and ``recv`` (a SPEC, below), ``encode`` / ``decode`` / ``faults`` (the
 reference's codec, see :func:`encode`), ``exit``.
 
-SPEC keys: ``side`` ("ref" or "kvf": whose manager), ``connector`` ("ref-shm" or "kvf-shm"),
+SPEC keys: ``side`` ("ref" or "kvf": whose manager), ``connector`` ("ref-shm", "kvf-shm", or
+"ref-names": both managers built by ``from_od_config`` from one ``omni_kv_config`` naming
+vllm-omni's ``SharedMemoryConnector``, nothing injected; ``kv_layout`` for its sender),
 ``request_id``, ``seed``, ``layers``, ``blocks``, ``block_size``, ``heads``, ``head_dim``,
 ``dtype``, ``block_ids``, ``seq_len``, ``namespace`` and ``port`` (kvf-shm), ``out`` (receiver:
 where the received tensors are saved), ``timeout_s`` (receiver).
@@ -20,6 +22,7 @@ from __future__ import annotations
 import json
 import os
 import sys
+import time
 import types
 from typing import Any
 
@@ -37,9 +40,13 @@ def say(**event: Any) -> None:
 
 def source_caches(spec: dict[str, Any]) -> list[torch.Tensor]:
     """The sender's paged cache: per layer ``[2, blocks, block_size, heads, head_dim]`` (the
-    stacked layout both managers read), arbitrary bit patterns from ``seed``."""
+    stacked layout both managers read), arbitrary bit patterns from ``seed``. With
+    ``"cache": "vllm_cpu"``: vLLM CPU's ``[blocks, heads, block_size, 2*head_dim]``, a shape
+    three layouts fit (kvferry refuses to guess it)."""
     dtype = getattr(torch, spec["dtype"])
-    shape = (2, spec["blocks"], spec["block_size"], spec["heads"], spec["head_dim"])
+    shape: tuple[int, ...] = (2, spec["blocks"], spec["block_size"], spec["heads"], spec["head_dim"])
+    if spec.get("cache") == "vllm_cpu":
+        shape = (spec["blocks"], spec["heads"], spec["block_size"], 2 * spec["head_dim"])
     gen = torch.Generator().manual_seed(spec["seed"])
     out = []
     for _ in range(spec["layers"]):
@@ -66,6 +73,41 @@ def connector_config(spec: dict[str, Any], role: str) -> dict[str, Any]:
         return base
     # kvferry's manager gives its shm connector role and port itself (port = zmq_port + 100 + stage)
     return {"type": "shm", "namespace": spec["namespace"], "zmq_port": spec["port"] - 100}
+
+
+def omni_kv_config(spec: dict[str, Any], role: str) -> dict[str, Any]:
+    """One stage's ``omni_kv_config`` as vllm-omni's deploy config gives it to either manager
+    (connector "ref-names": vllm-omni's connector name, nothing injected)."""
+    connector = {"type": "SharedMemoryConnector"}
+    timeout = spec.get("timeout_s", 30.0)
+    stages = {"omni_from_stage": FROM_STAGE, "omni_to_stage": TO_STAGE}  # strings, as vllm-omni injects them
+    if role == "send":
+        return {
+            "connector_config": connector,
+            **stages,
+            "need_send_cache": True,
+            **({"kv_layout": spec["kv_layout"]} if spec.get("kv_layout") else {}),
+        }
+    return {
+        "connector_config": connector,
+        **stages,
+        "stage_id": int(TO_STAGE),
+        "engine_input_source": [int(FROM_STAGE)],
+        "need_recv_cache": True,
+        "recv_timeout": timeout,
+    }
+
+
+def by_name(spec: dict[str, Any], role: str) -> Any:
+    """Either side's manager built as the engines build it, from the same config dict."""
+    model_config = types.SimpleNamespace(omni_kv_config=omni_kv_config(spec, role))
+    if spec["side"] == "ref":
+        from vllm_omni.distributed.omni_connectors.kv_transfer_manager import OmniKVTransferManager
+
+        return OmniKVTransferManager.from_od_config(model_config)
+    from kvferry.app.compat import OmniKVTransferManager as KvferryManager
+
+    return KvferryManager.from_od_config(model_config, tp_rank=0, tp_size=1)
 
 
 def reference_manager(spec: dict[str, Any], role: str) -> Any:
@@ -111,8 +153,14 @@ def kvferry_manager(spec: dict[str, Any], role: str) -> Any:
     return OmniKVTransferManager(config, **kwargs)
 
 
+def manager_for(spec: dict[str, Any], role: str) -> Any:
+    if spec["connector"] == "ref-names":
+        return by_name(spec, role)
+    return reference_manager(spec, role) if spec["side"] == "ref" else kvferry_manager(spec, role)
+
+
 def send(spec: dict[str, Any]) -> dict[str, Any]:
-    manager = reference_manager(spec, "send") if spec["side"] == "ref" else kvferry_manager(spec, "send")
+    manager = manager_for(spec, "send")
     MANAGERS.append(manager)
     caches = source_caches(spec)
     request = {spec["request_id"]: {"block_ids": list(spec["block_ids"]), "seq_len": spec["seq_len"]}}
@@ -121,17 +169,20 @@ def send(spec: dict[str, Any]) -> dict[str, Any]:
     outcomes = getattr(manager, "last_send_outcomes", None)
     if outcomes:
         event["sent"] = [bool(o.ok) for o in outcomes]
+        event["reasons"] = [None if o.reason is None else o.reason.value for o in outcomes]
     return event
 
 
 def receive(spec: dict[str, Any]) -> dict[str, Any]:
-    manager = reference_manager(spec, "recv") if spec["side"] == "ref" else kvferry_manager(spec, "recv")
+    manager = manager_for(spec, "recv")
     MANAGERS.append(manager)
     params = types.SimpleNamespace()
     req = types.SimpleNamespace(request_id=spec["request_id"], sampling_params=params)
     if spec["connector"] == "kvf-shm":
         req.kv_sender_info = {"host": "127.0.0.1", "zmq_port": spec["port"]}
+    start = time.monotonic()
     ok = manager.receive_kv_cache(req)
+    seconds = time.monotonic() - start
     kv = getattr(req, "past_key_values", None)
     if kv is not None:
         torch.save(
@@ -143,7 +194,23 @@ def receive(spec: dict[str, Any]) -> dict[str, Any]:
             },
             spec["out"],
         )
-    return {"ok": bool(ok), "has_kv": kv is not None}
+    event: dict[str, Any] = {"ok": bool(ok), "has_kv": kv is not None, "seconds": seconds}
+    outcome = getattr(manager, "last_receive_outcome", None)
+    if outcome is not None:  # kvferry's typed outcome
+        event.update(kind=outcome.kind.value, detail=outcome.detail)
+    if kv is not None:
+        event["layers"] = len(kv.key_cache)
+        event["present"] = sum(t is not None for t in [*kv.key_cache, *kv.value_cache])
+        meta = getattr(req, "kv_metadata", None)
+        event["metadata_keys"] = sorted(meta) if isinstance(meta, dict) else None
+    return event
+
+
+def connector_names(cmd: dict[str, Any]) -> dict[str, Any]:
+    """The connector names vllm-omni's factory registers (read from the package)."""
+    from vllm_omni.distributed.omni_connectors.factory import OmniConnectorFactory
+
+    return {"names": sorted(OmniConnectorFactory.list_registered_connectors())}
 
 
 # ------------------------------------------------------------------------------ the codec
@@ -262,6 +329,7 @@ COMMANDS = {
     "faults": faults,
     "names": names,
     "allow_list": allow_list,
+    "connector_names": connector_names,
 }
 
 

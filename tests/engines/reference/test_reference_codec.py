@@ -112,8 +112,14 @@ def kvferry_decoded_by_reference(ref, tmp_path_factory) -> dict[str, dict[str, A
         blocks = source(name)
         variants = {
             "compat": KVCacheTransferData(f"req-{name}", blocks, [i, 7], {"dtype": name}).to_bytes(),
+            # both checksum algorithms: the reference ignores "ck" and "c" whichever it names
             "native": encode_bytes(
-                f"req-{name}", blocks["key_cache"], blocks["value_cache"], [i, 7], {"dtype": name}, checksums="crc32"
+                f"req-{name}",
+                blocks["key_cache"],
+                blocks["value_cache"],
+                [i, 7],
+                {"dtype": name},
+                checksums=("crc32", "crc32c")[i % 2],
             ),
         }
         for variant, data in variants.items():

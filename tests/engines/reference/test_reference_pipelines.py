@@ -1,7 +1,8 @@
 """Mixed pipelines against the released reference (vllm-omni 0.30.0), in separate processes.
 
 A reference node and a kvferry node exchange one request's KV in both directions, through the
-reference's ``SharedMemoryConnector`` and through kvferry's shm connector:
+reference's ``SharedMemoryConnector`` and through kvferry's shm connector, and with vllm-omni's
+connector name in one config dict that both managers are built from (``*-by-name``):
 
 - ``ref`` sender: the reference's ``OmniKVTransferManager``; with kvferry's shm connector it is
   registered through the reference's public connector factory, as a third-party connector;
@@ -18,9 +19,11 @@ seed's; a request that was never sent must not be received.
 from __future__ import annotations
 
 import importlib.util
+import json
 import os
 import pathlib
 import uuid
+from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -47,6 +50,11 @@ SCENARIOS = {
     "kvf-to-ref-via-ref-shm": ("R2", "kvf", "R1", "ref", "ref-shm"),
     "ref-to-kvf-via-kvf-shm": ("R1", "ref", "K", "kvf", "kvf-shm"),
     "kvf-to-ref-via-kvf-shm": ("K", "kvf", "R1", "ref", "kvf-shm"),
+    # vllm-omni's deploy config as it is: both managers built by from_od_config from the same
+    # omni_kv_config naming "SharedMemoryConnector", nothing injected (docs/compat.md)
+    "ref-to-kvf-by-name": ("R1", "ref", "R2", "kvf", "ref-names"),
+    "kvf-to-ref-by-name": ("R2", "kvf", "R1", "ref", "ref-names"),
+    "kvf-to-kvf-by-name": ("R2", "kvf", "R2", "kvf", "ref-names"),
 }
 
 
@@ -68,15 +76,21 @@ def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
 
 
 @pytest.fixture(scope="module")
-def transfers(reference_python, kvferry_python, nodes, tmp_path_factory) -> dict[str, Any]:
-    """Every scenario run once: ``{name: (spec, send answer, receive answer, control answer)}``."""
-    procs = {
+def procs(reference_python, kvferry_python, nodes) -> dict[str, Any]:
+    """The three nodes (started together; all ready)."""
+    started = {
         "R1": nodes(reference_python, "R1-reference-manager"),
         "R2": nodes(reference_python, "R2-kvferry-manager-reference-connector"),
         "K": nodes(kvferry_python, "K-kvferry"),
     }
-    for node in procs.values():  # started together; wait for all
+    for node in started.values():
         node.wait_ready()
+    return started
+
+
+@pytest.fixture(scope="module")
+def transfers(procs, tmp_path_factory) -> dict[str, Any]:
+    """Every scenario run once: ``{name: (spec, send answer, receive answer, control answer)}``."""
     out_dir = tmp_path_factory.mktemp("received")
     namespace = f"rc{os.getpid()}"
     results: dict[str, Any] = {}
@@ -138,7 +152,9 @@ def test_kv_crosses_bit_exact(transfers, name) -> None:
     assert sent["processed"] == [spec["request_id"]], sent
     if "sent" in sent:  # kvferry's typed outcome beside the reference's return value
         assert sent["sent"] == [True]
-    assert received == {"ok": True, "has_kv": True}, received
+    assert received["ok"] and received["has_kv"], received
+    if "kind" in received:
+        assert received["kind"] == "received", received
     got = torch.load(out)
     keys, values = expected(spec, spec["seed"])
     assert len(got["key_cache"]) == len(keys) and len(got["value_cache"]) == len(values)
@@ -155,4 +171,100 @@ def test_kv_crosses_bit_exact(transfers, name) -> None:
 @pytest.mark.parametrize("name", sorted(SCENARIOS))
 def test_a_request_never_sent_is_not_received(transfers, name) -> None:
     _, _, _, control, _ = scenario(transfers, name)
-    assert control == {"ok": False, "has_kv": False}
+    assert not control["ok"] and not control["has_kv"], control
+    if "kind" in control:
+        assert control["kind"] == "timed_out", control
+
+
+def test_the_names_kvferry_serves_are_the_ones_the_reference_registers(reference_python, nodes) -> None:
+    from kvferry.app.registry import REFERENCE_CONNECTORS
+
+    node = nodes(reference_python, "names-reference-factory")
+    assert node.ask({"op": "connector_names"})["names"] == sorted(REFERENCE_CONNECTORS)
+
+
+def test_without_vllm_omni_the_reference_name_fails_at_start(kvferry_python, nodes) -> None:
+    """kvferry's venv has no vllm_omni: the same config is refused when the manager is built,
+    naming the key and the names that can be served (no silent run without KV)."""
+    node = nodes(kvferry_python, "K-no-vllm-omni")
+    node.wait_ready()
+    for role in ("send", "recv"):
+        spec = {**GEOMETRY, "connector": "ref-names", "side": "kvf", "request_id": f"never-{role}", "seed": 0}
+        spec.update(block_ids=BLOCK_IDS, seq_len=SEQ_LEN, timeout_s=1.0, out=os.devnull)
+        assert node.proc.stdin is not None
+        node.proc.stdin.write(json.dumps({"op": role, **spec}) + "\n")
+        node.proc.stdin.flush()
+        answer = node.read(timeout_s=120)
+        assert "connector_config.type 'SharedMemoryConnector'" in answer.get("error", ""), answer
+        assert "available: memory, mooncake, shm, zmq" in answer["error"]
+
+
+# ------------------------------------------------------------------------------ refusals
+#: name -> (receiver process, receiver side, kv_layout the sender names)
+REFUSALS = {
+    "kvf-refuses-to-ref": ("R1", "ref", None),
+    "kvf-refuses-to-kvf": ("R2", "kvf", None),
+    "kvf-named-layout-to-ref": ("R1", "ref", "packed"),  # control: named, the KV is sent
+}
+
+
+@pytest.fixture(scope="module")
+def refusals(procs, tmp_path_factory) -> Iterator[dict[str, Any]]:
+    """kvferry's sender (vllm-omni's name, nothing injected) handed vLLM CPU's cache shape
+    without a layout name; each receiver waits with recv_timeout 30 s."""
+    out_dir = tmp_path_factory.mktemp("refusals")
+    results: dict[str, Any] = {}
+    rids = []
+    for i, (name, (dst, side, layout)) in enumerate(REFUSALS.items()):
+        rid = f"refused-{uuid.uuid4().hex[:12]}"
+        rids.append(rid)
+        spec = {**GEOMETRY, "connector": "ref-names", "cache": "vllm_cpu", "request_id": rid, "seed": 300 + i}
+        spec.update(block_ids=BLOCK_IDS, seq_len=SEQ_LEN, timeout_s=30.0, kv_layout=layout)
+        try:
+            sent = procs["R2"].ask({"op": "send", **spec, "side": "kvf"})
+            received = procs[dst].ask({"op": "recv", **spec, "side": side, "out": str(out_dir / f"{name}.pt")})
+        except AssertionError as exc:
+            results[name] = exc
+            continue
+        results[name] = (spec, sent, received, out_dir / f"{name}.pt")
+    yield results
+    for rid in rids:
+        for leftover in (
+            f"/dev/shm/omni_0_to_1_kv_cache_{rid}",
+            f"/dev/shm/shm_omni_0_to_1_kv_cache_{rid}_lockfile.lock",
+        ):
+            if os.path.exists(leftover):
+                os.remove(leftover)
+
+
+def test_a_refusal_reaches_a_kvferry_receiver_at_once(refusals) -> None:
+    spec, sent, received, _ = scenario(refusals, "kvf-refuses-to-kvf")
+    assert sent["processed"] == [spec["request_id"]] and sent["sent"] == [False] and sent["reasons"] == ["error"]
+    assert received["kind"] == "refused" and not received["has_kv"], received
+    assert "omni_kv_config.kv_layout" in received["detail"] and "[8, 2, 4, 16]" in received["detail"]
+    assert received["seconds"] < 5.0  # recv_timeout is 30 s: a liveness bound, not a speed claim
+
+
+def test_a_reference_receiver_reads_the_marker_as_no_kv_at_once(refusals) -> None:
+    spec, sent, received, out = scenario(refusals, "kvf-refuses-to-ref")
+    assert sent["sent"] == [False]
+    # the reference decodes an empty payload: every layer absent, the refusal in the metadata
+    assert received["ok"] and received["has_kv"] and received["present"] == 0, received
+    assert received["layers"] == GEOMETRY["layers"] and received["metadata_keys"] == ["kvferry_refused"]
+    assert received["seconds"] < 5.0
+    assert torch.load(out)["metadata"]["kvferry_refused"]["reason"] == "error"
+
+
+def test_the_named_layout_control_sends_the_kv(refusals) -> None:
+    spec, sent, received, out = scenario(refusals, "kvf-named-layout-to-ref")
+    assert sent["sent"] == [True], sent
+    assert received["ok"] and received["present"] == 2 * GEOMETRY["layers"], received
+    got = torch.load(out)
+    caches = node_module.source_caches({**spec, "seed": spec["seed"]})
+    ids = torch.tensor(spec["block_ids"])
+    head_dim = GEOMETRY["head_dim"]
+    for layer, c in enumerate(caches):  # the packed layout read by hand
+        tokens = c[ids].permute(0, 2, 1, 3).flatten(0, 1)[: spec["seq_len"]]
+        assert same_bits(got["key_cache"][layer], tokens[..., :head_dim].contiguous())
+        assert same_bits(got["value_cache"][layer], tokens[..., head_dim:].contiguous())
+    assert "kvferry_refused" not in got["metadata"]

@@ -6,6 +6,7 @@ Run by the vLLM venv's interpreter (KVFERRY_VLLM_PYTHON), never imported by pyte
     python engine_proc.py serve CONFIG_JSON        # then: {"op": "generate", ...} lines
     python engine_proc.py hf-kv DIR PROMPTS_JSON OUT   # transformers' past_key_values of each prompt
     python engine_proc.py write-pages ISA OUT      # vLLM's CPU kernel writes known K/V into pages
+    python engine_proc.py compat-kv DIR OUT        # compat manager from a vLLM config reads the model's K/V
 
 Replies: ``{"ok": true, ...}`` or ``{"ok": false, "error": ...}``, one line per request.
 """
@@ -40,16 +41,16 @@ def make_model(path: str, seed: int) -> None:
     model.save_pretrained(path)
 
 
-def hf_kv(path: str, prompts_json: str, out: str) -> None:
+def _model_kv(path: str, prompts: list[list[int]]) -> list:
     """Per prompt, per layer, transformers' post-RoPE K and V ``[tokens, kv_heads, head_dim]``
-    (``use_cache=True``, eager attention, the model's bf16), saved with torch.save."""
+    (``use_cache=True``, eager attention, the model's bf16)."""
     import torch
     from transformers import LlamaForCausalLM
 
     model = LlamaForCausalLM.from_pretrained(path, dtype=torch.bfloat16, attn_implementation="eager").eval()
     result = []
     with torch.no_grad():
-        for prompt in json.loads(prompts_json):
+        for prompt in prompts:
             cache = model(torch.tensor([prompt]), use_cache=True).past_key_values
             layers = getattr(cache, "layers", None)
             if layers is not None:
@@ -57,7 +58,14 @@ def hf_kv(path: str, prompts_json: str, out: str) -> None:
             else:
                 kv = list(zip(cache.key_cache, cache.value_cache))
             result.append([(k[0].transpose(0, 1).contiguous(), v[0].transpose(0, 1).contiguous()) for k, v in kv])
-    torch.save(result, out)
+    return result
+
+
+def hf_kv(path: str, prompts_json: str, out: str) -> None:
+    """:func:`_model_kv` of the prompts, saved with torch.save."""
+    import torch
+
+    torch.save(_model_kv(path, json.loads(prompts_json)), out)
 
 
 def write_pages(isa: str, out: str) -> None:
@@ -77,6 +85,65 @@ def write_pages(isa: str, out: str) -> None:
     kc, vc = cache.view(blocks, heads, 2 * bs, d).chunk(2, dim=2)
     ops.cpu_attn_reshape_and_cache(k, v, kc, vc, slots, isa)
     torch.save({"k": k, "v": v, "blocks": order, "cache": cache, "block_size": bs}, out)
+
+
+def compat_kv(path: str, out: str) -> None:
+    """kvferry's compat manager built from a real vLLM CPU engine config (``from_vllm_config``,
+    as vllm-omni's AR runner builds it), its ``kv_layout`` taken from the engine; then the
+    model's own K/V (transformers, post-RoPE) written into a paged cache by vLLM's own CPU
+    kernel (the ISA vLLM picks here) and extracted through that layout. Saves the layout, the
+    truth and what kvferry extracted, and the same extraction under the reference's reading
+    (``packed``, the control)."""
+    from types import SimpleNamespace
+
+    import torch
+    import vllm._custom_ops as ops
+    from vllm.engine.arg_utils import EngineArgs
+    from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
+
+    from kvferry.adapters.paged_cache import extract_request
+    from kvferry.app.compat import OmniKVTransferManager
+
+    bs = 32
+    vllm_config = EngineArgs(
+        model=path, skip_tokenizer_init=True, dtype="bfloat16", block_size=bs, max_model_len=1024
+    ).create_engine_config()
+    omni = {"connector_config": {"type": "memory"}, "need_send_cache": True, "from_stage": 0, "to_stage": 1}
+    manager = OmniKVTransferManager.from_vllm_config(
+        vllm_config, model_config=SimpleNamespace(omni_kv_config=omni), tp_rank=0, tp_size=1
+    )
+    layout = manager.manager.config.kv_layout
+    prompt = list(range(3, 3 + 100))
+    [truth] = _model_kv(path, [prompt])
+    heads, d = truth[0][0].shape[1:]
+    isa = str(_get_attn_isa(torch.bfloat16, bs, d, "auto"))
+    blocks = [5, 2, 7, 0]
+    slots = torch.cat([b * bs + torch.arange(bs) for b in blocks])[: len(prompt)]
+    caches = []
+    for k, v in truth:
+        c = torch.zeros(8, heads, bs, 2 * d, dtype=torch.bfloat16)
+        kc, vc = c.view(8, heads, 2 * bs, d).chunk(2, dim=2)
+        ops.cpu_attn_reshape_and_cache(k, v, kc, vc, slots, isa)
+        caches.append(c)
+    from kvferry.core.errors import ConfigError
+
+    try:
+        got = extract_request(caches, blocks, len(prompt), bs, cache_dtype=torch.bfloat16, layout=layout)
+        got_kv, refused = [(k, v) for k, v in zip(got.key_cache, got.value_cache)], None
+    except ConfigError as exc:  # the amx order: the whole-cache extraction refuses it (docs/compat.md)
+        got_kv, refused = None, str(exc)
+    packed = extract_request(caches, blocks, len(prompt), bs, cache_dtype=torch.bfloat16, layout="packed")
+    torch.save(
+        {
+            "layout": None if layout is None else [layout.name, layout.isa],
+            "isa": isa,
+            "truth": truth,
+            "got": got_kv,
+            "refused": refused,
+            "packed": [(k, v) for k, v in zip(packed.key_cache, packed.value_cache)],
+        },
+        out,
+    )
 
 
 PROTO = sys.stdout
@@ -119,6 +186,31 @@ def _page_hashes(worker, block_ids, slices):
     return {"heads": int(worker.model_runner.kv_caches[0].shape[1]), "hashes": out}
 
 
+def _token_hashes(worker, block_ids, num_tokens):
+    """Per layer, the sha256 of the first ``num_tokens`` tokens' K and of their V in pages
+    ``block_ids``, read per token by kvferry (the page order of the kernel vLLM picked): equal
+    across instances of other block sizes exactly when the tokens' K/V are."""
+    import hashlib
+
+    import torch
+
+    from kvferry.adapters.kv_layouts import vllm_pages_to_tokens
+    from kvferry.app.vllm.backends import kernel_isa
+
+    out = []
+    for layer in worker.model_runner.kv_caches:
+        n, h, bs, two_d = layer.shape
+        isa = kernel_isa(layer.dtype, bs, two_d // 2, "auto")
+        pages = layer[torch.tensor(block_ids, dtype=torch.long)].view(len(block_ids), h, 2, bs * two_d // 2)
+        k, v = vllm_pages_to_tokens(pages[:, :, 0], pages[:, :, 1], block_size=bs, num_tokens=num_tokens, isa=isa)
+        out.append([hashlib.sha256(t.contiguous().view(torch.uint8).numpy().tobytes()).hexdigest() for t in (k, v)])
+    from vllm.distributed.kv_transfer import get_kv_transfer_group
+
+    # this rank's last load (ok, bytes written): [] on a prefill
+    loads = [[r.ok, r.nbytes] for r in list(get_kv_transfer_group().page_worker.recent_loads)[-1:]]
+    return {"isa": isa, "block_size": bs, "hashes": out, "last_load": loads}
+
+
 def serve(cfg: dict) -> None:
     from vllm import LLM, SamplingParams
     from vllm.config import KVTransferConfig
@@ -130,14 +222,15 @@ def serve(cfg: dict) -> None:
             kv_connector="KVFerryConnector",
             kv_connector_module_path="kvferry.app.vllm",
             kv_role=cfg["kv_role"],
-            kv_connector_extra_config=cfg.get("extra", {}),
+            # every prompt is handed off unless a test sets the threshold (its prompts are short)
+            kv_connector_extra_config={"kv_recompute_threshold": 0, **cfg.get("extra", {})},
             kv_load_failure_policy=cfg.get("policy", "recompute"),
         )
     llm = LLM(
         model=cfg["model"],
         skip_tokenizer_init=True,
         dtype="bfloat16",
-        block_size=32,
+        block_size=cfg.get("block_size", 32),
         max_model_len=1024,
         max_num_seqs=8,
         max_num_batched_tokens=2048,
@@ -190,6 +283,13 @@ def serve(cfg: dict) -> None:
                 else:
                     blocks = list(LOADS[-1][: msg["blocks"]])
                 reply = {"ok": True, "ranks": llm.collective_rpc(_page_hashes, args=(blocks, msg.get("slices")))}
+            elif op == "tokens":
+                # per-token K/V hashes of the first ``num_tokens`` tokens: the prefill's pages of a
+                # transfer, or the decode's pages of its last load
+                blocks = list(SAVES[msg["transfer_id"]]) if "transfer_id" in msg else list(LOADS[-1])
+                bs = cfg.get("block_size", 32)
+                blocks = blocks[: -(-msg["num_tokens"] // bs)]
+                reply = {"ok": True, "ranks": llm.collective_rpc(_token_hashes, args=(blocks, msg["num_tokens"]))}
             elif op == "metrics":
                 reply = {
                     "ok": True,
@@ -210,6 +310,8 @@ if __name__ == "__main__":
         make_model(sys.argv[2], int(sys.argv[3]))
     elif sys.argv[1] == "hf-kv":
         hf_kv(sys.argv[2], sys.argv[3], sys.argv[4])
+    elif sys.argv[1] == "compat-kv":
+        compat_kv(sys.argv[2], sys.argv[3])
     elif sys.argv[1] == "write-pages":
         write_pages(sys.argv[2], sys.argv[3])
     elif sys.argv[1] == "serve":

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 from collections.abc import Sequence
 from pathlib import Path
@@ -12,6 +11,8 @@ from typing import Any
 
 import pytest
 
+from kvferry.adapters.platform import free_base_port as platform_free_base_port
+from kvferry.adapters.platform import free_port  # noqa: F401 (the engine tests import it from here)
 from kvferry.app.demo.vllm_demo import InstanceProcess, instance_env
 
 HERE = Path(__file__).resolve().parent
@@ -30,25 +31,20 @@ def vllm_python() -> str:
     pytest.skip(reason)
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+def run_json(script: str, out: Path, timeout_s: float = 500) -> Any:
+    """Run ``script`` (a file beside this one) in the vLLM venv with ``out`` as its argument and
+    return the JSON it wrote there; the test fails with its stderr when it fails."""
+    proc = subprocess.run(
+        [vllm_python(), str(HERE / script), str(out)], capture_output=True, text=True, timeout=timeout_s, check=False
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return json.loads(out.read_text())
 
 
 def free_base_port() -> int:
-    """A base port whose rank-0 sender port (base + 100) and rank 1's (+16) are free now."""
-    for _ in range(50):
-        p = free_port()
-        if p - 100 < 1024:
-            continue
-        try:
-            with socket.socket() as s:
-                s.bind(("127.0.0.1", p + 16))
-        except OSError:
-            continue
-        return p - 100
-    raise RuntimeError("no free port pair found")
+    """A base port whose rank-0 and rank-1 sender ports are free now (the one rule:
+    :func:`kvferry.adapters.platform.free_base_port`)."""
+    return platform_free_base_port(2)
 
 
 def make_model(py: str, path: Path, seed: int) -> Path:

@@ -1,0 +1,125 @@
+"""The checksums with the machine's fastest routine (adapters/checksums.py, adapters/_crc32c.c).
+
+The native CRC-32C gives core's pure value for every length and alignment, with each routine
+this CPU has (the crc32 instruction's three-stream rounds of 24 KiB and 768 bytes, their tails,
+and the table); without the extension the default is zlib's crc32 and a crc32c payload still
+verifies (in a subprocess with KVFERRY_NATIVE_CHECKSUM=0)."""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import subprocess
+import sys
+from collections.abc import Iterator
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from kvferry.adapters import checksums
+from kvferry.adapters.torch_frames import decode_payload, encode_bytes
+from kvferry.core.header import decode_header
+from kvferry.core.header.checksums import crc32c as pure_crc32c
+
+native = pytest.importorskip("kvferry.adapters._crc32c", reason="the native CRC-32C is not built")
+ENGINES = [name for name in ("sse4.2", "table") if native.set_engine(name)]
+native.set_engine(None)
+
+
+@pytest.fixture(params=ENGINES)
+def engine(request: pytest.FixtureRequest) -> Iterator[str]:
+    assert native.set_engine(request.param)
+    try:
+        yield request.param
+    finally:
+        native.set_engine(None)
+
+
+# lengths around every boundary of the routine: 8-byte words, short rounds (3 x 256), long
+# rounds (3 x 8192), and their sums
+SIZES = [0, 1, 7, 8, 9, 767, 768, 769, 1543, 24575, 24576, 24577, 24576 + 768 + 13, 3 * 24576 + 5]
+
+
+@pytest.mark.parametrize("size", SIZES)
+def test_native_crc32c_equals_the_pure_one_at_every_boundary(engine: str, size: int) -> None:
+    data = random.Random(size).randbytes(size + 8)
+    for start in (0, 1, 5):  # unaligned starts take the byte head first
+        view = memoryview(data)[start : start + size]
+        assert native.crc32c(view) == pure_crc32c(view), (engine, size, start)
+
+
+@settings(max_examples=150, deadline=None)
+@given(data=st.binary(max_size=2000), cut=st.integers(0, 2000), value=st.integers(0, 2**32 - 1))
+def test_native_crc32c_continues_and_starts_like_the_pure_one(data: bytes, cut: int, value: int) -> None:
+    cut = min(cut, len(data))
+    assert native.crc32c(data, value) == pure_crc32c(data, value)
+    assert native.crc32c(data[cut:], native.crc32c(data[:cut])) == pure_crc32c(data)
+
+
+def test_the_engine_is_found_at_run_time() -> None:
+    cpu_flags = open("/proc/cpuinfo").read() if os.path.exists("/proc/cpuinfo") else ""
+    expected = "sse4.2" if " sse4_2" in cpu_flags else "table"
+    assert native.engine() == expected == checksums.checksum_engine("crc32c")
+    assert native.set_engine("no-such-routine") is False and native.engine() == expected
+    assert checksums.NATIVE_CRC32C and checksums.DEFAULT_CHECKSUM == "crc32c"
+    assert checksums.CHECKSUMS["crc32c"] is native.crc32c
+    assert checksums.sending_checksum("crc32c") == "crc32c" and checksums.sending_checksum(None) is None
+
+
+def test_a_tensor_buffer_is_checksummed_in_place() -> None:
+    tensor = torch.arange(4096, dtype=torch.int32)
+    view = tensor.numpy().data.cast("B")
+    assert checksums.compute_checksum("crc32c", view) == pure_crc32c(view.tobytes())
+
+
+_FALLBACK = r"""
+import json, logging, sys, torch
+logging.basicConfig(level=logging.WARNING, stream=sys.stderr)
+from kvferry.adapters import checksums
+from kvferry.adapters.torch_frames import decode_payload, encode_bytes
+raw = bytes.fromhex(sys.argv[1])
+got = decode_payload(raw)  # a crc32c payload from a native sender: verified with the pure routine
+tampered = bytearray(raw); tampered[-1] ^= 1
+try:
+    decode_payload(bytes(tampered)); rejected = False
+except Exception as exc:
+    rejected = "crc32c mismatch" in str(exc)
+keys = [torch.ones(2, 2)]
+own = encode_bytes("r", keys, keys, [0], {}, checksums=checksums.sending_checksum("crc32c"))
+print(json.dumps({"native": checksums.NATIVE_CRC32C, "default": checksums.DEFAULT_CHECKSUM,
+    "engine": checksums.checksum_engine("crc32c"), "value0": got.value_cache[0].tolist(),
+    "rejected": rejected, "own": b'"ck":"crc32"' in own}))
+"""
+
+
+def test_without_the_extension_the_default_is_crc32_and_crc32c_still_verifies() -> None:
+    keys, values = [torch.arange(6.0).reshape(2, 3)], [torch.arange(6.0, 12.0).reshape(2, 3)]
+    raw = encode_bytes("r", keys, values, [0], {}, checksums="crc32c")
+    assert decode_header(raw).header.checksum_algorithm == "crc32c"
+    env = {**os.environ, "KVFERRY_NATIVE_CHECKSUM": "0"}
+    done = subprocess.run(
+        [sys.executable, "-c", _FALLBACK, raw.hex()], env=env, capture_output=True, text=True, timeout=120
+    )
+    assert done.returncode == 0, done.stderr
+    report = json.loads(done.stdout)
+    assert report == {
+        "native": False,
+        "default": "crc32",
+        "engine": "python",
+        "value0": values[0].tolist(),
+        "rejected": True,
+        "own": True,
+    }
+    assert "pure-Python CRC-32C" in done.stderr and "sending crc32 instead of crc32c" in done.stderr
+    assert decode_payload(raw).value_cache[0].tolist() == values[0].tolist()  # and natively here
+
+
+def test_the_vllm_connector_checks_with_crc32c_by_default() -> None:
+    from kvferry.app.vllm.params import ConnectorSettings
+
+    settings = ConnectorSettings()
+    assert settings.checksums == "crc32c"
+    assert checksums.sending_checksum(settings.checksums) == checksums.DEFAULT_CHECKSUM == "crc32c"
