@@ -51,6 +51,7 @@ __all__ = [
     "check_head_count",
     "route_heads",
     "route_latent",
+    "latent_source",
     "reference_routing",
     "routing_for",
     "validate_sizes",
@@ -231,6 +232,19 @@ def route_latent(source_tp: int, target_tp: int) -> Routing:
     receiver from exactly one sender, receivers spread evenly over the senders (the head rule
     with one head replicated on every rank; no payload is ever a slice)."""
     return route_heads(source_tp, target_tp, 1)
+
+
+def latent_source(source_tp: int, target_tp: int, target_rank: int) -> int:
+    """The one sender rank receiver ``target_rank`` reads the whole MLA latent from (every rank
+    holds all of it): ``target_rank // (T / S)`` when ``T >= S`` (each sender serves ``T / S``
+    consecutive receivers), ``target_rank * (S / T)`` when ``T < S`` (senders ``0, S/T, 2S/T,
+    ...``; the others send nothing). The rule of :func:`route_latent`, in one expression.
+    RoutingError for sizes that cannot be mapped or a rank outside the receiving stage."""
+    ratio = validate_sizes(source_tp, target_tp)
+    check_int("target_rank", target_rank, 0, RoutingError)
+    if target_rank >= target_tp:
+        raise RoutingError(f"target_rank {target_rank} is not a receiver rank of a TP {target_tp} stage")
+    return target_rank // ratio if target_tp >= source_tp else target_rank * ratio
 
 
 def reference_routing(source_tp: int, target_tp: int) -> Routing:

@@ -12,6 +12,14 @@ Keys: one payload per (layer, prefill rank, decode rank), the rank-aware key of 
 ``chunk_id = layer + 1`` (0 would be a whole-request payload). Heads: dim 1 of the page
 tensor; with different TP sizes each decode rank gets its heads from the core's head plan
 (:func:`kvferry.core.routing.route_heads`).
+
+MLA (vLLM's ``CPU_MLA``, ``TRITON_MLA``, ``FLASHMLA``: kvferry's layout ``mla``): a layer is
+``[num_blocks, 1, block_size, latent]``, one latent per token and no heads to split. A block
+is one page of ``block_size * latent`` elements, moved as it is: the payload's key tensor is
+the pages ``[blocks, 1, block_size * latent]``, its value absent, its metadata ``layout``
+:data:`MLA_PAGE_LAYOUT` and ``kv_latent: true``. Every rank holds the whole latent; each decode
+rank reads it whole from one prefill rank (:func:`kvferry.core.routing.latent_source`, the
+head plan of one head held by every rank), so a latent geometry routes as one head.
 """
 
 from __future__ import annotations
@@ -29,11 +37,12 @@ from kvferry.core.errors import ConfigError, PayloadError
 from kvferry.core.head_slices import HeadSlice
 from kvferry.core.header import LayoutTemplate, kv_layout_template
 from kvferry.core.ids import connector_key
-from kvferry.core.layouts import VLLM_CPU_PAGE_ISAS, reblock_span
-from kvferry.core.routing import rank_heads, route_heads
+from kvferry.core.layouts import KV_LATENT_KEY, VLLM_CPU_PAGE_ISAS, reblock_span
+from kvferry.core.routing import rank_heads, route_heads, route_latent
 
 __all__ = [
     "PAGE_LAYOUT",
+    "MLA_PAGE_LAYOUT",
     "PageGeometry",
     "layer_key",
     "send_slices",
@@ -49,14 +58,19 @@ __all__ = [
     "write_relaid",
 ]
 
-#: The layout name recorded in every payload's metadata.
+#: The layout name recorded in every dense payload's metadata.
 PAGE_LAYOUT = "vllm_cpu_pages_hnd"
+#: The layout name of an MLA payload (one latent region per block, no value tensor).
+MLA_PAGE_LAYOUT = "vllm_mla_pages"
 
 
 @attrs.frozen
 class PageGeometry:
     """One rank's cache geometry: ``num_layers`` tensors of ``[num_blocks, heads, block_size,
-    2 * head_size]`` of one dtype. ``heads`` are this rank's KV heads."""
+    2 * head_size]`` of one dtype. ``heads`` are this rank's KV heads.
+
+    ``latent``: an MLA cache ``[num_blocks, 1, block_size, head_size]``, ``head_size`` the
+    latent width (``kv_lora_rank + qk_rope_head_dim``), one region per block (no V)."""
 
     num_layers: int
     num_blocks: int
@@ -64,20 +78,39 @@ class PageGeometry:
     block_size: int
     head_size: int
     dtype: str
+    latent: bool = False
 
     @property
     def region(self) -> int:
-        """Elements in one K (or V) region of a page."""
+        """Elements in one K (or V) region of a page (an MLA block's latents)."""
         return self.block_size * self.head_size
 
+    @property
+    def payload_layout(self) -> str:
+        """The ``layout`` a payload of these pages states (:data:`PAGE_LAYOUT`, :data:`MLA_PAGE_LAYOUT`)."""
+        return MLA_PAGE_LAYOUT if self.latent else PAGE_LAYOUT
+
+    @property
+    def tensors(self) -> int:
+        """Tensors in one layer's payload: K and V regions (2), or the latent (1)."""
+        return 1 if self.latent else 2
+
     @classmethod
-    def of(cls, layers: Sequence[torch.Tensor]) -> PageGeometry:
-        """The geometry of vLLM's per-layer tensors; ConfigError for anything else."""
+    def of(cls, layers: Sequence[torch.Tensor], *, latent: bool = False) -> PageGeometry:
+        """The geometry of vLLM's per-layer tensors (``latent``: an MLA cache, as vLLM hands it
+        to a connector: ``[num_blocks, 1, block_size, latent]``); ConfigError for anything else."""
         if not layers:
             raise ConfigError("kv_caches: no attention layers registered")
         first = layers[0]
         for i, t in enumerate(layers):
-            if not isinstance(t, torch.Tensor) or t.dim() != 4 or t.shape[3] % 2:
+            if latent:
+                if not isinstance(t, torch.Tensor) or t.dim() != 4 or t.shape[1] != 1:
+                    shape = tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__
+                    raise ConfigError(
+                        f"kv_caches[{i}]: kvferry's vLLM connector moves an MLA cache as "
+                        f"[num_blocks, 1, block_size, latent] (one latent per token); got {shape}"
+                    )
+            elif not isinstance(t, torch.Tensor) or t.dim() != 4 or t.shape[3] % 2:
                 shape = tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__
                 raise ConfigError(
                     f"kv_caches[{i}]: kvferry's vLLM connector moves the CPU backend's pages "
@@ -90,13 +123,24 @@ class PageGeometry:
                 )
             if not t.is_contiguous():
                 raise ConfigError(f"kv_caches[{i}]: expected a contiguous tensor")
-        nb, heads, bs, two_d = first.shape
-        return cls(len(layers), nb, heads, bs, two_d // 2, dtype_name(first.dtype))
+        nb, heads, bs, content = first.shape
+        if latent:
+            return cls(len(layers), nb, 1, bs, content, dtype_name(first.dtype), latent=True)
+        return cls(len(layers), nb, heads, bs, content // 2, dtype_name(first.dtype))
 
     def regions(self, layer: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Views ``[num_blocks, heads, region]`` of a layer's K and V regions (no copy)."""
+        if self.latent:
+            raise ConfigError("an MLA cache has one latent region per block, no K and V regions")
         v = layer.view(self.num_blocks, self.heads, 2, self.region)
         return v[:, :, 0], v[:, :, 1]
+
+    def page_tensors(self, layer: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """The layer's page views in payload order, each ``[num_blocks, heads, region]`` (no
+        copy): the K and V regions, or an MLA cache's one latent region per block."""
+        if self.latent:
+            return (layer.view(self.num_blocks, 1, self.region),)
+        return self.regions(layer)
 
 
 def layer_key(transfer_id: str, from_stage: int, layer: int, from_rank: int, to_rank: int) -> str:
@@ -104,17 +148,28 @@ def layer_key(transfer_id: str, from_stage: int, layer: int, from_rank: int, to_
     return connector_key(transfer_id, from_stage, layer + 1, from_rank, to_rank)
 
 
-def send_slices(prefill_tp: int, decode_tp: int, total_heads: int, prefill_rank: int) -> tuple[HeadSlice, ...]:
+def send_slices(
+    prefill_tp: int, decode_tp: int, total_heads: int, prefill_rank: int, *, latent: bool = False
+) -> tuple[HeadSlice, ...]:
     """What prefill rank ``prefill_rank`` sends: one head slice per decode rank it feeds
     (:func:`kvferry.core.routing.route_heads`; replicated KV heads included: a replica that
     serves nobody sends nothing). RoutingError (naming the sizes and the head count) when the
-    heads cannot be mapped."""
+    heads cannot be mapped. ``latent``: an MLA cache, whose whole latent goes to each decode
+    rank that :func:`kvferry.core.routing.latent_source` gives this rank (``total_heads``
+    is then not used)."""
+    if latent:
+        return route_latent(prefill_tp, decode_tp).sends(prefill_rank)
     return route_heads(prefill_tp, decode_tp, total_heads).sends(prefill_rank)
 
 
-def recv_slices(prefill_tp: int, decode_tp: int, total_heads: int, decode_rank: int) -> tuple[HeadSlice, ...]:
+def recv_slices(
+    prefill_tp: int, decode_tp: int, total_heads: int, decode_rank: int, *, latent: bool = False
+) -> tuple[HeadSlice, ...]:
     """What decode rank ``decode_rank`` reads, in merge order (``recv_head_*`` index its heads),
-    each slice from exactly one prefill rank that holds it."""
+    each slice from exactly one prefill rank that holds it. ``latent``: an MLA cache, one
+    slice (the whole latent) from :func:`kvferry.core.routing.latent_source`."""
+    if latent:
+        return route_latent(prefill_tp, decode_tp).reads(decode_rank)
     return route_heads(prefill_tp, decode_tp, total_heads).reads(decode_rank)
 
 
@@ -138,34 +193,45 @@ class PageWriter:
         tpl = self._templates.get(key)
         if tpl is None:
             spec = (self.geometry.dtype, (num_blocks, heads, self.geometry.region))
-            tpl = kv_layout_template([spec], [spec], align=self.align, checksums=self.checksums)
+            values = [None] if self.geometry.latent else [spec]  # an MLA latent has no value tensor
+            tpl = kv_layout_template([spec], values, align=self.align, checksums=self.checksums)
             if len(self._templates) > 256:
                 self._templates.clear()
             self._templates[key] = tpl
         return tpl
 
     def layout(self, transfer_id: str, block_ids: Sequence[int], heads: int, metadata: dict[str, Any]) -> Any:
-        return self.template(len(block_ids), heads).layout(transfer_id, list(block_ids), metadata)
+        """The payload layout of ``block_ids``' pages of ``heads`` heads; ``metadata``'s
+        ``layout`` is the geometry's (:attr:`PageGeometry.payload_layout`), an MLA payload's
+        also says ``kv_latent: true``."""
+        meta = {**metadata, "layout": self.geometry.payload_layout}
+        if self.geometry.latent:
+            meta[KV_LATENT_KEY] = True
+        return self.template(len(block_ids), heads).layout(transfer_id, list(block_ids), meta)
 
     def gather(
         self, layer: torch.Tensor, index: torch.Tensor, head_start: int, head_stop: int, dest: torch.Tensor, layout: Any
     ) -> None:
-        """Copy the pages ``layer[index, head_start:head_stop]`` (K then V regions) into ``dest``
-        (a 1-D uint8 buffer of ``layout.total_nbytes``) and write the header in front."""
-        k, v = self.geometry.regions(layer)
-        k_dest, v_dest = dest_views(dest, layout)
-        torch.index_select(k[:, head_start:head_stop], 0, index, out=k_dest)
-        torch.index_select(v[:, head_start:head_stop], 0, index, out=v_dest)
+        """Copy the pages ``layer[index, head_start:head_stop]`` (K then V regions, or an MLA
+        block's latents) into ``dest`` (a 1-D uint8 buffer of ``layout.total_nbytes``) and
+        write the header in front."""
+        dests = dest_views(dest, layout)
+        for src, out in zip(self.geometry.page_tensors(layer), dests):
+            torch.index_select(src[:, head_start:head_stop], 0, index, out=out)
         finish_payload_in(dest, layout)
 
 
 def check_payload(decoded: Any, geometry: PageGeometry, layer: int, heads: int, min_blocks: int) -> None:
     """PayloadError unless ``decoded`` is ``layer``'s pages for ``heads`` heads in our layout."""
     meta = decoded.metadata or {}
-    if meta.get("layout") != PAGE_LAYOUT:
-        raise PayloadError(f"layer {layer}: payload layout {meta.get('layout')!r}, expected {PAGE_LAYOUT!r}")
+    want_layout = geometry.payload_layout
+    if meta.get("layout") != want_layout:
+        raise PayloadError(f"layer {layer}: payload layout {meta.get('layout')!r}, expected {want_layout!r}")
     if meta.get("layer") != layer:
         raise PayloadError(f"layer {layer}: payload is for layer {meta.get('layer')!r}")
+    if geometry.latent:
+        _check_latent(decoded, geometry, layer, min_blocks)
+        return
     if decoded.num_layers != 1 or decoded.key_cache[0] is None or decoded.value_cache[0] is None:
         raise PayloadError(f"layer {layer}: expected one layer of K and V pages")
     k, v = decoded.key_cache[0], decoded.value_cache[0]
@@ -185,6 +251,30 @@ def check_payload(decoded: Any, geometry: PageGeometry, layer: int, heads: int, 
             )
         if dtype_name(t.dtype) != geometry.dtype:
             raise PayloadError(f"layer {layer}: {name} pages are {dtype_name(t.dtype)}, this cache is {geometry.dtype}")
+
+
+def _check_latent(decoded: Any, geometry: PageGeometry, layer: int, min_blocks: int) -> None:
+    """The MLA half of :func:`check_payload`: one layer, the latent pages as its key tensor
+    ``[>= min_blocks, 1, block_size * latent]`` of this cache's block size and dtype, no value."""
+    meta = decoded.metadata or {}
+    if meta.get(KV_LATENT_KEY) is not True:
+        raise PayloadError(f"layer {layer}: an MLA payload must say {KV_LATENT_KEY}: true")
+    if decoded.num_layers != 1 or decoded.key_cache[0] is None or decoded.value_cache[0] is not None:
+        raise PayloadError(f"layer {layer}: expected one layer of MLA latent pages and no value tensor")
+    src_bs = meta.get("block_size", geometry.block_size)
+    if src_bs != geometry.block_size:
+        raise PayloadError(
+            f"layer {layer}: MLA pages of block_size {src_bs!r}, this cache's is {geometry.block_size} "
+            f"(MLA pages are moved page for page, never re-blocked)"
+        )
+    t = decoded.key_cache[0]
+    if t.dim() != 3 or tuple(t.shape[1:]) != (1, geometry.region) or t.shape[0] < min_blocks:
+        raise PayloadError(
+            f"layer {layer}: latent pages {tuple(t.shape)}, expected [>= {min_blocks}, 1, {geometry.region}] "
+            f"(block_size {geometry.block_size}, latent {geometry.head_size})"
+        )
+    if dtype_name(t.dtype) != geometry.dtype:
+        raise PayloadError(f"layer {layer}: latent pages are {dtype_name(t.dtype)}, this cache is {geometry.dtype}")
 
 
 def block_runs(block_ids: Sequence[int]) -> tuple[tuple[int, int, int], ...]:
@@ -214,19 +304,20 @@ def write_pages(
     """Copy received pages ``first_page:first_page+len(index)`` into ``layer[index,
     recv_start:recv_stop]`` (K and V regions); returns the bytes written. With ``runs``
     (:func:`block_runs` of ``index``) few enough, each run is one slice copy (several times
-    faster than an indexed copy), else one indexed copy per region."""
-    k_dst, v_dst = geometry.regions(layer)
+    faster than an indexed copy), else one indexed copy per region. An MLA geometry writes
+    the latent pages (the payload's key tensor) alone."""
     n = index.numel()
-    k_src = decoded.key_cache[0].narrow(0, first_page, n)
-    v_src = decoded.value_cache[0].narrow(0, first_page, n)
-    if runs is not None and len(runs) <= max(1, n // 4):
-        for block, at, length in runs:
-            k_dst[block : block + length, recv_start:recv_stop].copy_(k_src[at : at + length])
-            v_dst[block : block + length, recv_start:recv_stop].copy_(v_src[at : at + length])
-    else:
-        k_dst[:, recv_start:recv_stop].index_copy_(0, index, k_src)
-        v_dst[:, recv_start:recv_stop].index_copy_(0, index, v_src)
-    return 2 * k_src.numel() * k_src.element_size()
+    payload = (decoded.key_cache[0],) if geometry.latent else (decoded.key_cache[0], decoded.value_cache[0])
+    nbytes = 0
+    for dst, whole in zip(geometry.page_tensors(layer), payload):
+        src = whole.narrow(0, first_page, n)
+        if runs is not None and len(runs) <= max(1, n // 4):
+            for block, at, length in runs:
+                dst[block : block + length, recv_start:recv_stop].copy_(src[at : at + length])
+        else:
+            dst[:, recv_start:recv_stop].index_copy_(0, index, src)
+        nbytes += src.numel() * src.element_size()
+    return nbytes
 
 
 def layout_family(label: Any) -> str:

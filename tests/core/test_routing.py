@@ -11,7 +11,14 @@ from hypothesis import strategies as st
 
 from kvferry.core.errors import RoutingError
 from kvferry.core.head_slices import fan_out_slice, merge_order
-from kvferry.core.routing import check_head_count, rank_heads, reference_routing, route_heads, route_latent
+from kvferry.core.routing import (
+    check_head_count,
+    latent_source,
+    rank_heads,
+    reference_routing,
+    route_heads,
+    route_latent,
+)
 from kvferry.core.topology import rank_pairs, recv_rank_map, send_rank_map
 
 TP_SIZES = (1, 2, 4, 8, 16)
@@ -143,6 +150,29 @@ def test_latent_goes_whole_from_one_sender_spread_over_senders(s: int, t: int) -
         assert sorted(load) == list(range(s)) and set(load.values()) == {t // s}
     else:  # t senders serve one each, spread over the stage
         assert sorted(load) == [dst * (s // t) for dst in range(t)]
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.sampled_from(TP_SIZES), st.sampled_from(TP_SIZES), st.data())
+def test_latent_source_is_the_one_sender_route_latent_reads_from(s: int, t: int, data: st.DataObject) -> None:
+    dst = data.draw(st.integers(0, t - 1))
+    src = latent_source(s, t, dst)
+    assert 0 <= src < s
+    (x,) = route_latent(s, t).reads(dst)
+    assert x.source_rank == src and (x.head_start, x.head_stop) == (0, 1)
+    # the sender's side agrees: it sends the whole latent to exactly the receivers that name it
+    assert [y.target_rank for y in route_latent(s, t).sends(src) if y.target_rank == dst] == [dst]
+    served = [r for r in range(t) if latent_source(s, t, r) == src]
+    assert len(served) == max(1, t // s)
+
+
+def test_latent_source_refuses_what_cannot_be_mapped() -> None:
+    with pytest.raises(RoutingError, match="divisible"):
+        latent_source(2, 3, 0)
+    with pytest.raises(RoutingError, match="not a receiver rank"):
+        latent_source(2, 4, 4)
+    with pytest.raises(RoutingError, match="target_rank"):
+        latent_source(2, 4, -1)
 
 
 def test_bad_input_names_sizes_and_head_count() -> None:

@@ -1,0 +1,146 @@
+"""MLA pages without vLLM: a cache shaped and written as vLLM's CPU_MLA backend writes it
+(``[num_blocks, 1, block_size, kv_lora_rank + qk_rope_head_dim]``, each token's latent at slot
+``block * block_size + row`` of the flat ``[-1, latent]`` view), gathered into a payload,
+checked and written into another cache's blocks."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kvferry.adapters.torch_decode import decode_payload
+from kvferry.app.vllm.pages import (
+    MLA_PAGE_LAYOUT,
+    PAGE_LAYOUT,
+    PageGeometry,
+    PageWriter,
+    block_runs,
+    check_payload,
+    recv_slices,
+    send_slices,
+    write_pages,
+)
+from kvferry.core.errors import ConfigError, PayloadError
+from kvferry.core.routing import latent_source
+
+BLOCKS, BS, RANK, ROPE = 12, 16, 512, 64
+LATENT = RANK + ROPE
+
+
+def _cpu_mla_cache(tokens: int, block_ids: list[int], seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """A zero cache and ``tokens`` random latents written into ``block_ids`` the way CPU_MLA's
+    ``do_kv_cache_update`` does (``kv_c_normed`` then ``k_pe`` at each slot). Returns (cache,
+    latents ``[tokens, LATENT]``)."""
+    g = torch.Generator().manual_seed(seed)
+    kv_c = torch.randn(tokens, RANK, generator=g).to(torch.bfloat16)
+    k_pe = torch.randn(tokens, 1, ROPE, generator=g).to(torch.bfloat16)
+    cache = torch.zeros(BLOCKS, 1, BS, LATENT, dtype=torch.bfloat16)
+    slots = torch.cat([b * BS + torch.arange(BS) for b in block_ids])[:tokens]
+    flat = cache.view(-1, LATENT)
+    flat[slots, :RANK] = kv_c
+    flat[slots, RANK:] = k_pe.squeeze(1)
+    return cache, torch.cat((kv_c, k_pe.squeeze(1)), dim=1)
+
+
+def _tokens(cache: torch.Tensor, block_ids: list[int], tokens: int) -> torch.Tensor:
+    """The latents of ``tokens`` tokens in ``block_ids``, read per slot (as the decode kernel does)."""
+    slots = torch.cat([b * BS + torch.arange(BS) for b in block_ids])[:tokens]
+    return cache.view(-1, LATENT)[slots]
+
+
+def _payload(writer: PageWriter, layer: torch.Tensor, block_ids: list[int], layer_idx: int = 0) -> torch.Tensor:
+    meta = {"layout": PAGE_LAYOUT, "layer": layer_idx, "num_tokens": 0, "block_size": BS}
+    layout = writer.layout("t1", block_ids, 1, meta)
+    buf = torch.empty(layout.total_nbytes, dtype=torch.uint8)
+    writer.gather(layer, torch.tensor(block_ids, dtype=torch.long), 0, 1, buf, layout)
+    return buf
+
+
+def test_an_mla_cache_is_one_latent_region_per_block() -> None:
+    cache = torch.zeros(BLOCKS, 1, BS, LATENT, dtype=torch.bfloat16)
+    g = PageGeometry.of([cache, cache.clone()], latent=True)
+    assert (g.latent, g.heads, g.block_size, g.head_size, g.region, g.tensors) == (True, 1, BS, LATENT, BS * LATENT, 1)
+    assert g.payload_layout == MLA_PAGE_LAYOUT
+    (pages,) = g.page_tensors(cache)
+    assert pages.shape == (BLOCKS, 1, BS * LATENT) and pages.data_ptr() == cache.data_ptr()
+    with pytest.raises(ConfigError, match="no K and V regions"):
+        g.regions(cache)
+    # the same tensor read as a dense cache would be two half-latent "regions": not what MLA is
+    dense = PageGeometry.of([cache])
+    assert (dense.latent, dense.head_size, dense.tensors) == (False, LATENT // 2, 2)
+    with pytest.raises(ConfigError, match=r"\[num_blocks, 1, block_size, latent\]"):
+        PageGeometry.of([torch.zeros(BLOCKS, 2, BS, LATENT)], latent=True)
+    with pytest.raises(ConfigError, match="differs from layer 0"):
+        PageGeometry.of([cache, torch.zeros(BLOCKS, 1, BS, 288, dtype=torch.bfloat16)], latent=True)
+
+
+def test_latent_pages_move_into_other_blocks_token_for_token() -> None:
+    tokens, src_blocks, dst_blocks = 40, [7, 2, 9], [0, 1, 5]
+    cache, latents = _cpu_mla_cache(tokens, src_blocks, seed=1)
+    geometry = PageGeometry.of([cache], latent=True)
+    writer = PageWriter(geometry, checksums="crc32c")
+    decoded = decode_payload(_payload(writer, cache, src_blocks))
+    assert decoded.metadata["layout"] == MLA_PAGE_LAYOUT and decoded.metadata["kv_latent"] is True
+    assert decoded.value_cache[0] is None and decoded.key_cache[0].shape == (3, 1, BS * LATENT)
+    check_payload(decoded, geometry, 0, 1, 3)
+
+    dest = torch.zeros_like(cache)
+    index = torch.tensor(dst_blocks, dtype=torch.long)
+    n = write_pages(dest, geometry, decoded, index, 0, 0, 1, block_runs(dst_blocks))
+    assert n == 3 * BS * LATENT * 2  # the latent pages alone: no V half
+    assert torch.equal(_tokens(dest, dst_blocks, tokens), latents)
+    untouched = [b for b in range(BLOCKS) if b not in dst_blocks]
+    assert not dest[untouched].any()
+    # control: the same blocks of the source cache are other tokens' latents (zero here)
+    assert not torch.equal(_tokens(cache, dst_blocks, tokens), latents)
+
+    # a load that starts after a local prefix (page 1 on) writes only the pages it is given
+    later = torch.zeros_like(cache)
+    write_pages(later, geometry, decoded, torch.tensor([4, 3]), 1, 0, 1, None)
+    assert torch.equal(later[4], cache[2]) and torch.equal(later[3], cache[9]) and not later[[0, 1, 2]].any()
+
+
+def test_check_payload_refuses_what_is_not_this_caches_latent_pages() -> None:
+    cache, _ = _cpu_mla_cache(20, [3, 4], seed=2)
+    geometry = PageGeometry.of([cache], latent=True)
+    decoded = decode_payload(_payload(PageWriter(geometry), cache, [3, 4], layer_idx=1))
+    check_payload(decoded, geometry, 1, 1, 2)
+    with pytest.raises(PayloadError, match="is for layer 1"):
+        check_payload(decoded, geometry, 0, 1, 2)
+    with pytest.raises(PayloadError, match=r"expected \[>= 3, 1, 9216\]"):
+        check_payload(decoded, geometry, 1, 1, 3)
+    other = PageGeometry.of([cache.float()], latent=True)
+    with pytest.raises(PayloadError, match="latent pages are bfloat16, this cache is float32"):
+        check_payload(decoded, other, 1, 1, 2)
+    # a dense cache's payload is not a latent's, nor the other way round
+    dense = PageGeometry.of([torch.zeros(BLOCKS, 1, BS, LATENT, dtype=torch.bfloat16)])
+    with pytest.raises(PayloadError, match=f"payload layout '{MLA_PAGE_LAYOUT}', expected '{PAGE_LAYOUT}'"):
+        check_payload(decoded, dense, 1, 1, 2)
+    dense_payload = decode_payload(_payload(PageWriter(dense), cache, [3, 4], layer_idx=1))
+    with pytest.raises(PayloadError, match=f"payload layout '{PAGE_LAYOUT}', expected '{MLA_PAGE_LAYOUT}'"):
+        check_payload(dense_payload, geometry, 1, 1, 2)
+    # stated block size other than this cache's: MLA pages are never re-blocked
+    decoded.metadata["block_size"] = 32
+    with pytest.raises(PayloadError, match="never re-blocked"):
+        check_payload(decoded, geometry, 1, 1, 2)
+    decoded.metadata["block_size"] = BS
+    decoded.metadata["kv_latent"] = False
+    with pytest.raises(PayloadError, match="kv_latent: true"):
+        check_payload(decoded, geometry, 1, 1, 2)
+
+
+@pytest.mark.parametrize(("prefill_tp", "decode_tp"), [(1, 1), (1, 2), (2, 1), (2, 4), (4, 2), (8, 1)])
+def test_every_decode_rank_reads_the_whole_latent_from_its_one_prefill_rank(prefill_tp: int, decode_tp: int) -> None:
+    # total_heads is the model's query-side count and must not matter for a latent
+    for heads in (1, 3, 16):
+        sent = {
+            (sl.source_rank, sl.target_rank, sl.head_start, sl.head_stop)
+            for rank in range(prefill_tp)
+            for sl in send_slices(prefill_tp, decode_tp, heads, rank, latent=True)
+        }
+        reads = {
+            (sl.source_rank, sl.target_rank, sl.head_start, sl.head_stop)
+            for rank in range(decode_tp)
+            for sl in recv_slices(prefill_tp, decode_tp, heads, rank, latent=True)
+        }
+        assert sent == reads == {(latent_source(prefill_tp, decode_tp, t), t, 0, 1) for t in range(decode_tp)}
