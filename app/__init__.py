@@ -17,6 +17,7 @@ if TYPE_CHECKING:
     from kvferry.app.manager import KVCache, KVTransferManager, StageGroups
     from kvferry.app.receive import ReceiveResult
     from kvferry.app.registry import available_connectors, create_connector, register_connector
+    from kvferry.app.stage import Distribution, DistributionStatus, Prefetched, PrefetchStart, PrefetchStatus
     from kvferry.app.wiring import build_manager
 
 __version__ = "0.1.0"
@@ -30,11 +31,21 @@ _LAZY = {
     "create_connector": "kvferry.app.registry",
     "register_connector": "kvferry.app.registry",
     "build_manager": "kvferry.app.wiring",
+    "Distribution": "kvferry.app.stage",
+    "DistributionStatus": "kvferry.app.stage",
+    "Prefetched": "kvferry.app.stage",
+    "PrefetchStart": "kvferry.app.stage",
+    "PrefetchStatus": "kvferry.app.stage",
 }
 
 __all__ = [
+    "Distribution",
+    "DistributionStatus",
     "KVCache",
     "KVTransferManager",
+    "PrefetchStart",
+    "PrefetchStatus",
+    "Prefetched",
     "ReceiveResult",
     "StageGroups",
     "__version__",

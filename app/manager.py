@@ -1,9 +1,11 @@
 """The transfer manager an inference engine embeds (SPEC 6-7), with a typed API.
 
 :class:`KVTransferManager` owns the connectors of one rank, the send path, the receive path,
-distribution inside the receiving stage and the optional prefetch worker. It is built from a
+distribution inside the receiving stage (with the pure-TP consensus that drops KV a peer
+missed) and the optional prefetch worker. It is built from a
 :class:`~kvferry.core.config.TransferConfig` by :mod:`kvferry.app.wiring` (the composition
-root) or directly with injected adapters in tests. Every call returns typed outcomes and updates
+root) or directly with injected adapters in tests. Every call returns typed outcomes
+(:mod:`kvferry.app.stage` for the receiving stage's) and updates
 :attr:`KVTransferManager.counters`; the reference's method names live in
 :mod:`kvferry.app.compat` on top of this class.
 """
@@ -18,25 +20,41 @@ from typing import Any
 
 import attrs
 
+from kvferry.app.distribute import Distributor, kv_fields_of
+from kvferry.app.prefetch import CONSUMED_KINDS, Prefetcher
 from kvferry.app.receive import ReceivePath, ReceiveResult
 from kvferry.app.registry import SERVING_CONNECTORS, connector_role_config, create_connector
 from kvferry.app.send import SendPath
+from kvferry.app.stage import Distribution, DistributionStatus, Prefetched, PrefetchStart, PrefetchStatus
 from kvferry.core.addressing import kv_port, pull_port
 from kvferry.core.config import TransferConfig
 from kvferry.core.errors import ConfigError, ConnectorUnavailable
 from kvferry.core.header import DecodeLimits
+from kvferry.core.ids import is_dummy_request
 from kvferry.core.outcomes import Counters, ReceiveKind, ReceiveOutcome, SendOutcome, SendReason
 from kvferry.core.policy import RetryPolicy
 from kvferry.core.ports import CollectiveGroup, Connector, SenderAware
+from kvferry.core.roles import ReceiveRole
 from kvferry.core.sender_info import SenderEndpoint, resolve_sender
 from kvferry.core.topology import TPTopology
 
-__all__ = ["KVTransferManager", "StageGroups", "KVCache", "SERVING_CONNECTORS", "SystemClock"]
+__all__ = [
+    "KVTransferManager",
+    "StageGroups",
+    "KVCache",
+    "SERVING_CONNECTORS",
+    "SystemClock",
+    "COLLECTIVE_MARGIN_S",
+]
 
 logger = logging.getLogger(__name__)
 
-#: Connectors that serve payloads from the sender's process: the manager gives them a role and
-#: the sender rank's port (SPEC 2.3).
+#: Followers wait for the leader's receive (up to ``recv_timeout``) plus this margin (seconds);
+#: every collective step of the receiving stage is bounded by the sum.
+COLLECTIVE_MARGIN_S = 30.0
+#: Refusals a prefetch took (the marker is gone), kept for the synchronous receive that
+#: follows; all are forgotten when this many are kept.
+_REFUSALS_KEPT = 1024
 
 
 class SystemClock:
@@ -105,6 +123,7 @@ class KVTransferManager:
     kv_payload_merger: Callable[..., Any] | None = None
     kv_payload_slicer: Callable[..., Any] | None = None
     counters: Counters = attrs.field(factory=lambda: Counters(threading.Lock()))
+    prefetch: bool | None = None
     _send_connector: Connector | None = attrs.field(init=False, default=None)
     _recv_connector: Connector | None = attrs.field(init=False, default=None)
     _failures: dict[str, ConnectorUnavailable] = attrs.field(init=False, factory=dict)
@@ -113,6 +132,19 @@ class KVTransferManager:
     _closed: bool = attrs.field(init=False, default=False)
     _recv_path: tuple[tuple, ReceivePath] | None = attrs.field(init=False, default=None)
     _send_path: tuple[tuple, SendPath] | None = attrs.field(init=False, default=None)
+    _prefetcher: Prefetcher = attrs.field(init=False)
+    _refused: dict[str, ReceiveOutcome] = attrs.field(init=False, factory=dict)
+
+    def __attrs_post_init__(self) -> None:
+        wanted = self.config.enable_kv_async_prefetch if self.prefetch is None else self.prefetch
+        self._prefetcher = Prefetcher(
+            lambda rid, info, device: self._receive(rid, info, device, None, False),
+            enabled=bool(wanted) and self.config.need_recv_cache and not self.config.receiver_pool_on_device,
+            role=self.receive_role,
+            free_ratio=lambda: self.free_memory_ratio(),
+            min_free_ratio=self.config.kv_prefetch_min_free_mem_ratio,
+            wait_s=self.collective_timeout_s,
+        )
 
     # ------------------------------------------------------------------------------ topology
     @property
@@ -393,7 +425,18 @@ class KVTransferManager:
         cannot reuse those bytes, so a caller that keeps the KV for long copies it (or passes
         ``zero_copy=False``). ``zero_copy=False`` copies the tensors out and releases the
         buffers before returning (what the reference does; :mod:`kvferry.app.compat` uses it).
+        A refusal a prefetch already took for ``request_id`` (:meth:`consume_prefetched`) is
+        answered at once (it was counted then).
         """
+        with self._lock:
+            refused = self._refused.pop(str(request_id), None)
+        if refused is not None:
+            return ReceiveResult(refused)
+        return self._receive(request_id, sender_info, target_device, timeout_s, zero_copy)
+
+    def _receive(
+        self, request_id: str, sender_info: Any, target_device: Any, timeout_s: float | None, zero_copy: bool
+    ) -> ReceiveResult:
         try:
             result = self.receive_path().receive(
                 str(request_id) if request_id is not None else "",
@@ -419,6 +462,157 @@ class KVTransferManager:
         )
         self.counters.record(outcome)
         return outcome
+
+    # ------------------------------------------------------------------------- distribution
+    @property
+    def collective_timeout_s(self) -> float:
+        """What bounds each collective step of the receiving stage, and a prefetch's wait
+        (seconds): ``recv_timeout`` (followers wait while the leader receives) plus
+        :data:`COLLECTIVE_MARGIN_S`."""
+        return self.config.recv_timeout + COLLECTIVE_MARGIN_S
+
+    def _distributor(self, on_drop: Callable[[str], None] | None = None) -> Distributor:
+        from_tp, to_tp = self.tp_sizes
+        return Distributor(
+            self.groups, from_tp, to_tp, timeout_s=self.collective_timeout_s, kv_factory=KVCache, on_drop=on_drop
+        )
+
+    def receive_role(self) -> ReceiveRole:
+        """This rank's role in the receiving stage (SPEC 6): LOCAL pulls its own shard, a
+        LEADER pulls and hands KV to its FOLLOWERS, which never touch the connector."""
+        return self._distributor().plan().role
+
+    def _takes_part(self, request: Any) -> bool:
+        """Whether ``request`` is distributed at all: a real request id on a receiving stage
+        (the same answer on every rank, so either all enter the collectives or none)."""
+        rid = getattr(request, "request_id", None)
+        return bool(rid) and not is_dummy_request(rid) and self.receiving
+
+    def distribute(self, request: Any, receive: Callable[[Any], bool] | None = None) -> Distribution:
+        """Receive by role and distribute inside the receiving stage (SPEC 6, 9.1, 9.3).
+
+        Call on every rank of the stage for the same request, in the same order. ``receive``
+        (run on LOCAL and LEADER ranks only) pulls this rank's KV and applies it to
+        ``request`` (``past_key_values`` / ``kv_metadata`` and the ``cfg_*`` fields of its
+        ``sampling_params``), returning whether it did; None: the KV this rank has already
+        applied to ``request``, if any. Leaders then hand it to their followers; pure-TP LOCAL
+        ranks agree on it, and KV a peer missed is dropped on every rank (counted as
+        ``dropped_by_consensus``). Raises KVFerryError when a collective fails (the group is
+        broken; this rank keeps no KV then).
+        """
+        rid = str(getattr(request, "request_id", "") or "")
+        role = self.receive_role()
+        if not self._takes_part(request):
+            return Distribution(rid, role, DistributionStatus.SKIPPED)
+        drops: list[ReceiveOutcome] = []
+        pull = receive if receive is not None else (lambda r: kv_fields_of(r) is not None)
+        has_kv = self._distributor(lambda r: drops.append(self.record_consensus_drop(r))).run(
+            request, pull, active=True
+        )
+        if has_kv:
+            return Distribution(rid, role, DistributionStatus.HAS_KV)
+        if drops:
+            return Distribution(rid, role, DistributionStatus.DROPPED_BY_CONSENSUS, drop=drops[0])
+        return Distribution(rid, role, DistributionStatus.NO_KV)
+
+    def receive_and_distribute(
+        self,
+        request: Any,
+        *,
+        sender_info: Any = None,
+        target_device: Any = None,
+        timeout_s: float | None = None,
+        zero_copy: bool = True,
+    ) -> Distribution:
+        """:meth:`distribute` with the manager's own receive: the prefetched payload for the
+        request when there is one (:meth:`consume_prefetched`; one taken but unusable means no
+        KV, never a second wait), else :meth:`receive` with these arguments; the payload is
+        applied to ``request`` (:meth:`apply_to_request`). The result's ``received`` is this
+        rank's receive (LOCAL and LEADER ranks); a zero-copy one is released here unless this
+        rank ends with KV, then it is the caller's to release.
+        """
+        received: list[ReceiveResult] = []
+
+        def pull(req: Any) -> bool:
+            rid = str(req.request_id)
+            prefetched = self.consume_prefetched(rid)
+            result = prefetched.result
+            if result is not None and prefetched.status is PrefetchStatus.CONSUMED:  # gone: no second wait
+                received.append(result)
+                logger.error(
+                    "request %s: prefetched KV was consumed but could not be used (%s); the request runs without KV",
+                    rid,
+                    result.outcome.detail,
+                )
+                return False
+            if result is None or not prefetched.hit:
+                result = self.receive(
+                    rid, sender_info=sender_info, target_device=target_device, timeout_s=timeout_s, zero_copy=zero_copy
+                )
+            received.append(result)
+            return self.apply_to_request(req, result.payload) if result.ok else False
+
+        try:
+            dist = self.distribute(request, pull)
+        except BaseException:
+            for result in received:
+                result.release()
+            raise
+        mine = received[-1] if received else None
+        if mine is not None and not dist.ok:
+            mine.release()
+        return attrs.evolve(dist, received=mine)
+
+    # ------------------------------------------------------------------------------ prefetch
+    @property
+    def prefetch_enabled(self) -> bool:
+        """Whether :meth:`start_prefetch` may start anything (see ``prefetch``)."""
+        return self._prefetcher.enabled
+
+    def start_prefetch(self, request_id: str, *, sender_info: Any, target_device: Any = None) -> PrefetchStart:
+        """Begin receiving ``request_id`` on the background worker (SPEC 7; one at a time: a
+        prefetch of another id still outstanding is dropped). Copies its tensors out
+        (``zero_copy=False``), so no pool buffer is held while the result waits. Followers,
+        a missing ``sender_info``, a disabled or shut-down worker and low free device memory
+        start nothing; the answer says which."""
+        job: dict[str, Any] = {"request_id": request_id}
+        if sender_info is not None:
+            job["kv_sender_info"] = sender_info
+        started, reason = self._prefetcher.start(job, target_device)
+        if not started:
+            logger.debug("prefetch of %r not started: %s", request_id, reason)
+        return PrefetchStart(str(request_id), started, reason)
+
+    def consume_prefetched(self, request_id: str) -> Prefetched:
+        """The prefetch of ``request_id``, waiting for it (up to :attr:`collective_timeout_s`).
+
+        A prefetch of another id is dropped. HIT: apply ``result.payload``. MISS: receive
+        synchronously (a refusal the prefetch took is then answered at once). CONSUMED: the
+        payload was taken but is unusable; it is gone, so do not receive again.
+        """
+        rid = str(request_id)
+        result = self._prefetcher.take(rid)
+        if result is None:
+            return Prefetched(rid, PrefetchStatus.MISS)
+        kind = result.outcome.kind
+        if kind is ReceiveKind.REFUSED:  # the sender said it cannot come: never wait for it
+            with self._lock:
+                if len(self._refused) >= _REFUSALS_KEPT:
+                    self._refused.clear()
+                self._refused[rid] = result.outcome
+        if kind in CONSUMED_KINDS:
+            return Prefetched(rid, PrefetchStatus.CONSUMED, result)
+        return Prefetched(rid, PrefetchStatus.HIT if result.ok else PrefetchStatus.MISS, result)
+
+    def wait_prefetch(self, timeout_s: float | None = None) -> bool:
+        """Block until no prefetch is running (its result stays to be consumed); False when one
+        is still running after ``timeout_s`` seconds (None: as long as it takes)."""
+        return self._prefetcher.wait(timeout_s)
+
+    def shutdown_prefetch(self) -> None:
+        """Drop pending prefetches and stop the worker (idempotent; waits for a running
+        receive). Later starts answer ``shut_down``; receiving goes on."""
+        self._prefetcher.shutdown()
 
     # ------------------------------------------------------------------------------- request
     @staticmethod
@@ -451,7 +645,9 @@ class KVTransferManager:
         return out
 
     def close(self) -> None:
-        """Close connectors this manager created (an injected one belongs to the caller)."""
+        """Stop the prefetch worker and close connectors this manager created (an injected one
+        belongs to the caller)."""
+        self.shutdown_prefetch()
         with self._lock:
             if self._closed:
                 return

@@ -34,17 +34,16 @@ from kvferry.app.compat.kv_utils import (
     slice_layer_blocks,
     slice_received_rank_shard,
 )
-from kvferry.app.distribute import Distributor, kv_fields_of
-from kvferry.app.manager import KVCache, KVTransferManager, StageGroups
-from kvferry.app.prefetch import CONSUMED_KINDS, Prefetcher
+from kvferry.app.distribute import kv_fields_of
+from kvferry.app.manager import COLLECTIVE_MARGIN_S, KVTransferManager, StageGroups
 from kvferry.app.receive import ReceiveResult
 from kvferry.app.registry import check_connector_config
+from kvferry.app.stage import Distribution, DistributionStatus, PrefetchStatus
 from kvferry.core.addressing import pull_port
 from kvferry.core.config import TransferConfig, extract_omni_kv_config
 from kvferry.core.errors import ConfigError
-from kvferry.core.ids import is_dummy_request
 from kvferry.core.layouts import VLLM_CPU_ISAS
-from kvferry.core.outcomes import ReceiveKind, ReceiveOutcome, SendOutcome
+from kvferry.core.outcomes import ReceiveOutcome, SendOutcome
 from kvferry.core.roles import ReceiveRole, tp_active
 
 # The reference's kv_transfer_manager module also holds the routing helpers, the port stride and
@@ -76,11 +75,6 @@ __all__ = [
 ]
 
 logger = logging.getLogger(__name__)
-
-#: Followers wait for the leader's receive (up to ``recv_timeout``) plus this margin.
-COLLECTIVE_MARGIN_S = 30.0
-#: Prefetched refusals kept for the synchronous receive that follows (all dropped when full).
-_REFUSALS_KEPT = 1024
 
 
 @attrs.frozen
@@ -154,7 +148,13 @@ def _with_engine_layout(typed: TransferConfig, vllm_config: Any) -> TransferConf
 
 
 class OmniKVTransferManager:
-    """The reference's manager (REFERENCE_API.md) backed by kvferry's typed manager."""
+    """The reference's manager (REFERENCE_API.md) backed by kvferry's typed manager.
+
+    Every behaviour is the typed manager's (:class:`~kvferry.app.manager.KVTransferManager`:
+    receive, distribution, prefetch, consensus drops); this class renames, reads the
+    reference's arguments (requests, job dicts) and answers in its shapes (bools, ``(payload,
+    nbytes)`` tuples, :class:`KVPrefetchConsumeError`).
+    """
 
     def __init__(
         self,
@@ -184,6 +184,10 @@ class OmniKVTransferManager:
             and (typed.need_send_cache or typed.need_recv_cache)
         ):
             check_connector_config(typed.connector_config)  # a name that cannot be served fails here
+        # a CFG collector receives the companion requests synchronously: no prefetch then
+        manager_kwargs.setdefault(
+            "prefetch", bool(async_prefetch or typed.enable_kv_async_prefetch) and not has_cfg_collector
+        )
         self._manager = KVTransferManager(
             typed,
             tp_rank=get_local_tp_rank() if tp_rank is None else tp_rank,
@@ -196,23 +200,6 @@ class OmniKVTransferManager:
         m = self._manager
         self.last_send_outcomes: list[SendOutcome] = []
         self.last_receive_outcome: ReceiveOutcome | None = None
-        #: Refusals a prefetch took (the marker is gone): the synchronous receive that follows
-        #: a ``(None, 0)`` from :meth:`consume_prefetched_kv` answers them at once.
-        self._refused: dict[str, ReceiveOutcome] = {}
-        enabled = (
-            typed.need_recv_cache
-            and (async_prefetch or typed.enable_kv_async_prefetch)
-            and not has_cfg_collector
-            and not typed.receiver_pool_on_device
-        )
-        self._prefetcher = Prefetcher(
-            self._prefetch_receive,
-            enabled=enabled,
-            role=lambda: self._distributor().plan().role,
-            free_ratio=m.free_memory_ratio,
-            min_free_ratio=typed.kv_prefetch_min_free_mem_ratio,
-            wait_s=typed.recv_timeout + COLLECTIVE_MARGIN_S,
-        )
         if m.sending and m.send_connector() is None:
             logger.error(
                 "KV sending is configured but no connector could be created: %s", m.connector_failure("sender")
@@ -278,7 +265,7 @@ class OmniKVTransferManager:
             return TransferTopoConfig(ReceiveRole.LOCAL, False, 1, 0, None, 1, 0, None, world)
         from_tp, to_tp = self._manager.tp_sizes
         return TransferTopoConfig(
-            role=self._distributor().plan().role,
+            role=self._manager.receive_role(),
             tp_active=tp_active(from_tp, to_tp),
             cfg_size=cfg.size if cfg else 1,
             cfg_rank=cfg.rank if cfg else 0,
@@ -350,10 +337,6 @@ class OmniKVTransferManager:
 
     # ---------------------------------------------------------------------------- receiving
     def _receive(self, request_id: str, target_device: Any = None, sender_info: Any = None) -> ReceiveResult:
-        refused = self._refused.pop(str(request_id), None)
-        if refused is not None:
-            self.last_receive_outcome = refused
-            return ReceiveResult(refused)
         result = self._manager.receive(
             request_id, sender_info=sender_info, target_device=target_device, zero_copy=False
         )  # the reference hands out tensors of their own
@@ -407,47 +390,30 @@ class OmniKVTransferManager:
             self._collect_cfg(req, cfg_kv_collect_func, target_device)
         return ok
 
-    def _distributor(self) -> Distributor:
-        m = self._manager
-        from_tp, to_tp = m.tp_sizes
-        return Distributor(
-            m.groups,
-            from_tp,
-            to_tp,
-            timeout_s=m.config.recv_timeout + COLLECTIVE_MARGIN_S,
-            kv_factory=KVCache,
-            on_drop=self._dropped,
-        )
-
-    def _dropped(self, request_id: str) -> None:
-        """This rank received, but a TP peer did not: every rank dropped the KV (SPEC 9.1)."""
-        self.last_receive_outcome = self._manager.record_consensus_drop(request_id)
-
-    def _active(self, req: Any) -> bool:
-        rid = getattr(req, "request_id", None)
-        return bool(rid) and not is_dummy_request(rid) and self._manager.receiving
+    def _distributed(self, dist: Distribution) -> bool:
+        if dist.status is DistributionStatus.DROPPED_BY_CONSENSUS:  # counted by the manager
+            self.last_receive_outcome = dist.drop
+        return dist.ok
 
     def receive_multi_kv_cache_distributed(
         self, req: Any, cfg_kv_collect_func: Callable[..., Any] | None = None, target_device: Any = None
     ) -> bool:
         """Receive by role (LOCAL / LEADER pull; FOLLOWER waits) and distribute (SPEC 6)."""
-        return self._distributor().run(
-            req, lambda r: self.receive_multi_kv_cache(r, cfg_kv_collect_func, target_device), active=self._active(req)
+        return self._distributed(
+            self._manager.distribute(req, lambda r: self.receive_multi_kv_cache(r, cfg_kv_collect_func, target_device))
         )
 
     def distribute_kv_cache(self, req: Any, target_device: Any = None, *, received: bool = False) -> dict | None:
         """Distribute what the leader already applied to ``req``; the fields this rank ends with."""
-        ok = self._distributor().run(req, lambda r: received and kv_fields_of(r) is not None, active=self._active(req))
+        ok = self._distributed(self._manager.distribute(req, None if received else (lambda r: False)))
         return kv_fields_of(req) if ok else None
 
     # ------------------------------------------------------------------------------ prefetch
-    def _prefetch_receive(self, request_id: str, sender_info: Any, target_device: Any) -> ReceiveResult:
-        return self._manager.receive(request_id, sender_info=sender_info, target_device=target_device, zero_copy=False)
-
     def start_prefetch(self, kv_prefetch_job: Mapping[str, Any], target_device: Any = None) -> None:
-        started, reason = self._prefetcher.start(kv_prefetch_job, target_device)
-        if not started:
-            logger.debug("prefetch not started: %s", reason)
+        job = kv_prefetch_job if isinstance(kv_prefetch_job, Mapping) else {}
+        self._manager.start_prefetch(
+            str(job.get("request_id") or ""), sender_info=job.get("kv_sender_info"), target_device=target_device
+        )
 
     def consume_prefetched_kv(self, req: Any) -> tuple[dict | None, int]:
         """The prefetched payload for ``req`` or ``(None, 0)`` (then receive synchronously).
@@ -455,20 +421,19 @@ class OmniKVTransferManager:
         Raises KVPrefetchConsumeError when the payload was taken but post-processing failed.
         """
         rid = getattr(req, "request_id", None)
-        result = self._prefetcher.take(str(rid)) if rid else None
+        if not rid:
+            return None, 0
+        prefetched = self._manager.consume_prefetched(str(rid))
+        result = prefetched.result
         if result is None:
             return None, 0
         self.last_receive_outcome = result.outcome
-        if result.outcome.kind is ReceiveKind.REFUSED:  # the sender said it cannot come: never wait for it
-            if len(self._refused) >= _REFUSALS_KEPT:
-                self._refused.clear()
-            self._refused[str(rid)] = result.outcome
-        if result.outcome.kind in CONSUMED_KINDS:
+        if prefetched.status is PrefetchStatus.CONSUMED:
             raise KVPrefetchConsumeError(
                 f"request {rid}: prefetched KV was consumed but could not be used: {result.outcome.detail}",
                 request_id=str(rid),
             )
-        return (result.payload, result.nbytes) if result.ok else (None, 0)
+        return (result.payload, result.nbytes) if prefetched.hit else (None, 0)
 
     def consume_and_distribute_kv_cache(self, req: Any, target_device: Any = None) -> bool:
         """Use a prefetched payload when there is one, else receive; then distribute."""
@@ -484,19 +449,18 @@ class OmniKVTransferManager:
                 return True
             return self.receive_kv_cache(r, target_device)
 
-        return self._distributor().run(req, receive, active=self._active(req))
+        return self._distributed(self._manager.distribute(req, receive))
 
     def wait_prefetch(self, timeout: float | None = None) -> bool:
         """Block until no background prefetch is running; its payload stays to be consumed.
         False when one is still running after ``timeout`` seconds."""
-        return self._prefetcher.wait(timeout)
+        return self._manager.wait_prefetch(timeout)
 
     def shutdown_prefetch(self) -> None:
-        self._prefetcher.shutdown()
+        self._manager.shutdown_prefetch()
 
     def close(self) -> None:
-        self.shutdown_prefetch()
-        self._manager.close()
+        self._manager.close()  # the prefetch worker first, then the connectors
 
     def __enter__(self) -> OmniKVTransferManager:
         return self

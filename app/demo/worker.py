@@ -181,25 +181,14 @@ def _receiver(spec: DemoSpec, rank: int, queue: Any, groups: Any, connector: Any
     width = own[1] - own[0]
     queue.put({"kind": "ready", "role": "receiver", "rank": rank})
     sender_info = {"host": "127.0.0.1", "zmq_port": spec.advertised_port}
-    from kvferry.app.distribute import Distributor
-    from kvferry.app.manager import KVCache
-
-    distributor = Distributor(
-        manager.groups, spec.from_tp, spec.to_tp, timeout_s=spec.timeout_s + 30, kv_factory=KVCache
-    )
     try:
         for req in request_plan(spec):
             holder = _Request(req.request_id)
             start = time.monotonic()
-            result_box: dict[str, Any] = {}
-
-            def receive(r: Any) -> bool:
-                # zero-copy: the tensors view the connector's pool until released below
-                res = manager.receive(r.request_id, sender_info=sender_info, zero_copy=True)
-                result_box["result"] = res
-                return manager.apply_to_request(r, res.payload) if res.ok else False
-
-            ok = distributor.run(holder, receive, active=True)
+            # zero-copy: the tensors view the connector's pool until released below; the manager
+            # distributes inside the stage (pure TP: every rank pulls, then they agree)
+            dist = manager.receive_and_distribute(holder, sender_info=sender_info, zero_copy=True)
+            ok = dist.ok
             t_done = time.monotonic()  # received (with TP consensus); verification follows
             exact = False
             if ok:
@@ -214,7 +203,7 @@ def _receiver(spec: DemoSpec, rank: int, queue: Any, groups: Any, connector: Any
                 )
                 if spec.is_mla:
                     exact = exact and all(v is None for v in kv.value_cache)
-            res = result_box.get("result")
+            res = dist.received
             if res is not None:  # verified: drop the views, then give the pool buffers back
                 holder.past_key_values = None
                 res.release()

@@ -22,8 +22,9 @@ from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorProm
 
 from kvferry.app.vllm.backends import layer_layouts
 from kvferry.app.vllm.params import ConnectorSettings
+from kvferry.app.vllm.records import FAILURE_KINDS
 from kvferry.app.vllm.scheduler import PageScheduler, StepPlan
-from kvferry.app.vllm.worker import FAILURE_KINDS, PageWorker
+from kvferry.app.vllm.worker import PageWorker
 from kvferry.core.backends import BackendLayout
 from kvferry.core.errors import ConfigError
 

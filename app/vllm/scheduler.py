@@ -3,7 +3,7 @@ attribute: ``request_id``, ``kv_transfer_params``, ``num_prompt_tokens``,
 ``num_computed_tokens``, ``prompt_token_ids``).
 
 Prefill (producer): a request with ``kv_transfer_params = {"do_remote_decode": true}`` is
-saved in the step where its prefill completes (:class:`~kvferry.app.vllm.worker.SaveJob` in
+saved in the step where its prefill completes (:class:`~kvferry.app.vllm.records.SaveJob` in
 the step's metadata); when it finishes, :meth:`PageScheduler.request_finished` keeps its
 blocks (True) and returns the decode side's params; the worker reports it sent once every
 layer is out, and vLLM frees the blocks.
@@ -32,7 +32,7 @@ from kvferry.app.vllm.params import (
     prefill_result,
     recompute_instead,
 )
-from kvferry.app.vllm.worker import LoadJob, SaveJob
+from kvferry.app.vllm.records import LoadJob, SaveJob
 from kvferry.core.errors import ConfigError
 
 __all__ = ["PageScheduler", "StepPlan"]
