@@ -54,8 +54,9 @@ def _num_layers(vllm_config: Any, kv_cache_config: Any) -> int:
 def _page_layouts(vllm_config: Any, kv_caches: dict[str, torch.Tensor], kv_cache_config: Any) -> BackendLayout:
     """The one layout of every registered cache, from what vLLM chose (app.vllm.backends);
     ConfigError at start for a backend kvferry does not move, for layers in different layouts,
-    and for what this connector's page moves do not cover yet (MLA latents; a dense cache in
-    NHD order, whose (block, head) pages are not contiguous)."""
+    and for what this connector's page moves do not cover (a dense cache in NHD order, whose
+    (block, head) pages are not contiguous). An MLA cache (``mla``: one latent per token, one
+    "head") is moved in any stride order: with one head NHD and HND are the same bytes."""
     layouts = layer_layouts(vllm_config, kv_caches, kv_cache_config)
     labels = {bl.label for bl in layouts.values()}
     if len(labels) > 1:
@@ -63,12 +64,6 @@ def _page_layouts(vllm_config: Any, kv_caches: dict[str, torch.Tensor], kv_cache
             f"kv_caches: layers in different layouts {sorted(labels)}; kvferry moves one layout per engine"
         )
     name, first = next(iter(layouts.items()))
-    if first.layout.name == "mla":
-        raise ConfigError(
-            f"layer {name!r}: backend {first.backend} writes an MLA latent (kvferry's layout 'mla'); the vLLM "
-            f"connector moves dense K/V pages only (CPU_ATTN, and FLASH_ATTN / FLASHINFER / TRITON_ATTN in HND "
-            f"order), not MLA caches yet"
-        )
     if first.layout.name == "packed" and first.stride_order not in (None, "LBHNC"):
         raise ConfigError(
             f"layer {name!r}: backend {first.backend} in stride order {first.stride_order}: the vLLM connector moves "
@@ -126,6 +121,7 @@ class KVFerryConnector(KVConnectorBase_V1):
         layout = _page_layouts(self._vllm_config, kv_caches, self._kv_cache_config)
         self._worker.kernel_isa = layout.layout.isa
         self._worker.cache_layout = layout.label
+        self._worker.latent = layout.layout.name == "mla"
         logger.info("kvferry: %d layers, backend %s, layout %s", len(kv_caches), layout.backend, layout.label)
         self._worker.register(kv_caches)
 

@@ -223,7 +223,9 @@ class PageLoader:
                 f"page order kvferry knows, and this cache's is {self.cache_layout or self.kernel_isa!r}",
             )
         try:
-            slices = recv_slices(src.prefill_tp_size, self.tp_size, self.total_kv_heads, self.tp_rank)
+            slices = recv_slices(
+                src.prefill_tp_size, self.tp_size, self.total_kv_heads, self.tp_rank, latent=geometry.latent
+            )
         except KVFerryError as exc:
             raise _LoadFailed("layout", str(exc)) from exc
         needed_pages = -(-src.num_tokens // geometry.block_size)

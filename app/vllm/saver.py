@@ -23,7 +23,7 @@ import attrs
 import torch
 
 from kvferry.app.put import put_with_retry
-from kvferry.app.vllm.pages import PAGE_LAYOUT, PageGeometry, PageWriter, layer_key, send_slices
+from kvferry.app.vllm.pages import PageGeometry, PageWriter, layer_key, send_slices
 from kvferry.app.vllm.params import ConnectorSettings
 from kvferry.app.vllm.records import SaveJob, TransferStats
 from kvferry.core.errors import KVFerryError, PoolFullError, TransferError
@@ -155,9 +155,9 @@ class PageSaver:
         index = torch.tensor(job.block_ids, dtype=torch.long)
         stage = self.settings.from_stage
         nbytes = 0
-        for sl in send_slices(self.tp_size, job.decode_tp, self.total_kv_heads, self.tp_rank):
+        for sl in send_slices(self.tp_size, job.decode_tp, self.total_kv_heads, self.tp_rank, latent=geometry.latent):
             meta = {
-                "layout": PAGE_LAYOUT,
+                "layout": geometry.payload_layout,
                 "layer": layer_idx,
                 "num_tokens": job.num_tokens,
                 "block_size": geometry.block_size,

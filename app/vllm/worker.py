@@ -89,6 +89,10 @@ class PageWorker:
     #: ``vllm_cpu:vec/LBHNC``), put in every payload as ``cache_layout``: a receiver whose cache
     #: differs (layout, block size, kernel) re-lays the pages per token (pages.write_relaid).
     cache_layout: str | None = attrs.field(default=None, on_setattr=_both)
+    #: An MLA cache (kvferry's layout ``mla``, from vLLM's backend; set before :meth:`register`):
+    #: one latent region per block, every rank holding all of it, each decode rank reading it
+    #: whole from one prefill rank (pages.PageGeometry ``latent``; core.routing.latent_source).
+    latent: bool = False
     geometry: PageGeometry | None = attrs.field(init=False, default=None)
     stats: TransferStats = attrs.field(init=False, factory=TransferStats)
     #: The last loads of this rank, oldest first (for a driver that wants per-request figures).
@@ -145,9 +149,18 @@ class PageWorker:
         sender now, so that a connector that cannot start fails the engine at start."""
         layers = list(kv_caches.values())
         index = {name: i for i, name in enumerate(kv_caches)}
-        self.geometry = geometry = PageGeometry.of(layers)
+        self.geometry = geometry = PageGeometry.of(layers, latent=self.latent)
         self._saver.attach(layers, index, geometry)
         self._loader.attach(layers, geometry)
+        if not geometry.latent:  # a latent is one "head" on every rank, whatever the model's head count
+            self._check_heads(geometry)
+        self._saver.writer = PageWriter(geometry, checksums=sending_checksum(self.settings.checksums))
+        if self.producer:
+            self._saver.start(self.connector_factory(self.settings.sender_config(self.tp_rank, self.tp_size)))
+        if self.consumer:
+            self._loader.start(self.connector_factory(self.settings.receiver_config()))
+
+    def _check_heads(self, geometry: PageGeometry) -> None:
         try:
             per_rank = rank_head_count(self.tp_size, self.total_kv_heads)
         except KVFerryError as exc:
@@ -157,11 +170,6 @@ class PageWorker:
                 f"kv_caches: {geometry.heads} KV heads on each of {self.tp_size} ranks, but a model "
                 f"with {self.total_kv_heads} KV heads holds {per_rank} per rank at TP {self.tp_size}"
             )
-        self._saver.writer = PageWriter(geometry, checksums=sending_checksum(self.settings.checksums))
-        if self.producer:
-            self._saver.start(self.connector_factory(self.settings.sender_config(self.tp_rank, self.tp_size)))
-        if self.consumer:
-            self._loader.start(self.connector_factory(self.settings.receiver_config()))
 
     # ------------------------------------------------------------------------- prefill side
     def begin_step(self, saves: Sequence[SaveJob]) -> None:

@@ -61,6 +61,9 @@ def main(out: str) -> None:
         "FLASH_ATTN_nhd": case("FLASH_ATTN", (8, 2, 16, 64), nhd=True),
         "TRITON_ATTN": case("TRITON_ATTN", (8, 2, 16, 64)),
         "TRITON_MLA": case("TRITON_MLA", (8, 1, 16, 576)),
+        "CPU_MLA": case("CPU_MLA", (8, 1, 16, 576)),
+        "CPU_MLA_nhd": case("CPU_MLA", (8, 1, 16, 576), nhd=True),
+        "AMX_MLA": case("AMX_MLA", (8, 1, 32, 576)),
         "FLEX_ATTENTION": case("FLEX_ATTENTION", (8, 2, 16, 64)),
         "ROCM_AITER_FA": case("ROCM_AITER_FA", (8, 2, 16, 64)),
     }
