@@ -3,6 +3,7 @@
 Run by the vLLM venv's interpreter (KVFERRY_VLLM_PYTHON), never imported by pytest:
 
     python engine_proc.py make-model DIR SEED      # a tiny random Llama saved by transformers
+    python engine_proc.py make-mla-model DIR SEED LAYERS  # a tiny random DeepSeek-V2 (MLA) saved by transformers
     python engine_proc.py serve CONFIG_JSON        # then: {"op": "generate", ...} lines
     python engine_proc.py hf-kv DIR PROMPTS_JSON OUT   # transformers' past_key_values of each prompt
     python engine_proc.py write-pages ISA OUT      # vLLM's CPU kernel writes known K/V into pages
@@ -38,6 +39,41 @@ def make_model(path: str, seed: int) -> None:
         torch_dtype="bfloat16",
     )
     model = LlamaForCausalLM(config).to(torch.bfloat16)
+    model.save_pretrained(path)
+
+
+def make_mla_model(path: str, seed: int, layers: int) -> None:
+    """A tiny random DeepSeek-V2 of ``layers`` layers: MLA attention, dense MLPs only
+    (``first_k_dense_replace`` = every layer), no q LoRA. vLLM's CPU MLA kernel compiles only
+    for a 576-wide latent (``kv_lora_rank`` 512 + ``qk_rope_head_dim`` 64, docs/layouts.md), so
+    those two are DeepSeek's own; everything else is small."""
+    import torch
+    from transformers import DeepseekV2Config, DeepseekV2ForCausalLM
+
+    torch.manual_seed(seed)
+    config = DeepseekV2Config(
+        vocab_size=512,
+        hidden_size=128,
+        intermediate_size=256,
+        moe_intermediate_size=64,
+        num_hidden_layers=layers,
+        first_k_dense_replace=layers,
+        num_attention_heads=4,
+        num_key_value_heads=4,
+        q_lora_rank=None,
+        kv_lora_rank=512,
+        qk_rope_head_dim=64,
+        qk_nope_head_dim=32,
+        v_head_dim=32,
+        n_routed_experts=4,
+        n_shared_experts=1,
+        num_experts_per_tok=2,
+        max_position_embeddings=1024,
+        initializer_range=0.3,
+        tie_word_embeddings=False,
+        torch_dtype="bfloat16",
+    )
+    model = DeepseekV2ForCausalLM(config).to(torch.bfloat16)
     model.save_pretrained(path)
 
 
@@ -186,6 +222,20 @@ def _page_hashes(worker, block_ids, slices):
     return {"heads": int(worker.model_runner.kv_caches[0].shape[1]), "hashes": out}
 
 
+def _latent_hashes(worker, block_ids, num_tokens):
+    """Per layer of an MLA cache ``[blocks, 1, block_size, latent]``, the sha256 of the first
+    ``num_tokens`` tokens' latents in pages ``block_ids`` (a partial last page included)."""
+    import hashlib
+
+    import torch
+
+    out = []
+    for layer in worker.model_runner.kv_caches:
+        latents = layer[torch.tensor(block_ids, dtype=torch.long)].reshape(-1, layer.shape[-1])[:num_tokens]
+        out.append(hashlib.sha256(latents.contiguous().view(torch.uint8).numpy().tobytes()).hexdigest())
+    return {"shape": list(worker.model_runner.kv_caches[0].shape), "hashes": out}
+
+
 def _token_hashes(worker, block_ids, num_tokens):
     """Per layer, the sha256 of the first ``num_tokens`` tokens' K and of their V in pages
     ``block_ids``, read per token by kvferry (the page order of the kernel vLLM picked): equal
@@ -229,7 +279,7 @@ def serve(cfg: dict) -> None:
     llm = LLM(
         model=cfg["model"],
         skip_tokenizer_init=True,
-        dtype="bfloat16",
+        dtype=cfg.get("dtype", "bfloat16"),
         block_size=cfg.get("block_size", 32),
         max_model_len=1024,
         max_num_seqs=8,
@@ -242,6 +292,8 @@ def serve(cfg: dict) -> None:
         # eager: no torch.compile warm-up (minutes on a busy 2-core machine); every instance of a
         # test runs the same way, so prefill, decode and reference compute alike
         compilation_config={"mode": 0},
+        # an MLA model names CPU_MLA: on a CPU with AMX vLLM would pick AMX_MLA, which kvferry refuses
+        **({"attention_config": {"backend": cfg["attention_backend"]}} if cfg.get("attention_backend") else {}),
     )
     _capture_plans(llm)
     out = PROTO
@@ -283,6 +335,12 @@ def serve(cfg: dict) -> None:
                 else:
                     blocks = list(LOADS[-1][: msg["blocks"]])
                 reply = {"ok": True, "ranks": llm.collective_rpc(_page_hashes, args=(blocks, msg.get("slices")))}
+            elif op == "latents":
+                # an MLA cache's per-token latents of the first ``num_tokens`` tokens: the prefill's
+                # of a transfer, or the decode's of its last load
+                blocks = list(SAVES[msg["transfer_id"]]) if "transfer_id" in msg else list(LOADS[-1])
+                blocks = blocks[: -(-msg["num_tokens"] // cfg.get("block_size", 32))]
+                reply = {"ok": True, "ranks": llm.collective_rpc(_latent_hashes, args=(blocks, msg["num_tokens"]))}
             elif op == "tokens":
                 # per-token K/V hashes of the first ``num_tokens`` tokens: the prefill's pages of a
                 # transfer, or the decode's pages of its last load
@@ -308,6 +366,8 @@ def serve(cfg: dict) -> None:
 if __name__ == "__main__":
     if sys.argv[1] == "make-model":
         make_model(sys.argv[2], int(sys.argv[3]))
+    elif sys.argv[1] == "make-mla-model":
+        make_mla_model(sys.argv[2], int(sys.argv[3]), int(sys.argv[4]))
     elif sys.argv[1] == "hf-kv":
         hf_kv(sys.argv[2], sys.argv[3], sys.argv[4])
     elif sys.argv[1] == "compat-kv":
