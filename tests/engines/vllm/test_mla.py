@@ -9,7 +9,9 @@ other tokens for one position, docs/layouts.md "vLLM's two MLA paths do not agre
 loading decode computes the prompt's last token in a decode step). The control hands the
 decode one prompt's latents for another prompt of the same length, which must change its
 tokens. With three layers the latents are still equal but the tokens part from that reference
-after a few steps (not explained; docs/layouts.md), so that model is checked by its latents.
+after a few steps: vLLM's prefill of ``L - 1`` tokens (the reference's base) and of ``L`` (the
+prefill instance's prompt) give the same positions other latents from layer 1 on (measured,
+docs/layouts.md), so that model is checked by its latents.
 
 Prefill TP 1 -> decode TP 2 (three layers): each decode rank reads the whole latent from the
 one prefill rank (``core.routing.latent_source``), so both ranks' latents equal the prefill's
