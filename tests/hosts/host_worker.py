@@ -261,20 +261,6 @@ def bind_check(config: dict[str, Any]) -> None:
     say({"bound": True})
 
 
-def preload() -> None:
-    """Import what every worker needs (the zygote calls this once, before it forks)."""
-    import torch  # noqa: F401
-    import torch.distributed  # noqa: F401
-    import zmq  # noqa: F401
-
-    import kvferry.adapters.collectives  # noqa: F401
-    import kvferry.adapters.connectors.zmq.connector  # noqa: F401
-    import kvferry.app.bench.hosts_worker  # noqa: F401
-    import kvferry.app.compat.manager  # noqa: F401
-    import kvferry.app.demo.worker  # noqa: F401
-    import kvferry.app.wiring  # noqa: F401
-
-
 def main(argv: list[str]) -> None:
     kind = argv[0]
     if kind == "sender":
