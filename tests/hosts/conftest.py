@@ -8,22 +8,19 @@ as root and must run these tests for real, so there a refusal is a failure, not 
 modules with :func:`module_net`. Either way the net is torn down on every path and the test
 fails when a namespace, a veth or a process was left behind.
 
-``HostWorker``: a ``host_worker.py`` process inside a host, spoken to in JSON lines; every
-read has a deadline, so a hang fails the test (naming the worker) instead of stalling the
-suite.
+``HostWorker``: a ``host_worker.py`` process inside a host, spoken to in JSON lines
+(:mod:`jsonlines`); every read has a deadline, so a hang fails the test (naming the worker)
+instead of stalling the suite.
 """
 
 from __future__ import annotations
 
 import contextlib
 import functools
-import json
 import os
 import pathlib
-import queue
 import subprocess
 import sys
-import threading
 from collections.abc import Iterator
 from typing import Any
 
@@ -35,11 +32,10 @@ if str(HERE) not in sys.path:
 
 import netns_enter  # noqa: E402
 import warm_spawn  # noqa: E402
+from jsonlines import READ_S, Channel  # noqa: E402
 
 from kvferry.app.bench.netns import Net, unavailable_reason  # noqa: E402
 
-#: Deadline of one read from a worker when nothing else bounds it (seconds; a shared machine).
-READ_S = 60.0
 WORKER = HERE / "host_worker.py"
 #: What ``host_worker.py`` sets for itself unless the environment says otherwise.
 WORKER_ENV = {"GLOO_SOCKET_IFNAME": "lo", "OMP_NUM_THREADS": "1", "MC_LOG_LEVEL": "ERROR"}
@@ -79,12 +75,9 @@ def net() -> Iterator[Net]:
 
 class HostWorker:
     """A ``host_worker.py`` rank inside ``host`` (forked by the session's fork server,
-    :mod:`warm_spawn`, with :func:`netns_enter.enter` as its pre-exec hook): JSON lines out,
-    commands in.
-
-    A thread moves stdout lines into a queue (no line stuck in a buffer a poll cannot see);
-    stderr goes to ``log_path`` so a failure can show what the worker said.
-    """
+    :mod:`warm_spawn`, with :func:`netns_enter.enter` as its pre-exec hook), spoken to over a
+    :class:`jsonlines.Channel`; stderr goes to ``log_path`` so a failure can show what the
+    worker said."""
 
     def __init__(self, forks: Forks, host: Any, args: list[Any], log_path: pathlib.Path) -> None:
         self.host, self.log_path = host, log_path
@@ -95,20 +88,9 @@ class HostWorker:
             self._log.close()
             raise
         self.pid: int = self.proc.pid
-        self.stdin, self.stdout = self.proc.stdin, self.proc.stdout
-        self.lines: queue.Queue[str | None] = queue.Queue()
-        self.said: list[dict[str, Any]] = []
-        self._reader = threading.Thread(target=self._pump, daemon=True, name=f"host-worker-{self.pid}")
-        self._reader.start()
-
-    def _pump(self) -> None:
-        try:
-            for line in self.stdout:
-                self.lines.put(line)
-        except (OSError, ValueError):
-            pass
-        finally:
-            self.lines.put(None)
+        self.stdin = self.proc.stdin
+        self.channel = Channel(self.proc, f"worker {self.pid} on {host.label}", context=self.log_tail)
+        self.said = self.channel.said
 
     def log_tail(self, chars: int = 3000) -> str:
         try:
@@ -128,27 +110,13 @@ class HostWorker:
         return True
 
     def read(self, timeout_s: float = READ_S) -> dict[str, Any]:
-        try:
-            line = self.lines.get(timeout=timeout_s)
-        except queue.Empty:
-            raise AssertionError(
-                f"worker {self.pid} on {self.host.label} said nothing within {timeout_s} s\n{self.log_tail()}"
-            ) from None
-        if line is None:
-            self.lines.put(None)
-            gone = self.wait_gone()
-            raise AssertionError(f"worker {self.pid} on {self.host.label} ended (gone: {gone})\n{self.log_tail()}")
-        said = json.loads(line)
-        self.said.append(said)
-        return said
+        return self.channel.read(timeout_s)
 
     def send(self, obj: dict[str, Any]) -> None:
-        self.stdin.write(json.dumps(obj) + "\n")
-        self.stdin.flush()
+        self.channel.send(obj)
 
     def ask(self, obj: dict[str, Any], timeout_s: float = READ_S) -> dict[str, Any]:
-        self.send(obj)
-        return self.read(timeout_s)
+        return self.channel.ask(obj, timeout_s)
 
     def finish(self, timeout_s: float = READ_S) -> dict[str, Any]:
         """Ask the worker to exit; its last words (``{"closed": rank}``) once it has ended.
@@ -157,16 +125,12 @@ class HostWorker:
             if self.alive():
                 with contextlib.suppress(BrokenPipeError, OSError, ValueError):
                     self.send({"op": "exit"})
-                    self.stdin.close()
+                self.channel.close_input()
             if not self.wait_gone(timeout_s):
                 self.kill()
                 raise AssertionError(f"worker {self.pid} did not exit within {timeout_s} s\n{self.log_tail()}")
-            last: dict[str, Any] = {}
-            while True:
-                line = self.lines.get(timeout=timeout_s)
-                if line is None:
-                    return last
-                last = json.loads(line)
+            rest = self.channel.rest(timeout_s)
+            return rest[-1] if rest else {}
         finally:
             self.close_pipes()
 
@@ -177,11 +141,7 @@ class HostWorker:
             raise AssertionError(f"worker {self.pid} survived SIGKILL")
 
     def close_pipes(self) -> None:
-        with contextlib.suppress(BrokenPipeError, OSError, ValueError):
-            self.stdin.close()
-        self._reader.join(READ_S)
-        with contextlib.suppress(OSError, ValueError):
-            self.stdout.close()
+        self.channel.close(READ_S)
         self._log.close()
 
     def kill_quietly(self) -> None:
