@@ -4,6 +4,7 @@ streams), and anything that would not be the same starts a fresh interpreter ins
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import signal
@@ -105,6 +106,57 @@ def test_a_module_runs_with_dash_m(tmp_path) -> None:
     proc, (info, _), rc = run_probe(["-m", "kvf_probe_mod", "0"], cwd=tmp_path)
     assert isinstance(proc, warm_spawn.WarmProcess) and rc == 0
     assert info["argv"] == [str(tmp_path / "kvf_probe_mod.py"), "0"] and info["name"] == "__main__"
+
+
+def write_pid(path: str) -> None:
+    """A pre-exec hook: this process's pid, written where the program then reads it."""
+    with open(path, "w") as f:
+        f.write(str(os.getpid()))
+
+
+def refuse(message: str) -> None:
+    """A pre-exec hook that fails."""
+    raise OSError(message)
+
+
+@pytest.mark.parametrize("cold", [False, True])
+def test_the_pre_exec_hook_runs_in_the_child_before_its_program(cold, tmp_path, monkeypatch) -> None:
+    if cold:
+        monkeypatch.setenv(warm_spawn.COLD_VAR, "1")
+    marker = tmp_path / "hook.pid"
+    code = "import os, sys; print(os.getpid(), open(sys.argv[1]).read())"  # no file: the program fails
+    hook = functools.partial(write_pid, str(marker))
+    proc = warm_spawn.popen(["-c", code, str(marker)], stdout=subprocess.PIPE, text=True, pre_exec=hook)
+    out = proc.stdout.read()
+    assert proc.wait(timeout=60) == 0
+    proc.stdout.close()
+    assert isinstance(proc, warm_spawn.WarmProcess) is not cold
+    assert out.split() == [str(proc.pid), str(proc.pid)]
+
+
+def test_a_failing_pre_exec_hook_ends_the_child_before_its_program(tmp_path) -> None:
+    log = tmp_path / "err.log"
+    with open(log, "wb") as err:
+        proc = warm_spawn.popen(
+            ["-c", "print('ran')"], stdout=subprocess.PIPE, stderr=err, pre_exec=functools.partial(refuse, "kvf-no")
+        )
+        assert isinstance(proc, warm_spawn.WarmProcess)
+        assert proc.stdout.read() == b"" and proc.wait(timeout=60) == 1
+        proc.stdout.close()
+    assert "OSError: kvf-no" in log.read_text()
+    with pytest.raises(subprocess.SubprocessError):  # a fresh interpreter: Popen raises here
+        warm_spawn.popen(
+            ["-c", "print('ran')"],
+            env={**os.environ, "PYTHONHASHSEED": "7"},
+            pre_exec=functools.partial(refuse, "kvf-no"),
+        )
+
+
+def test_a_pre_exec_hook_the_child_cannot_find_is_refused_here() -> None:
+    with pytest.raises(ValueError, match="module-level function"):
+        warm_spawn.popen(["-c", "pass"], pre_exec=lambda: None)
+    with pytest.raises(ValueError, match="JSON"):
+        warm_spawn.popen(["-c", "pass"], pre_exec=functools.partial(write_pid, object()))
 
 
 @pytest.mark.parametrize("env_change", [{"PYTHONHASHSEED": "7"}, {warm_spawn.COLD_VAR: "1"}])

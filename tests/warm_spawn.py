@@ -9,6 +9,14 @@ stands for ``subprocess.Popen([sys.executable, *args], ...)``; ``args`` is ``SCR
 would not be the same as a fresh interpreter (see :func:`_cold_reason`), or when the
 environment variable ``KVFERRY_TEST_COLD_SPAWN`` is set (every child is then a fresh one).
 
+``pre_exec``: a hook run in the child before the program starts (after its streams, cwd and
+environment are set), e.g. entering a network namespace (``hosts/netns_enter.py``). It is a
+module-level function, or a ``functools.partial`` of one with JSON-able positional arguments:
+the server's child looks the function up by module and name (importing the module from its file
+when the server has not), and a fresh interpreter gets it as ``Popen``'s ``preexec_fn``. An
+exception in it ends the child with status 1 and the traceback on its stderr (a warm start) or
+raises ``SubprocessError`` here (a fresh one).
+
 What makes the fork safe:
 
 - The server is a process of its own (started once per test session, from the session's
@@ -35,6 +43,8 @@ Run as a script this file is the server: ``python warm_spawn.py FD`` (FD: its en
 
 from __future__ import annotations
 
+import functools
+import importlib.util
 import io
 import json
 import os
@@ -46,6 +56,7 @@ import subprocess
 import sys
 import tempfile
 import threading
+from collections.abc import Callable
 from typing import IO, Any
 
 #: Modules the server imports before it forks (what the tests' ranks import), and packages whose
@@ -269,6 +280,38 @@ def _fd_of(stream: Any, default: int) -> tuple[int, list[int]]:
     return stream.fileno(), []
 
 
+def _hook_request(hook: Callable[[], None]) -> dict[str, Any]:
+    """How the server's child finds ``hook`` (see the module docstring); ValueError if it cannot."""
+    func, args = (hook.func, list(hook.args)) if isinstance(hook, functools.partial) else (hook, [])
+    if isinstance(hook, functools.partial) and hook.keywords:
+        raise ValueError(f"pre_exec {hook!r}: keyword arguments are not passed to the child; use positional ones")
+    name = getattr(func, "__qualname__", "")
+    module = sys.modules.get(getattr(func, "__module__", "") or "")
+    if not name or "." in name or module is None or getattr(module, name, None) is not func:
+        raise ValueError(f"pre_exec {hook!r}: must be a module-level function (or a functools.partial of one)")
+    try:
+        json.dumps(args)
+    except TypeError as exc:
+        raise ValueError(f"pre_exec {hook!r}: its arguments must be JSON values: {exc}") from None
+    return {"module": module.__name__, "file": getattr(module, "__file__", None), "name": name, "args": args}
+
+
+def _run_hook(spec: dict[str, Any]) -> None:
+    """In the forked child: call the hook ``spec`` names (see :func:`_hook_request`)."""
+    module = sys.modules.get(spec["module"])
+    if module is None or (spec["file"] and getattr(module, "__file__", None) != spec["file"]):
+        if not spec["file"]:
+            module = importlib.import_module(spec["module"])
+        else:
+            loader_spec = importlib.util.spec_from_file_location(spec["module"], spec["file"])
+            if loader_spec is None or loader_spec.loader is None:
+                raise ImportError(f"pre_exec: cannot load {spec['module']} from {spec['file']}")
+            module = importlib.util.module_from_spec(loader_spec)
+            sys.modules[spec["module"]] = module
+            loader_spec.loader.exec_module(module)
+    getattr(module, spec["name"])(*spec["args"])
+
+
 def popen(
     args: list[str],
     *,
@@ -279,10 +322,13 @@ def popen(
     cwd: str | os.PathLike[str] | None = None,
     env: dict[str, str] | None = None,
     bufsize: int = -1,
+    pre_exec: Callable[[], None] | None = None,
 ) -> Any:
-    """``subprocess.Popen([sys.executable, *args], ...)``, started warm where that is the same."""
+    """``subprocess.Popen([sys.executable, *args], ...)``, started warm where that is the same;
+    ``pre_exec`` runs in the child before the program (see the module docstring)."""
     args = [str(a) for a in args]
     full_env = dict(os.environ if env is None else env)
+    hook = None if pre_exec is None else _hook_request(pre_exec)
     with _lock:
         server = None if os.environ.get(COLD_VAR) else _get_server()
         reason = "no warm-start server" if server is None else _cold_reason(args, full_env, server.env)
@@ -296,6 +342,7 @@ def popen(
                 cwd=cwd,
                 env=env,
                 bufsize=bufsize,
+                preexec_fn=pre_exec,
             )
         here: list[int] = []  # our ends of the pipes
         there: list[int] = []  # the child's ends (closed here once the server has them)
@@ -328,7 +375,12 @@ def popen(
                 there.extend(extra)
             status_r, status_w = os.pipe()
             there.append(status_w)
-            request = {"args": args, "cwd": os.path.abspath(cwd if cwd is not None else os.getcwd()), "env": full_env}
+            request = {
+                "args": args,
+                "cwd": os.path.abspath(cwd if cwd is not None else os.getcwd()),
+                "env": full_env,
+                "pre_exec": hook,
+            }
             reply = server.fork(request, [child_in, child_out, child_err, status_w])
         except BaseException:
             for fd in here:
@@ -350,6 +402,7 @@ def popen(
                 cwd=cwd,
                 env=env,
                 bufsize=bufsize,
+                preexec_fn=pre_exec,
             )
     return WarmProcess(
         [sys.executable, *args],
@@ -365,12 +418,13 @@ def _wrap(fd: int | None, mode: str, bufsize: int, text: bool) -> IO[Any] | None
     """The stream object Popen would make of ``fd``."""
     if fd is None:
         return None
-    if bufsize == 1 and not text:
+    line_buffering = bufsize == 1 and text  # as Popen: the binary layer then has the default size
+    if bufsize == 1:
         bufsize = -1
     stream: IO[Any] = open(fd, mode, bufsize)
     if text:
         if mode == "wb":
-            stream = io.TextIOWrapper(stream, write_through=True, line_buffering=bufsize == 1)
+            stream = io.TextIOWrapper(stream, write_through=True, line_buffering=line_buffering)
         else:
             stream = io.TextIOWrapper(stream)
     return stream
@@ -467,6 +521,8 @@ def _become(request: dict[str, Any]) -> None:
     threads = os.environ.get(THREADS_VAR)
     if threads and threads.isdigit() and int(threads) > 0 and "torch" in sys.modules:
         sys.modules["torch"].set_num_threads(int(threads))
+    if request.get("pre_exec"):
+        _run_hook(request["pre_exec"])
     args = request["args"]
     if args[0] == "-m":
         sys.argv = [args[1], *args[2:]]  # run_module puts the module's path in argv[0]

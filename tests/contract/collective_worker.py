@@ -8,14 +8,14 @@ plain JSON both ways). ``{"scenario": "exit"}`` ends it.
 from __future__ import annotations
 
 import datetime
-import json
 import os
 import pathlib
 import sys
 
 os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
 os.environ.setdefault("OMP_NUM_THREADS", "1")
-sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
+sys.path[:0] = [str(pathlib.Path(__file__).resolve().parent), str(pathlib.Path(__file__).resolve().parent.parent)]
+from jsonlines import commands, say  # noqa: E402
 
 INIT_TIMEOUT_S = 30
 
@@ -35,14 +35,14 @@ def main() -> None:
         "gloo", store=store, rank=rank, world_size=size, timeout=datetime.timedelta(seconds=INIT_TIMEOUT_S)
     )
     ctx = Ctx(rank, size, TorchDistGroup(), lambda ranks: TorchDistGroup.new(ranks, timeout_s=INIT_TIMEOUT_S))
-    print(json.dumps({"ready": rank}), flush=True)
-    for line in sys.stdin:
-        name = json.loads(line)["scenario"]
+    say({"ready": rank})
+    for command in commands(stop_op=None):
+        name = command["scenario"]
         if name == "exit":
             break
         with no_pickle():
             result = run_scenario(name, ctx)
-        print(json.dumps(result), flush=True)
+        say(result)
     sys.stdout.flush()
     os._exit(0)  # skip process-group teardown: groups abandoned by timeout scenarios may hold work
 

@@ -7,11 +7,9 @@ FileStore rendezvous, loopback only). Every test asserts the same thing for both
 
 from __future__ import annotations
 
-import json
 import os
 import pathlib
 import pickle
-import select
 import subprocess
 import sys
 import threading
@@ -23,6 +21,7 @@ import torch
 import warm_spawn
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from jsonlines import Channel, ChannelEnded, ChannelSilent
 
 HERE = pathlib.Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
@@ -87,29 +86,26 @@ class GlooRunner:
                 stdin=subprocess.PIPE,
                 stdout=subprocess.PIPE,
                 stderr=self.logs[r],
-                bufsize=0,
+                text=True,
+                bufsize=1,
                 env=env,
             )
             for r in range(WORLD_SIZE)
         ]
+        self.channels = [Channel(proc, f"gloo rank {r}") for r, proc in enumerate(self.procs)]
         ready = self._collect(STARTUP_DEADLINE_S, "startup")
         assert [r["ready"] for r in ready] == list(range(WORLD_SIZE))
 
     def _collect(self, deadline_s: float, what: str) -> list[dict[str, Any]]:
         deadline = time.monotonic() + deadline_s
         out: list[Any] = [None] * WORLD_SIZE
-        for rank, proc in enumerate(self.procs):
-            line = b""
-            while not line.endswith(b"\n"):
-                left = deadline - time.monotonic()
-                readable, _, _ = select.select([proc.stdout], [], [], max(left, 0))
-                if not readable:
-                    pytest.fail(f"gloo rank {rank} gave no answer to {what} in {deadline_s}s: {self._log(rank)}")
-                chunk = proc.stdout.readline()
-                if not chunk:
-                    pytest.fail(f"gloo rank {rank} exited during {what}: {self._log(rank)}")
-                line += chunk
-            out[rank] = json.loads(line)
+        for rank, channel in enumerate(self.channels):
+            try:
+                out[rank] = channel.read(max(deadline - time.monotonic(), 0.0))
+            except ChannelSilent:
+                pytest.fail(f"gloo rank {rank} gave no answer to {what} in {deadline_s}s: {self._log(rank)}")
+            except ChannelEnded:
+                pytest.fail(f"gloo rank {rank} exited during {what}: {self._log(rank)}")
         return out
 
     def _log(self, rank: int) -> str:
@@ -117,23 +113,25 @@ class GlooRunner:
         return pathlib.Path(self.logs[rank].name).read_text(errors="replace")[-2000:]
 
     def run(self, scenario: str) -> list[dict[str, Any]]:
-        for proc in self.procs:
-            proc.stdin.write(json.dumps({"scenario": scenario}).encode() + b"\n")
+        for channel in self.channels:
+            channel.send({"scenario": scenario})
         return self._collect(SCENARIO_DEADLINE_S, scenario)
 
     def close(self) -> None:
-        for proc in self.procs:
+        for channel in self.channels:
             try:
-                proc.stdin.write(b'{"scenario": "exit"}\n')
-                proc.stdin.close()
+                channel.send({"scenario": "exit"})
             except OSError:
                 pass
+            channel.close_input()
         for proc in self.procs:
             try:
                 proc.wait(timeout=10)
             except subprocess.TimeoutExpired:
                 proc.kill()
                 proc.wait(timeout=10)
+        for channel in self.channels:
+            channel.close(10)
         for log in self.logs:
             log.close()
 

@@ -1,13 +1,44 @@
 """Tests against real engines (their own venvs, minutes each): collected only when asked for by
-path (``pytest tests/engines/vllm``), never by the default ``pytest`` run of the whole suite."""
+path (``pytest tests/engines/vllm``), never by the default ``pytest`` run of the whole suite.
+
+Every test of a suite runs its engine's interpreter (:mod:`interpreters`), so a suite whose
+interpreter is not configured is skipped (or fails, see :func:`interpreters.engine_python`)
+when its modules are collected, saying why, before they are imported."""
 
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import pytest
+from interpreters import SUITES, engine_python, problem
 
 HERE = Path(__file__).resolve().parent
+#: Why a suite's modules were skipped at collection, by suite (for the summary).
+_SKIPPED: dict[str, str] = {}
+
+
+class _SuiteModule(pytest.Module):
+    """A test module of an engine suite: collected only when the suite's interpreter is there."""
+
+    suite = ""
+
+    def collect(self) -> Any:
+        venv = SUITES[self.suite]
+        found = problem(venv)
+        if found is not None:
+            _SKIPPED[venv.suite] = found[0]
+            engine_python(venv)  # skips or fails, saying why
+        return super().collect()
+
+
+def pytest_pycollect_makemodule(module_path: Path, parent: pytest.Collector) -> pytest.Module | None:
+    rel = module_path.resolve().relative_to(HERE)
+    if len(rel.parts) < 2 or rel.parts[0] not in SUITES:
+        return None
+    module = _SuiteModule.from_parent(parent, path=module_path)
+    module.suite = rel.parts[0]
+    return module
 
 
 def _asked_for(config: pytest.Config) -> bool:
@@ -24,7 +55,14 @@ def pytest_ignore_collect(collection_path: Path, config: pytest.Config) -> bool 
     return None
 
 
+def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
+    if exitstatus == pytest.ExitCode.NO_TESTS_COLLECTED and _SKIPPED:  # all skipped, as the tests would
+        session.exitstatus = pytest.ExitCode.OK
+
+
 def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter, config: pytest.Config) -> None:
+    for suite, reason in sorted(_SKIPPED.items()):
+        terminalreporter.write_line(f"tests/engines/{suite} not run: {reason}")
     if not _asked_for(config):
         terminalreporter.write_line(
             "tests/engines (real vLLM / reference engines) not run in this invocation: they need venvs of their own; "

@@ -8,22 +8,19 @@ as root and must run these tests for real, so there a refusal is a failure, not 
 modules with :func:`module_net`. Either way the net is torn down on every path and the test
 fails when a namespace, a veth or a process was left behind.
 
-``HostWorker``: a ``host_worker.py`` process inside a host, spoken to in JSON lines; every
-read has a deadline, so a hang fails the test (naming the worker) instead of stalling the
-suite.
+``HostWorker``: a ``host_worker.py`` process inside a host, spoken to in JSON lines
+(:mod:`jsonlines`); every read has a deadline, so a hang fails the test (naming the worker)
+instead of stalling the suite.
 """
 
 from __future__ import annotations
 
 import contextlib
-import json
+import functools
 import os
 import pathlib
-import queue
-import select
-import signal
+import subprocess
 import sys
-import threading
 from collections.abc import Iterator
 from typing import Any
 
@@ -33,10 +30,15 @@ HERE = pathlib.Path(__file__).resolve().parent
 if str(HERE) not in sys.path:
     sys.path.insert(0, str(HERE))
 
+import netns_enter  # noqa: E402
+import warm_spawn  # noqa: E402
+from jsonlines import READ_S, Channel  # noqa: E402
+
 from kvferry.app.bench.netns import Net, unavailable_reason  # noqa: E402
 
-#: Deadline of one read from a worker when nothing else bounds it (seconds; a shared machine).
-READ_S = 60.0
+WORKER = HERE / "host_worker.py"
+#: What ``host_worker.py`` sets for itself unless the environment says otherwise.
+WORKER_ENV = {"GLOO_SOCKET_IFNAME": "lo", "OMP_NUM_THREADS": "1", "MC_LOG_LEVEL": "ERROR"}
 
 _REASON: list[str | None] = []
 
@@ -72,43 +74,23 @@ def net() -> Iterator[Net]:
 
 
 class HostWorker:
-    """A ``host_worker.py`` rank inside ``host`` (forked by the session's zygote): JSON lines
-    out, commands in.
+    """A ``host_worker.py`` rank inside ``host`` (forked by the session's fork server,
+    :mod:`warm_spawn`, with :func:`netns_enter.enter` as its pre-exec hook), spoken to over a
+    :class:`jsonlines.Channel`; stderr goes to ``log_path`` so a failure can show what the
+    worker said."""
 
-    A thread moves stdout lines into a queue (no line stuck in a buffer a poll cannot see);
-    stderr goes to ``log_path`` so a failure can show what the worker said. The worker is not
-    our child (the zygote's): its end is seen through a pidfd.
-    """
-
-    def __init__(self, zygote: Any, host: Any, args: list[Any], log_path: pathlib.Path) -> None:
+    def __init__(self, forks: Forks, host: Any, args: list[Any], log_path: pathlib.Path) -> None:
         self.host, self.log_path = host, log_path
         self._log = open(log_path, "wb")
-        in_r, in_w = os.pipe()
-        out_r, out_w = os.pipe()
         try:
-            self.pid = zygote.spawn(host.name, [str(a) for a in args], in_r, out_w, self._log.fileno())
-        finally:
-            os.close(in_r)
-            os.close(out_w)
-        self.stdin = os.fdopen(in_w, "w", buffering=1)
-        self.stdout = os.fdopen(out_r, "r")
-        try:
-            self._pidfd: int | None = os.pidfd_open(self.pid)
-        except ProcessLookupError:  # it already ran to its end (the kernel reaped it)
-            self._pidfd = None
-        self.lines: queue.Queue[str | None] = queue.Queue()
-        self.said: list[dict[str, Any]] = []
-        self._reader = threading.Thread(target=self._pump, daemon=True, name=f"host-worker-{self.pid}")
-        self._reader.start()
-
-    def _pump(self) -> None:
-        try:
-            for line in self.stdout:
-                self.lines.put(line)
-        except (OSError, ValueError):
-            pass
-        finally:
-            self.lines.put(None)
+            self.proc = forks.spawn(host.name, [str(a) for a in args], self._log.fileno())
+        except BaseException:
+            self._log.close()
+            raise
+        self.pid: int = self.proc.pid
+        self.stdin = self.proc.stdin
+        self.channel = Channel(self.proc, f"worker {self.pid} on {host.label}", context=self.log_tail)
+        self.said = self.channel.said
 
     def log_tail(self, chars: int = 3000) -> str:
         try:
@@ -117,34 +99,24 @@ class HostWorker:
             return ""
 
     def alive(self) -> bool:
-        return self._pidfd is not None and not select.select([self._pidfd], [], [], 0)[0]
+        return self.proc.poll() is None
 
     def wait_gone(self, timeout_s: float = READ_S) -> bool:
         """True once the process has ended (within ``timeout_s``)."""
-        return self._pidfd is None or bool(select.select([self._pidfd], [], [], timeout_s)[0])
+        try:
+            self.proc.wait(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            return False
+        return True
 
     def read(self, timeout_s: float = READ_S) -> dict[str, Any]:
-        try:
-            line = self.lines.get(timeout=timeout_s)
-        except queue.Empty:
-            raise AssertionError(
-                f"worker {self.pid} on {self.host.label} said nothing within {timeout_s} s\n{self.log_tail()}"
-            ) from None
-        if line is None:
-            self.lines.put(None)
-            gone = self.wait_gone()
-            raise AssertionError(f"worker {self.pid} on {self.host.label} ended (gone: {gone})\n{self.log_tail()}")
-        said = json.loads(line)
-        self.said.append(said)
-        return said
+        return self.channel.read(timeout_s)
 
     def send(self, obj: dict[str, Any]) -> None:
-        self.stdin.write(json.dumps(obj) + "\n")
-        self.stdin.flush()
+        self.channel.send(obj)
 
     def ask(self, obj: dict[str, Any], timeout_s: float = READ_S) -> dict[str, Any]:
-        self.send(obj)
-        return self.read(timeout_s)
+        return self.channel.ask(obj, timeout_s)
 
     def finish(self, timeout_s: float = READ_S) -> dict[str, Any]:
         """Ask the worker to exit; its last words (``{"closed": rank}``) once it has ended.
@@ -153,38 +125,23 @@ class HostWorker:
             if self.alive():
                 with contextlib.suppress(BrokenPipeError, OSError, ValueError):
                     self.send({"op": "exit"})
-                    self.stdin.close()
+                self.channel.close_input()
             if not self.wait_gone(timeout_s):
                 self.kill()
                 raise AssertionError(f"worker {self.pid} did not exit within {timeout_s} s\n{self.log_tail()}")
-            last: dict[str, Any] = {}
-            while True:
-                line = self.lines.get(timeout=timeout_s)
-                if line is None:
-                    return last
-                last = json.loads(line)
+            rest = self.channel.rest(timeout_s)
+            return rest[-1] if rest else {}
         finally:
             self.close_pipes()
 
     def kill(self) -> None:
         """SIGKILL and wait until the process is gone."""
-        if self._pidfd is None:
-            return
-        with contextlib.suppress(ProcessLookupError):
-            signal.pidfd_send_signal(self._pidfd, signal.SIGKILL)
+        self.proc.kill()
         if not self.wait_gone(READ_S):
             raise AssertionError(f"worker {self.pid} survived SIGKILL")
 
     def close_pipes(self) -> None:
-        with contextlib.suppress(BrokenPipeError, OSError, ValueError):
-            self.stdin.close()
-        self._reader.join(READ_S)
-        with contextlib.suppress(OSError, ValueError):
-            self.stdout.close()
-        if self._pidfd is not None:
-            with contextlib.suppress(OSError):
-                os.close(self._pidfd)
-            self._pidfd = None
+        self.channel.close(READ_S)
         self._log.close()
 
     def kill_quietly(self) -> None:
@@ -195,14 +152,30 @@ class HostWorker:
         self.close_pipes()
 
 
-@pytest.fixture(scope="session")
-def zygote() -> Iterator[Any]:
-    """The session's worker factory (see :mod:`zygote`); started on first use."""
-    require_namespaces()
-    from zygote import Zygote
+class Forks:
+    """Starts ``host_worker.py`` ranks inside hosts: the session's fork server
+    (:func:`warm_spawn.popen`) forks each one and its pre-exec hook enters the host's network
+    namespace. A rank gets the test process's environment, plus the defaults the worker sets
+    for itself (set here too: a warm child has imported torch already)."""
 
-    z = Zygote()
-    try:
-        yield z
-    finally:
-        z.close()
+    def spawn(self, ns: str, args: list[str], stderr: int) -> Any:
+        env = {**WORKER_ENV, **os.environ}
+        return warm_spawn.popen(
+            [str(WORKER), *args],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=stderr,
+            text=True,
+            bufsize=1,
+            cwd=HERE,
+            env=env,
+            pre_exec=functools.partial(netns_enter.enter, ns),
+        )
+
+
+@pytest.fixture(scope="session")
+def forks() -> Forks:
+    """The session's worker factory (see :class:`Forks`)."""
+    require_namespaces()
+    warm_spawn.prestart()
+    return Forks()

@@ -34,13 +34,14 @@ import types
 from typing import Any
 
 HERE = pathlib.Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE.parent / "integration"))
+sys.path[:0] = [str(HERE.parent / "integration"), str(HERE.parent)]
 
 os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 os.environ.setdefault("MC_LOG_LEVEL", "ERROR")
 
-from stage_worker import kv_digest, make_spec, say, serve_sender  # noqa: E402
+from jsonlines import commands, say  # noqa: E402
+from stage_worker import kv_digest, make_spec, serve_sender  # noqa: E402
 
 INIT_TIMEOUT_S = 60.0
 
@@ -169,11 +170,8 @@ def receiver_main(
 
     say({"ready": rank, "pid": os.getpid()})
     try:
-        for line in sys.stdin:
-            command = json.loads(line)
+        for command in commands():
             op = command["op"]
-            if op == "exit":
-                break
             if op == "receive":
                 manager = manager_for(float(command["timeout"]))
                 req = _request(command["rid"], command["info"])
@@ -259,20 +257,6 @@ def bind_check(config: dict[str, Any]) -> None:
         say({"bind_error": str(exc)})
         return
     say({"bound": True})
-
-
-def preload() -> None:
-    """Import what every worker needs (the zygote calls this once, before it forks)."""
-    import torch  # noqa: F401
-    import torch.distributed  # noqa: F401
-    import zmq  # noqa: F401
-
-    import kvferry.adapters.collectives  # noqa: F401
-    import kvferry.adapters.connectors.zmq.connector  # noqa: F401
-    import kvferry.app.bench.hosts_worker  # noqa: F401
-    import kvferry.app.compat.manager  # noqa: F401
-    import kvferry.app.demo.worker  # noqa: F401
-    import kvferry.app.wiring  # noqa: F401
 
 
 def main(argv: list[str]) -> None:

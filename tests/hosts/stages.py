@@ -34,7 +34,7 @@ class TwoHostStage:
 
     def __init__(
         self,
-        zygote: Any,
+        forks: Any,
         a: Any,
         b: Any,
         tmp: pathlib.Path,
@@ -45,7 +45,7 @@ class TwoHostStage:
         receiver_options: dict[str, Any] | None = None,
         **spec_fields: Any,
     ) -> None:
-        self.zygote, self.a, self.b, self.tmp = zygote, a, b, tmp
+        self.forks, self.a, self.b, self.tmp = forks, a, b, tmp
         self.spec = make_spec(**spec_fields)
         self.caches = sender_caches(self.spec)
         self.bind_host = bind_host
@@ -66,7 +66,7 @@ class TwoHostStage:
     # ---------------------------------------------------------------------------- processes
     def _worker(self, host: Any, args: list[Any]) -> HostWorker:
         self._n += 1
-        return HostWorker(self.zygote, host, args, self.tmp / f"{host.label}-{args[0]}{args[1]}-{self._n}.log")
+        return HostWorker(self.forks, host, args, self.tmp / f"{host.label}-{args[0]}{args[1]}-{self._n}.log")
 
     def start_senders(self) -> None:
         spec = json.dumps(spec_to_json(self.spec))

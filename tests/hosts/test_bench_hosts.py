@@ -18,11 +18,11 @@ def test_bench_hosts_rejects_wrong_options(capsys: pytest.CaptureFixture[str]) -
 
 
 class BenchEnd:
-    """A bench link end forked by the session's zygote (the ``start`` the bench accepts)."""
+    """A bench link end forked by the session's fork server (the ``start`` the bench accepts)."""
 
-    def __init__(self, zygote: Any, tmp: pathlib.Path, host: Any, kind: str, address: str, port: int, n: int) -> None:
+    def __init__(self, forks: Any, tmp: pathlib.Path, host: Any, kind: str, address: str, port: int, n: int) -> None:
         args = ["bench", kind, address, port, n]
-        self.worker = HostWorker(zygote, host, args, tmp / f"bench-{host.label}-{kind}.log")
+        self.worker = HostWorker(forks, host, args, tmp / f"bench-{host.label}-{kind}.log")
 
     def read(self, timeout_s: float = 120.0) -> dict[str, Any]:
         return self.worker.read(timeout_s)
@@ -41,10 +41,10 @@ class BenchEnd:
 
 
 @pytest.mark.timeout(300)
-def test_bench_hosts_tiny_run(zygote: Any, tmp_path: pathlib.Path) -> None:
+def test_bench_hosts_tiny_run(forks: Any, tmp_path: pathlib.Path) -> None:
     from kvferry.app.bench.hosts import render_hosts, run_hosts_bench
 
-    report = run_hosts_bench(("200mbit",), 4_000_000, 2, start=lambda *a: BenchEnd(zygote, tmp_path, *a))
+    report = run_hosts_bench(("200mbit",), 4_000_000, 2, start=lambda *a: BenchEnd(forks, tmp_path, *a))
     (row,) = report["rows"]
     assert row["rate"] == "200mbit" and row["mismatches"] == 0 and len(row["tcp_s"]) == len(row["zmq_s"]) == 2
     assert all("tbf" in q and "200Mbit" in q for q in row["qdisc"]), row["qdisc"]

@@ -52,15 +52,15 @@ def lan() -> Iterator[Any]:
         yield net, a, b, c
 
 
-def probe(zygote: Any, host: Any, tmp: Any, plan: dict[str, Any]) -> dict[str, Any]:
-    worker = HostWorker(zygote, host, ["probe", json.dumps(plan)], tmp / f"probe-{host.label}.log")
+def probe(forks: Any, host: Any, tmp: Any, plan: dict[str, Any]) -> dict[str, Any]:
+    worker = HostWorker(forks, host, ["probe", json.dumps(plan)], tmp / f"probe-{host.label}.log")
     try:
         return worker.read(sum(g["timeout"] for g in plan.get("gets", [])) + 30.0)
     finally:
         worker.finish()
 
 
-def test_a_curve_sender_gives_nothing_to_a_host_that_is_not_a_peer(zygote: Any, lan: Any, tmp_path: Any) -> None:
+def test_a_curve_sender_gives_nothing_to_a_host_that_is_not_a_peer(forks: Any, lan: Any, tmp_path: Any) -> None:
     from kvferry.adapters.connectors.zmq.config import generate_curve_config
 
     net, a, b, c = lan
@@ -78,7 +78,7 @@ def test_a_curve_sender_gives_nothing_to_a_host_that_is_not_a_peer(zygote: Any, 
     }
     host = a.addresses["eth-sw"]
     stage = TwoHostStage(
-        zygote,
+        forks,
         a,
         b,
         tmp_path,
@@ -95,7 +95,7 @@ def test_a_curve_sender_gives_nothing_to_a_host_that_is_not_a_peer(zygote: Any, 
         key = "omni_0_to_1_kv_cache_curve-0"  # TP 1 -> 1: the legacy key format (SPEC 2.2)
         stolen = {"curve": {**client, "client_public": own["client_public"], "client_secret": own["client_secret"]}}
         got = probe(
-            zygote,
+            forks,
             c,
             tmp_path,
             {
@@ -116,7 +116,7 @@ def test_a_curve_sender_gives_nothing_to_a_host_that_is_not_a_peer(zygote: Any, 
         # control: the same probe with the admitted key pair (a stolen copy of B's) gets data
         stage.send("curve-1")
         got = probe(
-            zygote,
+            forks,
             c,
             tmp_path,
             {
@@ -137,23 +137,23 @@ def test_a_curve_sender_gives_nothing_to_a_host_that_is_not_a_peer(zygote: Any, 
         stage.kill()
 
 
-def test_a_sender_bound_to_another_interface_and_the_weak_host_model(zygote: Any, lan: Any, tmp_path: Any) -> None:
+def test_a_sender_bound_to_another_interface_and_the_weak_host_model(forks: Any, lan: Any, tmp_path: Any) -> None:
     net, a, b, c = lan
     wire_addr, lan_addr = a.addresses["to-b"], a.addresses["eth-sw"]
     reach = {"tcp": [[wire_addr, 50151]], "tcp_timeout": PROBE_S}
-    stage = TwoHostStage(zygote, a, b, tmp_path, bind_host=wire_addr, connector="zmq-tcp", **GEOMETRY)
+    stage = TwoHostStage(forks, a, b, tmp_path, bind_host=wire_addr, connector="zmq-tcp", **GEOMETRY)
     try:
-        assert not probe(zygote, c, tmp_path, reach)["tcp"][0]["connected"]  # no route from the segment
+        assert not probe(forks, c, tmp_path, reach)["tcp"][0]["connected"]  # no route from the segment
         # anyone on the segment can route A's wire address through A's segment address ...
         run_cmd("ip", "-n", c.name, "route", "replace", f"{wire_addr}/32", "via", lan_addr)
         # ... and Linux delivers it: an address bound on one interface answers on every interface
-        assert probe(zygote, c, tmp_path, reach)["tcp"][0]["connected"]
+        assert probe(forks, c, tmp_path, reach)["tcp"][0]["connected"]
         stage.close()
     finally:
         stage.kill()
     # bind_device: the listening socket takes connections through the wire's interface only
     stage = TwoHostStage(
-        zygote,
+        forks,
         a,
         b,
         tmp_path,
@@ -167,7 +167,7 @@ def test_a_sender_bound_to_another_interface_and_the_weak_host_model(zygote: Any
         meta = {"source_host": wire_addr, "source_port": 50151}
         key = "omni_0_to_1_kv_cache_dev-0"
         got = probe(
-            zygote,
+            forks,
             c,
             tmp_path,
             {
@@ -191,7 +191,7 @@ def test_a_sender_bound_to_another_interface_and_the_weak_host_model(zygote: Any
         run_cmd("ip", "-n", c.name, "route", "del", f"{wire_addr}/32", check=False)
 
 
-def test_what_the_mooncake_engine_exposes(zygote: Any, lan: Any, tmp_path: Any) -> None:
+def test_what_the_mooncake_engine_exposes(forks: Any, lan: Any, tmp_path: Any) -> None:
     """The control channel binds the address it is given; the engine listens on all interfaces
     by itself, so C (on the segment only) reaches the engine's ports of a sender bound to the
     wire. kvferry cannot change the engine's binds: docs/deploying.md says to firewall them."""
@@ -202,7 +202,7 @@ def test_what_the_mooncake_engine_exposes(zygote: Any, lan: Any, tmp_path: Any) 
     net, a, b, c = lan
     wire_addr = a.addresses["to-b"]
     stage = TwoHostStage(
-        zygote,
+        forks,
         a,
         b,
         tmp_path,
@@ -219,21 +219,21 @@ def test_what_the_mooncake_engine_exposes(zygote: Any, lan: Any, tmp_path: Any) 
         assert (wire_addr, control) in listening, listening  # kvferry's own port: the given address
         engine = sorted(port for host, port in listening if host in ("0.0.0.0", "::") and port != control)
         assert engine, listening  # the engine's handshake and data ports: every interface
-        got = probe(zygote, c, tmp_path, {"tcp": [[a.addresses["eth-sw"], p] for p in engine], "tcp_timeout": PROBE_S})
+        got = probe(forks, c, tmp_path, {"tcp": [[a.addresses["eth-sw"], p] for p in engine], "tcp_timeout": PROBE_S})
         assert all(t["connected"] for t in got["tcp"]), got  # reachable from a host that is no peer
         stage.close()
     finally:
         stage.kill()
 
 
-def test_bind_device_that_does_not_exist_is_a_bind_error(zygote: Any, lan: Any, tmp_path: Any) -> None:
+def test_bind_device_that_does_not_exist_is_a_bind_error(forks: Any, lan: Any, tmp_path: Any) -> None:
     """SO_BINDTODEVICE on a missing interface fails the sender's start, naming host and port;
     the interface that exists binds (control)."""
     net, a, b, c = lan
     said = []
     for device in ("no-such-dev", "to-b"):
         config = {"host": a.addresses["to-b"], "port": 50999, "bind_device": device}
-        worker = HostWorker(zygote, a, ["bind_check", json.dumps(config)], tmp_path / f"bind-{device}.log")
+        worker = HostWorker(forks, a, ["bind_check", json.dumps(config)], tmp_path / f"bind-{device}.log")
         try:
             said.append(worker.read())
         finally:

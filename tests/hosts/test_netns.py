@@ -49,7 +49,7 @@ def test_hosts_wires_cuts_and_shaping(net: Net) -> None:
         server.stdout.close()
 
 
-def test_teardown_leaves_nothing_even_when_the_test_fails(zygote: Any, tmp_path: Any) -> None:
+def test_teardown_leaves_nothing_even_when_the_test_fails(forks: Any, tmp_path: Any) -> None:
     require_namespaces()
     net = Net("z")
     inodes: set[int] = set()
@@ -60,7 +60,7 @@ def test_teardown_leaves_nothing_even_when_the_test_fails(zygote: Any, tmp_path:
                 net.wire(a, b)
                 net.segment([a, b])
                 sleeper = a.popen(["sleep", "300"])  # a process that would outlive the test
-                worker = HostWorker(zygote, b, ["probe", '{"tcp": []}'], tmp_path / "w.log")  # a forked one
+                worker = HostWorker(forks, b, ["probe", '{"tcp": []}'], tmp_path / "w.log")  # a forked one
                 inodes = set(net._inodes)
                 assert sorted(a.pids()) == [sleeper.pid]
                 raise RuntimeError("the test failed")

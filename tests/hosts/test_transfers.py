@@ -66,7 +66,7 @@ def _mooncake_missing() -> str | None:
 
 @pytest.fixture(scope="module", params=["zmq-tcp", "mooncake"])
 def stage(
-    request: pytest.FixtureRequest, zygote: Any, hosts: Any, tmp_path_factory: pytest.TempPathFactory
+    request: pytest.FixtureRequest, forks: Any, hosts: Any, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[Any]:
     net, a, b, wire = hosts
     receiver_options: dict[str, Any] = {}
@@ -78,7 +78,7 @@ def stage(
         receiver_options = {"connector": {"host": b.addresses["to-a"]}}
     tmp = tmp_path_factory.mktemp(f"stage-{request.param}")
     st = TwoHostStage(
-        zygote,
+        forks,
         a,
         b,
         tmp,

@@ -12,17 +12,16 @@ import multiprocessing
 import multiprocessing.forkserver
 import os
 import pathlib
-import queue
 import signal
 import subprocess
 import sys
-import threading
 import types
 from collections.abc import Iterator
 from typing import Any
 
 import pytest
 import warm_spawn
+from jsonlines import Channel
 
 from kvferry.adapters.platform import free_base_port, free_port
 
@@ -41,11 +40,9 @@ warm_spawn.prestart()  # the workers of these tests fork from it; it imports tor
 # ----------------------------------------------------------------------------- ports
 # --------------------------------------------------------------------------- workers
 class LineWorker:
-    """A ``stage_worker.py`` process: JSON lines out on stdout, commands in on stdin.
-
-    A reader thread moves stdout lines into a queue, so lines that arrive together are never
-    stuck in a buffer that a poll does not see. stderr goes to ``log_path`` so that a failure
-    can show what the worker said.
+    """A ``stage_worker.py`` process: JSON lines out on stdout, commands in on stdin (a
+    :class:`jsonlines.Channel`, every read with a deadline). stderr goes to ``log_path`` so
+    that a failure can show what the worker said.
     """
 
     def __init__(self, args: list[str], log_path: pathlib.Path, script: pathlib.Path = WORKER) -> None:
@@ -59,18 +56,7 @@ class LineWorker:
             text=True,
             cwd=str(HERE),
         )
-        self.lines: queue.Queue[str | None] = queue.Queue()
-        self._reader = threading.Thread(target=self._pump, name=f"worker-{self.proc.pid}-stdout", daemon=True)
-        self._reader.start()
-
-    def _pump(self) -> None:
-        try:
-            for line in self.proc.stdout:
-                self.lines.put(line)
-        except (OSError, ValueError):  # the pipe was closed under us at teardown
-            pass
-        finally:
-            self.lines.put(None)
+        self.channel = Channel(self.proc, f"worker {self.proc.pid}", context=self.log_tail)
 
     @property
     def pid(self) -> int:
@@ -84,23 +70,13 @@ class LineWorker:
 
     def read(self, timeout_s: float = READ_S) -> dict[str, Any]:
         """The next JSON line; AssertionError (with the worker's stderr) on silence or exit."""
-        try:
-            line = self.lines.get(timeout=timeout_s)
-        except queue.Empty:
-            raise AssertionError(f"worker {self.pid} said nothing within {timeout_s} s\n{self.log_tail()}") from None
-        if line is None:
-            self.lines.put(None)  # later reads see the end too
-            rc = self.proc.wait(timeout=READ_S)
-            raise AssertionError(f"worker {self.pid} exited with {rc}\n{self.log_tail()}")
-        return json.loads(line)
+        return self.channel.read(timeout_s)
 
     def send(self, obj: dict[str, Any]) -> None:
-        self.proc.stdin.write(json.dumps(obj) + "\n")
-        self.proc.stdin.flush()
+        self.channel.send(obj)
 
     def ask(self, obj: dict[str, Any], timeout_s: float = READ_S) -> dict[str, Any]:
-        self.send(obj)
-        return self.read(timeout_s)
+        return self.channel.ask(obj, timeout_s)
 
     def sigkill(self) -> int:
         """SIGKILL and reap (so the pid is gone, not a zombie); returns the exit status."""
@@ -128,13 +104,7 @@ class LineWorker:
             self.close_pipes()
 
     def close_pipes(self) -> None:
-        if self.proc.stdin is not None and not self.proc.stdin.closed:
-            try:
-                self.proc.stdin.close()
-            except (BrokenPipeError, OSError):
-                pass
-        self._reader.join(READ_S)
-        self.proc.stdout.close()
+        self.channel.close(READ_S)
         self._log.close()
 
     def kill_quietly(self) -> None:

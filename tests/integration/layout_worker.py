@@ -7,12 +7,15 @@ through the manager (extraction, encode, put) and prints its outcome; ``{"op": "
 
 from __future__ import annotations
 
-import json
+import os
 import sys
 
 import torch
 
-from kvferry.app.wiring import build_manager
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # tests/: jsonlines
+from jsonlines import commands, say  # noqa: E402
+
+from kvferry.app.wiring import build_manager  # noqa: E402
 
 LAYERS, BLOCKS, BLOCK, HEADS, DIM = 3, 24, 16, 4, 8
 
@@ -58,15 +61,12 @@ def main() -> None:
         env={},
     )
     caches = [in_layout(layout, k, v) for k, v in blocks(7)]
-    print(json.dumps({"ready": manager.sender_port()}), flush=True)
-    for line in sys.stdin:
-        cmd = json.loads(line)
-        if cmd["op"] == "exit":
-            break
+    say({"ready": manager.sender_port()})
+    for cmd in commands():
         outcome = manager.send_requests(
             {cmd["request_id"]: {"block_ids": cmd["block_ids"], "seq_len": cmd["seq_len"]}}, caches, BLOCK, "bfloat16"
         )[0]
-        print(json.dumps({"ok": outcome.ok, "detail": outcome.detail}), flush=True)
+        say({"ok": outcome.ok, "detail": outcome.detail})
     manager.close()
 
 

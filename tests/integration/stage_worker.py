@@ -26,12 +26,17 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import pathlib
 import random
 import sys
 import time
 import types
 from collections.abc import Callable
 from typing import Any
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent))  # tests/: jsonlines
+
+from jsonlines import commands, say  # noqa: E402
 
 os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
 os.environ.setdefault("OMP_NUM_THREADS", "1")
@@ -131,11 +136,6 @@ def kv_digest(keys: list[Any], values: list[Any]) -> list[str]:
 
 def expected_digest(spec: Any, caches: list[Any], request_id: str, heads: tuple[int, int]) -> list[str]:
     return kv_digest(*expected_layers(spec, caches, request_id, heads))
-
-
-def say(obj: dict[str, Any]) -> None:
-    sys.stdout.write(json.dumps(obj) + "\n")
-    sys.stdout.flush()
 
 
 # ------------------------------------------------------------------------ receiving stage
@@ -315,11 +315,8 @@ def serve_sender(
     """Answer the sender commands on stdin (``send``, ``wait_parked``, ``exit``, plus
     ``extra_ops``: op -> command -> reply) until ``exit`` or end of input; then close."""
     try:
-        for line in sys.stdin:
-            command = json.loads(line)
+        for command in commands():
             op = command["op"]
-            if op == "exit":
-                break
             if op == "send":
                 outcome = manager.send_requests(
                     finished_request(spec, command["rid"]), cache, spec.block_size, spec.dtype

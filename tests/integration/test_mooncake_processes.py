@@ -8,7 +8,7 @@ optional engine package or its system library (libibverbs) is missing.
 from __future__ import annotations
 
 import json
-import selectors
+import os
 import subprocess
 import sys
 import tempfile
@@ -17,6 +17,10 @@ import time
 from typing import Any
 
 import pytest
+
+if __name__ == "__main__":  # run as a worker: tests/ (jsonlines, warm_spawn) is not on the path
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from jsonlines import Channel, commands, say  # noqa: E402
 
 MiB = 1 << 20
 BIG = 256 * MiB
@@ -35,11 +39,6 @@ def pattern(nbytes: int) -> Any:
 # ----------------------------------------------------------------------------- workers
 
 
-def _say(obj: dict) -> None:
-    sys.stdout.write(json.dumps(obj) + "\n")
-    sys.stdout.flush()
-
-
 def sender_main(config: dict, nbytes: int) -> None:
     """Put one payload of ``nbytes`` (0: none), report metadata, then answer ``health`` or
     ``exit`` commands."""
@@ -50,13 +49,12 @@ def sender_main(config: dict, nbytes: int) -> None:
         if nbytes:
             ok, size, meta = conn.put("0", "1", "req_0_0_0_0", pattern(nbytes))
             if not ok:
-                _say({"error": meta})
+                say({"error": meta})
                 return
-        _say({"ready": meta})
-        for line in sys.stdin:
-            command = json.loads(line)
+        say({"ready": meta})
+        for command in commands(stop_op=None):
             if command["op"] == "health":
-                _say({"health": conn.health()})
+                say({"health": conn.health()})
             else:
                 break
 
@@ -72,12 +70,12 @@ def receiver_main(config: dict, meta: dict) -> None:
         got = conn.get_blocking("0", "1", "req_0_0_0_0", meta, timeout_s=60.0)
         seconds = time.perf_counter() - start
         if got is None:
-            _say({"error": conn.last_failure("req_0_0_0_0")})
+            say({"error": conn.last_failure("req_0_0_0_0")})
             return
         buffer, size = got
         equal = size == meta["size"] and torch.equal(buffer.tensor, pattern(meta["size"]))
         buffer.release()
-        _say({"size": size, "equal": bool(equal), "seconds": seconds, "health": conn.health()})
+        say({"size": size, "equal": bool(equal), "seconds": seconds, "health": conn.health()})
 
 
 class Worker:
@@ -94,21 +92,14 @@ class Worker:
             stderr=self._log,
             text=True,
         )
-        self._selector = selectors.DefaultSelector()
-        self._selector.register(self.proc.stdout, selectors.EVENT_READ)
+        self.channel = Channel(self.proc, f"worker {self.proc.args[2]}", context=self.stderr)
 
     def read(self, timeout_s: float = WAIT_S) -> dict:
-        if not self._selector.select(timeout_s):
-            self.kill()
-            pytest.fail(f"worker {self.proc.args[2]} said nothing in {timeout_s} s: {self.stderr()}")
-        line = self.proc.stdout.readline()
-        if not line:
-            pytest.fail(f"worker {self.proc.args[2]} exited: {self.stderr()}")
-        return json.loads(line)
+        """The next reply; a silent or ended worker fails the test (killed, with its stderr)."""
+        return self.channel.read(timeout_s)
 
     def send(self, obj: dict) -> None:
-        self.proc.stdin.write(json.dumps(obj) + "\n")
-        self.proc.stdin.flush()
+        self.channel.send(obj)
 
     def stderr(self) -> str:
         self.kill()
@@ -128,9 +119,8 @@ class Worker:
             except (BrokenPipeError, subprocess.TimeoutExpired):
                 pass  # the kill below ends it
         self.kill()
-        self._selector.close()
-        for stream in (self.proc.stdin, self.proc.stdout, self._log):
-            stream.close()
+        self.channel.close(WAIT_S)
+        self._log.close()
 
 
 @pytest.fixture

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import hashlib
 import itertools
-import json
 import os
 import shutil
 import signal
@@ -17,6 +16,7 @@ import tempfile
 
 import pytest
 import warm_spawn
+from jsonlines import Channel
 
 from kvferry.adapters.connectors.shm.segment import SHM_DIR, reap_namespace, runtime_dir
 from kvferry.app.registry import create_connector
@@ -24,6 +24,8 @@ from kvferry.app.registry import create_connector
 pytestmark = [pytest.mark.timeout(120), pytest.mark.slow]
 
 PORT = 50200
+#: Deadline of one line from a child (seconds; a shared machine).
+READ_S = 60.0
 _COUNTER = itertools.count()
 
 PAYLOAD = """
@@ -72,18 +74,20 @@ conn.close()
 
 
 def spawn(script: str, *args: object) -> subprocess.Popen:
-    return warm_spawn.popen(
+    """A child running ``script``; its JSON lines are read through ``proc.channel``."""
+    proc = warm_spawn.popen(
         ["-c", script, *map(str, args)],
         stdin=subprocess.PIPE,
         stdout=subprocess.PIPE,
         text=True,
     )
+    proc.channel = Channel(proc, f"child {proc.pid}")  # type: ignore[union-attr]
+    return proc
 
 
 def line(proc: subprocess.Popen) -> dict:
-    text = proc.stdout.readline()
-    assert text, f"child exited early with {proc.wait(timeout=30)}"
-    return json.loads(text)
+    """The child's next JSON line (AssertionError if it says nothing in time or exits first)."""
+    return proc.channel.read(READ_S)  # type: ignore[attr-defined]
 
 
 def expected_digest(i: int) -> list:
@@ -103,6 +107,7 @@ def space():
         if proc.poll() is None:
             proc.kill()
         proc.wait(timeout=30)
+        proc.channel.close(30)  # type: ignore[attr-defined]
     reap_namespace(namespace, base)
     leftovers = [n for n in os.listdir(SHM_DIR) if n.startswith(f"kvferry-{namespace}-")]
     files = os.listdir(base)

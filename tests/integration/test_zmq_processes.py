@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import json
 import os
-import selectors
 import shutil
 import subprocess
 import sys
@@ -19,7 +18,11 @@ from typing import Any
 
 import pytest
 
-from kvferry.adapters.platform import free_port
+if __name__ == "__main__":  # run as a worker: tests/ (jsonlines, warm_spawn) is not on the path
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from jsonlines import Channel, commands, say  # noqa: E402
+
+from kvferry.adapters.platform import free_port  # noqa: E402
 
 N_PAYLOADS = 8
 WAIT = 30.0
@@ -67,11 +70,6 @@ def frame_bytes(frames: list[Any]) -> list[bytes]:
 # ----------------------------------------------------------------------------- workers
 
 
-def _say(obj: dict) -> None:
-    sys.stdout.write(json.dumps(obj) + "\n")
-    sys.stdout.flush()
-
-
 def _wait_for(predicate, timeout_s: float) -> bool:
     deadline = time.monotonic() + timeout_s
     pause = threading.Event()
@@ -88,17 +86,14 @@ def sender_main(config: dict) -> None:
     from kvferry.adapters.connectors.zmq.connector import ZmqConnector
 
     with ZmqConnector(config) as conn:
-        _say({"ready": conn.sender_metadata()})
-        for line in sys.stdin:
-            command = json.loads(line)
-            if command["op"] == "exit":
-                break
+        say({"ready": conn.sender_metadata()})
+        for command in commands():
             if command["op"] == "put_big":
-                _say(put_big(conn, command["count"], command["nbytes"]))
+                say(put_big(conn, command["count"], command["nbytes"]))
                 continue
             parked = _wait_for(lambda: conn.health()["sender"]["parked"] >= command["parked"], WAIT)
             results = [conn.put("0", "1", f"req{i}_0_0_0_0", expected_frames(i))[0] for i in range(command["count"])]
-            _say({"put": sum(results), "parked_first": parked})
+            say({"put": sum(results), "parked_first": parked})
 
 
 def put_big(conn: Any, count: int, nbytes: int) -> dict:
@@ -131,7 +126,7 @@ def big_receiver_main(config: dict, metadata: dict, count: int, nbytes: int) -> 
 
     mismatches, addresses, faults = [], set(), 0
     with ZmqConnector(config) as conn:
-        _say({"waiting": True})
+        say({"waiting": True})
         for i in range(count):
             before = minor_faults()
             got = conn.get_blocking("0", "1", f"big{i}_0_0_0_0", metadata, timeout_s=WAIT)
@@ -146,7 +141,7 @@ def big_receiver_main(config: dict, metadata: dict, count: int, nbytes: int) -> 
             addresses.add(int(np.frombuffer(view, dtype=np.uint8).ctypes.data))
             del got, view  # the region goes back to the pool
         health = conn.health()["receiver"]
-        _say(
+        say(
             {
                 "mismatches": mismatches,
                 "regions": len(addresses),
@@ -165,7 +160,7 @@ def receiver_main(config: dict, metadata: dict, count: int) -> None:
 
     mismatches, zero_copy = [], True
     with ZmqConnector(config) as conn:
-        _say({"waiting": True})
+        say({"waiting": True})
         for i in range(count):
             got = conn.get_blocking("0", "1", f"req{i}_0_0_0_0", metadata, timeout_s=WAIT)
             if got is None:
@@ -177,7 +172,7 @@ def receiver_main(config: dict, metadata: dict, count: int) -> None:
             view = torch.frombuffer(frames[1], dtype=torch.float32)
             start = np.frombuffer(frames[1], dtype=np.uint8).ctypes.data
             zero_copy &= start <= view.data_ptr() < start + frames[1].nbytes
-        _say({"mismatches": mismatches, "zero_copy": bool(zero_copy), "hits": conn.health()["hits"]})
+        say({"mismatches": mismatches, "zero_copy": bool(zero_copy), "hits": conn.health()["hits"]})
 
 
 # ----------------------------------------------------------------------------- harness
@@ -196,19 +191,13 @@ class Worker:
             text=True,
             cwd=os.path.dirname(__file__),
         )
-        self._selector = selectors.DefaultSelector()
-        self._selector.register(self.proc.stdout, selectors.EVENT_READ)
+        self.channel = Channel(self.proc, f"worker {self.proc.pid}")
 
     def read(self, timeout_s: float = WAIT) -> dict:
-        if not self._selector.select(timeout_s):
-            raise AssertionError(f"worker said nothing within {timeout_s}s")
-        line = self.proc.stdout.readline()
-        assert line, f"worker exited with {self.proc.wait(timeout=WAIT)}"
-        return json.loads(line)
+        return self.channel.read(timeout_s)
 
     def send(self, obj: dict) -> None:
-        self.proc.stdin.write(json.dumps(obj) + "\n")
-        self.proc.stdin.flush()
+        self.channel.send(obj)
 
     def finish(self) -> int:
         if self.proc.poll() is None and not self.proc.stdin.closed:
@@ -219,13 +208,7 @@ class Worker:
         try:
             return self.proc.wait(timeout=WAIT)
         finally:
-            self._selector.close()
-            self.proc.stdout.close()
-            if not self.proc.stdin.closed:
-                try:
-                    self.proc.stdin.close()
-                except BrokenPipeError:
-                    pass
+            self.channel.close(WAIT)
 
     def kill(self) -> None:
         self.proc.kill()

@@ -5,9 +5,7 @@ directories): loopback ports, bounded waits, private shm namespaces, line-speaki
 from __future__ import annotations
 
 import itertools
-import json
 import os
-import queue
 import subprocess
 import tempfile
 import threading
@@ -68,11 +66,9 @@ class ShmSpace:
 
 
 class LineProc:
-    """A child process speaking JSON lines on stdout (and taking them on stdin).
-
-    A reader thread moves stdout lines into a queue, so every read has a deadline and a silent
-    or dead child fails the test instead of hanging it. stderr goes to a log file that failures
-    quote.
+    """A child process speaking JSON lines on stdout (and taking them on stdin) over a
+    :class:`jsonlines.Channel`: every read has a deadline, so a silent or dead child fails the
+    test instead of hanging it. stderr goes to a log file that failures quote.
     """
 
     def __init__(self, args: list[str], log_dir: str | Path, name: str, env: dict[str, str] | None = None) -> None:
@@ -80,6 +76,7 @@ class LineProc:
         self.log_path = Path(log_dir) / f"{name}.log"
         self._log = open(self.log_path, "wb")
         import warm_spawn  # here, not at the top: worker processes import this module too
+        from jsonlines import Channel
 
         self.proc = warm_spawn.popen(
             list(args),
@@ -90,14 +87,8 @@ class LineProc:
             cwd=str(HERE),
             env={**os.environ, **(env or {})},
         )
-        self.lines: queue.Queue[str | None] = queue.Queue()
-        self._reader = threading.Thread(target=self._pump, name=f"{name}-stdout", daemon=True)
-        self._reader.start()
-
-    def _pump(self) -> None:
-        for line in self.proc.stdout:
-            self.lines.put(line)
-        self.lines.put(None)
+        # the child's libraries may print to stdout too: only JSON objects are answers
+        self.channel = Channel(self.proc, name, context=lambda: f"log:\n{self.log()}", json_only=True)
 
     def log(self) -> str:
         self._log.flush()
@@ -105,24 +96,13 @@ class LineProc:
 
     def read(self, timeout_s: float = 60.0) -> dict[str, Any]:
         """The next JSON line; fails (with the child's log) on EOF or after ``timeout_s``."""
-        deadline = time.monotonic() + timeout_s
-        while True:
-            try:
-                line = self.lines.get(timeout=max(0.0, deadline - time.monotonic()))
-            except queue.Empty:
-                raise AssertionError(f"{self.name} said nothing for {timeout_s} s; log:\n{self.log()}") from None
-            if line is None:
-                raise AssertionError(f"{self.name} exited ({self.proc.wait()}); log:\n{self.log()}")
-            if line.startswith("{"):
-                return json.loads(line)
+        return self.channel.read(timeout_s)
 
     def send(self, message: dict[str, Any]) -> None:
-        self.proc.stdin.write(json.dumps(message) + "\n")
-        self.proc.stdin.flush()
+        self.channel.send(message)
 
     def ask(self, message: dict[str, Any], timeout_s: float = 60.0) -> dict[str, Any]:
-        self.send(message)
-        return self.read(timeout_s)
+        return self.channel.ask(message, timeout_s)
 
     def kill(self) -> None:
         """SIGKILL (no cleanup of any kind runs in the child) and reap."""

@@ -18,14 +18,17 @@ Spawn workers early and ``open`` them later: importing torch is the slow part.
 
 from __future__ import annotations
 
-import json
+import os
 import sys
 import threading
 from typing import Any
 
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # tests/: jsonlines
+from jsonlines import commands, say  # noqa: E402
+
 
 def _reply(obj: dict[str, Any]) -> None:
-    print(json.dumps(obj, default=str), flush=True)
+    say(obj, default=str)
 
 
 def main() -> int:
@@ -40,8 +43,7 @@ def main() -> int:
     _reply({"spawned": True})
     manager = cache = geom = None
     held: list[Any] = []
-    for line in sys.stdin:
-        cmd = json.loads(line)
+    for cmd in commands():
         op = cmd["op"]
         if op == "open":
             geom = Geometry(**cmd.get("geom", {}))

@@ -25,6 +25,9 @@ import sys
 import time
 from typing import Any
 
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # tests/: jsonlines
+from jsonlines import commands, say  # noqa: E402
+
 
 def _rss_kib() -> int:
     with open("/proc/self/statm") as f:
@@ -32,8 +35,7 @@ def _rss_kib() -> int:
 
 
 def _reply(obj: dict[str, Any]) -> None:
-    obj["rss_kib"] = _rss_kib()
-    print(json.dumps(obj), flush=True)
+    say(obj, rss_kib=_rss_kib())
 
 
 class _Request:
@@ -60,8 +62,7 @@ def _sender(rank: int, setup: dict[str, Any]) -> None:
     }
     cache = sender_cache(geom, setup["seed"], rank, 2)
     _reply({"ready": "sender", "rank": rank})
-    for line in sys.stdin:
-        cmd = json.loads(line)
+    for cmd in commands():
         manager = managers[cmd["conn"]]
         if cmd["op"] == "cancel":
             manager.send_connector().cleanup(cmd["rid"])
@@ -111,8 +112,7 @@ def _receiver(rank: int, setup: dict[str, Any]) -> None:
         for name, omni in setup["receivers"].items()
     }
     _reply({"ready": "receiver", "rank": rank})
-    for line in sys.stdin:
-        cmd = json.loads(line)
+    for cmd in commands():
         manager = managers[cmd["conn"]]
         distributor = Distributor(
             groups, 2, 4, timeout_s=cmd["timeout_s"] + 20, kv_factory=KVCache, on_drop=manager.record_consensus_drop

@@ -29,13 +29,13 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from interpreters import OMNI, engine_python
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(1500)]
 
 HERE = Path(__file__).resolve().parent
 DRIVER = HERE / "omni_driver.py"
 DEPLOY = HERE / "deploy_kvferry_tiny.yaml"
-ENV_VAR = "KVFERRY_OMNI_PYTHON"
 #: one orchestrator's start (two stage processes, vLLM CPU and the diffusion stage) on a loaded
 #: 2-core machine, its requests, its shutdown and the driver's own forwards
 RUN_S = 900
@@ -54,15 +54,7 @@ NOISE_SHARE = 0.15
 
 def omni_python() -> str:
     """The omni venv's interpreter; skip (fail under CI) when it is not configured."""
-    path = os.environ.get(ENV_VAR, "")
-    reason = f"{ENV_VAR} is not set: build the omni venv with .ci/venv-omni and point it there"
-    if not path:
-        if os.environ.get("CI"):
-            pytest.fail(f"CI must run vllm-omni's orchestrator: {reason}")
-        pytest.skip(reason)
-    if not os.access(path, os.X_OK):
-        pytest.fail(f"{ENV_VAR}={path!r} is not an executable interpreter")
-    return path
+    return engine_python(OMNI)
 
 
 @pytest.fixture(scope="module")

@@ -4,27 +4,27 @@ The reference lives in a venv of its own (``.ci/venv-reference``); its interpret
 ``KVFERRY_REFERENCE_PYTHON``. Without it these tests skip, saying why, except under CI (env
 ``CI`` set), where a missing reference venv is a failure: CI must test against the reference.
 
-:class:`Node` runs ``reference_node.py`` under an interpreter and speaks JSON lines with it;
-every read has a deadline (a node that says nothing in time fails the test and is killed).
+:class:`Node` runs ``reference_node.py`` under an interpreter and speaks JSON lines with it
+(:mod:`jsonlines`); every read has a deadline (a node that says nothing in time fails the test
+and is killed).
 """
 
 from __future__ import annotations
 
-import json
 import os
 import pathlib
-import queue
 import subprocess
 import sys
-import threading
 from collections.abc import Iterator
 from typing import Any
 
 import pytest
+from interpreters import REFERENCE, engine_python
+from jsonlines import Channel, ChannelSilent
 
 HERE = pathlib.Path(__file__).resolve().parent
 NODE = HERE / "reference_node.py"
-REFERENCE_ENV = "KVFERRY_REFERENCE_PYTHON"
+REFERENCE_ENV = REFERENCE.env_var
 #: Deadline of one answer from a node (seconds). Importing vLLM on a loaded 2-core machine can
 #: take minutes; a transfer itself takes milliseconds.
 READ_S = 420.0
@@ -32,15 +32,7 @@ READ_S = 420.0
 
 def reference_python_or_skip() -> str:
     """The reference venv's interpreter; skip (fail under CI) when it is not there."""
-    path = os.environ.get(REFERENCE_ENV, "")
-    if not path:
-        reason = f"{REFERENCE_ENV} is not set: build the reference venv with .ci/venv-reference and point it there"
-        if os.environ.get("CI"):
-            pytest.fail(f"CI must test against the reference: {reason}")
-        pytest.skip(reason)
-    if not os.access(path, os.X_OK):
-        pytest.fail(f"{REFERENCE_ENV}={path!r} is not an executable interpreter")
-    return path
+    return engine_python(REFERENCE)
 
 
 @pytest.fixture(scope="session")
@@ -66,27 +58,16 @@ class Node:
             cwd=str(HERE),
             env=env,
         )
-        self._lines: queue.Queue[str | None] = queue.Queue()
-        threading.Thread(target=self._pump, name=f"node-{name}", daemon=True).start()
+        # the reference's libraries print to stdout too: only JSON objects are answers
+        self.channel = Channel(self.proc, f"node {name}", context=lambda: f"log: {self.tail()}", json_only=True)
         self.started = False
 
-    def _pump(self) -> None:
-        assert self.proc.stdout is not None
-        for line in self.proc.stdout:
-            self._lines.put(line)
-        self._lines.put(None)
-
     def read(self, timeout_s: float = READ_S) -> dict[str, Any]:
-        while True:
-            try:
-                line = self._lines.get(timeout=timeout_s)
-            except queue.Empty:
-                self.kill()
-                raise AssertionError(f"node {self.name} said nothing for {timeout_s} s; log: {self.tail()}") from None
-            if line is None:
-                raise AssertionError(f"node {self.name} exited ({self.proc.poll()}); log: {self.tail()}")
-            if line.startswith("{"):
-                return json.loads(line)
+        try:
+            return self.channel.read(timeout_s)
+        except ChannelSilent:
+            self.kill()
+            raise
 
     def wait_ready(self) -> None:
         if not self.started:
@@ -95,9 +76,7 @@ class Node:
 
     def ask(self, cmd: dict[str, Any], timeout_s: float = READ_S) -> dict[str, Any]:
         self.wait_ready()
-        assert self.proc.stdin is not None
-        self.proc.stdin.write(json.dumps(cmd) + "\n")
-        self.proc.stdin.flush()
+        self.channel.send(cmd)
         answer = self.read(timeout_s)
         assert "error" not in answer, f"node {self.name}: {answer['error']}; log: {self.tail()}"
         return answer
@@ -109,9 +88,8 @@ class Node:
     def close(self) -> None:
         if self.proc.poll() is None:
             try:
-                assert self.proc.stdin is not None
-                self.proc.stdin.write(json.dumps({"op": "exit"}) + "\n")
-                self.proc.stdin.close()
+                self.channel.send({"op": "exit"})
+                self.channel.close_input()
                 if self.started:  # it closes its managers (and their connectors) first
                     self.read(timeout_s=120)
                 self.proc.wait(timeout=60)

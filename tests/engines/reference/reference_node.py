@@ -19,7 +19,6 @@ where the received tensors are saved), ``timeout_s`` (receiver).
 
 from __future__ import annotations
 
-import json
 import os
 import sys
 import time
@@ -28,14 +27,13 @@ from typing import Any
 
 import torch
 
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))  # tests/
+from jsonlines import commands, say  # noqa: E402
+
 #: The stage pair every node uses (the reference's keys: omni_0_to_1_kv_cache_<request>).
 FROM_STAGE, TO_STAGE = "0", "1"
 #: Name under which a reference node registers kvferry's shm connector with the reference's factory.
 KVFERRY_SHM = "KvferryShmConnector"
-
-
-def say(**event: Any) -> None:
-    print(json.dumps(event), flush=True)
 
 
 def source_caches(spec: dict[str, Any]) -> list[torch.Tensor]:
@@ -336,12 +334,9 @@ COMMANDS = {
 def main() -> None:
     os.environ.pop("LOCAL_RANK", None)
     say(ready=True, python=sys.executable)
-    for line in sys.stdin:
-        cmd = json.loads(line)
-        if cmd["op"] == "exit":
-            break
+    for cmd in commands():
         try:
-            say(**COMMANDS[cmd["op"]](cmd))
+            say(COMMANDS[cmd["op"]](cmd))
         except Exception as exc:
             say(error=f"{type(exc).__name__}: {exc}")
     for manager in MANAGERS:

