@@ -24,7 +24,7 @@ from typing import Any
 import attrs
 
 from kvferry.core.errors import ConfigError, RoutingError
-from kvferry.core.validate import check_int
+from kvferry.core.validate import check_int, check_port
 
 __all__ = [
     "KV_TRANSFER_PORT_OFFSET",
@@ -65,14 +65,8 @@ def _stage_number(from_stage: Any) -> int:
     """A stage id as a port offset: an int, or a string of decimal digits, in ``0..15``."""
     if isinstance(from_stage, str) and from_stage.isascii() and from_stage.isdigit():
         from_stage = int(from_stage)
-    if isinstance(from_stage, bool) or not isinstance(from_stage, int):
-        raise RoutingError(f"from_stage must be an integer 0..{MAX_STAGE_ID} for ports, got {from_stage!r}")
-    if not 0 <= from_stage <= MAX_STAGE_ID:
-        raise RoutingError(
-            f"from_stage must be in 0..{MAX_STAGE_ID} (a larger id collides with the next "
-            f"rank's port), got {from_stage}"
-        )
-    return from_stage
+    expected = f"an integer in 0..{MAX_STAGE_ID} for ports (a larger id collides with the next rank's port)"
+    return check_int("from_stage", from_stage, 0, RoutingError, MAX_STAGE_ID, expected=expected)
 
 
 def _check_port(name: str, port: int, detail: str) -> int:
@@ -183,9 +177,7 @@ class GetSource:
 def _metadata_port(value: Any) -> int:
     if isinstance(value, str) and value.strip().isdigit():
         value = int(value.strip())
-    if isinstance(value, bool) or not isinstance(value, int) or not MIN_PORT <= value <= MAX_PORT:
-        raise ConfigError(f"get metadata 'source_port' must be a port number in 1..65535, got {value!r}")
-    return value
+    return check_port("get metadata 'source_port'", value, expected="a port number in 1..65535")
 
 
 def resolve_get_source(
@@ -207,8 +199,8 @@ def resolve_get_source(
         raise ConfigError(f"get metadata must be a mapping or None, got {type(metadata).__name__}")
     meta = metadata or {}
     size = meta.get("size")
-    if size is not None and (isinstance(size, bool) or not isinstance(size, int) or size < 0):
-        raise ConfigError(f"get metadata 'size' must be a non-negative int, got {size!r}")
+    if size is not None:
+        check_int("get metadata 'size'", size, 0, expected="a non-negative int")
     host, port = meta.get("source_host"), meta.get("source_port")
     if port is None:
         if default is None or (host is not None and host != default[0]):

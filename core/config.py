@@ -23,7 +23,6 @@ expansion) and the replica id comes from ``VLLM_OMNI_REPLICA_ID``.
 from __future__ import annotations
 
 import copy
-import math
 import types
 from collections.abc import Callable, Mapping
 from typing import Any, TypeVar
@@ -33,7 +32,7 @@ import attrs
 from kvferry.core.addressing import DEFAULT_BASE_PORT, expand_base_port, replica_id_from_env
 from kvferry.core.errors import ConfigError
 from kvferry.core.layouts import LayoutSpec, layout_spec
-from kvferry.core.validate import check_int
+from kvferry.core.validate import check_int, check_number
 
 __all__ = [
     "REPLICA_ID_ENV",
@@ -74,26 +73,19 @@ def _flag(key: str, value: Any) -> bool:
 def _number(key: str, value: Any, default: float) -> float:
     if value is None:
         return default
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise ConfigError(f"{key} must be a number, got {value!r}")
-    number = float(value)
-    if math.isnan(number) or math.isinf(number):
-        raise ConfigError(f"{key} must be finite, got {number!r}")
-    return number
+    return check_number(key, value)
 
 
 def _timeout(key: str, value: Any) -> float:
-    out = _number(key, value, DEFAULT_RECV_TIMEOUT_S)
-    if out < 0:
-        raise ConfigError(f"{key} must be >= 0 seconds, got {value!r}")
-    return out
+    if value is None:
+        return DEFAULT_RECV_TIMEOUT_S
+    return check_number(key, value, minimum=0.0, expected="a finite number >= 0 seconds")
 
 
 def _ratio(key: str, value: Any) -> float:
-    out = _number(key, value, 0.0)
-    if not 0.0 <= out <= 1.0:
-        raise ConfigError(f"{key} must be within [0, 1], got {value!r}")
-    return out
+    if value is None:
+        return 0.0
+    return check_number(key, value, minimum=0.0, maximum=1.0, expected="a number within [0, 1]")
 
 
 def _tp(key: str, value: Any) -> int:
@@ -101,11 +93,7 @@ def _tp(key: str, value: Any) -> int:
         return 1
     if isinstance(value, str) and value.strip().isascii() and value.strip().isdigit():
         value = int(value.strip())  # the reference read these with int()
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise ConfigError(f"{key} must be an integer TP size, got {value!r}")
-    if value < 1:
-        raise ConfigError(f"{key} must be >= 1, got {value}")
-    return value
+    return check_int(key, value, 1)
 
 
 def _port(key: str, value: Any) -> int:

@@ -44,6 +44,7 @@ from typing import Any
 import attrs
 
 from kvferry.core.errors import ConfigError
+from kvferry.core.validate import check_int
 
 __all__ = [
     "KV_LATENT_KEY",
@@ -285,8 +286,7 @@ def vllm_page_order(isa: str | None, block_size: int, head_dim: int) -> PageOrde
             f"wrote the pages; kvferry knows {', '.join(sorted(VLLM_CPU_PAGE_ISAS))} and {said}"
         )
     for name, size in (("block_size", block_size), ("head_dim", head_dim)):
-        if isinstance(size, bool) or not isinstance(size, int) or size < 1:
-            raise ConfigError(f"layout {VLLM_PAGES!r}: {name} must be a positive integer, got {size!r}")
+        check_int(f"layout {VLLM_PAGES!r}: {name}", size, 1, expected="a positive integer")
     b, d = block_size, head_dim
     if kernel == "vec":
         return PageOrder(kernel, RegionOrder((d, b), (1, 0), 1), RegionOrder((b, d), (0, 1), 1))
@@ -312,11 +312,9 @@ def reblock_span(
     the fewest that do. With equal block sizes the span is the local pages themselves (as far
     as the prompt reaches). ConfigError for a size below 1 or a negative page or count."""
     for name, size in (("block_size", block_size), ("src_block_size", src_block_size)):
-        if isinstance(size, bool) or not isinstance(size, int) or size < 1:
-            raise ConfigError(f"{name} must be a positive integer, got {size!r}")
+        check_int(name, size, 1, expected="a positive integer")
     for name, value in (("first_page", first_page), ("count", count), ("num_tokens", num_tokens)):
-        if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-            raise ConfigError(f"{name} must be a non-negative integer, got {value!r}")
+        check_int(name, value, 0, expected="a non-negative integer")
     start = first_page * block_size
     stop = min(num_tokens, (first_page + count) * block_size)
     if stop <= start:

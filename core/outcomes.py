@@ -16,6 +16,7 @@ from typing import Any
 import attrs
 
 from kvferry.core.errors import ConfigError
+from kvferry.core.validate import check_int
 
 __all__ = [
     "SendKind",
@@ -53,8 +54,7 @@ class SendReason(enum.Enum):
 
 
 def _non_negative_int(instance: Any, attribute: attrs.Attribute[int], value: Any) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-        raise ConfigError(f"{attribute.name} must be an integer >= 0, got {value!r}")
+    check_int(attribute.name, value, 0, expected="an integer >= 0")
 
 
 def _seconds(instance: Any, attribute: attrs.Attribute[float], value: Any) -> None:
@@ -229,8 +229,7 @@ class Counters:
 
     def incr(self, name: str, n: int = 1) -> None:
         """Add ``n`` (>= 0) to counter ``name``."""
-        if isinstance(n, bool) or not isinstance(n, int) or n < 0:
-            raise ConfigError(f"counter increment must be an integer >= 0, got {n!r}")
+        check_int("counter increment", n, 0, expected="an integer >= 0")
         with self.lock:
             self._counts[name] = self._counts.get(name, 0) + n
 

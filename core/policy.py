@@ -14,7 +14,7 @@ import attrs
 
 from kvferry.core.errors import ConfigError
 from kvferry.core.roles import ReceiveRole
-from kvferry.core.validate import check_int
+from kvferry.core.validate import check_int, check_number
 
 __all__ = [
     "RetryPolicy",
@@ -31,15 +31,9 @@ __all__ = [
 
 
 def _number(name: str, value: Any, *, minimum: float, inclusive: bool = True) -> float:
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise ConfigError(f"{name} must be a number, got {value!r}")
-    number = float(value)
-    if math.isnan(number) or math.isinf(number):
-        raise ConfigError(f"{name} must be finite, got {number!r}")
-    if number < minimum or (not inclusive and number == minimum):
-        op = ">=" if inclusive else ">"
-        raise ConfigError(f"{name} must be {op} {minimum}, got {number!r}")
-    return number
+    if inclusive:
+        return check_number(name, value, minimum=minimum)
+    return check_number(name, value, above=minimum)
 
 
 def _check(minimum: float, inclusive: bool = True) -> Callable[[Any, attrs.Attribute[float], Any], None]:

@@ -22,11 +22,11 @@ head keeps its sender's scale), so nothing is lost.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from kvferry.core.errors import ConfigError, PayloadError
+from kvferry.core.errors import ConfigError, KVFerryError, PayloadError
+from kvferry.core.validate import check_number
 
 __all__ = ["KV_SCALES_KEY", "GRANULARITIES", "scales_record", "slice_scales", "merge_scales", "read_scales"]
 
@@ -35,13 +35,11 @@ KV_SCALES_KEY = "kv_scales"
 GRANULARITIES = ("layer", "head", "block")
 
 
-def _number(where: str, value: Any, error: type[Exception]) -> float:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
-        raise error(f"{where} must be a finite number, got {value!r}")
-    return float(value)
+def _number(where: str, value: Any, error: type[KVFerryError]) -> float:
+    return check_number(where, value, error, expected="a finite number")
 
 
-def _layer_entries(where: str, granularity: str, values: Any, error: type[Exception]) -> list[Any]:
+def _layer_entries(where: str, granularity: str, values: Any, error: type[KVFerryError]) -> list[Any]:
     if isinstance(values, (str, bytes)) or not isinstance(values, Sequence):
         raise error(f"{where} must be a list with one entry per layer, got {type(values).__name__}")
     out: list[Any] = []

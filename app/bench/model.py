@@ -19,6 +19,7 @@ from typing import Any
 import attrs
 
 from kvferry.core.errors import ConfigError
+from kvferry.core.validate import check_int, check_number
 
 __all__ = [
     "RATIO_NAMES",
@@ -116,9 +117,7 @@ class Geometry:
 
     def __attrs_post_init__(self) -> None:
         for name in ("layers", "tokens", "heads", "head_dim", "block_size"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ConfigError(f"{name} must be an integer >= 1, got {value!r}")
+            check_int(name, getattr(self, name), 1, expected="an integer >= 1")
         if self.dtype not in _ITEMSIZE:
             raise ConfigError(f"dtype must be one of {sorted(_ITEMSIZE)}, got {self.dtype!r}")
 
@@ -202,11 +201,8 @@ class BenchSettings:
 
     def __attrs_post_init__(self) -> None:
         for name, low in (("reps", 1), ("warmup", 0), ("requests", 1), ("readiness_reps", 1), ("runs", 1)):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < low:
-                raise ConfigError(f"{name} must be an integer >= {low}, got {value!r}")
-        if not (isinstance(self.timeout_s, (int, float)) and self.timeout_s > 0):
-            raise ConfigError(f"timeout_s must be > 0, got {self.timeout_s!r}")
+            check_int(name, getattr(self, name), low, expected=f"an integer >= {low}")
+        check_number("timeout_s", self.timeout_s, above=0.0, expected="> 0")
 
     @classmethod
     def full(cls, **overrides: Any) -> BenchSettings:

@@ -43,6 +43,7 @@ from kvferry.core.errors import ConfigError, RoutingError
 from kvferry.core.head_slices import TP_HEAD_SLICE_KEY, applied_head_slice, fan_out_slice, tp_head_slice_record
 from kvferry.core.ids import RecvKeyHook, SendKeyHook, connector_key, recv_keys, send_keys
 from kvferry.core.topology import TPTopology, source_ranks, target_ranks, validate_topology
+from kvferry.core.validate import check_int
 
 __all__ = [
     "KVTPTopology",
@@ -101,13 +102,11 @@ def expand_env_int(value: Any, field_name: str, env: Mapping[str, str] | None = 
 
 # ---------------------------------------------------------------------------------- topology
 def _size(instance: Any, attribute: attrs.Attribute, value: Any) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-        raise RoutingError(f"{attribute.name} must be a positive integer, got {value!r}")
+    check_int(attribute.name, value, 1, RoutingError, expected="a positive integer")
 
 
 def _rank(instance: Any, attribute: attrs.Attribute, value: Any) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-        raise RoutingError(f"{attribute.name} must be a non-negative integer, got {value!r}")
+    check_int(attribute.name, value, 0, RoutingError, expected="a non-negative integer")
 
 
 @attrs.frozen
@@ -174,8 +173,7 @@ def set_parallel_state(tp_rank: int, tp_size: int) -> None:
     """
     global _state
     for name, value in (("tp_rank", tp_rank), ("tp_size", tp_size)):
-        if isinstance(value, bool) or not isinstance(value, int):
-            raise ConfigError(f"{name} must be an integer, got {value!r}")
+        check_int(name, value, -(2**63))  # the type; the bounds together below
     if tp_size < 1 or not 0 <= tp_rank < tp_size:
         raise ConfigError(f"need tp_size >= 1 and 0 <= tp_rank < tp_size, got tp_rank={tp_rank}, tp_size={tp_size}")
     _state = _ParallelState(tp_rank, tp_size)
@@ -209,9 +207,7 @@ def get_local_tp_rank() -> int:
         value = int(raw.strip())
     except ValueError:
         raise ConfigError(f"{LOCAL_RANK_ENV} must be an integer, got {raw!r}") from None
-    if value < 0:
-        raise ConfigError(f"{LOCAL_RANK_ENV} must be >= 0, got {value}")
-    return value
+    return check_int(LOCAL_RANK_ENV, value, 0)
 
 
 def get_tp_world_size() -> int:

@@ -1,22 +1,28 @@
-"""One vLLM instance of ``kvferry demo --engine vllm``, in its own process, driven over
-stdin/stdout (one JSON object a line). Needs vLLM (the ``vllm`` extra); never imported by
-kvferry itself, only run as ``python -m kvferry.app.demo.vllm_instance``:
+"""One vLLM instance in its own process, driven over stdin/stdout (one JSON object a line):
+the instance server of ``kvferry demo --engine vllm``, ``kvferry bench --engine vllm`` and the
+vLLM engine tests (whose child, ``tests/engines/vllm/engine_proc.py``, adds its own ops through
+:func:`serve`'s ``more_ops``). Needs vLLM (the ``vllm`` extra); never imported by kvferry
+itself, only run as ``python -m kvferry.app.demo.vllm_instance``:
 
     python -m kvferry.app.demo.vllm_instance make-model DIR SEED [LAYERS]   # a tiny random Llama (transformers)
     python -m kvferry.app.demo.vllm_instance serve CONFIG_JSON              # then {"op": ...} lines
 
 The serve config: ``model``; ``kv_role`` (no connector without it) with ``extra`` (its
 ``kv_connector_extra_config``), ``connector`` and ``module`` (the connector class and its module
-path; default kvferry's, ``module`` null for one of vLLM's own), ``kv_buffer_device``;
-``prefix_caching`` (default off) and ``tp`` (tensor_parallel_size, default 1).
+path; default kvferry's, ``module`` null for one of vLLM's own), ``kv_buffer_device``,
+``policy`` (``kv_load_failure_policy``; vLLM's default without it); ``prefix_caching`` (default
+off), ``tp`` (tensor_parallel_size, default 1), ``dtype`` (default bfloat16), ``block_size``,
+``max_len`` (max_model_len), ``max_num_seqs`` (defaults: :data:`TINY`, 4) and
+``attention_backend`` (vLLM's choice without it).
 
 Ops: ``generate`` (``prompts``, ``params`` (kv_transfer_params or null each), ``max_tokens``,
 optionally ``logprobs`` (how many top tokens' log-probabilities to return per output token);
-prompts run one at a time, each timed from the call to its output), ``loads`` (the decode
-connector's recent loads: bytes, start and end on the same monotonic clock), ``stats``
-(kvferry's counters on this instance, after one more engine step so the last transfers are
-in), ``exit``. The ready line carries the connector's ``engine_id`` (null without one).
-Replies: ``{"ok": true, ...}`` or ``{"ok": false, "error": ...}``.
+prompts run one at a time (no batch effects), each timed from the call to its output; the
+reply's ``seconds`` is all of them), ``loads`` (the decode connector's recent loads: bytes,
+start and end on the same monotonic clock), ``metrics`` (kvferry's counters on this instance:
+``{name or name{kind}: value}``), ``stats`` (the same after one more engine step, so the last
+transfers are in), ``exit``. The ready line carries the connector's ``engine_id`` (null
+without one) and ``startup_s``. Replies: ``{"ok": true, ...}`` or ``{"ok": false, "error": ...}``.
 """
 
 from __future__ import annotations
@@ -25,17 +31,29 @@ import json
 import os
 import sys
 import time
-from typing import Any
+from collections.abc import Callable, Mapping
+from typing import Any, TextIO
 
 #: The tiny model's geometry (2 KiB of KV per token: 4 layers x 2 KV heads x 32 x 2 x bf16).
 TINY = {"layers": 4, "kv_heads": 2, "head_dim": 32, "block_size": 32, "max_len": 2048}
 
+#: One op of the serving loop: ``(llm, message) -> reply`` (``ok`` is added).
+Op = Callable[[Any, dict[str, Any]], dict[str, Any]]
 
-def make_model(path: str, seed: int, layers: int = TINY["layers"]) -> None:
+
+def save_random_model(path: str, seed: int, model_class: Any, config: Any) -> None:
+    """A ``model_class(config)`` of random weights (torch seeded with ``seed``), in bf16, saved
+    by transformers at ``path``: every tiny model the demo and the engine tests make."""
     import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(seed)
+    model_class(config).to(torch.bfloat16).save_pretrained(path)
+
+
+def make_model(path: str, seed: int, layers: int = TINY["layers"], max_len: int = TINY["max_len"]) -> None:
+    """The tiny random Llama of :data:`TINY` (``layers`` and ``max_len`` aside)."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
     config = LlamaConfig(
         vocab_size=512,
         hidden_size=128,
@@ -44,11 +62,11 @@ def make_model(path: str, seed: int, layers: int = TINY["layers"]) -> None:
         num_attention_heads=4,
         num_key_value_heads=TINY["kv_heads"],
         head_dim=TINY["head_dim"],
-        max_position_embeddings=TINY["max_len"],
+        max_position_embeddings=max_len,
         initializer_range=0.3,
         tie_word_embeddings=False,
     )
-    LlamaForCausalLM(config).to(torch.bfloat16).save_pretrained(path)
+    save_random_model(path, seed, LlamaForCausalLM, config)
 
 
 def _stats(llm: Any) -> dict[str, float]:
@@ -79,13 +97,18 @@ def _loads(_worker: Any = None) -> list[dict[str, Any]]:
     ]
 
 
-def serve(cfg: dict[str, Any], proto: Any) -> None:
-    from vllm import LLM, SamplingParams
+def build_llm(cfg: dict[str, Any]) -> Any:
+    """The ``vllm.LLM`` of a serve config (the keys in the module docstring)."""
+    from vllm import LLM
     from vllm.config import KVTransferConfig
 
     kv = None
     if cfg.get("kv_role"):
-        more = {"kv_buffer_device": cfg["kv_buffer_device"]} if cfg.get("kv_buffer_device") else {}
+        more: dict[str, Any] = {}
+        if cfg.get("kv_buffer_device"):
+            more["kv_buffer_device"] = cfg["kv_buffer_device"]
+        if cfg.get("policy"):
+            more["kv_load_failure_policy"] = cfg["policy"]
         kv = KVTransferConfig(
             kv_connector=cfg.get("connector", "KVFerryConnector"),
             kv_connector_module_path=cfg.get("module", "kvferry.app.vllm"),
@@ -93,82 +116,129 @@ def serve(cfg: dict[str, Any], proto: Any) -> None:
             kv_connector_extra_config=cfg.get("extra", {}),
             **more,
         )
-    tp = int(cfg.get("tp", 1))
-    llm = LLM(
+    max_len = int(cfg.get("max_len", TINY["max_len"]))
+    return LLM(
         model=cfg["model"],
         skip_tokenizer_init=True,
-        dtype="bfloat16",
-        block_size=TINY["block_size"],
-        max_model_len=TINY["max_len"],
-        max_num_seqs=4,
-        max_num_batched_tokens=TINY["max_len"],
+        dtype=cfg.get("dtype", "bfloat16"),
+        block_size=int(cfg.get("block_size", TINY["block_size"])),
+        max_model_len=max_len,
+        max_num_seqs=int(cfg.get("max_num_seqs", 4)),
+        max_num_batched_tokens=max(max_len, 2048),
         enable_prefix_caching=bool(cfg.get("prefix_caching", False)),  # off: every local run computes its prompt
         kv_transfer_config=kv,
-        tensor_parallel_size=tp,
+        tensor_parallel_size=int(cfg.get("tp", 1)),
         disable_log_stats=False,
         seed=0,
-        compilation_config={"mode": 0},  # eager: no compile warm-up, the same on every instance
+        # eager: no torch.compile warm-up (minutes on a busy 2-core machine), the same on every
+        # instance, so prefill, decode and a reference compute alike
+        compilation_config={"mode": 0},
+        # e.g. an MLA model names CPU_MLA: on a CPU with AMX vLLM would pick AMX_MLA, which kvferry refuses
+        **({"attention_config": {"backend": cfg["attention_backend"]}} if cfg.get("attention_backend") else {}),
     )
-    used = getattr(getattr(llm.llm_engine, "vllm_config", None), "kv_transfer_config", None) or kv
+
+
+def _generate(llm: Any, msg: dict[str, Any]) -> dict[str, Any]:
+    from vllm import SamplingParams
+
+    results = []
+    first = time.monotonic()
+    for prompt, params in zip(msg["prompts"], msg["params"]):  # one at a time: no batch effects
+        extra = {"kv_transfer_params": params} if params is not None else None
+        sp = SamplingParams(
+            max_tokens=msg["max_tokens"],
+            temperature=0.0,
+            ignore_eos=True,
+            extra_args=extra,
+            logprobs=msg.get("logprobs"),
+        )
+        t = time.monotonic()
+        [res] = llm.generate([{"prompt_token_ids": prompt}], sp, use_tqdm=False)
+        seconds = time.monotonic() - t
+        c = res.outputs[0]
+        out = {
+            "tokens": list(c.token_ids),
+            "finish_reason": c.finish_reason,
+            "started": t,
+            "seconds": seconds,
+            "kv_transfer_params": res.kv_transfer_params,
+        }
+        if msg.get("logprobs"):  # per output token, the top ones: [[token, logprob], ...]
+            out["logprobs"] = [[[int(tok), float(lp.logprob)] for tok, lp in step.items()] for step in c.logprobs or []]
+        results.append(out)
+    return {"results": results, "seconds": time.monotonic() - first}
+
+
+def _loads_op(llm: Any, _msg: dict[str, Any]) -> dict[str, Any]:
+    tp = llm.llm_engine.vllm_config.parallel_config.tensor_parallel_size
+    ranks = [_loads()] if tp == 1 else llm.collective_rpc(_loads)
+    return {"loads": ranks[0], "ranks": ranks}
+
+
+def _stats_op(llm: Any, _msg: dict[str, Any]) -> dict[str, Any]:
+    from vllm import SamplingParams
+
+    llm.generate([{"prompt_token_ids": [1, 2, 3]}], SamplingParams(max_tokens=1), use_tqdm=False)
+    return {"stats": _stats(llm)}
+
+
+#: The ops every instance answers (``exit`` aside).
+OPS: dict[str, Op] = {
+    "generate": _generate,
+    "loads": _loads_op,
+    "metrics": lambda llm, _msg: {"metrics": _stats(llm)},
+    "stats": _stats_op,
+}
+
+
+def serve(
+    cfg: dict[str, Any],
+    proto: TextIO,
+    *,
+    more_ops: Callable[[Any], Mapping[str, Op]] | None = None,
+    lines: Any = None,
+) -> None:
+    """Start the instance of ``cfg``, say it is ready on ``proto``, then answer each JSON line
+    of ``lines`` (default stdin) until ``exit``. ``more_ops(llm)``, called once the engine is
+    up, adds ops (a test's inspections of the engine); an op that raises is answered
+    ``{"ok": false, "error": ...}`` and the loop goes on."""
+    t0 = time.monotonic()
+    llm = build_llm(cfg)
+    ops = {**OPS, **(more_ops(llm) if more_ops is not None else {})}
+    used = getattr(getattr(llm.llm_engine, "vllm_config", None), "kv_transfer_config", None)
     engine_id = used.engine_id if used is not None else None
-    proto.write(json.dumps({"ok": True, "ready": True, "engine_id": engine_id}) + "\n")
-    proto.flush()
-    for line in sys.stdin:
+    _say(proto, {"ok": True, "ready": True, "engine_id": engine_id, "startup_s": time.monotonic() - t0})
+    for line in sys.stdin if lines is None else lines:
         msg = json.loads(line)
         op = msg.get("op")
+        if op == "exit":
+            _say(proto, {"ok": True})
+            return
         try:
-            if op == "exit":
-                proto.write(json.dumps({"ok": True}) + "\n")
-                proto.flush()
-                return
-            if op == "generate":
-                results = []
-                for prompt, params in zip(msg["prompts"], msg["params"]):
-                    extra = {"kv_transfer_params": params} if params is not None else None
-                    sp = SamplingParams(
-                        max_tokens=msg["max_tokens"],
-                        temperature=0.0,
-                        ignore_eos=True,
-                        extra_args=extra,
-                        logprobs=msg.get("logprobs"),
-                    )
-                    t = time.monotonic()
-                    [res] = llm.generate([{"prompt_token_ids": prompt}], sp, use_tqdm=False)
-                    seconds = time.monotonic() - t
-                    out = {
-                        "tokens": list(res.outputs[0].token_ids),
-                        "started": t,
-                        "seconds": seconds,
-                        "kv_transfer_params": res.kv_transfer_params,
-                    }
-                    if msg.get("logprobs"):  # per output token, the top ones: [[token, logprob], ...]
-                        out["logprobs"] = [
-                            [[int(tok), float(lp.logprob)] for tok, lp in step.items()]
-                            for step in res.outputs[0].logprobs or []
-                        ]
-                    results.append(out)
-                reply: dict[str, Any] = {"ok": True, "results": results}
-            elif op == "loads":
-                ranks = [_loads()] if tp == 1 else llm.collective_rpc(_loads)
-                reply = {"ok": True, "loads": ranks[0], "ranks": ranks}
-            elif op == "stats":
-                llm.generate([{"prompt_token_ids": [1, 2, 3]}], SamplingParams(max_tokens=1), use_tqdm=False)
-                reply = {"ok": True, "stats": _stats(llm)}
-            else:
-                reply = {"ok": False, "error": f"unknown op {op!r}"}
+            reply = {"ok": True, **ops[op](llm, msg)} if op in ops else {"ok": False, "error": f"unknown op {op!r}"}
         except Exception as exc:  # reported to the driver, which fails with it
             reply = {"ok": False, "error": f"{type(exc).__name__}: {exc}"}
-        proto.write(json.dumps(reply) + "\n")
-        proto.flush()
+        _say(proto, reply)
+
+
+def _say(proto: TextIO, msg: dict[str, Any]) -> None:
+    proto.write(json.dumps(msg) + "\n")
+    proto.flush()
+
+
+def serve_main(cfg_json: str, *, more_ops: Callable[[Any], Mapping[str, Op]] | None = None) -> None:
+    """:func:`serve` with the protocol on the real stdout: vLLM logs to stdout, so everything
+    else goes to stderr."""
+    real = os.dup(1)
+    os.dup2(2, 1)
+    serve(json.loads(cfg_json), os.fdopen(real, "w", buffering=1), more_ops=more_ops)
 
 
 def main(argv: list[str]) -> None:
     if argv[0] == "make-model":
         make_model(argv[1], int(argv[2]), *(int(a) for a in argv[3:4]))
     elif argv[0] == "serve":
-        real = os.dup(1)  # vLLM logs to stdout; the protocol gets the real one, the rest stderr
-        os.dup2(2, 1)
-        serve(json.loads(argv[1]), os.fdopen(real, "w", buffering=1))
+        serve_main(argv[1])
     else:
         raise SystemExit(f"unknown command {argv[0]!r}")
 

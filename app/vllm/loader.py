@@ -23,8 +23,7 @@ import collections
 import concurrent.futures
 import contextlib
 import logging
-import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import attrs
@@ -33,6 +32,7 @@ import torch
 from kvferry.adapters.checked_scatter import writable_bytes
 from kvferry.adapters.connectors.pool_buffer import release_soon
 from kvferry.adapters.torch_decode import decode_payload, verify_deferred
+from kvferry.app.vllm.context import WorkerContext
 from kvferry.app.vllm.pages import (
     PageGeometry,
     block_runs,
@@ -43,8 +43,8 @@ from kvferry.app.vllm.pages import (
     write_pages,
     write_relaid,
 )
-from kvferry.app.vllm.params import ConnectorSettings, DecodeSource
-from kvferry.app.vllm.records import LoadJob, LoadRecord, TransferStats
+from kvferry.app.vllm.params import DecodeSource
+from kvferry.app.vllm.records import LoadJob, LoadRecord
 from kvferry.core.errors import ConfigError, KVFerryError, LeaseExpired, PayloadError
 from kvferry.core.layouts import VLLM_CPU_PAGE_ISAS, reblock_span
 from kvferry.core.ports import BatchedReleases, GetMany, Implements
@@ -94,21 +94,13 @@ class _LoadRun:
 
 @attrs.define(eq=False)
 class PageLoader:
-    """One rank's loads. ``lock``/``progress`` are the worker's: ``progress`` is signalled
-    (under ``lock``) when a load on the load threads ends; each finished load is appended to
-    ``recent_loads``. :meth:`attach` gives it the caches, :meth:`start` the receiver."""
+    """One rank's loads. ``context`` is the rank's shared state (the worker's): its
+    ``progress`` is signalled (under its ``lock``) when a load on the load threads ends; each
+    finished load is appended to ``recent_loads``. :meth:`attach` gives it the caches,
+    :meth:`start` the receiver."""
 
-    settings: ConnectorSettings
-    tp_rank: int
-    tp_size: int
-    total_kv_heads: int
-    stats: TransferStats
-    lock: threading.Lock
-    progress: threading.Condition
-    clock: Callable[[], float]
+    context: WorkerContext
     recent_loads: collections.deque[LoadRecord]
-    kernel_isa: str | None = None
-    cache_layout: str | None = None
     geometry: PageGeometry | None = attrs.field(init=False, default=None)
     receiver: Any = attrs.field(init=False, default=None)
     _layers: list[torch.Tensor] = attrs.field(init=False, factory=list)
@@ -128,7 +120,7 @@ class PageLoader:
         """Load through ``receiver`` from now on, on ``load_threads`` threads past the inline part."""
         self.receiver = receiver
         self._pool = concurrent.futures.ThreadPoolExecutor(
-            self.settings.load_threads, thread_name_prefix="kvferry-load"
+            self.context.settings.load_threads, thread_name_prefix="kvferry-load"
         )
 
     # ------------------------------------------------------------------------ starting loads
@@ -136,7 +128,7 @@ class PageLoader:
         """Start one load per job. The loads first run here, in the engine's thread, for up
         to ``inline_load_s`` in all (what is there already is read and written at once); what
         is not there by then continues on the load threads, and this returns."""
-        until = self.clock() + self.settings.inline_load_s
+        until = self.context.clock() + self.context.settings.inline_load_s
         for job in loads:
             if job.req_id in self._loads:
                 continue
@@ -146,8 +138,8 @@ class PageLoader:
                 self._load_now(job, until)
                 continue
             self._load_blocks[job.req_id] = job.block_ids
-            run = _LoadRun(job, self.clock())
-            if self.settings.inline_load_s > 0 and self._step(run, until):
+            run = _LoadRun(job, self.context.clock())
+            if self.context.settings.inline_load_s > 0 and self._step(run, until):
                 done: concurrent.futures.Future[bool] = concurrent.futures.Future()
                 done.set_result(self._finish(run))
                 self._loads[job.req_id] = done
@@ -158,19 +150,19 @@ class PageLoader:
 
     def _load_now(self, job: LoadJob, until: float) -> None:
         """A sync load: read what is there by ``until``; whatever is missing then fails it."""
-        run = _LoadRun(job, self.clock())
+        run = _LoadRun(job, self.context.clock())
         if not self._step(run, until):
             plan = run.plan
             missing = "?" if plan is None else f"{len(plan.reads) - plan.next} of {len(plan.reads)}"
             for data, _ in plan.ready.values() if plan is not None else ():
                 release_soon(data)
-            self.stats.fail("timeout")
+            self.context.stats.fail("timeout")
             logger.error(
                 "request %s: %s layer reads not there within inline_load_s (%s s) of a sync load; "
                 "kv_load_failure_policy applies",
                 job.req_id,
                 missing,
-                self.settings.inline_load_s,
+                self.context.settings.inline_load_s,
             )
         if not self._finish(run):
             self._load_errors.update(job.block_ids)
@@ -190,20 +182,20 @@ class PageLoader:
                 return True
             return False
         except _LoadFailed as exc:
-            self.stats.fail(exc.kind)
+            self.context.stats.fail(exc.kind)
             logger.error("request %s: KV load failed (%s); kv_load_failure_policy applies", run.job.req_id, exc)
         except Exception:  # any other fault of one load fails that load, never the engine
-            self.stats.fail("error")
+            self.context.stats.fail("error")
             logger.exception("request %s: KV load failed", run.job.req_id)
         return True
 
     def _finish(self, run: _LoadRun) -> bool:
-        end = self.clock()
+        end = self.context.clock()
         job, nbytes = run.job, (run.plan.nbytes if run.plan is not None else 0)
         tid = job.source.transfer_id if job.source is not None else None
         self.recent_loads.append(LoadRecord(job.req_id, tid, nbytes, run.started, end, run.ok))
         if run.ok:
-            self.stats.add(requests_loaded=1, bytes_loaded=nbytes, load_seconds=max(0.0, end - run.started))
+            self.context.stats.add(requests_loaded=1, bytes_loaded=nbytes, load_seconds=max(0.0, end - run.started))
         return run.ok
 
     # ------------------------------------------------------------------------------ planning
@@ -212,23 +204,28 @@ class PageLoader:
             raise _LoadFailed("params", job.error or "no source")
         src, geometry = job.source, self.geometry
         assert geometry is not None
-        if src.decode_tp_size != self.tp_size:
+        if src.decode_tp_size != self.context.tp_size:
             raise _LoadFailed(
                 "layout",
                 f"the prefill sliced heads for decode TP {src.decode_tp_size}, this "
-                f"instance runs TP {self.tp_size} (set decode_tp_size on the prefill)",
+                f"instance runs TP {self.context.tp_size} (set decode_tp_size on the prefill)",
             )
         if src.num_layers != geometry.num_layers:
             raise _LoadFailed("layout", f"prefill has {src.num_layers} layers, this cache {geometry.num_layers}")
         if src.block_size != geometry.block_size and not self._relays():
+            ours = self.context.cache_layout or self.context.kernel_isa
             raise _LoadFailed(
                 "layout",
                 f"prefill block_size {src.block_size}, this cache {geometry.block_size}: re-blocking needs a "
-                f"page order kvferry knows, and this cache's is {self.cache_layout or self.kernel_isa!r}",
+                f"page order kvferry knows, and this cache's is {ours!r}",
             )
         try:
             slices = recv_slices(
-                src.prefill_tp_size, self.tp_size, self.total_kv_heads, self.tp_rank, latent=geometry.latent
+                src.prefill_tp_size,
+                self.context.tp_size,
+                self.context.total_kv_heads,
+                self.context.tp_rank,
+                latent=geometry.latent,
             )
         except KVFerryError as exc:
             raise _LoadFailed("layout", str(exc)) from exc
@@ -241,14 +238,14 @@ class PageLoader:
             src_pages = reblock_span(job.first_page, count, geometry.block_size, src.block_size, src.num_tokens)[3]
         except ConfigError as exc:
             raise _LoadFailed("params", str(exc)) from exc
-        deadline = started + self.settings.load_timeout_s
+        deadline = started + self.context.settings.load_timeout_s
         return _LoadPlan(job, src, index, count, reads, deadline, runs, src_pages=src_pages)
 
     def _relays(self) -> bool:
         """Whether this cache's pages can be written from other pages per token (its page
         order is known: a dense ``packed`` cache, or a CPU kernel kvferry knows)."""
-        family = (self.cache_layout or "vllm_cpu").split("/", 1)[0].split(":", 1)[0]
-        return family == "packed" or (self.kernel_isa or "").lower() in VLLM_CPU_PAGE_ISAS
+        family = (self.context.cache_layout or "vllm_cpu").split("/", 1)[0].split(":", 1)[0]
+        return family == "packed" or (self.context.kernel_isa or "").lower() in VLLM_CPU_PAGE_ISAS
 
     # ------------------------------------------------------------------------------- reading
     def _prefetch(self, plan: _LoadPlan) -> None:
@@ -258,12 +255,12 @@ class PageLoader:
         if not _has_get_many(receiver) or len(plan.reads) < 2:
             return
         get_many = receiver.get_many
-        src, stage = plan.source, self.settings.from_stage
+        src, stage = plan.source, self.context.settings.from_stage
         by_rank: dict[int, list[tuple[int, str]]] = {}
         for i, (layer_idx, sl) in enumerate(plan.reads):
-            key = layer_key(src.transfer_id, stage, layer_idx, sl.source_rank, self.tp_rank)
+            key = layer_key(src.transfer_id, stage, layer_idx, sl.source_rank, self.context.tp_rank)
             by_rank.setdefault(sl.source_rank, []).append((i, key))
-        stages = str(self.settings.from_stage), str(self.settings.to_stage)
+        stages = str(self.context.settings.from_stage), str(self.context.settings.to_stage)
         for rank, items in by_rank.items():
             got = get_many(*stages, [key for _, key in items], src.source_metadata(rank))
             for (i, _), one in zip(items, got):
@@ -289,7 +286,7 @@ class PageLoader:
     def _read_in_order(self, plan: _LoadPlan, until: float | None) -> bool:
         geometry = self.geometry
         assert geometry is not None
-        stages = str(self.settings.from_stage), str(self.settings.to_stage)
+        stages = str(self.context.settings.from_stage), str(self.context.settings.to_stage)
         while plan.next < len(plan.reads):
             layer_idx, sl = plan.reads[plan.next]
             got = plan.ready.pop(plan.next, None)
@@ -303,18 +300,20 @@ class PageLoader:
                 check_payload(decoded, geometry, layer_idx, sl.num_heads, plan.src_pages)
                 args = (plan.index, plan.job.first_page, sl.recv_head_start, sl.recv_head_stop)
                 layer = self._layers[layer_idx]
-                if needs_relay(decoded.metadata, geometry, self.cache_layout, self.kernel_isa):
+                if needs_relay(decoded.metadata, geometry, self.context.cache_layout, self.context.kernel_isa):
                     meta = decoded.metadata or {}
                     theirs = f"{meta.get('cache_layout') or 'vllm_cpu'}, block_size {meta.get('block_size')}"
                     if not self._relays():
                         raise _LoadFailed(
                             "layout",
                             f"layer {layer_idx}: the prefill's pages ({theirs}) differ from this cache's "
-                            f"({self.cache_layout}), whose page order kvferry cannot write",
+                            f"({self.context.cache_layout}), whose page order kvferry cannot write",
                         )
                     verify_deferred(decoded)
                     try:
-                        plan.nbytes += write_relaid(layer, geometry, self.cache_layout, self.kernel_isa, decoded, *args)
+                        plan.nbytes += write_relaid(
+                            layer, geometry, self.context.cache_layout, self.context.kernel_isa, decoded, *args
+                        )
                     except PayloadError as exc:
                         raise _LoadFailed("layout", f"layer {layer_idx}: {exc}") from exc
                 else:
@@ -334,13 +333,15 @@ class PageLoader:
         reply that comes after it answers the next get of the key (shm: its sender answers
         within the wait; zmq: a late reply goes to the newer get, or to its stash)."""
         src = plan.source
-        key = layer_key(src.transfer_id, self.settings.from_stage, layer_idx, sl.source_rank, self.tp_rank)
+        key = layer_key(
+            src.transfer_id, self.context.settings.from_stage, layer_idx, sl.source_rank, self.context.tp_rank
+        )
         final = until is None or until >= plan.deadline
-        remaining = (plan.deadline if final or until is None else min(until, plan.deadline)) - self.clock()
+        remaining = (plan.deadline if final or until is None else min(until, plan.deadline)) - self.context.clock()
         if remaining <= 0:
             if not final:
                 return None
-            raise _LoadFailed("timeout", f"{key!r} not there within {self.settings.load_timeout_s} s")
+            raise _LoadFailed("timeout", f"{key!r} not there within {self.context.settings.load_timeout_s} s")
         source = src.source_metadata(sl.source_rank)
         try:
             got = self.receiver.get_blocking(*stages, key, source, timeout_s=remaining)
@@ -349,16 +350,16 @@ class PageLoader:
         except KVFerryError as exc:
             raise _LoadFailed("unavailable", str(exc)) from exc
         if got is None:
-            if not final and self.clock() < plan.deadline:
+            if not final and self.context.clock() < plan.deadline:
                 return None
             where = f"prefill at {src.host}:{source['source_port']}"
-            raise _LoadFailed("timeout", f"{key!r} not there within {self.settings.load_timeout_s} s ({where})")
+            raise _LoadFailed("timeout", f"{key!r} not there within {self.context.settings.load_timeout_s} s ({where})")
         return got
 
     # ------------------------------------------------------------------------ completions
     def _ended(self, _fut: concurrent.futures.Future[bool]) -> None:
-        with self.lock:
-            self.progress.notify_all()
+        with self.context.lock:
+            self.context.progress.notify_all()
 
     def in_flight(self) -> int:
         """Loads not ended yet."""
@@ -376,7 +377,7 @@ class PageLoader:
                 if not fut.result():
                     self._load_errors.update(blocks)
         if loaded:
-            self._mark_reported(loaded, self.clock())
+            self._mark_reported(loaded, self.context.clock())
         return loaded
 
     def _mark_reported(self, req_ids: set[str], now: float) -> None:

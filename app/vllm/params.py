@@ -22,6 +22,7 @@ import attrs
 from kvferry.app.registry import connector_role_config
 from kvferry.core.addressing import get_metadata, kv_port
 from kvferry.core.errors import ConfigError
+from kvferry.core.validate import check_int
 
 __all__ = [
     "PARAMS_VERSION",
@@ -43,12 +44,8 @@ _EXTRA = "kv_connector_extra_config"
 
 
 def _int(where: str, name: str, value: Any, minimum: int, maximum: int | None = None) -> int:
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise ConfigError(f"{where}.{name}: expected an integer, got {value!r}")
-    if value < minimum or (maximum is not None and value > maximum):
-        bound = f">= {minimum}" if maximum is None else f"in {minimum}..{maximum}"
-        raise ConfigError(f"{where}.{name}: must be {bound}, got {value}")
-    return value
+    bound = f"an integer >= {minimum}" if maximum is None else f"an integer in {minimum}..{maximum}"
+    return check_int(f"{where}.{name}:", value, minimum, maximum=maximum, expected=bound)
 
 
 def _seconds(where: str, name: str, value: Any) -> float:

@@ -23,9 +23,9 @@ import attrs
 import torch
 
 from kvferry.app.put import put_with_retry
+from kvferry.app.vllm.context import WorkerContext
 from kvferry.app.vllm.pages import PageGeometry, PageWriter, layer_key, send_slices
-from kvferry.app.vllm.params import ConnectorSettings
-from kvferry.app.vllm.records import SaveJob, TransferStats
+from kvferry.app.vllm.records import SaveJob
 from kvferry.core.errors import KVFerryError, PoolFullError, TransferError
 from kvferry.core.policy import PUT_FAILURES, RetryPolicy
 from kvferry.core.ports import Implements, Reservable
@@ -51,21 +51,13 @@ class _SaveState:
 
 @attrs.define(eq=False)
 class PageSaver:
-    """One rank's saves. ``lock``/``progress`` are the worker's: ``progress`` is signalled
-    (under ``lock``) when a save ends; :meth:`attach` gives it the caches, :meth:`start` the sender."""
+    """One rank's saves. ``context`` is the rank's shared state (the worker's): its
+    ``progress`` is signalled (under its ``lock``) when a save ends; :meth:`attach` gives it
+    the caches, :meth:`start` the sender."""
 
-    settings: ConnectorSettings
-    tp_rank: int
-    tp_size: int
-    total_kv_heads: int
-    stats: TransferStats
-    lock: threading.Lock
-    progress: threading.Condition
-    clock: Callable[[], float]
+    context: WorkerContext
     sleep: Callable[[float], None]
     retry: RetryPolicy
-    kernel_isa: str | None = None
-    cache_layout: str | None = None
     geometry: PageGeometry | None = attrs.field(init=False, default=None)
     #: Gathers a layer's pages into a payload (set once the caches are checked).
     writer: PageWriter | None = attrs.field(init=False, default=None)
@@ -92,8 +84,8 @@ class PageSaver:
     # ------------------------------------------------------------------------------ a step
     def begin_step(self, saves: Sequence[SaveJob]) -> None:
         """The saves of the step about to run (from the scheduler's metadata)."""
-        now = self.clock()
-        with self.lock:
+        now = self.context.clock()
+        with self.context.lock:
             for job in saves:
                 if job.req_id not in self.saves:
                     self.saves[job.req_id] = _SaveState(job, len(self._layers), now)
@@ -109,7 +101,7 @@ class PageSaver:
         self._enqueue(i, layer)
 
     def _enqueue(self, layer_idx: int, layer: torch.Tensor) -> None:
-        with self.lock:
+        with self.context.lock:
             states = [self.saves[j.req_id] for j in self._step_saves if j.req_id in self.saves]
             todo = [s for s in states if layer_idx not in s.queued]
             for s in todo:
@@ -137,25 +129,33 @@ class PageSaver:
             except Exception as exc:  # a failed layer fails the request's transfer, not the engine
                 kind = "put" if isinstance(exc, (PoolFullError, KVFerryError)) else "error"
                 state.failed = f"{kind}: {exc}"
-                self.stats.fail(kind)
+                self.context.stats.fail(kind)
                 logger.error("request %s: saving layer %d failed: %s", state.job.req_id, layer_idx, exc)
-            with self.lock:
+            with self.context.lock:
                 state.layers_left -= 1
                 done = state.done
                 if done:
-                    self.progress.notify_all()
+                    self.context.progress.notify_all()
             if done and state.failed is None:
-                self.stats.add(
-                    requests_sent=1, bytes_sent=state.nbytes, save_seconds=max(0.0, self.clock() - state.started)
+                self.context.stats.add(
+                    requests_sent=1,
+                    bytes_sent=state.nbytes,
+                    save_seconds=max(0.0, self.context.clock() - state.started),
                 )
 
     def _save_one(self, job: SaveJob, layer_idx: int, layer: torch.Tensor) -> int:
         geometry, writer = self.geometry, self.writer
         assert geometry is not None and writer is not None
         index = torch.tensor(job.block_ids, dtype=torch.long)
-        stage = self.settings.from_stage
+        stage = self.context.settings.from_stage
         nbytes = 0
-        for sl in send_slices(self.tp_size, job.decode_tp, self.total_kv_heads, self.tp_rank, latent=geometry.latent):
+        for sl in send_slices(
+            self.context.tp_size,
+            job.decode_tp,
+            self.context.total_kv_heads,
+            self.context.tp_rank,
+            latent=geometry.latent,
+        ):
             meta = {
                 "layout": geometry.payload_layout,
                 "layer": layer_idx,
@@ -163,15 +163,15 @@ class PageSaver:
                 "block_size": geometry.block_size,
                 "head_size": geometry.head_size,
                 "heads": [sl.abs_head_start, sl.abs_head_stop],
-                "from_rank": self.tp_rank,
+                "from_rank": self.context.tp_rank,
                 "to_rank": sl.target_rank,
             }
-            if self.kernel_isa is not None:
-                meta["isa"] = self.kernel_isa
-            if self.cache_layout is not None:
-                meta["cache_layout"] = self.cache_layout
+            if self.context.kernel_isa is not None:
+                meta["isa"] = self.context.kernel_isa
+            if self.context.cache_layout is not None:
+                meta["cache_layout"] = self.context.cache_layout
             layout = writer.layout(job.transfer_id, job.block_ids, sl.num_heads, meta)
-            key = layer_key(job.transfer_id, stage, layer_idx, self.tp_rank, sl.target_rank)
+            key = layer_key(job.transfer_id, stage, layer_idx, self.context.tp_rank, sl.target_rank)
             nbytes += self._put(
                 key, layout, lambda dest: writer.gather(layer, index, sl.head_start, sl.head_stop, dest, layout)
             )
@@ -181,7 +181,7 @@ class PageSaver:
         """Publish one page payload under the one put rule (:func:`kvferry.app.put.put_with_retry`);
         its bytes in the pool. PoolFullError (with its reason) or TransferError when it fails."""
         conn = self.sender
-        stages = str(self.settings.from_stage), str(self.settings.to_stage)
+        stages = str(self.context.settings.from_stage), str(self.context.settings.to_stage)
 
         def attempt() -> tuple[bool, int, Any]:
             if self._is_reservable(conn):

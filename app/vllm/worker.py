@@ -1,8 +1,9 @@
 """The worker side of kvferry's vLLM connector, without vLLM: one rank's saves and loads of pages.
 
 :class:`PageWorker` is what the connector (:mod:`kvferry.app.vllm.connector`) calls; it takes
-vLLM's caches, creates the connectors, and composes two parts that share its stats, its lock
-and its progress condition:
+vLLM's caches, creates the connectors, and composes two parts that share one
+:class:`~kvferry.app.vllm.context.WorkerContext` (settings, rank, stats, lock, progress
+condition, clock, what the payloads say of the caches):
 
 - prefill rank (producer): :class:`~kvferry.app.vllm.saver.PageSaver` hands each layer of the
   requests whose prefill completes in this step to a save thread, which publishes it while the
@@ -39,6 +40,7 @@ import torch
 
 from kvferry.adapters.checksums import sending_checksum
 from kvferry.app.registry import create_connector
+from kvferry.app.vllm.context import WorkerContext
 from kvferry.app.vllm.loader import PageLoader
 from kvferry.app.vllm.pages import PageGeometry, PageWriter, rank_head_count
 from kvferry.app.vllm.params import ConnectorSettings
@@ -52,19 +54,18 @@ __all__ = ["SaveJob", "LoadJob", "LoadRecord", "TransferStats", "PageWorker", "F
 logger = logging.getLogger(__name__)
 
 
-def _to_parts(names: tuple[str, ...]) -> Callable[[Any, Any, Any], Any]:
-    """An ``on_setattr`` hook: a setting changed on the worker is changed on its parts too."""
-
-    def hook(worker: Any, attribute: Any, value: Any) -> Any:
-        for name in names:
-            setattr(getattr(worker, name), attribute.name, value)
-        return value
-
-    return hook
+def _to_context(worker: Any, attribute: Any, value: Any) -> Any:
+    """An ``on_setattr`` hook: a setting changed on the worker replaces the context its saver
+    and loader share (one frozen value, so both see the change at once)."""
+    worker._context = context = attrs.evolve(worker._context, **{attribute.name: value})
+    worker._saver.context = worker._loader.context = context
+    return value
 
 
-_both = _to_parts(("_saver", "_loader"))
-_saver_only = _to_parts(("_saver",))
+def _to_saver(worker: Any, attribute: Any, value: Any) -> Any:
+    """An ``on_setattr`` hook: a save-only setting changed on the worker is changed on its saver."""
+    setattr(worker._saver, attribute.name, value)
+    return value
 
 
 @attrs.define(eq=False)
@@ -78,17 +79,17 @@ class PageWorker:
     producer: bool
     consumer: bool
     connector_factory: Callable[[Mapping[str, Any]], Any] = create_connector
-    clock: Callable[[], float] = attrs.field(default=time.monotonic, on_setattr=_both)
-    sleep: Callable[[float], None] = attrs.field(default=time.sleep, on_setattr=_saver_only)
-    retry: RetryPolicy = attrs.field(factory=lambda: RetryPolicy(attempts=5), on_setattr=_saver_only)
+    clock: Callable[[], float] = attrs.field(default=time.monotonic, on_setattr=_to_context)
+    sleep: Callable[[float], None] = attrs.field(default=time.sleep, on_setattr=_to_saver)
+    retry: RetryPolicy = attrs.field(factory=lambda: RetryPolicy(attempts=5), on_setattr=_to_saver)
     #: The CPU attention kernel that writes the pages (vLLM's name: ``amx``, ``vec``, ...), put
     #: in every payload's metadata as ``isa`` so that a receiver outside vLLM can decode them
     #: per token (core.layouts.vllm_page_order); None: unknown, not stated.
-    kernel_isa: str | None = attrs.field(default=None, on_setattr=_both)
+    kernel_isa: str | None = attrs.field(default=None, on_setattr=_to_context)
     #: What vLLM's backend writes these caches in (``core.backends.BackendLayout.label``, e.g.
     #: ``vllm_cpu:vec/LBHNC``), put in every payload as ``cache_layout``: a receiver whose cache
     #: differs (layout, block size, kernel) re-lays the pages per token (pages.write_relaid).
-    cache_layout: str | None = attrs.field(default=None, on_setattr=_both)
+    cache_layout: str | None = attrs.field(default=None, on_setattr=_to_context)
     #: An MLA cache (kvferry's layout ``mla``, from vLLM's backend; set before :meth:`register`):
     #: one latent region per block, every rank holding all of it, each decode rank reading it
     #: whole from one prefill rank (pages.PageGeometry ``latent``; core.routing.latent_source).
@@ -102,10 +103,10 @@ class PageWorker:
     _progress: threading.Condition = attrs.field(
         init=False, default=attrs.Factory(lambda self: threading.Condition(self._lock), takes_self=True)
     )
-    _saver: PageSaver = attrs.field(
+    _context: WorkerContext = attrs.field(
         init=False,
         default=attrs.Factory(
-            lambda self: PageSaver(
+            lambda self: WorkerContext(
                 self.settings,
                 self.tp_rank,
                 self.tp_size,
@@ -114,32 +115,18 @@ class PageWorker:
                 self._lock,
                 self._progress,
                 self.clock,
-                self.sleep,
-                self.retry,
                 self.kernel_isa,
                 self.cache_layout,
             ),
             takes_self=True,
         ),
     )
-    _loader: PageLoader = attrs.field(
+    _saver: PageSaver = attrs.field(
         init=False,
-        default=attrs.Factory(
-            lambda self: PageLoader(
-                self.settings,
-                self.tp_rank,
-                self.tp_size,
-                self.total_kv_heads,
-                self.stats,
-                self._lock,
-                self._progress,
-                self.clock,
-                self.recent_loads,
-                self.kernel_isa,
-                self.cache_layout,
-            ),
-            takes_self=True,
-        ),
+        default=attrs.Factory(lambda self: PageSaver(self._context, self.sleep, self.retry), takes_self=True),
+    )
+    _loader: PageLoader = attrs.field(
+        init=False, default=attrs.Factory(lambda self: PageLoader(self._context, self.recent_loads), takes_self=True)
     )
     _closed: bool = attrs.field(init=False, default=False)
 

@@ -23,6 +23,7 @@ import attrs
 from kvferry.core.errors import ConfigError, PayloadError
 from kvferry.core.header.checksums import CHECKSUM_ALGORITHMS
 from kvferry.core.phrases import phrase
+from kvferry.core.validate import check_int
 
 __all__ = [
     "DTYPE_ITEMSIZE",
@@ -327,8 +328,7 @@ class PayloadHeader:
             raise ConfigError(f"request_id must be a string, got {self.request_id!r}")
         if not _all_ints(self.block_ids):
             raise ConfigError("block_ids must be integers")
-        if isinstance(self.num_layers, bool) or not isinstance(self.num_layers, int) or self.num_layers < 0:
-            raise ConfigError(f"num_layers must be a non-negative integer, got {self.num_layers!r}")
+        check_int("num_layers", self.num_layers, 0, expected="a non-negative integer")
         if self.checksum_algorithm is not None and self.checksum_algorithm not in CHECKSUM_ALGORITHMS:
             raise ConfigError(f"unknown checksum algorithm {self.checksum_algorithm!r}")
         tensors = self.tensors

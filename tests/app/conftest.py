@@ -9,6 +9,9 @@
   ``get`` and sends frames); the blocking one also forwards ``get_blocking`` and ``reserve``. Knobs:
   scripted put results, hidden keys, a gate that holds a key's get, an exception on get.
 - ``make_sender`` / ``make_receiver``: typed managers wired to a connector and a FakeTime.
+- ``check_kv``: an applied KV cache is exactly a receiver rank's share of a :class:`PagedModel`.
+- ``closing``: a fixture; managers handed to it are closed after the test.
+- ``rank_kwargs``: a stage rank's manager arguments (TP rank/size, groups, clock, sleep).
 - ``run_ranks``: run one function per rank of an :class:`InProcessWorld` on threads, with each
   rank's :class:`StageGroups`; bounded joins, exceptions re-raised in the test thread.
 
@@ -149,6 +152,15 @@ def bits_equal(a: Any, b: Any) -> bool:
     )
 
 
+def check_kv(kv: Any, model: PagedModel, spec: dict[str, Any], rank: int, tp: int) -> None:
+    """``kv`` (an applied ``KVCache``) holds exactly what receiver rank ``rank`` of ``tp`` must
+    get of ``model``'s request ``spec`` (``block_ids``, ``seq_len``), bit for bit."""
+    keys, values = model.expected(spec["block_ids"], spec["seq_len"], rank, tp)
+    assert kv is not None and len(kv.key_cache) == len(keys)
+    assert all(bits_equal(a, b) for a, b in zip(kv.key_cache, keys))
+    assert all(bits_equal(a, b) for a, b in zip(kv.value_cache, values))
+
+
 def assert_kv_equal(payload: dict[str, Any], keys: list[torch.Tensor], values: list[torch.Tensor]) -> None:
     blocks = payload["layer_blocks"]
     assert len(blocks["key_cache"]) == len(keys) and len(blocks["value_cache"]) == len(values)
@@ -251,6 +263,13 @@ class SpyConnector:
     @property
     def get_keys(self) -> list[str]:
         return [k for k, _, _ in self.gets]
+
+    def hold(self, key: str) -> tuple[threading.Event, threading.Event]:
+        """Hold the gets of ``key`` on a gate: ``(gate, entered)``; ``entered`` is set once a
+        get of it waits on the gate, ``gate.set()`` lets it go on."""
+        gate = self.gates[key] = threading.Event()
+        entered = self.entered[key] = threading.Event()
+        return gate, entered
 
 
 class BlockingSpyConnector(SpyConnector):
@@ -401,7 +420,34 @@ def send_all(
     return outcomes
 
 
+@pytest.fixture
+def closing() -> Iterator[Callable[[Any], Any]]:
+    """``closing(manager) -> manager``: every manager handed to it is closed after the test."""
+    made: list[Any] = []
+
+    def keep(manager: Any) -> Any:
+        made.append(manager)
+        return manager
+
+    yield keep
+    for m in made:
+        m.close()
+
+
 # ------------------------------------------------------------------------------- collectives
+def rank_kwargs(groups: StageGroups, fake: FakeTime) -> dict[str, Any]:
+    """A stage rank's manager arguments: its TP rank and size (0 of 1 without a TP group), its
+    groups, and the injected clock and sleep."""
+    tp = groups.tp
+    return {
+        "tp_rank": tp.rank if tp is not None else 0,
+        "tp_size": tp.size if tp is not None else 1,
+        "groups": groups,
+        "clock": fake,
+        "sleep": fake.sleep,
+    }
+
+
 def stage_groups(world: InProcessWorld, rank: int, layout: GroupLayout) -> StageGroups:
     """Rank ``rank``'s world/TP/SP/CFG groups of ``layout`` (TP fastest, then SP, then CFG)."""
     g = build_parallel_groups(layout, rank, world.group(rank), lambda ranks: world.new_group(ranks, rank))
@@ -455,6 +501,8 @@ def kit() -> types.SimpleNamespace:
         SenderAwareSpy=SenderAwareSpy,
         bits_equal=bits_equal,
         assert_kv_equal=assert_kv_equal,
+        check_kv=check_kv,
+        rank_kwargs=rank_kwargs,
         make_request=make_request,
         pool_is_empty=pool_is_empty,
         sender_config=sender_config,

@@ -27,16 +27,8 @@ BRANCH = {"block_ids": [7, 2], "seq_len": 6}
 
 
 def _manager(kit, spy: Any, groups: Any, fake: Any, from_tp: int, to_tp: int, **config: Any) -> OmniKVTransferManager:
-    return OmniKVTransferManager(
-        kit.receiver_config(from_tp, to_tp, **config),
-        connector=spy,
-        tp_rank=groups.tp.rank,
-        tp_size=groups.tp.size,
-        groups=groups,
-        env={},
-        clock=fake,
-        sleep=fake.sleep,
-    )
+    config = kit.receiver_config(from_tp, to_tp, **config)
+    return OmniKVTransferManager(config, connector=spy, env={}, **kit.rank_kwargs(groups, fake))
 
 
 def _role(groups: Any, from_tp: int, to_tp: int) -> ReceiveRole:
@@ -49,13 +41,6 @@ def _collector(rid: str, cfg_ids: list, manager: OmniKVTransferManager, device: 
     assert data is not None and size > 0
     kv = KVCache(data["layer_blocks"]["key_cache"], data["layer_blocks"]["value_cache"])
     return {"cfg_text_past_key_values": kv, "cfg_text_kv_metadata": data["metadata"]}
-
-
-def _check_kv(kit, kv: Any, model: Any, spec: dict, rank: int, tp: int) -> None:
-    keys, values = model.expected(spec["block_ids"], spec["seq_len"], rank, tp)
-    assert kv is not None and len(kv.key_cache) == len(keys)
-    assert all(kit.bits_equal(a, b) for a, b in zip(kv.key_cache, keys))
-    assert all(kit.bits_equal(a, b) for a, b in zip(kv.value_cache, values))
 
 
 # ------------------------------------------------------------------------------- TP + CFG
@@ -81,10 +66,10 @@ def test_spec6_tp_cfg_followers_get_their_branch(kit, memory_connector, fake_tim
     assert [r[1] for r in results] == [True] * 4
     for rank, req in enumerate(reqs):
         tp_rank, cfg_rank = rank % 2, rank // 2
-        _check_kv(kit, req.past_key_values, model, SPEC, tp_rank, 2)
+        kit.check_kv(req.past_key_values, model, SPEC, tp_rank, 2)
         assert req.sampling_params.past_key_values is req.past_key_values
         assert req.kv_metadata["seq_len"] == 10 and req.sampling_params.cfg_branch_roles == ["cfg_text"]
-        _check_kv(kit, req.sampling_params.cfg_text_past_key_values, model, BRANCH, tp_rank, 2)
+        kit.check_kv(req.sampling_params.cfg_text_past_key_values, model, BRANCH, tp_rank, 2)
         if cfg_rank == 1:
             assert req.sampling_params.cfg_active_branch == "cfg_text"
             assert spies[rank].gets == []  # followers never touch the connector
@@ -105,7 +90,7 @@ def test_spec6_tp_cfg_without_branches_copies_the_primary_to_cfg_rank_1(kit, mem
 
     assert kit.run_ranks(GroupLayout(tp_size=2, cfg_size=2), rank_main) == [True] * 4
     for rank, req in enumerate(reqs):
-        _check_kv(kit, req.past_key_values, model, SPEC, rank % 2, 2)
+        kit.check_kv(req.past_key_values, model, SPEC, rank % 2, 2)
     # the reference's padding: the primary alone, no branch bookkeeping
     assert not hasattr(reqs[2].sampling_params, "cfg_active_branch")
     assert not hasattr(reqs[2].sampling_params, "cfg_branch_roles")
@@ -142,16 +127,16 @@ def test_spec6_tp_cfg_branch_kv_given_through_the_branch_map(kit, memory_connect
     for rank, req in enumerate(reqs):
         tp_rank, cfg_rank = rank % 2, rank // 2
         params = req.sampling_params
-        _check_kv(kit, req.past_key_values, model, SPEC, tp_rank, 2)
+        kit.check_kv(req.past_key_values, model, SPEC, tp_rank, 2)
         assert params.cfg_branch_roles == ["cfg_text", "cfg_img"]
         if cfg_rank == 0:
             assert params.cfg_active_branch is None
             continue
         role, spec = (("cfg_text", BRANCH), ("cfg_img", SPEC))[cfg_rank - 1]
         assert params.cfg_active_branch == role
-        _check_kv(kit, getattr(params, f"{role}_past_key_values"), model, spec, tp_rank, 2)
+        kit.check_kv(getattr(params, f"{role}_past_key_values"), model, spec, tp_rank, 2)
         assert set(params.cfg_branch_past_key_values) == {role}
-        _check_kv(kit, params.cfg_branch_past_key_values[role], model, spec, tp_rank, 2)
+        kit.check_kv(params.cfg_branch_past_key_values[role], model, spec, tp_rank, 2)
         assert params.cfg_branch_kv_metadata[role]["seq_len"] == spec["seq_len"]
         assert getattr(params, f"{role}_kv_metadata")["seq_len"] == spec["seq_len"]
         other = "cfg_img" if role == "cfg_text" else "cfg_text"
@@ -170,7 +155,7 @@ def test_spec6_tp_sp_leader_broadcasts_to_its_sp_group(kit, memory_connector, fa
 
     assert kit.run_ranks(GroupLayout(tp_size=2, sp_size=2), rank_main) == [True] * 4
     for rank, req in enumerate(reqs):
-        _check_kv(kit, req.past_key_values, model, SPEC, rank % 2, 2)
+        kit.check_kv(req.past_key_values, model, SPEC, rank % 2, 2)
         assert req.sampling_params.past_key_values is req.past_key_values
     assert [len(s.gets) for s in spies] == [2, 2, 0, 0]
     assert kit.pool_is_empty(memory_connector)
@@ -193,11 +178,11 @@ def test_spec6_tp_cfg_sp_p2p_then_sp_broadcast(kit, memory_connector, fake_time)
     assert [len(s.gets) for s in spies] == [4, 0, 0, 0]  # 2 shards x (primary + branch), leader only
     for rank, req in enumerate(reqs):
         cfg_rank, sp_rank = rank // 2, rank % 2  # world_rank = cfg_rank * sp_size + sp_rank
-        _check_kv(kit, req.past_key_values, model, SPEC, 0, 1)
+        kit.check_kv(req.past_key_values, model, SPEC, 0, 1)
         assert req.sampling_params.cfg_branch_roles == ["cfg_text"]
         assert getattr(req.sampling_params, "cfg_active_branch", None) == ("cfg_text" if cfg_rank else None)
         if cfg_rank == 1 or sp_rank == 0:
-            _check_kv(kit, req.sampling_params.cfg_text_past_key_values, model, BRANCH, 0, 1)
+            kit.check_kv(req.sampling_params.cfg_text_past_key_values, model, BRANCH, 0, 1)
         else:  # CFG rank 0's SP group gets the primary and the list of roles, not every branch
             assert getattr(req.sampling_params, "cfg_text_past_key_values", None) is None
 
@@ -214,7 +199,7 @@ def test_spec6_tp_inactive_rank_0_broadcasts_to_the_world(kit, memory_connector,
 
     assert kit.run_ranks(GroupLayout(sp_size=2, cfg_size=2), rank_main) == [True] * 4
     for req in reqs:
-        _check_kv(kit, req.past_key_values, model, SPEC, 0, 1)
+        kit.check_kv(req.past_key_values, model, SPEC, 0, 1)
     assert [s.get_keys for s in spies] == [["omni_0_to_1_kv_cache_r1"], [], [], []]
 
 
@@ -277,7 +262,7 @@ def test_spec6_pure_tp_each_rank_pulls_its_own_shard(kit, memory_connector, fake
     results = kit.run_ranks(GroupLayout(tp_size=4), rank_main)
     assert results == [(ReceiveRole.LOCAL, True)] * 4
     for rank, req in enumerate(reqs):
-        _check_kv(kit, req.past_key_values, model, SPEC, rank, 4)
+        kit.check_kv(req.past_key_values, model, SPEC, rank, 4)
         assert spies[rank].get_keys == [f"r1_0_0_{rank // 2}_{rank}"]
 
 
@@ -299,7 +284,7 @@ def test_spec6_consensus_one_rank_misses_every_rank_drops(kit, memory_connector,
     assert results == [[False, True]] * 4
     assert all(req.past_key_values is None and req.sampling_params.past_key_values is None for req in reqs["r1"])
     for rank, req in enumerate(reqs["r2"]):
-        _check_kv(kit, req.past_key_values, model, SPEC, rank, 4)
+        kit.check_kv(req.past_key_values, model, SPEC, rank, 4)
 
 
 def test_spec6_dummy_requests_skip_every_collective(kit, memory_connector, fake_time) -> None:
@@ -341,7 +326,7 @@ def test_spec6_tp_group_of_one_is_local_without_consensus(kit, memory_connector,
     req = kit.make_request("r1")
     assert _role(groups, 1, 1) is ReceiveRole.LOCAL
     assert m.receive_multi_kv_cache_distributed(req) is True
-    _check_kv(kit, req.past_key_values, model, SPEC, 0, 1)
+    kit.check_kv(req.past_key_values, model, SPEC, 0, 1)
 
 
 def test_spec6_distribute_after_the_leader_applied(kit, memory_connector, fake_time) -> None:
@@ -358,7 +343,7 @@ def test_spec6_distribute_after_the_leader_applied(kit, memory_connector, fake_t
     fields = kit.run_ranks(GroupLayout(sp_size=4), rank_main)
     for f, req in zip(fields, reqs):
         assert f is not None and f["kv_metadata"]["seq_len"] == 10
-        _check_kv(kit, req.past_key_values, model, SPEC, 0, 1)
+        kit.check_kv(req.past_key_values, model, SPEC, 0, 1)
         assert kv_fields_of(req) is not None
 
 

@@ -30,23 +30,7 @@ INFO = {"host": "127.0.0.1", "zmq_port": 50151}
 
 def _manager(kit, spy: Any, groups: StageGroups, fake: Any, from_tp: int, to_tp: int, **kw: Any) -> KVTransferManager:
     config = kit.receiver_config(from_tp, to_tp, **kw.pop("config", {}))
-    return KVTransferManager(
-        config,
-        tp_rank=groups.tp.rank if groups.tp is not None else 0,
-        tp_size=groups.tp.size if groups.tp is not None else 1,
-        groups=groups,
-        connector=spy,
-        clock=fake,
-        sleep=fake.sleep,
-        **kw,
-    )
-
-
-def _check_kv(kit, kv: Any, model: Any, spec: dict, rank: int, tp: int) -> None:
-    keys, values = model.expected(spec["block_ids"], spec["seq_len"], rank, tp)
-    assert kv is not None and len(kv.key_cache) == len(keys)
-    assert all(kit.bits_equal(a, b) for a, b in zip(kv.key_cache, keys))
-    assert all(kit.bits_equal(a, b) for a, b in zip(kv.value_cache, values))
+    return KVTransferManager(config, connector=spy, **kit.rank_kwargs(groups, fake), **kw)
 
 
 # --------------------------------------------------------------------------- distribution
@@ -67,7 +51,7 @@ def test_leaders_pull_and_followers_get_their_kv_through_the_stage(kit, memory_c
     assert [d.role for d in results] == [ReceiveRole.LEADER] * 2 + [ReceiveRole.FOLLOWER] * 2
     for rank, (dist, req) in enumerate(zip(results, reqs)):
         assert dist.ok and dist.request_id == "r1" and dist.drop is None
-        _check_kv(kit, req.past_key_values, model, SPEC, rank % 2, 2)
+        kit.check_kv(req.past_key_values, model, SPEC, rank % 2, 2)
         assert req.sampling_params.past_key_values is req.past_key_values
     # the control: only leaders pulled; followers hold bytes they can only have got from a leader
     assert [len(s.gets) for s in spies] == [1, 1, 0, 0]
@@ -178,30 +162,22 @@ def test_consensus_drops_kv_a_tp_peer_missed_and_counts_it(kit, memory_connector
     assert all(req.past_key_values is None for req in reqs["r1"])
     assert [row[1].status for row in results] == [DistributionStatus.HAS_KV] * 4
     for rank, row in enumerate(results):
-        _check_kv(kit, reqs["r2"][rank].past_key_values, model, SPEC, rank, 4)
+        kit.check_kv(reqs["r2"][rank].past_key_values, model, SPEC, rank, 4)
         row[1].release()
 
 
 # ------------------------------------------------------------------------------- prefetch
 @pytest.fixture
-def prefetching(kit, fake_time):
+def prefetching(kit, fake_time, closing):
     """``prefetching(connector, **config) -> KVTransferManager`` with prefetch on; closed after."""
-    made: list[KVTransferManager] = []
 
     def make(connector: Any, *, prefetch: bool | None = True, **config: Any) -> KVTransferManager:
-        m = KVTransferManager(
-            kit.receiver_config(**config),
-            connector=connector,
-            clock=fake_time,
-            sleep=fake_time.sleep,
-            prefetch=prefetch,
+        config = kit.receiver_config(**config)
+        return closing(
+            KVTransferManager(config, connector=connector, clock=fake_time, sleep=fake_time.sleep, prefetch=prefetch)
         )
-        made.append(m)
-        return m
 
-    yield make
-    for m in made:
-        m.close()
+    return make
 
 
 def _worker_gets(spy: Any) -> list[str]:
@@ -221,7 +197,7 @@ def test_a_prefetch_hit_is_received_on_the_worker_and_used_by_receive_and_distri
     req = kit.make_request("r1")
     dist = m.receive_and_distribute(req)  # no sender info here: only the prefetch can have it
     assert dist.status is DistributionStatus.HAS_KV and dist.role is ReceiveRole.LOCAL
-    _check_kv(kit, req.past_key_values, model, SPEC, 0, 1)
+    kit.check_kv(req.past_key_values, model, SPEC, 0, 1)
     assert len(spy.gets) == 1 and len(_worker_gets(spy)) == 1  # the worker's get, no second one
     assert dist.received is not None and not dist.received.held  # a prefetch copies out
     assert kit.pool_is_empty(memory_connector)
@@ -315,8 +291,7 @@ def test_wait_prefetch_is_bounded_and_shutdown_keeps_receiving(kit, memory_conne
     model = kit.PagedModel()
     kit.send_all(model, memory_connector, 1, 1, {"a": SPEC, "b": SPEC})
     spy = kit.BlockingSpyConnector(memory_connector)
-    gate = spy.gates["omni_0_to_1_kv_cache_a"] = threading.Event()
-    entered = spy.entered["omni_0_to_1_kv_cache_a"] = threading.Event()
+    gate, entered = spy.hold("omni_0_to_1_kv_cache_a")
     m = prefetching(spy)
     assert m.start_prefetch("a", sender_info=INFO).started
     assert entered.wait(10.0)

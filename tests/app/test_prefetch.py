@@ -35,9 +35,8 @@ def _job(rid: str, info: Any = INFO) -> dict:
 
 
 @pytest.fixture
-def prefetching(kit, fake_time):
+def prefetching(kit, fake_time, closing):
     """``prefetching(connector, **config) -> OmniKVTransferManager`` with prefetch on; shut down after."""
-    made: list[OmniKVTransferManager] = []
 
     def make(
         connector: Any,
@@ -48,8 +47,9 @@ def prefetching(kit, fake_time):
         groups: Any = None,
         **config: Any,
     ) -> OmniKVTransferManager:
+        config = kit.receiver_config(**config)
         m = OmniKVTransferManager(
-            kit.receiver_config(**config),
+            config,
             async_prefetch=async_prefetch,
             connector=connector,
             tp_rank=tp_rank,
@@ -59,12 +59,9 @@ def prefetching(kit, fake_time):
             clock=fake_time,
             sleep=fake_time.sleep,
         )
-        made.append(m)
-        return m
+        return closing(m)
 
-    yield make
-    for m in made:
-        m.close()
+    return make
 
 
 def _prefetch_threads(spy: Any) -> set[str]:
@@ -169,8 +166,7 @@ def test_spec7_stale_prefetch_is_dropped(kit, memory_connector, prefetching) -> 
     model = kit.PagedModel()
     kit.send_all(model, memory_connector, 1, 1, {"a": SPEC, "b": SPEC})
     spy = kit.BlockingSpyConnector(memory_connector)
-    gate = spy.gates["omni_0_to_1_kv_cache_a"] = threading.Event()
-    entered = spy.entered["omni_0_to_1_kv_cache_a"] = threading.Event()
+    gate, entered = spy.hold("omni_0_to_1_kv_cache_a")
     m = prefetching(spy)
     m.start_prefetch(_job("a"))
     assert entered.wait(10.0)

@@ -36,7 +36,7 @@ from kvferry.core.pool import (
     Ticket,
 )
 from kvferry.core.ports import Clock, PutResult
-from kvferry.core.validate import check_int
+from kvferry.core.validate import check_int, check_seconds
 
 __all__ = [
     "DEFAULT_LEASE_S",
@@ -91,9 +91,7 @@ def _seconds_key(config: Mapping[str, Any], key: str, default: float | None) -> 
     value = config.get(key, default)
     if value is None:
         return None
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < float("inf"):
-        raise ConfigError(f"connector config {key!r} must be a positive number of seconds, got {value!r}")
-    return float(value)
+    return check_seconds(f"connector config {key!r}", value)
 
 
 @attrs.frozen

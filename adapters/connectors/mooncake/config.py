@@ -27,14 +27,13 @@ shared_engine  True         share one engine per (host, protocol, device_name) i
 
 from __future__ import annotations
 
-import math
 from collections.abc import Mapping
 from typing import Any
 
 import attrs
 
 from kvferry.core.errors import ConfigError
-from kvferry.core.validate import check_int
+from kvferry.core.validate import check_int, check_seconds
 
 __all__ = ["MooncakeConfig", "ROLES"]
 
@@ -46,11 +45,7 @@ def _int(name: str, value: Any, lo: int, hi: int | None = None) -> int:
 
 
 def _seconds(name: str, value: Any) -> float:
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise ConfigError(f"mooncake config {name!r} must be a number of seconds, got {value!r}")
-    if not math.isfinite(value) or value <= 0:
-        raise ConfigError(f"mooncake config {name!r} must be finite and > 0, got {value!r}")
-    return float(value)
+    return check_seconds(f"mooncake config {name!r}", value)
 
 
 def _flag(name: str, value: Any) -> bool:

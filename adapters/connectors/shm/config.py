@@ -28,6 +28,7 @@ from kvferry.adapters.connectors.shm.segment import (
 )
 from kvferry.adapters.connectors.shm.server import ControlServer
 from kvferry.core.errors import ConfigError
+from kvferry.core.validate import check_number, check_port
 
 __all__ = ["SHM_DEFAULT_POOL_BYTES", "ROLES", "ShmConfig", "SenderSide", "start_sender"]
 
@@ -40,9 +41,7 @@ def _port(config: Mapping[str, Any], *keys: str) -> int | None:
         value = config.get(key)
         if value is None:
             continue
-        if isinstance(value, bool) or not isinstance(value, int) or not 0 < value < 65536:
-            raise ConfigError(f"shm config {key!r} must be a port number 1..65535, got {value!r}")
-        return value
+        return check_port(f"shm config {key!r}", value, expected="a port number 1..65535")
     return None
 
 
@@ -66,8 +65,7 @@ class ShmConfig:
         if role not in ROLES:
             raise ConfigError(f"shm config 'role' must be one of {ROLES}, got {role!r}")
         rpc = config.get("rpc_timeout_s", 2.0)
-        if isinstance(rpc, bool) or not isinstance(rpc, (int, float)) or not 0 < rpc < 1e6:
-            raise ConfigError(f"shm config 'rpc_timeout_s' must be positive seconds, got {rpc!r}")
+        check_number("shm config 'rpc_timeout_s'", rpc, above=0.0, maximum=1e6, expected="positive seconds")
         for key in ("runtime_dir", "shm_dir"):
             if config.get(key) is not None and not isinstance(config[key], str):
                 raise ConfigError(f"shm config {key!r} must be a path string")

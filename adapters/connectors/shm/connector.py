@@ -53,6 +53,7 @@ from kvferry.adapters.connectors.shm.segment import (
 from kvferry.core.addressing import resolve_get_source
 from kvferry.core.errors import ConfigError, LeaseExpired
 from kvferry.core.ports import PutResult
+from kvferry.core.validate import check_port
 
 __all__ = ["SHM_DEFAULT_POOL_BYTES", "ShmConfig", "ShmConnector"]
 
@@ -115,8 +116,7 @@ class ShmConnector:
 
     def update_sender_info(self, host: str, port: int) -> None:
         """Set the default sender: the one bound with ``port`` in this namespace."""
-        if isinstance(port, bool) or not isinstance(port, int) or not 0 < port < 65536:
-            raise ConfigError(f"sender port must be 1..65535, got {port!r}")
+        check_port("sender port", port, expected="1..65535")
         self._default_endpoint = control_endpoint(self.config.namespace, port, self.config.runtime_base)
 
     # ------------------------------------------------------------------------- sender side

@@ -5,7 +5,6 @@ Every invalid value raises ConfigError naming the key. Sizes are bytes, times se
 
 from __future__ import annotations
 
-import math
 import tempfile
 from collections.abc import Mapping
 from typing import Any
@@ -13,6 +12,7 @@ from typing import Any
 import attrs
 
 from kvferry.core.errors import ConfigError
+from kvferry.core.validate import check_int, check_seconds
 
 __all__ = [
     "ROLES",
@@ -149,22 +149,15 @@ def generate_curve_config() -> dict[str, str]:
     }
 
 
-def _int(raw: Mapping[str, Any], key: str, default: int, minimum: int) -> int:
+def _int(raw: Mapping[str, Any], key: str, default: int, minimum: int, maximum: int | None = None) -> int:
     value = raw.get(key, default)
     if isinstance(value, str) and value.strip().isdigit():
         value = int(value.strip())
-    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-        raise ConfigError(f"{key} must be an integer >= {minimum}, got {value!r}")
-    return value
+    return check_int(key, value, minimum, maximum=maximum)
 
 
 def _seconds(raw: Mapping[str, Any], key: str, default: float) -> float:
-    value = raw.get(key, default)
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise ConfigError(f"{key} must be a number of seconds, got {value!r}")
-    if not (math.isfinite(value) and value > 0):
-        raise ConfigError(f"{key} must be a finite number of seconds > 0, got {value!r}")
-    return float(value)
+    return check_seconds(key, raw.get(key, default))
 
 
 def _seconds_or_zero(raw: Mapping[str, Any], key: str, default: float) -> float:
@@ -317,9 +310,7 @@ class ZmqConfig:
         if role == "sender" or raw.get("port") is not None:
             if "port" not in raw:
                 raise ConfigError("port is required for role 'sender' (0 lets the OS choose)")
-            port = _int(raw, "port", 0, 1 if transport == "ipc" else 0)
-            if port > 65535:
-                raise ConfigError(f"port must be in 0..65535, got {port}")
+            port = _int(raw, "port", 0, 1 if transport == "ipc" else 0, 65535)
         advertise = _host(raw, "advertise_host", None)
         if role == "sender" and advertise is None:
             if host in _WILDCARD_HOSTS and transport == "tcp":
@@ -330,9 +321,7 @@ class ZmqConfig:
             raise ConfigError(f"ipc_dir must be an absolute directory path, got {ipc_dir!r}")
         sender_port = raw.get("sender_port", raw.get("sender_zmq_port"))
         if sender_port is not None:
-            sender_port = _int({"sender_port": sender_port}, "sender_port", 0, 1)
-            if sender_port > 65535:
-                raise ConfigError(f"sender_port must be in 1..65535, got {sender_port}")
+            sender_port = _int({"sender_port": sender_port}, "sender_port", 0, 1, 65535)
         curve = raw.get("curve")
         max_frame = raw.get("max_frame_bytes", -1)
         if max_frame != -1:

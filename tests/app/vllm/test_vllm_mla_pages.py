@@ -5,12 +5,9 @@ checked and written into another cache's blocks."""
 
 from __future__ import annotations
 
-import itertools
-import threading
-import time
-
 import pytest
 import torch
+from page_kit import load, memory_params, names, page_worker, publish
 
 from kvferry.adapters.torch_decode import decode_payload
 from kvferry.app.vllm.pages import (
@@ -24,7 +21,7 @@ from kvferry.app.vllm.pages import (
     send_slices,
     write_pages,
 )
-from kvferry.app.vllm.params import ConnectorSettings, parse_decode_params, prefill_result
+from kvferry.app.vllm.params import parse_decode_params
 from kvferry.app.vllm.worker import LoadJob, PageWorker, SaveJob
 from kvferry.core.errors import ConfigError, PayloadError
 from kvferry.core.routing import latent_source
@@ -32,7 +29,6 @@ from kvferry.core.routing import latent_source
 BLOCKS, BS, RANK, ROPE = 12, 16, 512, 64
 LATENT = RANK + ROPE
 LAYERS = 2
-_names = itertools.count()
 
 
 def _cpu_mla_cache(tokens: int, block_ids: list[int], seed: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -156,21 +152,10 @@ def test_every_decode_rank_reads_the_whole_latent_from_its_one_prefill_rank(pref
 
 # ----------------------------------------------------------------------------------- workers
 def _worker(name: str, rank: int, tp: int, producer: bool) -> PageWorker:
-    settings = ConnectorSettings.from_extra_config(
-        {"connector": {"type": "memory", "shared_name": name}, "load_timeout_s": 2.0}
-    )
     # total_kv_heads is what vLLM says for the model; a latent ignores it
-    w = PageWorker(settings, tp_rank=rank, tp_size=tp, total_kv_heads=16, producer=producer, consumer=not producer)
+    w = page_worker(name, rank, tp, producer, 16)
     w.latent, w.cache_layout = True, "mla/LBNHC"
     return w
-
-
-def _wait(pred, timeout_s: float = 10.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    tick = threading.Event()
-    while not pred():
-        assert time.monotonic() < deadline, "timed out"
-        tick.wait(0.01)
 
 
 def _layers(tokens: int, block_ids: list[int], seed: int) -> dict[str, torch.Tensor]:
@@ -179,7 +164,7 @@ def _layers(tokens: int, block_ids: list[int], seed: int) -> dict[str, torch.Ten
 
 @pytest.mark.parametrize(("prefill_tp", "decode_tp"), [(1, 1), (1, 2), (2, 1), (2, 2)])
 def test_each_decode_rank_gets_the_whole_latent_from_its_one_prefill_rank(prefill_tp: int, decode_tp: int) -> None:
-    name, tokens = f"vllm-mla-{next(_names)}", 40
+    name, tokens = f"vllm-mla-{next(names)}", 40
     p_blocks, d_blocks = [3, 7, 1], (10, 2, 5)
     prefills, sources = [], []
     for rank in range(prefill_tp):
@@ -187,39 +172,22 @@ def test_each_decode_rank_gets_the_whole_latent_from_its_one_prefill_rank(prefil
         # every rank holds the whole latent; each rank's own copy differs here (another seed), so
         # the decode's pages say which prefill rank they came from
         caches = _layers(tokens, p_blocks, seed=10 * (rank + 1))
-        p.register(caches)
+        publish(p, caches, SaveJob("r", "t", tuple(p_blocks), tokens, decode_tp))
         assert p.geometry is not None and p.geometry.latent and p.geometry.heads == 1
-        job = SaveJob("r", "t", tuple(p_blocks), tokens, decode_tp)
-        p.begin_step([job])
-        for layer_name, t in caches.items():
-            p.save_layer(layer_name, t)
-        p.end_step()
-        _wait(lambda p=p: p.finished({"r"})[0] == {"r"})
         prefills.append(p)
         sources.append(caches)
     decodes = []
     try:
-        params = prefill_result(
-            transfer_id="t",
-            host="127.0.0.1",
-            port=50151,
-            num_tokens=tokens,
-            block_size=BS,
-            num_layers=LAYERS,
-            tp_size=prefill_tp,
-            decode_tp_size=decode_tp,
-            connector_type="memory",
-            engine_id="e",
+        params = memory_params(
+            tokens=tokens, block_size=BS, layers=LAYERS, prefill_tp=prefill_tp, decode_tp=decode_tp, engine_id="e"
         )
         for rank in range(decode_tp):
             d = _worker(name, rank, decode_tp, False)
             dst = {n: torch.zeros(BLOCKS, 1, BS, LATENT, dtype=torch.bfloat16) for n in sources[0]}
             d.register(dst)
             decodes.append(d)
-            d.start_loads([LoadJob("r", parse_decode_params(params), d_blocks, 0)])
-            got: set[str] = set()
-            _wait(lambda d=d, got=got: got.update(d.finished(set())[1]) or "r" in got)
-            assert d.load_errors() == set()
+            _, errors = load(d, LoadJob("r", parse_decode_params(params), d_blocks, 0))
+            assert errors == set()
             [record] = d.recent_loads
             assert record.ok and record.nbytes == LAYERS * 3 * BS * LATENT * 2  # latent pages only, once
             src = sources[latent_source(prefill_tp, decode_tp, rank)]
@@ -235,6 +203,6 @@ def test_each_decode_rank_gets_the_whole_latent_from_its_one_prefill_rank(prefil
 
 
 def test_a_latent_cache_needs_one_latent_head_per_layer() -> None:
-    w = _worker(f"vllm-mla-{next(_names)}", 0, 1, False)
+    w = _worker(f"vllm-mla-{next(names)}", 0, 1, False)
     with pytest.raises(ConfigError, match=r"\[num_blocks, 1, block_size, latent\]"):
         w.register({"a": torch.zeros(BLOCKS, 2, BS, LATENT)})

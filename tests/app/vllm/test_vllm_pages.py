@@ -3,7 +3,6 @@ workers' page moves over the in-process connector (fake caches in vLLM's CPU lay
 
 from __future__ import annotations
 
-import itertools
 import os
 import subprocess
 import sys
@@ -15,6 +14,7 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from page_kit import load, names, page_worker, publish, wait_for
 
 from kvferry.app.vllm.pages import PageGeometry, block_runs, layer_key, recv_slices, send_slices, write_pages
 from kvferry.app.vllm.params import ConnectorSettings, parse_decode_params, parse_prefill_params, prefill_result
@@ -23,7 +23,6 @@ from kvferry.app.vllm.worker import LoadJob, PageWorker, SaveJob
 from kvferry.core.errors import ConfigError, RoutingError
 
 BS, HEADS, HEAD, LAYERS, BLOCKS = 32, 4, 32, 3, 16
-_names = itertools.count()
 
 
 def _params(**over):
@@ -156,39 +155,14 @@ def _caches(heads: int, seed: int | None) -> dict[str, torch.Tensor]:
 
 
 def _worker(name: str, rank: int, tp: int, producer: bool, **extra) -> PageWorker:
-    settings = ConnectorSettings.from_extra_config(
-        {"connector": {"type": "memory", "shared_name": name}, "load_timeout_s": 2.0, **extra}
-    )
-    return PageWorker(
-        settings, tp_rank=rank, tp_size=tp, total_kv_heads=HEADS, producer=producer, consumer=not producer
-    )
-
-
-def _wait(pred, timeout_s: float = 10.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    cond = threading.Event()
-    while not pred():
-        assert time.monotonic() < deadline, "timed out"
-        cond.wait(0.01)
+    return page_worker(name, rank, tp, producer, HEADS, **extra)
 
 
 def _prefill(name: str, job: SaveJob, seed: int = 1) -> tuple[PageWorker, dict[str, torch.Tensor]]:
     p = _worker(name, 0, 1, True)
     caches = _caches(HEADS, seed)
-    p.register(caches)
-    p.begin_step([job])
-    for layer_name, t in caches.items():  # what vLLM's attention layers do during the forward
-        p.save_layer(layer_name, t)
-    p.end_step()
-    _wait(lambda: p.finished({job.req_id}) == ({job.req_id}, set()) or p.pending_saves == 0)
+    publish(p, caches, job)
     return p, caches
-
-
-def _load(d: PageWorker, job: LoadJob) -> tuple[set[str], set[int]]:
-    d.start_loads([job])
-    got: set[str] = set()
-    _wait(lambda: got.update(d.finished(set())[1]) or job.req_id in got)
-    return got, d.load_errors()
 
 
 def _source(tid: str, tokens: int, decode_tp: int = 1) -> object:
@@ -208,7 +182,7 @@ def _decode_heads(decode_tp: int, rank: int) -> tuple[int, int]:
 
 @pytest.mark.parametrize("decode_tp", [1, 2, 8])
 def test_pages_move_as_stored_into_the_decode_blocks(decode_tp: int) -> None:
-    name = f"vllm-pages-{next(_names)}"
+    name = f"vllm-pages-{next(names)}"
     p_blocks, d_blocks = (3, 7, 1), (10, 2, 5)
     p, src = _prefill(name, SaveJob("r", "t", p_blocks, 70, decode_tp))
     ranks = []
@@ -216,7 +190,7 @@ def test_pages_move_as_stored_into_the_decode_blocks(decode_tp: int) -> None:
         d = _worker(name, rank, decode_tp, False)
         dst = _caches(max(1, HEADS // decode_tp), None)
         d.register(dst)
-        assert _load(d, LoadJob("r", _source("t", 70, decode_tp), d_blocks, 0)) == ({"r"}, set())
+        assert load(d, LoadJob("r", _source("t", 70, decode_tp), d_blocks, 0)) == ({"r"}, set())
         ranks.append((d, dst))
     try:
         for rank, (_, dst) in enumerate(ranks):
@@ -236,13 +210,13 @@ def test_pages_move_as_stored_into_the_decode_blocks(decode_tp: int) -> None:
 
 
 def test_partial_load_after_a_local_prefix_hit() -> None:
-    name = f"vllm-pages-{next(_names)}"
+    name = f"vllm-pages-{next(names)}"
     p, src = _prefill(name, SaveJob("r", "t", (3, 7, 1), 70, 1))
     d = _worker(name, 0, 1, False)
     dst = _caches(HEADS, None)
     d.register(dst)
     try:  # the decode side had the first block already: pages 1.. go into its blocks 4, 9
-        assert _load(d, LoadJob("r", _source("t", 70), (4, 9), 1)) == ({"r"}, set())
+        assert load(d, LoadJob("r", _source("t", 70), (4, 9), 1)) == ({"r"}, set())
         for layer_name, layer in src.items():
             assert torch.equal(dst[layer_name][[4, 9]], layer[[7, 1]])
     finally:
@@ -272,7 +246,7 @@ class _Corrupting:
 
 
 def test_corrupt_payload_is_a_load_error_of_every_block() -> None:
-    name = f"vllm-pages-{next(_names)}"
+    name = f"vllm-pages-{next(names)}"
     settings = ConnectorSettings.from_extra_config({"connector": {"type": "memory", "shared_name": name}})
     p = PageWorker(
         settings,
@@ -287,11 +261,11 @@ def test_corrupt_payload_is_a_load_error_of_every_block() -> None:
     job = SaveJob("r", "t", (1, 2, 3), 70, 1)
     p.begin_step([job])
     p.end_step()
-    _wait(lambda: p.pending_saves == 0 or p.finished({"r"})[0] == {"r"})
+    wait_for(lambda: p.pending_saves == 0 or p.finished({"r"})[0] == {"r"})
     d = _worker(name, 0, 1, False)
     d.register(_caches(HEADS, None))
     try:
-        assert _load(d, LoadJob("r", _source("t", 70), (4, 5, 6), 0)) == ({"r"}, {4, 5, 6})
+        assert load(d, LoadJob("r", _source("t", 70), (4, 5, 6), 0)) == ({"r"}, {4, 5, 6})
         assert d.stats.peek()["failures_corrupt"] == 1
     finally:
         d.close()
@@ -299,23 +273,23 @@ def test_corrupt_payload_is_a_load_error_of_every_block() -> None:
 
 
 def test_missing_prefill_times_out_and_bad_params_fail_at_once() -> None:
-    name = f"vllm-pages-{next(_names)}"
+    name = f"vllm-pages-{next(names)}"
     d = _worker(name, 0, 1, False, load_timeout_s=0.2)
     d.register(_caches(HEADS, None))
     try:
-        assert _load(d, LoadJob("r", _source("nobody", 70), (4, 5, 6), 0)) == ({"r"}, {4, 5, 6})
-        assert _load(d, LoadJob("q", None, (7,), 0, error="kv_transfer_params.remote_port: missing")) == ({"q"}, {7})
+        assert load(d, LoadJob("r", _source("nobody", 70), (4, 5, 6), 0)) == ({"r"}, {4, 5, 6})
+        assert load(d, LoadJob("q", None, (7,), 0, error="kv_transfer_params.remote_port: missing")) == ({"q"}, {7})
         assert d.stats.peek() == {"failures_timeout": 1, "failures_params": 1}
     finally:
         d.close()
 
 
 def test_decode_tp_mismatch_is_refused() -> None:
-    name = f"vllm-pages-{next(_names)}"
+    name = f"vllm-pages-{next(names)}"
     d = _worker(name, 0, 2, False)
     d.register(_caches(HEADS // 2, None))
     try:
-        assert _load(d, LoadJob("r", _source("t", 70, decode_tp=1), (4,), 0)) == ({"r"}, {4})
+        assert load(d, LoadJob("r", _source("t", 70, decode_tp=1), (4,), 0)) == ({"r"}, {4})
         assert d.stats.peek() == {"failures_layout": 1}
     finally:
         d.close()
@@ -434,8 +408,8 @@ class _Clock:
         return self.now
 
 
-def test_pages_read_after_their_lease_are_an_expired_load() -> None:
-    name = f"vllm-pages-{next(_names)}"
+def test_pages_read_after_their_lease_are_an_expiredload() -> None:
+    name = f"vllm-pages-{next(names)}"
     clock = _Clock()
     settings = ConnectorSettings.from_extra_config(
         {"connector": {"type": "memory", "shared_name": name, "clock": clock}, "lease_s": 5.0, "load_timeout_s": 2.0}
@@ -444,12 +418,12 @@ def test_pages_read_after_their_lease_are_an_expired_load() -> None:
     p.register(_caches(HEADS, 1))
     p.begin_step([SaveJob("r", "t", (1, 2, 3), 70, 1)])
     p.end_step()
-    _wait(lambda: p.finished({"r"})[0] == {"r"})
+    wait_for(lambda: p.finished({"r"})[0] == {"r"})
     clock.now += 6.0  # past the lease: nobody read the pages
     d = PageWorker(settings, tp_rank=0, tp_size=1, total_kv_heads=HEADS, producer=False, consumer=True)
     d.register(_caches(HEADS, None))
     try:
-        assert _load(d, LoadJob("r", _source("t", 70), (4, 5, 6), 0)) == ({"r"}, {4, 5, 6})
+        assert load(d, LoadJob("r", _source("t", 70), (4, 5, 6), 0)) == ({"r"}, {4, 5, 6})
         failures = d.stats.peek()
         assert failures == {"failures_expired": 1}, failures
     finally:
@@ -458,7 +432,7 @@ def test_pages_read_after_their_lease_are_an_expired_load() -> None:
 
 
 def test_fan_in_prefill_tp2_to_decode_tp1_merges_heads_in_rank_order() -> None:
-    name = f"vllm-pages-{next(_names)}"
+    name = f"vllm-pages-{next(names)}"
     settings = ConnectorSettings.from_extra_config({"connector": {"type": "memory", "shared_name": name}})
     prefills, sources = [], []
     for rank in range(2):
@@ -470,7 +444,7 @@ def test_fan_in_prefill_tp2_to_decode_tp1_merges_heads_in_rank_order() -> None:
         for layer_name, t in caches.items():
             p.save_layer(layer_name, t)
         p.end_step()
-        _wait(lambda p=p: p.finished({"r"})[0] == {"r"})
+        wait_for(lambda p=p: p.finished({"r"})[0] == {"r"})
         prefills.append(p)
         sources.append((caches, job.block_ids))
     d = _worker(name, 0, 1, False)
@@ -478,7 +452,7 @@ def test_fan_in_prefill_tp2_to_decode_tp1_merges_heads_in_rank_order() -> None:
     d.register(dst)
     try:
         src = parse_decode_params(_params(transfer_id="t", remote_num_tokens=40, remote_tp_size=2))
-        assert _load(d, LoadJob("r", src, (12, 4), 0)) == ({"r"}, set())
+        assert load(d, LoadJob("r", src, (12, 4), 0)) == ({"r"}, set())
         for layer_name in dst:
             want = torch.cat([c[layer_name][list(b)] for c, b in sources], dim=1)  # heads of rank 0, then 1
             assert torch.equal(dst[layer_name][[12, 4]], want)
@@ -490,7 +464,7 @@ def test_fan_in_prefill_tp2_to_decode_tp1_merges_heads_in_rank_order() -> None:
 
 def test_replicated_prefill_ranks_feed_one_decode_rank_each_head_once() -> None:
     # prefill TP 8 over 4 KV heads: ranks 2h and 2h+1 both hold head h (same pages, as in vLLM)
-    name = f"vllm-pages-{next(_names)}"
+    name = f"vllm-pages-{next(names)}"
     settings = ConnectorSettings.from_extra_config({"connector": {"type": "memory", "shared_name": name}})
     full = _caches(HEADS, 21)
     blocks = (5, 1, 8)
@@ -505,14 +479,14 @@ def test_replicated_prefill_ranks_feed_one_decode_rank_each_head_once() -> None:
         for layer_name, t in caches.items():
             p.save_layer(layer_name, t)
         p.end_step()
-        _wait(lambda p=p: p.finished({"r"})[0] == {"r"})  # a replica that feeds nobody finishes too
+        wait_for(lambda p=p: p.finished({"r"})[0] == {"r"})  # a replica that feeds nobody finishes too
         prefills.append(p)
     d = _worker(name, 0, 1, False)
     dst = _caches(HEADS, None)
     d.register(dst)
     try:
         src = parse_decode_params(_params(transfer_id="t", remote_num_tokens=90, remote_tp_size=8))
-        assert _load(d, LoadJob("r", src, (2, 11, 7), 0)) == ({"r"}, set())
+        assert load(d, LoadJob("r", src, (2, 11, 7), 0)) == ({"r"}, set())
         for layer_name in dst:
             assert torch.equal(dst[layer_name][[2, 11, 7]], full[layer_name][list(blocks)])  # every head, in order
             assert not torch.equal(dst[layer_name][[2, 11, 7]], full[layer_name][[1, 5, 8]])  # control: block order
@@ -523,13 +497,13 @@ def test_replicated_prefill_ranks_feed_one_decode_rank_each_head_once() -> None:
 
 
 def test_each_load_is_recorded_with_its_bytes_and_times() -> None:
-    name = f"vllm-pages-{next(_names)}"
+    name = f"vllm-pages-{next(names)}"
     p, _ = _prefill(name, SaveJob("r", "t", (3, 7, 1), 70, 1))
     d = _worker(name, 0, 1, False, load_timeout_s=0.3)
     d.register(_caches(HEADS, None))
     try:
-        assert _load(d, LoadJob("r", _source("t", 70), (4, 9, 2), 0)) == ({"r"}, set())
-        assert _load(d, LoadJob("r2", _source("missing", 70), (5,), 0))[1] == {5}  # nothing published
+        assert load(d, LoadJob("r", _source("t", 70), (4, 9, 2), 0)) == ({"r"}, set())
+        assert load(d, LoadJob("r2", _source("missing", 70), (5,), 0))[1] == {5}  # nothing published
         ok, failed = d.recent_loads
         # 3 pages x 4 heads x (K + V) x 32 x 32 bf16 values, per layer
         assert (ok.req_id, ok.transfer_id, ok.ok, ok.nbytes) == ("r", "t", True, LAYERS * 3 * HEADS * 2 * BS * HEAD * 2)
@@ -544,7 +518,7 @@ def test_each_load_is_recorded_with_its_bytes_and_times() -> None:
 
 
 def test_a_load_is_stamped_reported_only_when_finished_reports_it() -> None:
-    name = f"vllm-pages-{next(_names)}"
+    name = f"vllm-pages-{next(names)}"
     p, _ = _prefill(name, SaveJob("r", "t", (3, 7, 1), 70, 1))
     now = [100.0]
     d = _worker(name, 0, 1, False)
@@ -622,7 +596,7 @@ def _recording_decode(
 def _saved_and_recording(**extra) -> tuple[PageWorker, dict, PageWorker, dict, list[tuple[int, str]]]:
     """``(prefill, its caches, decode, its caches, the decode's read log)``: request "r"
     (transfer "t", blocks 3, 7, 1) saved whole, and a recording decode rank beside it."""
-    name = f"vllm-pages-{next(_names)}"
+    name = f"vllm-pages-{next(names)}"
     p, src = _prefill(name, SaveJob("r", "t", (3, 7, 1), 70, 1))
     log: list[tuple[int, str]] = []
     d, dst = _recording_decode(name, log, **extra)
@@ -647,7 +621,7 @@ def test_a_load_whose_pages_are_there_ends_in_the_engine_thread() -> None:
 def test_without_inline_time_every_load_runs_on_a_load_thread() -> None:
     p, src, d, dst, log = _saved_and_recording(inline_load_s=0)
     try:
-        assert _load(d, LoadJob("r", _source("t", 70), (4, 9, 2), 0)) == ({"r"}, set())
+        assert load(d, LoadJob("r", _source("t", 70), (4, 9, 2), 0)) == ({"r"}, set())
         assert [layer for layer, _ in log] == list(range(LAYERS))
         assert all(thread.startswith("kvferry-load") for _, thread in log)
         for layer_name, layer in src.items():
@@ -670,12 +644,12 @@ def _in_the_forward(p: PageWorker, seed: int) -> tuple[PageWorker, dict[str, tor
     p.begin_step([SaveJob("r", "t", (3, 7, 1), 70, 1)])
     first = next(iter(src))
     p.save_layer(first, src[first])
-    _wait(lambda: p._saves["r"].layers_left == LAYERS - 1)
+    wait_for(lambda: p._saves["r"].layers_left == LAYERS - 1)
     return p, src
 
 
 def test_a_load_started_before_the_prefill_ended_goes_on_where_the_engine_thread_stopped() -> None:
-    name = f"vllm-pages-{next(_names)}"
+    name = f"vllm-pages-{next(names)}"
     p, src = _half_saved(name)  # layer 0 is out; layers 1.. come after the load starts
     log: list[tuple[int, str]] = []
     d, dst = _recording_decode(name, log)
@@ -685,7 +659,7 @@ def test_a_load_started_before_the_prefill_ended_goes_on_where_the_engine_thread
         assert log == [(0, threading.current_thread().name)]
         p.end_step()  # the forward ends: the other layers are published
         got: set[str] = set()
-        _wait(lambda: got.update(d.finished(set())[1]) or "r" in got)
+        wait_for(lambda: got.update(d.finished(set())[1]) or "r" in got)
         assert d.load_errors() == set()
         assert [layer for layer, _ in log] == list(range(LAYERS))  # each layer read once, in order
         assert all(thread.startswith("kvferry-load") for _, thread in log[1:])
@@ -699,14 +673,14 @@ def test_a_load_started_before_the_prefill_ended_goes_on_where_the_engine_thread
 
 
 def test_over_shm_an_inline_load_asks_the_prefill_for_every_layer_in_one_exchange(tmp_path) -> None:
-    shm = {"type": "shm", "namespace": f"vp{os.getpid()}n{next(_names)}", "runtime_dir": str(tmp_path)}
+    shm = {"type": "shm", "namespace": f"vp{os.getpid()}n{next(names)}", "runtime_dir": str(tmp_path)}
     settings = ConnectorSettings.from_extra_config({"connector": shm, "base_port": 41000, "pool_bytes": 1 << 20})
     p = PageWorker(settings, tp_rank=0, tp_size=1, total_kv_heads=HEADS, producer=True, consumer=False)
     src = _caches(HEADS, 5)
     p.register(src)
     p.begin_step([SaveJob("r", "t", (3, 7, 1), 70, 1)])
     p.end_step()
-    _wait(lambda: p.pending_saves == 0 or p.finished({"r"})[0] == {"r"})
+    wait_for(lambda: p.pending_saves == 0 or p.finished({"r"})[0] == {"r"})
     log: list[tuple[int, str]] = []
     d, dst = _recording_decode("unused", log, connector=shm)
     params = _params(transfer_id="t", num_tokens=70, remote_port=settings.sender_port(0, 1))
@@ -717,7 +691,7 @@ def test_over_shm_an_inline_load_asks_the_prefill_for_every_layer_in_one_exchang
         for layer_name, layer in src.items():
             assert torch.equal(dst[layer_name][[4, 9, 2]], layer[[3, 7, 1]])
         assert d._receiver.flush_releases(5.0)
-        _wait(lambda: p.sender_health()["used_bytes"] == 0)  # every region given back
+        wait_for(lambda: p.sender_health()["used_bytes"] == 0)  # every region given back
     finally:
         d.close()
         p.close()
@@ -743,7 +717,7 @@ class _NeverThere:
         self.stop.set()
 
 
-def test_the_loads_of_one_step_share_one_inline_wait() -> None:
+def test_the_loads_of_one_step_share_one_inlinewait_for() -> None:
     calls: list[tuple[str, float]] = []
     settings = ConnectorSettings.from_extra_config(
         {"connector": {"type": "memory"}, "load_timeout_s": 0.3, "inline_load_s": 0.05}
@@ -755,7 +729,7 @@ def test_the_loads_of_one_step_share_one_inline_wait() -> None:
         engine = [t for name, t in calls if name == threading.current_thread().name]
         assert len(engine) == 1 and 0 < engine[0] <= 0.05  # the first waited; the budget was spent then
         got: set[str] = set()
-        _wait(lambda: got.update(d.finished(set())[1]) or got == {"a", "b", "c"})
+        wait_for(lambda: got.update(d.finished(set())[1]) or got == {"a", "b", "c"})
         assert d.load_errors() == {1, 2, 3} and d.stats.peek()["failures_timeout"] == 3
         assert all(name.startswith("kvferry-load") for name, _ in calls[1:])
     finally:
@@ -834,7 +808,7 @@ def test_a_sync_load_ends_in_the_step_and_is_never_reported_received() -> None:
 
 
 def test_a_sync_load_whose_pages_are_missing_fails_its_blocks_at_once() -> None:
-    name = f"vllm-pages-{next(_names)}"
+    name = f"vllm-pages-{next(names)}"
     p, _ = _half_saved(name)  # only layer 0 is out when the decode step runs
     log: list[tuple[int, str]] = []
     d, _ = _recording_decode(name, log, inline_load_s=0.05)
@@ -871,7 +845,7 @@ def test_over_zmq_a_load_that_outlasts_the_engine_threads_wait_goes_on_and_is_ex
         assert log == [(0, threading.current_thread().name)]
         p.end_step()
         got: set[str] = set()
-        _wait(lambda: got.update(d.finished(set())[1]) or "r" in got)
+        wait_for(lambda: got.update(d.finished(set())[1]) or "r" in got)
         assert d.load_errors() == set()
         assert [layer for layer, _ in log] == list(range(LAYERS))
         assert all(thread.startswith("kvferry-load") for _, thread in log[1:])
@@ -897,7 +871,7 @@ def _timed(call):
 def test_an_idle_step_of_the_prefill_waits_for_a_save_and_ends_with_it() -> None:
     """With a save in flight, an idle step's ``finished`` waits on the save thread's signal: at
     most ``idle_wait_s`` while nothing ends, and no longer than the save once it runs."""
-    name = f"vllm-pages-{next(_names)}"
+    name = f"vllm-pages-{next(names)}"
     p, _ = _half_saved(name, idle_wait_s=0.05)  # layers 1.. are not queued before end_step
     try:
         (sent, _), waited = _timed(lambda: p.finished({"r"}, idle=True))
@@ -918,7 +892,7 @@ def test_an_idle_step_of_the_prefill_waits_for_a_save_and_ends_with_it() -> None
 
 
 def test_an_idle_step_of_the_decode_waits_for_a_load_and_ends_with_it() -> None:
-    name = f"vllm-pages-{next(_names)}"
+    name = f"vllm-pages-{next(names)}"
     p, src = _half_saved(name)
     log: list[tuple[int, str]] = []
     d, dst = _recording_decode(name, log, inline_load_s=0, idle_wait_s=1.0)
@@ -939,7 +913,7 @@ def test_a_save_into_a_pool_it_never_fits_fails_without_retrying() -> None:
     """The one put rule (app/put.py) in the saver: a page payload larger than the whole pool is
     too_large, so it fails the request's transfer at the first attempt (no backoff), counted as a
     put failure; a payload that fits the same pool goes through (the control)."""
-    name = f"pages-full-{next(_names)}"
+    name = f"pages-full-{next(names)}"
     settings = ConnectorSettings.from_extra_config(
         {"connector": {"type": "memory", "shared_name": name}, "pool_bytes": 1 << 16, "load_timeout_s": 2.0}
     )
@@ -954,7 +928,7 @@ def test_a_save_into_a_pool_it_never_fits_fails_without_retrying() -> None:
         p.begin_step([job])
         p.end_step()
     sent: set[str] = set()
-    _wait(lambda: sent.update(p.finished({"big", "small"})[0]) or sent == {"big", "small"})
+    wait_for(lambda: sent.update(p.finished({"big", "small"})[0]) or sent == {"big", "small"})
     stats = p.stats.peek()
     assert slept == []  # too_large is never retried
     assert stats.get("failures_put") == 1, stats

@@ -8,15 +8,11 @@ the same with a real vLLM prefill instance."""
 
 from __future__ import annotations
 
-import itertools
-import threading
-import time
-
 import pytest
 import torch
+from page_kit import memory_params, names, page_worker, publish
 
 from kvferry.app.manager import KVTransferManager
-from kvferry.app.vllm.params import ConnectorSettings, prefill_result
 from kvferry.app.vllm.receiver import VllmPageReceiver
 from kvferry.app.vllm.worker import PageWorker, SaveJob
 from kvferry.core.config import TransferConfig
@@ -24,7 +20,6 @@ from kvferry.core.outcomes import ReceiveKind
 
 BS, HEADS, HEAD, LAYERS, BLOCKS, TOKENS = 32, 4, 32, 3, 12, 70
 P_BLOCKS = (3, 7, 1)  # the request's blocks in the prefill cache, out of order; 70 tokens: the last is partial
-_names = itertools.count()
 
 
 def _truth(seed: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
@@ -60,38 +55,18 @@ def _publish(name: str, truth, prefill_tp: int, decode_tp: int, isa: str | None 
     workers = []
     per = HEADS // prefill_tp
     for rank in range(prefill_tp):
-        settings = ConnectorSettings.from_extra_config({"connector": {"type": "memory", "shared_name": name}})
-        w = PageWorker(settings, tp_rank=rank, tp_size=prefill_tp, total_kv_heads=HEADS, producer=True, consumer=False)
+        w = page_worker(name, rank, prefill_tp, True, HEADS)
         w.kernel_isa = isa
         heads = slice(rank * per, (rank + 1) * per)
         caches = {f"model.layers.{i}.self_attn.attn": _amx_cache(k, v, heads) for i, (k, v) in enumerate(truth)}
-        w.register(caches)
-        job = SaveJob("r", "t", P_BLOCKS, TOKENS, decode_tp)
-        w.begin_step([job])
-        for layer_name, t in caches.items():
-            w.save_layer(layer_name, t)
-        w.end_step()
-        deadline = time.monotonic() + 10
-        idle = threading.Event()
-        while w.finished({"r"})[0] != {"r"}:
-            assert time.monotonic() < deadline, "prefill did not publish"
-            idle.wait(0.01)
+        publish(w, caches, SaveJob("r", "t", P_BLOCKS, TOKENS, decode_tp), what="prefill did not publish")
         workers.append(w)
     return workers
 
 
 def _params(prefill_tp: int, decode_tp: int) -> dict:
-    return prefill_result(
-        transfer_id="t",
-        host="127.0.0.1",
-        port=50151,
-        num_tokens=TOKENS,
-        block_size=BS,
-        num_layers=LAYERS,
-        tp_size=prefill_tp,
-        decode_tp_size=decode_tp,
-        connector_type="memory",
-        engine_id="p",
+    return memory_params(
+        tokens=TOKENS, block_size=BS, layers=LAYERS, prefill_tp=prefill_tp, decode_tp=decode_tp, engine_id="p"
     )
 
 
@@ -112,7 +87,7 @@ def _receiver(name: str, rank: int, tp: int, prefill_tp: int, **kwargs) -> VllmP
 
 @pytest.mark.parametrize(("prefill_tp", "stage_tp"), [(1, 2), (2, 1), (1, 1)])
 def test_each_rank_gets_per_token_kv_of_its_heads(prefill_tp: int, stage_tp: int) -> None:
-    name = f"vllm-recv-{next(_names)}"
+    name = f"vllm-recv-{next(names)}"
     truth = _truth(1)
     workers = _publish(name, truth, prefill_tp, stage_tp)
     try:
@@ -142,7 +117,7 @@ def test_each_rank_gets_per_token_kv_of_its_heads(prefill_tp: int, stage_tp: int
 
 def test_pages_without_an_isa_use_the_receivers_and_the_wrong_one_misreads() -> None:
     """The control: the same bytes read as the vec kernel's are not the tokens."""
-    name = f"vllm-recv-{next(_names)}"
+    name = f"vllm-recv-{next(names)}"
     truth = _truth(2)
     workers = _publish(name, truth, 1, 1, isa=None)
     try:
@@ -158,7 +133,7 @@ def test_pages_without_an_isa_use_the_receivers_and_the_wrong_one_misreads() -> 
 
 
 def test_refusals_are_outcomes_that_say_why() -> None:
-    name = f"vllm-recv-{next(_names)}"
+    name = f"vllm-recv-{next(names)}"
     rx = _receiver(name, 0, 2, 1)
     wrong_tp = rx.receive(_params(1, 1), timeout_s=0.1)
     assert wrong_tp.outcome.kind == ReceiveKind.SENDER_UNRESOLVED
@@ -192,10 +167,9 @@ def test_pages_of_a_dense_gpu_cache_are_read_as_packed_not_as_the_cpu_kernels() 
     """A prefill whose backend writes the dense GPU layout (``cache_layout`` ``packed/...``, as
     FlashAttention's reshape_and_cache_flash fills ``[N, H, B, 2D]``): the receiver reads each
     token's K then V from the page rows, even when it was given a CPU kernel ISA to fall back on."""
-    name = f"vllm-recv-{next(_names)}"
+    name = f"vllm-recv-{next(names)}"
     truth = _truth(3)
-    settings = ConnectorSettings.from_extra_config({"connector": {"type": "memory", "shared_name": name}})
-    w = PageWorker(settings, tp_rank=0, tp_size=1, total_kv_heads=HEADS, producer=True, consumer=False)
+    w = page_worker(name, 0, 1, True, HEADS)
     w.kernel_isa, w.cache_layout = None, "packed/LBHNC"
     caches = {}
     for i, (k, v) in enumerate(truth):
@@ -204,13 +178,7 @@ def test_pages_of_a_dense_gpu_cache_are_read_as_packed_not_as_the_cpu_kernels() 
             layer[P_BLOCKS[t // BS], :, t % BS, :HEAD] = k[t]
             layer[P_BLOCKS[t // BS], :, t % BS, HEAD:] = v[t]
         caches[f"model.layers.{i}.self_attn.attn"] = layer
-    w.register(caches)
-    w.begin_step([SaveJob("r", "t", P_BLOCKS, TOKENS, 1)])
-    w.end_step()
-    deadline, idle = time.monotonic() + 10, threading.Event()
-    while w.finished({"r"})[0] != {"r"}:
-        assert time.monotonic() < deadline, "prefill did not publish"
-        idle.wait(0.01)
+    publish(w, caches, SaveJob("r", "t", P_BLOCKS, TOKENS, 1), what="prefill did not publish")
     try:
         result = _receiver(name, 0, 1, 1, isa="vec").receive(_params(1, 1), timeout_s=5)
         assert result.ok, result.outcome

@@ -9,18 +9,16 @@ tests/engines/vllm/test_page_decode.py), and the decode's pages are read back pe
 
 from __future__ import annotations
 
-import itertools
-
 import pytest
 import torch
-from test_vllm_pages import _params, _wait
+from page_kit import load, names, page_worker, publish
+from test_vllm_pages import _params
 
 from kvferry.adapters.kv_layouts import tokens_to_vllm_pages, vllm_pages_to_tokens
-from kvferry.app.vllm.params import ConnectorSettings, parse_decode_params
+from kvferry.app.vllm.params import parse_decode_params
 from kvferry.app.vllm.worker import LoadJob, PageWorker, SaveJob
 
 HEADS, HEAD, LAYERS, TOKENS = 2, 32, 2, 150
-_names = itertools.count()
 
 
 def _truth(seed: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
@@ -49,10 +47,7 @@ def _cache(blocks: int, bs: int) -> torch.Tensor:
 
 
 def _worker(name: str, producer: bool, layout: str, isa: str | None) -> PageWorker:
-    settings = ConnectorSettings.from_extra_config(
-        {"connector": {"type": "memory", "shared_name": name}, "load_timeout_s": 2.0}
-    )
-    w = PageWorker(settings, tp_rank=0, tp_size=1, total_kv_heads=HEADS, producer=producer, consumer=not producer)
+    w = page_worker(name, 0, 1, producer, HEADS)
     w.kernel_isa, w.cache_layout = isa, layout
     return w
 
@@ -60,7 +55,7 @@ def _worker(name: str, producer: bool, layout: str, isa: str | None) -> PageWork
 def _hand_over(p_layout: str, p_bs: int, d_layout: str, d_bs: int, first_page: int = 0):
     """Save TOKENS tokens from a prefill cache, load them into a decode cache; returns the
     truth, the decode's caches, its blocks and the load's errors."""
-    name = f"relay-{next(_names)}"
+    name = f"relay-{next(names)}"
     truth = _truth(4)
     p_isa = None if p_layout.startswith("packed") else p_layout.split(":")[1].split("/")[0]
     d_isa = None if d_layout.startswith("packed") else d_layout.split(":")[1].split("/")[0]
@@ -73,21 +68,14 @@ def _hand_over(p_layout: str, p_bs: int, d_layout: str, d_bs: int, first_page: i
         regions[list(p_blocks), :, 0], regions[list(p_blocks), :, 1] = kp, vp
         src[f"model.layers.{i}.attn"] = cache
     p = _worker(name, True, p_layout, p_isa)
-    p.register(src)
-    job = SaveJob("r", "t", p_blocks, TOKENS, 1)
-    p.begin_step([job])
-    p.end_step()
-    _wait(lambda: p.finished({"r"})[0] == {"r"} or p.pending_saves == 0)
+    publish(p, src, SaveJob("r", "t", p_blocks, TOKENS, 1))
     d_count = -(-TOKENS // d_bs) - first_page
     d_blocks = tuple(range(3, 3 + d_count))
     dst = {n: _cache(3 + d_count + 2, d_bs) for n in src}
     d = _worker(name, False, d_layout, d_isa)
     d.register(dst)
     params = _params(transfer_id="t", remote_num_tokens=TOKENS, remote_block_size=p_bs, remote_num_layers=LAYERS)
-    d.start_loads([LoadJob("r", parse_decode_params(params), d_blocks, first_page)])
-    got: set[str] = set()
-    _wait(lambda: got.update(d.finished(set())[1]) or "r" in got)
-    errors = d.load_errors()
+    _, errors = load(d, LoadJob("r", parse_decode_params(params), d_blocks, first_page))
     d.close()
     p.close()
     return truth, dst, d_blocks, errors, d_isa

@@ -1,10 +1,12 @@
 """One vLLM instance in its own process, driven over stdin/stdout (one JSON object a line).
 
-Run by the vLLM venv's interpreter (KVFERRY_VLLM_PYTHON), never imported by pytest:
+Run by the vLLM venv's interpreter (KVFERRY_VLLM_PYTHON), never imported by pytest. The
+instance server is the library's (:mod:`kvferry.app.demo.vllm_instance`, its ops and config
+keys); this file adds the tests' settings, their inspections of the engine and their commands:
 
     python engine_proc.py make-model DIR SEED      # a tiny random Llama saved by transformers
     python engine_proc.py make-mla-model DIR SEED LAYERS  # a tiny random DeepSeek-V2 (MLA) saved by transformers
-    python engine_proc.py serve CONFIG_JSON        # then: {"op": "generate", ...} lines
+    python engine_proc.py serve CONFIG_JSON        # then: {"op": "generate", ...} lines (and pages/latents/tokens)
     python engine_proc.py hf-kv DIR PROMPTS_JSON OUT   # transformers' past_key_values of each prompt
     python engine_proc.py write-pages ISA OUT      # vLLM's CPU kernel writes known K/V into pages
     python engine_proc.py compat-kv DIR OUT        # compat manager from a vLLM config reads the model's K/V
@@ -15,31 +17,18 @@ Replies: ``{"ok": true, ...}`` or ``{"ok": false, "error": ...}``, one line per 
 from __future__ import annotations
 
 import json
-import os
 import sys
-import time
+
+from kvferry.app.demo import vllm_instance as instance
+
+#: The tests' max_model_len (and their models' max_position_embeddings).
+MAX_LEN = 1024
 
 
 def make_model(path: str, seed: int) -> None:
-    import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    torch.manual_seed(seed)
-    config = LlamaConfig(
-        vocab_size=512,
-        hidden_size=128,
-        intermediate_size=256,
-        num_hidden_layers=4,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=32,
-        max_position_embeddings=1024,
-        initializer_range=0.3,
-        tie_word_embeddings=False,
-        torch_dtype="bfloat16",
-    )
-    model = LlamaForCausalLM(config).to(torch.bfloat16)
-    model.save_pretrained(path)
+    """The library's tiny random Llama (:func:`kvferry.app.demo.vllm_instance.make_model`), at
+    the tests' ``max_model_len``."""
+    instance.make_model(path, seed, max_len=MAX_LEN)
 
 
 def make_mla_model(path: str, seed: int, layers: int) -> None:
@@ -47,10 +36,8 @@ def make_mla_model(path: str, seed: int, layers: int) -> None:
     (``first_k_dense_replace`` = every layer), no q LoRA. vLLM's CPU MLA kernel compiles only
     for a 576-wide latent (``kv_lora_rank`` 512 + ``qk_rope_head_dim`` 64, docs/layouts.md), so
     those two are DeepSeek's own; everything else is small."""
-    import torch
     from transformers import DeepseekV2Config, DeepseekV2ForCausalLM
 
-    torch.manual_seed(seed)
     config = DeepseekV2Config(
         vocab_size=512,
         hidden_size=128,
@@ -68,13 +55,12 @@ def make_mla_model(path: str, seed: int, layers: int) -> None:
         n_routed_experts=4,
         n_shared_experts=1,
         num_experts_per_tok=2,
-        max_position_embeddings=1024,
+        max_position_embeddings=MAX_LEN,
         initializer_range=0.3,
         tie_word_embeddings=False,
         torch_dtype="bfloat16",
     )
-    model = DeepseekV2ForCausalLM(config).to(torch.bfloat16)
-    model.save_pretrained(path)
+    instance.save_random_model(path, seed, DeepseekV2ForCausalLM, config)
 
 
 def _model_kv(path: str, prompts: list[list[int]]) -> list:
@@ -182,7 +168,6 @@ def compat_kv(path: str, out: str) -> None:
     )
 
 
-PROTO = sys.stdout
 SAVES: dict[str, tuple[int, ...]] = {}  # transfer id -> prefill blocks (from the step metadata)
 LOADS: list[tuple[int, ...]] = []  # decode blocks each load filled, in order
 
@@ -261,122 +246,56 @@ def _token_hashes(worker, block_ids, num_tokens):
     return {"isa": isa, "block_size": bs, "hashes": out, "last_load": loads}
 
 
-def serve(cfg: dict) -> None:
-    from vllm import LLM, SamplingParams
-    from vllm.config import KVTransferConfig
+def _blocks(msg: dict, num_tokens: int | None, block_size: int) -> list[int]:
+    """The prefill's pages of ``msg``'s transfer, or the decode's of its last load: the first
+    ``msg["blocks"]`` of them, or those holding the first ``num_tokens`` tokens."""
+    blocks = list(SAVES[msg["transfer_id"]]) if "transfer_id" in msg else list(LOADS[-1])
+    return blocks[: msg["blocks"]] if num_tokens is None else blocks[: -(-num_tokens // block_size)]
 
-    t0 = time.monotonic()
-    kv = None
+
+def inspection_ops(cfg: dict):
+    """The tests' inspections of a serving instance (``pages``, ``latents``, ``tokens``), each
+    over every rank through ``collective_rpc``; the plans they read are captured once the
+    engine is up."""
+    bs = cfg.get("block_size", 32)
+
+    def ops(llm) -> dict:
+        _capture_plans(llm)
+        return {
+            # only full pages, not recomputed; per decode rank's heads
+            "pages": lambda llm, m: {
+                "ranks": llm.collective_rpc(_page_hashes, args=(_blocks(m, None, bs), m.get("slices")))
+            },
+            "latents": lambda llm, m: {
+                "ranks": llm.collective_rpc(_latent_hashes, args=(_blocks(m, m["num_tokens"], bs), m["num_tokens"]))
+            },
+            "tokens": lambda llm, m: {
+                "ranks": llm.collective_rpc(_token_hashes, args=(_blocks(m, m["num_tokens"], bs), m["num_tokens"]))
+            },
+        }
+
+    return ops
+
+
+def serve(cfg_json: str) -> None:
+    """The library's instance server at the tests' settings: every prompt is handed off unless
+    a test sets the threshold (its prompts are short), failed loads recompute unless a test
+    sets the policy, a 1024-token model length, 8 sequences."""
+    cfg = json.loads(cfg_json)
+    cfg = {"policy": "recompute", "max_len": MAX_LEN, "max_num_seqs": 8, **cfg}
     if cfg.get("kv_role"):
-        kv = KVTransferConfig(
-            kv_connector="KVFerryConnector",
-            kv_connector_module_path="kvferry.app.vllm",
-            kv_role=cfg["kv_role"],
-            # every prompt is handed off unless a test sets the threshold (its prompts are short)
-            kv_connector_extra_config={"kv_recompute_threshold": 0, **cfg.get("extra", {})},
-            kv_load_failure_policy=cfg.get("policy", "recompute"),
-        )
-    llm = LLM(
-        model=cfg["model"],
-        skip_tokenizer_init=True,
-        dtype=cfg.get("dtype", "bfloat16"),
-        block_size=cfg.get("block_size", 32),
-        max_model_len=1024,
-        max_num_seqs=8,
-        max_num_batched_tokens=2048,
-        enable_prefix_caching=cfg.get("prefix_caching", False),
-        kv_transfer_config=kv,
-        tensor_parallel_size=cfg.get("tp", 1),
-        disable_log_stats=False,
-        seed=0,
-        # eager: no torch.compile warm-up (minutes on a busy 2-core machine); every instance of a
-        # test runs the same way, so prefill, decode and reference compute alike
-        compilation_config={"mode": 0},
-        # an MLA model names CPU_MLA: on a CPU with AMX vLLM would pick AMX_MLA, which kvferry refuses
-        **({"attention_config": {"backend": cfg["attention_backend"]}} if cfg.get("attention_backend") else {}),
-    )
-    _capture_plans(llm)
-    out = PROTO
-    out.write(json.dumps({"ok": True, "ready": True, "startup_s": time.monotonic() - t0}) + "\n")
-    out.flush()
-    for line in sys.stdin:
-        msg = json.loads(line)
-        op = msg.get("op")
-        try:
-            if op == "exit":
-                out.write(json.dumps({"ok": True}) + "\n")
-                out.flush()
-                break
-            if op == "generate":
-                sp = []
-                for params in msg["params"]:
-                    extra = {"kv_transfer_params": params} if params is not None else None
-                    sp.append(
-                        SamplingParams(max_tokens=msg["max_tokens"], temperature=0.0, ignore_eos=True, extra_args=extra)
-                    )
-                t = time.monotonic()
-                results = []
-                for prompt, p in zip(msg["prompts"], sp):  # one at a time: no batch effects
-                    [res] = llm.generate([{"prompt_token_ids": prompt}], p, use_tqdm=False)
-                    c = res.outputs[0]
-                    results.append(
-                        {
-                            "tokens": list(c.token_ids),
-                            "finish_reason": c.finish_reason,
-                            "kv_transfer_params": res.kv_transfer_params,
-                        }
-                    )
-                reply = {"ok": True, "results": results, "seconds": time.monotonic() - t}
-            elif op == "pages":
-                # prefill: its pages of a transfer, per decode rank's heads; decode: each rank's
-                # pages of its last load. Only the first ``blocks`` pages (full, not recomputed).
-                if "transfer_id" in msg:
-                    blocks = list(SAVES[msg["transfer_id"]][: msg["blocks"]])
-                else:
-                    blocks = list(LOADS[-1][: msg["blocks"]])
-                reply = {"ok": True, "ranks": llm.collective_rpc(_page_hashes, args=(blocks, msg.get("slices")))}
-            elif op == "latents":
-                # an MLA cache's per-token latents of the first ``num_tokens`` tokens: the prefill's
-                # of a transfer, or the decode's of its last load
-                blocks = list(SAVES[msg["transfer_id"]]) if "transfer_id" in msg else list(LOADS[-1])
-                blocks = blocks[: -(-msg["num_tokens"] // cfg.get("block_size", 32))]
-                reply = {"ok": True, "ranks": llm.collective_rpc(_latent_hashes, args=(blocks, msg["num_tokens"]))}
-            elif op == "tokens":
-                # per-token K/V hashes of the first ``num_tokens`` tokens: the prefill's pages of a
-                # transfer, or the decode's pages of its last load
-                blocks = list(SAVES[msg["transfer_id"]]) if "transfer_id" in msg else list(LOADS[-1])
-                bs = cfg.get("block_size", 32)
-                blocks = blocks[: -(-msg["num_tokens"] // bs)]
-                reply = {"ok": True, "ranks": llm.collective_rpc(_token_hashes, args=(blocks, msg["num_tokens"]))}
-            elif op == "metrics":
-                reply = {
-                    "ok": True,
-                    "metrics": [
-                        [m.name, m.labels, getattr(m, "value", None)] for m in llm.get_metrics() if "kvferry" in m.name
-                    ],
-                }
-            else:
-                reply = {"ok": False, "error": f"unknown op {op!r}"}
-        except Exception as exc:  # reported to the test, which fails with it
-            reply = {"ok": False, "error": f"{type(exc).__name__}: {exc}"}
-        out.write(json.dumps(reply) + "\n")
-        out.flush()
+        cfg["extra"] = {"kv_recompute_threshold": 0, **cfg.get("extra", {})}
+    instance.serve_main(json.dumps(cfg), more_ops=inspection_ops(cfg))
 
+
+COMMANDS = {
+    "make-model": lambda a: make_model(a[0], int(a[1])),
+    "make-mla-model": lambda a: make_mla_model(a[0], int(a[1]), int(a[2])),
+    "hf-kv": lambda a: hf_kv(*a),
+    "compat-kv": lambda a: compat_kv(*a),
+    "write-pages": lambda a: write_pages(*a),
+    "serve": lambda a: serve(a[0]),
+}
 
 if __name__ == "__main__":
-    if sys.argv[1] == "make-model":
-        make_model(sys.argv[2], int(sys.argv[3]))
-    elif sys.argv[1] == "make-mla-model":
-        make_mla_model(sys.argv[2], int(sys.argv[3]), int(sys.argv[4]))
-    elif sys.argv[1] == "hf-kv":
-        hf_kv(sys.argv[2], sys.argv[3], sys.argv[4])
-    elif sys.argv[1] == "compat-kv":
-        compat_kv(sys.argv[2], sys.argv[3])
-    elif sys.argv[1] == "write-pages":
-        write_pages(sys.argv[2], sys.argv[3])
-    elif sys.argv[1] == "serve":
-        # vLLM logs to stdout; the protocol needs it: send everything else to stderr
-        real = os.dup(1)
-        os.dup2(2, 1)
-        PROTO = os.fdopen(real, "w", buffering=1)
-        serve(json.loads(sys.argv[2]))
+    COMMANDS[sys.argv[1]](sys.argv[2:])

@@ -1,4 +1,6 @@
-"""Start and drive vLLM instances (engine_proc.py) from the test process (no vLLM imported here)."""
+"""Start and drive vLLM instances (engine_proc.py: the library's instance server,
+:mod:`kvferry.app.demo.vllm_instance`, plus the tests' ops) from the test process (no vLLM
+imported here)."""
 
 from __future__ import annotations
 
@@ -84,20 +86,14 @@ class Instance(InstanceProcess):
 
     def metrics(self) -> dict[str, float]:
         """kvferry's counters on this instance's metrics endpoint: ``{name or name{kind}: value}``."""
-        self.send({"op": "metrics"})
-        out: dict[str, float] = {}
-        for name, labels, value in self.reply(60)["metrics"]:
-            kind = (labels or {}).get("kind")
-            out[f"{name}{{{kind}}}" if kind else name] = float(value or 0)
-        return out
+        return self.call({"op": "metrics"}, 60)["metrics"]
 
     def settled_metrics(self) -> dict[str, float]:
-        """:meth:`metrics` after one more engine step: a connector's stats reach vLLM's metrics
-        with the next step's output, so a save that finished after the last step (the prefill's
-        background publishing) shows only once the engine steps again. One 1-token request of a
-        short prompt, without transfer params, makes that step."""
-        self.generate([[1, 2, 3]], max_tokens=1)
-        return self.metrics()
+        """:meth:`metrics` after one more engine step (the instance's ``stats`` op): a
+        connector's stats reach vLLM's metrics with the next step's output, so a save that
+        finished after the last step (the prefill's background publishing) shows only once the
+        engine steps again."""
+        return self.call({"op": "stats"}, 300)["stats"]
 
     def kv_log(self) -> str:
         """The instance's log lines about KV transfers (for assertion messages)."""
