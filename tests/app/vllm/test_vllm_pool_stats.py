@@ -12,7 +12,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from kvferry.app.vllm.params import ConnectorSettings, parse_decode_params, prefill_result
-from kvferry.app.vllm.records import PoolWatch, gauge_key, split_gauge_key
+from kvferry.app.vllm.records import POOL_GAUGES, THREADS_GAUGE, PoolWatch, gauge_key, split_gauge_key
 from kvferry.app.vllm.worker import LoadJob, PageWorker, SaveJob
 
 BS, HEADS, HEAD, LAYERS, BLOCKS = 32, 4, 32, 3, 16
@@ -142,6 +142,7 @@ def test_a_prefills_pool_reports_what_it_holds_then_what_it_released_and_expired
     d.register(_caches(None))
     try:
         first = p.take_stats()
+        assert first.keys() == {gauge_key(g, 0) for g in (*POOL_GAUGES, THREADS_GAUGE)}, first
         assert _held(first) == (0, 0, 0) and first["threads@0"] >= 1
         _save(p, "r", "t")
         saved = p.take_stats()
