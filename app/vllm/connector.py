@@ -22,7 +22,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorProm
 
 from kvferry.app.vllm.backends import layer_layouts
 from kvferry.app.vllm.params import ConnectorSettings
-from kvferry.app.vllm.records import FAILURE_KINDS
+from kvferry.app.vllm.records import FAILURE_KINDS, POOL_COUNTERS, THREADS_GAUGE, split_gauge_key
 from kvferry.app.vllm.scheduler import PageScheduler, StepPlan
 from kvferry.app.vllm.worker import PageWorker
 from kvferry.core.backends import BackendLayout
@@ -160,7 +160,7 @@ class KVFerryConnector(KVConnectorBase_V1):
     def get_kv_connector_stats(self) -> KVFerryStats | None:
         if self._worker is None:
             return None
-        data = self._worker.stats.take()
+        data = self._worker.take_stats()
         return KVFerryStats(data=data) if data else None
 
     def shutdown(self) -> None:
@@ -208,7 +208,11 @@ class KVFerryConnector(KVConnectorBase_V1):
 @dataclass
 class KVFerryStats(KVConnectorStats):
     """Counters of one interval: ``requests_sent``, ``bytes_sent``, ``save_seconds``,
-    ``requests_loaded``, ``bytes_loaded``, ``load_seconds``, ``failures_<kind>``."""
+    ``requests_loaded``, ``bytes_loaded``, ``load_seconds``, ``failures_<kind>``,
+    ``pool_entries_released``, ``pool_entries_expired``; and gauges, values now, one per rank
+    (``<name>@<rank>``: ``pool_bytes_held``, ``pool_regions_held``, ``pool_entries_held``,
+    ``threads``). Aggregating adds counters; a gauge keeps the later value (ranks have keys
+    of their own)."""
 
     def reset(self) -> None:
         self.data: dict[str, Any] = {}
@@ -216,7 +220,7 @@ class KVFerryStats(KVConnectorStats):
     def aggregate(self, other: KVConnectorStats) -> KVFerryStats:
         merged = dict(self.data)
         for k, v in (other.data or {}).items():
-            merged[k] = merged.get(k, 0) + v
+            merged[k] = v if split_gauge_key(k) is not None else merged.get(k, 0) + v
         return KVFerryStats(data=merged)
 
     def reduce(self) -> dict[str, int | float]:
@@ -231,14 +235,22 @@ class KVFerryStats(KVConnectorStats):
         for kind in FAILURE_KINDS:
             if d.get(f"failures_{kind}"):
                 out[f"failures_{kind}"] = int(d[f"failures_{kind}"])
+        for key in POOL_COUNTERS:
+            if d.get(key):
+                out[key] = int(d[key])
+        held = [v for k, v in d.items() if (g := split_gauge_key(k)) is not None and g[0] == "pool_bytes_held"]
+        if held:
+            out["pool_MB_held"] = round(sum(held) / 1e6, 3)
         return out
 
     def is_empty(self) -> bool:
-        return not any(self.data.values())
+        """No counter counted and no gauge reported (a gauge of 0 is a report)."""
+        return not any(v or split_gauge_key(k) is not None for k, v in self.data.items())
 
 
 class KVFerryPromMetrics(KVConnectorPromMetrics):
-    """``vllm:kvferry_*`` counters on vLLM's metrics endpoint."""
+    """``vllm:kvferry_*`` counters and gauges on vLLM's metrics endpoint; the gauges carry a
+    ``rank`` label (the TP rank that reported them)."""
 
     _COUNTERS = (
         ("requests_sent", "vllm:kvferry_requests_sent", "Requests whose KV pages kvferry sent."),
@@ -248,6 +260,22 @@ class KVFerryPromMetrics(KVConnectorPromMetrics):
         ("bytes_loaded", "vllm:kvferry_bytes_loaded", "Bytes of KV pages kvferry loaded."),
         ("load_seconds", "vllm:kvferry_load_seconds", "Seconds spent loading KV pages."),
         ("put_waits", "vllm:kvferry_put_waits", "Page payloads whose put waited for room in a full pool."),
+        (
+            "pool_entries_released",
+            "vllm:kvferry_pool_entries_released",
+            "Entries (a layer of a request for one decode rank) of the prefill's pool freed when read.",
+        ),
+        (
+            "pool_entries_expired",
+            "vllm:kvferry_pool_entries_expired",
+            "Entries of the prefill's pool freed because their lease ran out unread (or a gone reader's hold).",
+        ),
+    )
+    _GAUGES = (
+        ("pool_bytes_held", "vllm:kvferry_pool_bytes_held", "Bytes the prefill's pool holds now."),
+        ("pool_regions_held", "vllm:kvferry_pool_regions_held", "Regions the prefill's pool holds now."),
+        ("pool_entries_held", "vllm:kvferry_pool_entries_held", "Published entries the prefill's pool holds now."),
+        (THREADS_GAUGE, "vllm:kvferry_threads", "kvferry's threads in the rank's process."),
     )
 
     def __init__(
@@ -270,6 +298,13 @@ class KVFerryPromMetrics(KVConnectorPromMetrics):
         self._failures = {
             i: {k: failures.labels(*v, k) for k in FAILURE_KINDS} for i, v in per_engine_labelvalues.items()
         }
+        self._labels = per_engine_labelvalues
+        self._gauges = {
+            key: self._gauge_cls(
+                name=name, documentation=doc, labelnames=[*labelnames, "rank"], multiprocess_mode="mostrecent"
+            )
+            for key, name, doc in self._GAUGES
+        }
 
     def observe(self, transfer_stats_data: dict[str, Any], engine_idx: int = 0) -> None:
         for key, per_engine in self._counters.items():
@@ -280,3 +315,10 @@ class KVFerryPromMetrics(KVConnectorPromMetrics):
             value = transfer_stats_data.get(f"failures_{kind}")
             if value:
                 counter.inc(value)
+        labels = self._labels.get(engine_idx)
+        if labels is None:
+            return
+        for key, value in transfer_stats_data.items():
+            g = split_gauge_key(key)
+            if g is not None and g[0] in self._gauges:
+                self._gauges[g[0]].labels(*labels, str(g[1])).set(value)

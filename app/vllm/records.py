@@ -1,6 +1,7 @@
 """The plain data of kvferry's vLLM connector, without torch: what one step asks of a worker
 (:class:`SaveJob`, :class:`LoadJob`), what a finished load leaves (:class:`LoadRecord`), and the
-counters a worker keeps (:class:`TransferStats`, :data:`FAILURE_KINDS`).
+counters a worker keeps (:class:`TransferStats`, :data:`FAILURE_KINDS`), and what a rank reports
+of its pool and threads (:class:`PoolWatch`).
 
 The scheduler builds the jobs (:mod:`kvferry.app.vllm.scheduler`), the worker carries them out
 (:mod:`kvferry.app.vllm.worker`, :mod:`~kvferry.app.vllm.saver`, :mod:`~kvferry.app.vllm.loader`).
@@ -11,15 +12,58 @@ This module imports neither torch nor vLLM, so the scheduler side loads without 
 from __future__ import annotations
 
 import threading
+from collections.abc import Mapping
+from typing import Any
 
 import attrs
 
 from kvferry.app.vllm.params import DecodeSource
 
-__all__ = ["FAILURE_KINDS", "SaveJob", "LoadJob", "LoadRecord", "TransferStats"]
+__all__ = [
+    "FAILURE_KINDS",
+    "POOL_GAUGES",
+    "POOL_COUNTERS",
+    "THREADS_GAUGE",
+    "SaveJob",
+    "LoadJob",
+    "LoadRecord",
+    "TransferStats",
+    "PoolWatch",
+    "gauge_key",
+    "split_gauge_key",
+]
 
 #: Failure kinds counted in the stats (``failures_<kind>``).
 FAILURE_KINDS = ("timeout", "expired", "corrupt", "params", "layout", "unavailable", "put", "error")
+
+#: Values now (not counts) a rank reports with its stats, each under :func:`gauge_key`: what
+#: the prefill's pool holds (bytes, regions and entries not freed yet) and kvferry's threads
+#: in the rank's process.
+POOL_GAUGES = ("pool_bytes_held", "pool_regions_held", "pool_entries_held")
+THREADS_GAUGE = "threads"
+#: Counts since the last report of a prefill's pool: entries freed because every reader
+#: released them, and entries freed because their lease (or a gone reader's hold) ran out.
+POOL_COUNTERS = ("pool_entries_released", "pool_entries_expired")
+#: The pool's own cumulative counters (memory.pool.LocalPool) each of those sums.
+_POOL_SOURCES = {
+    "pool_entries_released": ("released",),
+    "pool_entries_expired": ("expired_unread", "expired_unreleased"),
+}
+#: The pool's values now behind each gauge (LocalPool.stats()).
+_GAUGE_SOURCES = {"pool_bytes_held": "used_bytes", "pool_regions_held": "live_regions", "pool_entries_held": "entries"}
+
+
+def gauge_key(name: str, rank: int) -> str:
+    """The stats key of gauge ``name`` of TP rank ``rank``: ``name@rank``."""
+    return f"{name}@{rank}"
+
+
+def split_gauge_key(key: str) -> tuple[str, int] | None:
+    """``(name, rank)`` of a :func:`gauge_key`, None for a counter's key."""
+    name, sep, rank = key.rpartition("@")
+    if not sep or not rank.isdigit() or not name:
+        return None
+    return name, int(rank)
 
 
 @attrs.frozen
@@ -92,3 +136,30 @@ class TransferStats:
     def peek(self) -> dict[str, float]:
         with self._lock:
             return dict(self._data)
+
+
+@attrs.define(eq=False)
+class PoolWatch:
+    """One rank's report of its pool and threads, with each step's stats: the gauges (values
+    now, every time) and the pool's counters as counts since the last report (the pool keeps
+    them cumulative; a pool whose counters went back, a new one, counts from 0)."""
+
+    rank: int
+    _seen: dict[str, float] = attrs.field(factory=dict)
+
+    def report(self, pool: Mapping[str, Any] | None, threads: int) -> dict[str, float]:
+        """``pool``: the pool's stats (None: this rank has no pool, a decode rank)."""
+        out: dict[str, float] = {gauge_key(THREADS_GAUGE, self.rank): float(threads)}
+        if pool is None:
+            return out
+        for gauge, source in _GAUGE_SOURCES.items():
+            if source in pool:
+                out[gauge_key(gauge, self.rank)] = float(pool[source])
+        for counter, sources in _POOL_SOURCES.items():
+            total = float(sum(pool.get(s, 0) for s in sources))
+            seen = self._seen.get(counter, 0.0)
+            delta = total - seen if total >= seen else total
+            self._seen[counter] = total
+            if delta:
+                out[counter] = delta
+        return out

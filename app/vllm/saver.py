@@ -199,7 +199,7 @@ class PageSaver:
         done = put_with_retry(attempt, self.retry, self.sleep)
         if done.ok:
             if done.attempts > 1:  # the pool was full: it waited for reads to free room
-                self.stats.add(put_waits=1)
+                self.context.stats.add(put_waits=1)
             return done.size
         message = f"put of {key!r} failed after {done.attempts} attempts ({done.reason}): {done.detail}"
         if done.reason in PUT_FAILURES:

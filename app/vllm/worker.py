@@ -44,7 +44,7 @@ from kvferry.app.vllm.context import WorkerContext
 from kvferry.app.vllm.loader import PageLoader
 from kvferry.app.vllm.pages import PageGeometry, PageWriter, rank_head_count
 from kvferry.app.vllm.params import ConnectorSettings
-from kvferry.app.vllm.records import FAILURE_KINDS, LoadJob, LoadRecord, SaveJob, TransferStats
+from kvferry.app.vllm.records import FAILURE_KINDS, LoadJob, LoadRecord, PoolWatch, SaveJob, TransferStats
 from kvferry.app.vllm.saver import PageSaver
 from kvferry.core.errors import ConfigError, KVFerryError
 from kvferry.core.policy import RetryPolicy
@@ -129,6 +129,9 @@ class PageWorker:
         init=False, default=attrs.Factory(lambda self: PageLoader(self._context, self.recent_loads), takes_self=True)
     )
     _closed: bool = attrs.field(init=False, default=False)
+    _watch: PoolWatch = attrs.field(
+        init=False, default=attrs.Factory(lambda self: PoolWatch(self.tp_rank), takes_self=True)
+    )
 
     # ----------------------------------------------------------------------------- set-up
     def register(self, kv_caches: Mapping[str, torch.Tensor]) -> None:
@@ -222,6 +225,18 @@ class PageWorker:
 
     def sender_health(self) -> dict[str, Any] | None:
         return None if self._sender is None else self._sender.health()
+
+    def take_stats(self) -> dict[str, float]:
+        """This step's stats: the counters since the last call (:attr:`stats`) and the rank's
+        report (:class:`~kvferry.app.vllm.records.PoolWatch`): what the prefill's pool holds
+        now, how many of its entries were released and expired since, and kvferry's threads
+        in this process. Empty once the worker is closed."""
+        if self._closed:
+            return self.stats.take()
+        pool = self.sender_health() if self.producer else None
+        threads = sum(1 for t in threading.enumerate() if t.name.startswith("kvferry"))
+        report = self._watch.report(pool, threads)
+        return {**self.stats.take(), **report}
 
     def close(self) -> None:
         if self._closed:

@@ -401,8 +401,11 @@ class LocalPool:
         """Release a ticket (idempotent); True when this freed the region for reuse."""
         with self._cond:
             entry = self.ledger.release(ticket_id)
-            self._forget([entry] if entry is not None else [])
-            return entry is not None
+            if entry is None:
+                return False
+            self._count("released")  # the last reader's release freed it
+            self._forget([entry])
+            return True
 
     def read(self, ticket: Ticket) -> tuple[Any, int]:
         """``(data, size)`` for a ticket: a tied PooledBuffer in pool mode (dropping it and every

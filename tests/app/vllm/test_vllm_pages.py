@@ -940,7 +940,7 @@ def test_a_save_into_a_full_pool_waits_for_a_read_to_free_room_and_counts_it() -
     and a header); b's first page does not fit until a decode reads a's pages, which the put's
     wait lets happen here (the injected sleep reads them). b then goes out, counted once in
     ``put_waits``. The control: c, with nobody reading, uses up its attempts and fails as a put."""
-    name = f"pages-wait-{next(_names)}"
+    name = f"pages-wait-{next(names)}"
     settings = ConnectorSettings.from_extra_config(
         {"connector": {"type": "memory", "shared_name": name}, "pool_bytes": 1 << 16, "load_timeout_s": 2.0}
     )
@@ -950,7 +950,7 @@ def test_a_save_into_a_full_pool_waits_for_a_read_to_free_room_and_counts_it() -
     def sleep(s: float) -> None:
         slept.append(s)
         if not loaded:  # the first wait: a decode reads a's pages
-            loaded.append(_load(d, LoadJob("a", _source("t-a", BS), (5,), 0)))
+            loaded.append(load(d, LoadJob("a", _source("t-a", BS), (5,), 0)))
 
     p = PageWorker(settings, tp_rank=0, tp_size=1, total_kv_heads=HEADS, producer=True, consumer=False, sleep=sleep)
     p.register(_caches(HEADS, 1))
@@ -961,7 +961,7 @@ def test_a_save_into_a_full_pool_waits_for_a_read_to_free_room_and_counts_it() -
         for job in (SaveJob("a", "t-a", (0,), BS, 1), SaveJob("b", "t-b", (1,), BS, 1)):
             p.begin_step([job])
             p.end_step()
-        _wait(lambda: sent.update(p.finished({"a", "b"})[0]) or sent == {"a", "b"})
+        wait_for(lambda: sent.update(p.finished({"a", "b"})[0]) or sent == {"a", "b"})
         stats = p.stats.peek()
         assert loaded == [({"a"}, set())] and len(slept) == 1, (slept, stats)
         assert stats.get("put_waits") == 1 and not stats.get("failures_put"), stats
@@ -969,7 +969,7 @@ def test_a_save_into_a_full_pool_waits_for_a_read_to_free_room_and_counts_it() -
         # the control: b's pages fill the pool again and nobody reads them
         p.begin_step([SaveJob("c", "t-c", (2,), BS, 1)])
         p.end_step()
-        _wait(lambda: sent.update(p.finished({"c"})[0]) or "c" in sent)
+        wait_for(lambda: sent.update(p.finished({"c"})[0]) or "c" in sent)
         stats = p.stats.peek()
         assert stats.get("failures_put") == 1 and stats.get("put_waits") == 1, stats
         assert len(slept) == 1 + p.retry.attempts - 1, slept  # every attempt of c's first page waited

@@ -115,6 +115,32 @@ class Served:
         self._log.flush()
         return self.log.read_bytes()[-n:].decode(errors="replace")
 
+    def kill(self) -> float:
+        """SIGKILL the whole process group (the server and its engine core) at once, as a
+        crash would; returns when (``time.monotonic()``) the signal was sent. The log stays open."""
+        at = time.monotonic()
+        try:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        self.proc.wait(timeout=30)
+        return at
+
+    def group_pids(self) -> list[int]:
+        """The live processes of this server's process group (the server first)."""
+        pids = []
+        for entry in os.listdir("/proc"):
+            if not entry.isdigit():
+                continue
+            try:
+                with open(f"/proc/{entry}/stat") as f:
+                    fields = f.read().rpartition(")")[2].split()
+            except OSError:
+                continue
+            if int(fields[2]) == self.proc.pid and fields[0] != "Z":  # pgrp, not a zombie
+                pids.append(int(entry))
+        return sorted(pids, key=lambda pid: pid != self.proc.pid)
+
     def close(self) -> None:
         if self.proc.poll() is None:
             try:
@@ -190,10 +216,12 @@ def start_server(
     cpu: str,
     kv: Mapping[str, Any] | None = None,
     args: Sequence[str] = (),
+    port: int | None = None,
 ) -> Served:
     """``vllm serve`` of ``model`` (served as ``m``) bound to cores ``cpu`` (``"0|1"`` for TP 2),
-    with ``kv`` as its ``--kv-transfer-config`` and ``args`` after the common ones."""
-    port = free_port()
+    with ``kv`` as its ``--kv-transfer-config`` and ``args`` after the common ones, on ``port``
+    (an OS-chosen one when None; a restarted server takes its predecessor's)."""
+    port = free_port() if port is None else port
     argv = [
         py,
         str(CLI),

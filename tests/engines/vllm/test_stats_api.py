@@ -30,6 +30,30 @@ assert get("vllm:kvferry_requests_loaded_total", {"model_name": "m", "engine": "
 assert get("vllm:kvferry_bytes_loaded_total", {"model_name": "m", "engine": "0"}) == 4_000_000
 assert get("vllm:kvferry_failures_total", {"model_name": "m", "engine": "0", "kind": "timeout"}) == 1
 assert get("vllm:kvferry_failures_total", {"model_name": "m", "engine": "0", "kind": "corrupt"}) == 0
+
+# the pool's gauges (per rank, the later value wins) and its counters (added up)
+step1 = KVFerryConnector.build_kv_connector_stats({"pool_bytes_held@0": 4096, "pool_entries_held@0": 2,
+                                                   "pool_bytes_held@1": 8192, "threads@0": 2,
+                                                   "pool_entries_released": 3})
+step2 = KVFerryConnector.build_kv_connector_stats({"pool_bytes_held@0": 1024, "pool_entries_held@0": 1,
+                                                   "pool_entries_released": 2, "pool_entries_expired": 1})
+pool = step1.aggregate(step2)
+assert pool.data["pool_bytes_held@0"] == 1024 and pool.data["pool_bytes_held@1"] == 8192, pool.data
+assert pool.data["pool_entries_released"] == 5 and pool.data["pool_entries_expired"] == 1, pool.data
+assert pool.reduce() == {"pool_entries_released": 5, "pool_entries_expired": 1, "pool_MB_held": 0.009}, pool.reduce()
+zero = KVFerryConnector.build_kv_connector_stats({"pool_bytes_held@0": 0, "threads@0": 2})
+assert not zero.is_empty()  # a gauge of 0 is a report: it must reach the endpoint
+prom.observe(pool.to_dict(), 0)
+labels = {"model_name": "m", "engine": "0"}
+assert get("vllm:kvferry_pool_bytes_held", {**labels, "rank": "0"}) == 1024
+assert get("vllm:kvferry_pool_bytes_held", {**labels, "rank": "1"}) == 8192
+assert get("vllm:kvferry_pool_entries_held", {**labels, "rank": "0"}) == 1
+assert get("vllm:kvferry_threads", {**labels, "rank": "0"}) == 2
+assert get("vllm:kvferry_pool_entries_released_total", labels) == 5
+assert get("vllm:kvferry_pool_entries_expired_total", labels) == 1
+prom.observe(zero.to_dict(), 0)
+assert get("vllm:kvferry_pool_bytes_held", {**labels, "rank": "0"}) == 0  # back to 0, not added
+assert get("vllm:kvferry_pool_entries_released_total", labels) == 5
 print("ok")
 """
 
