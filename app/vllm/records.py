@@ -14,6 +14,7 @@ import threading
 
 import attrs
 
+from kvferry.app.vllm.groups import GroupPages
 from kvferry.app.vllm.params import DecodeSource
 
 __all__ = ["FAILURE_KINDS", "SaveJob", "LoadJob", "LoadRecord", "TransferStats"]
@@ -25,13 +26,17 @@ FAILURE_KINDS = ("timeout", "expired", "corrupt", "params", "layout", "unavailab
 @attrs.frozen
 class SaveJob:
     """Prefill side: send this request's prompt pages (its first ``ceil(num_tokens /
-    block_size)`` blocks) under ``transfer_id`` for a decode stage of ``decode_tp`` ranks."""
+    block_size)`` blocks) under ``transfer_id`` for a decode stage of ``decode_tp`` ranks.
+    ``groups``: with several KV cache groups (vLLM's hybrid manager), the pages each group
+    sends (:func:`kvferry.app.vllm.groups.sent_pages`), one entry per group in group order;
+    each layer sends its group's; ``block_ids`` is then group 0's."""
 
     req_id: str
     transfer_id: str
     block_ids: tuple[int, ...]
     num_tokens: int
     decode_tp: int
+    groups: tuple[GroupPages, ...] = ()
 
 
 @attrs.frozen
@@ -48,6 +53,12 @@ class LoadJob:
     #: :meth:`PageWorker.start_loads`, is never reported as received, and a failure is a load
     #: error of its blocks at once.
     sync: bool = False
+    #: With several KV cache groups: each group's local blocks from its first page (null
+    #: blocks, pages this decode's window does not keep, lead and are not written), one entry
+    #: per group in group order; ``block_ids`` is then group 0's. A failure in any group fails
+    #: the request (reported in ``failed_recving``, never as blocks: vLLM refuses block errors
+    #: with several groups).
+    groups: tuple[GroupPages, ...] = ()
 
 
 @attrs.frozen

@@ -66,6 +66,8 @@ class PageSaver:
     retry: RetryPolicy
     kernel_isa: str | None = None
     cache_layout: str | None = None
+    #: Each layer's KV cache group (layer order), with several groups; () with one.
+    layer_groups: tuple[int, ...] = ()
     geometry: PageGeometry | None = attrs.field(init=False, default=None)
     #: Gathers a layer's pages into a payload (set once the caches are checked).
     writer: PageWriter | None = attrs.field(init=False, default=None)
@@ -152,7 +154,14 @@ class PageSaver:
     def _save_one(self, job: SaveJob, layer_idx: int, layer: torch.Tensor) -> int:
         geometry, writer = self.geometry, self.writer
         assert geometry is not None and writer is not None
-        index = torch.tensor(job.block_ids, dtype=torch.long)
+        block_ids = job.block_ids
+        group_meta: dict[str, int] = {}
+        if job.groups:  # a hybrid save: this layer's group's pages, stated in the metadata
+            if layer_idx >= len(self.layer_groups):
+                raise KVFerryError(f"layer {layer_idx}: no KV cache group registered for it")
+            pages = job.groups[self.layer_groups[layer_idx]]
+            block_ids, group_meta = pages.block_ids, {"group": pages.group, "first_page": pages.first_page}
+        index = torch.tensor(block_ids, dtype=torch.long)
         stage = self.settings.from_stage
         nbytes = 0
         for sl in send_slices(self.tp_size, job.decode_tp, self.total_kv_heads, self.tp_rank, latent=geometry.latent):
@@ -165,12 +174,13 @@ class PageSaver:
                 "heads": [sl.abs_head_start, sl.abs_head_stop],
                 "from_rank": self.tp_rank,
                 "to_rank": sl.target_rank,
+                **group_meta,
             }
             if self.kernel_isa is not None:
                 meta["isa"] = self.kernel_isa
             if self.cache_layout is not None:
                 meta["cache_layout"] = self.cache_layout
-            layout = writer.layout(job.transfer_id, job.block_ids, sl.num_heads, meta)
+            layout = writer.layout(job.transfer_id, block_ids, sl.num_heads, meta)
             key = layer_key(job.transfer_id, stage, layer_idx, self.tp_rank, sl.target_rank)
             nbytes += self._put(
                 key, layout, lambda dest: writer.gather(layer, index, sl.head_start, sl.head_stop, dest, layout)
