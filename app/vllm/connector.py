@@ -163,6 +163,7 @@ class KVFerryConnector(KVConnectorBase_V1, SupportsHMA):
         self._worker.latent = layout.layout.name == "mla"
         if self.hybrid:
             self._worker.layer_groups = _layer_groups(self.groups, kv_caches)
+            logger.info("kvferry: KV cache groups %s", ", ".join(g.label for g in self.groups))
         logger.info("kvferry: %d layers, backend %s, layout %s", len(kv_caches), layout.backend, layout.label)
         self._worker.register(kv_caches)
 

@@ -11,9 +11,19 @@ Which pages a group keeps is vLLM's rule (``SlidingWindowManager.get_num_skipped
 ``remove_skipped_blocks`` in vLLM 0.32): after ``n`` computed tokens, the first ``max(0, n -
 window + 1 - extra_retained_tokens)`` tokens are skipped and every whole page of them is freed,
 so the first page kept is that number of tokens divided by the block size
-(:func:`kept_first_page`). The prefill sends, per group, its pages from that page to the
-prompt's last (:func:`sent_pages`); the decode, whose own manager keeps the same pages for the
-same tokens, writes each of its non-null blocks from the page it holds (:func:`load_span`).
+(:func:`kept_first_page`).
+
+A hybrid decode loads all but the prompt's last token and computes that one itself: vLLM, after
+a load of the whole prompt, recomputes the last token anyway, and its manager, allocating for
+``n`` tokens, would have dropped the page holding token ``n - window``, which that token's window
+reads whenever ``n - window + 1`` is a multiple of the block size (measured: a 79-token prompt,
+window 48, block size 32, gave other tokens). For ``n - 1`` tokens it keeps that page. So the
+prefill sends, per group, its pages from ``kept_first_page(n - 1)`` to the prompt's last
+(:func:`sent_pages`), and the decode, whose own manager keeps the same pages for ``n - 1``
+tokens, writes each of its non-null blocks from the page it holds (:func:`load_span`). The
+prefill's vLLM frees the page below ``kept_first_page(n)`` when the request finishes, right
+after its last step: when that page is sent (:func:`freed_at_finish`) the save must be out by
+the end of that step.
 
 :func:`describe_groups` reads vLLM's ``KVCacheConfig`` by attribute and spec class name, and
 refuses at start (ConfigError naming the group, a layer and the spec type) every spec kvferry
@@ -39,6 +49,7 @@ __all__ = [
     "kept_first_page",
     "prompt_pages",
     "sent_pages",
+    "freed_at_finish",
     "load_span",
     "describe_groups",
 ]
@@ -96,15 +107,28 @@ def kept_first_page(num_tokens: int, block_size: int, window: int | None = None,
     return skipped // block_size
 
 
+def _window_first(spec: GroupSpec, num_tokens: int) -> int:
+    """The first page the window of a prompt's last token reads (what a decode that computes
+    that token keeps: :func:`kept_first_page` of ``num_tokens - 1``)."""
+    return kept_first_page(max(0, num_tokens - 1), spec.block_size, spec.window, spec.extra)
+
+
+def freed_at_finish(spec: GroupSpec, num_tokens: int) -> bool:
+    """Whether the prefill's vLLM frees, when the request finishes after its prompt, a page
+    :func:`sent_pages` sends (the page holding token ``num_tokens - window``)."""
+    return _window_first(spec, num_tokens) < kept_first_page(num_tokens, spec.block_size, spec.window, spec.extra)
+
+
 def sent_pages(spec: GroupSpec, block_ids: Sequence[int], num_tokens: int) -> GroupPages | None:
     """What a prefill sends of one group for a prompt of ``num_tokens`` tokens: its pages from
-    :func:`kept_first_page` to the prompt's last. A null block inside that range (vLLM never
+    the first the window of the prompt's last token reads (``kept_first_page(num_tokens - 1)``;
+    0 for full attention) to the prompt's last. A null block inside that range (vLLM never
     leaves one there) moves the start past it, so every block sent holds the group's pages.
     None when the group holds fewer blocks than the prompt's pages."""
     last = prompt_pages(num_tokens, spec.block_size)
     if len(block_ids) < last:
         return None
-    first = kept_first_page(num_tokens, spec.block_size, spec.window, spec.extra)
+    first = _window_first(spec, num_tokens)
     blocks = [int(b) for b in block_ids[first:last]]
     for i in range(len(blocks) - 1, -1, -1):
         if blocks[i] == NULL_BLOCK:

@@ -37,6 +37,10 @@ class SaveJob:
     num_tokens: int
     decode_tp: int
     groups: tuple[GroupPages, ...] = ()
+    #: vLLM frees a page this save sends right after this step (a sliding-window page below
+    #: the window of the prompt's next token: groups.freed_at_finish): the step ends only once
+    #: the save is out (``wait_for_save``).
+    hold_step: bool = False
 
 
 @attrs.frozen

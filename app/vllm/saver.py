@@ -124,7 +124,24 @@ class PageSaver:
         ``save_kv_layer`` call) is queued from the registered caches, so no save is left half."""
         for i, layer in enumerate(self._layers):
             self._enqueue(i, layer)
+        held = [j.req_id for j in self._step_saves if j.hold_step]
         self._step_saves = ()
+        if held:
+            self._hold(held)
+
+    def _hold(self, req_ids: list[str]) -> None:
+        """Wait (up to ``load_timeout_s``) until these saves are out: vLLM frees a page they send
+        right after this step. One still not out then is failed (``timeout``): its last layers
+        are not sent, and the decode's load fails rather than read a page vLLM reused."""
+        with self.lock:
+            states = [self.saves[r] for r in req_ids if r in self.saves]
+            if self.progress.wait_for(lambda: all(s.done for s in states), timeout=self.settings.load_timeout_s):
+                return
+            for s in states:
+                if not s.done and s.failed is None:
+                    s.failed = "timeout: not out by the end of its step"
+                    self.stats.fail("timeout")
+                    logger.error("request %s: save not out by the end of its step; not sent", s.job.req_id)
 
     # ---------------------------------------------------------------------- the save thread
     def _save_loop(self) -> None:

@@ -17,10 +17,10 @@ and become a failed load, so ``kv_load_failure_policy`` decides (recompute or fa
 Several KV cache groups (vLLM's hybrid manager; ``groups``, from
 :func:`kvferry.app.vllm.groups.describe_groups`): a save carries each group's pages
 (:func:`~kvferry.app.vllm.groups.sent_pages`: a sliding-window group only the pages its window
-keeps), a load each group's local blocks, and ``load_mode="sync"`` is taken as async: vLLM
-reports a sync load's failure only as failed blocks, which it refuses with several groups (block
-ids are not unique across them), and a sync load of all but the last token would need the
-window of one token fewer, which may start a page before what the prefill kept.
+keeps for the prompt's last token), a load each group's local blocks. A hybrid load is all but
+the prompt's last token (the decode computes that one: groups.py says why), and always
+asynchronous (``load_mode="sync"`` is taken as async): vLLM reports a sync load's failure only
+as failed blocks, which it refuses with several groups (block ids are unique within a group).
 """
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ from typing import Any
 
 import attrs
 
-from kvferry.app.vllm.groups import GroupPages, GroupSpec, prompt_pages, sent_pages
+from kvferry.app.vllm.groups import GroupPages, GroupSpec, freed_at_finish, prompt_pages, sent_pages
 from kvferry.app.vllm.params import (
     ConnectorSettings,
     DecodeSource,
@@ -146,7 +146,8 @@ class PageScheduler:
             pending.saved = True
             decode_tp = pending.ask.decode_tp_size or self.settings.decode_tp_size or self.tp_size
             tid = pending.ask.transfer_id or rid
-            saves.append(SaveJob(rid, tid, blocks, req.num_prompt_tokens, decode_tp, groups))
+            hold = any(freed_at_finish(spec, req.num_prompt_tokens) for spec in self.groups) if groups else False
+            saves.append(SaveJob(rid, tid, blocks, req.num_prompt_tokens, decode_tp, groups, hold))
         loads, self._loads = tuple(self._loads), []
         return StepPlan(tuple(saves), loads, idle=not any(scheduled.values()))
 
@@ -229,8 +230,8 @@ class PageScheduler:
         tokens = prompt if source is None else min(source.num_tokens, prompt)
         remote = tokens - num_computed_tokens  # what a load would bring
         mode = (source.load_mode if source is not None else None) or self.settings.load_mode
-        if mode == "sync" and self.hybrid:  # see the module's docstring
-            mode = "async"
+        if self.hybrid:  # all but the last token, asynchronously (the module's docstring)
+            mode, tokens = "async", min(tokens, prompt - 1)
         if mode == "sync":  # vLLM computes at least the prompt's last token in this step
             tokens = min(tokens, prompt - 1)
         count = tokens - num_computed_tokens

@@ -18,6 +18,7 @@ from kvferry.app.vllm.groups import (
     SLIDING_WINDOW,
     GroupSpec,
     describe_groups,
+    freed_at_finish,
     kept_first_page,
     load_span,
     prompt_pages,
@@ -51,16 +52,29 @@ def test_the_kept_page_is_the_first_holding_a_token_the_window_keeps(n: int, bs:
     assert kept_first_page(n, bs, w, extra + 1) <= first  # retaining more keeps more
 
 
-@given(tokens, block_sizes, st.one_of(st.none(), windows), extras)
-def test_a_prefill_sends_exactly_the_pages_its_manager_keeps(n: int, bs: int, w: int | None, extra: int) -> None:
+@given(tokens, block_sizes, st.one_of(st.none(), windows), extras, st.integers(1, 2000))
+def test_a_prefill_sends_the_pages_the_last_tokens_window_reads(
+    n: int, bs: int, w: int | None, extra: int, chunk: int
+) -> None:
+    """At the step that computes the prompt's last chunk (from token ``c``), vLLM's manager
+    holds the pages kept after ``c`` tokens; the prefill sends those from the first page the
+    window of the prompt's last token reads, which is what a decode that computes that token
+    keeps."""
     kind = FULL if w is None else SLIDING_WINDOW
     spec = GroupSpec(1, kind, bs, w, extra if w is not None else 0)
-    held = _held(spec, n)
+    c = max(0, n - chunk)
+    held = _held(spec, c)  # the chunk's blocks come after those
+    held += [100 + p for p in range(len(held), prompt_pages(n, bs))]
     sent = sent_pages(spec, held, n)
     assert sent is not None and sent.group == 1
-    kept = [(p, b) for p, b in enumerate(held) if b != NULL_BLOCK]
-    assert list(enumerate(sent.block_ids, sent.first_page)) == kept
-    assert sent.block_ids or w == 1  # the last page is kept, but by a window of one token
+    decode_keeps = [100 + p for p in range(kept_first_page(n - 1, bs, w, spec.extra), prompt_pages(n, bs))]
+    assert list(sent.block_ids) == decode_keeps
+    assert NULL_BLOCK not in sent.block_ids and sent.first_page == kept_first_page(n - 1, bs, w, spec.extra)
+    # once the request finishes, vLLM keeps from kept_first_page(n): the sent page below that,
+    # if any, is the one the window of token n - 1 reads; the save must be out before that free
+    finish_first = kept_first_page(n, bs, w, spec.extra)
+    assert freed_at_finish(spec, n) == (sent.first_page < finish_first)
+    assert finish_first - sent.first_page in (0, 1)
     if w is None:
         assert sent.first_page == 0 and len(sent.block_ids) == prompt_pages(n, bs)
     # a group that holds fewer blocks than the prompt's pages sends nothing
@@ -69,24 +83,26 @@ def test_a_prefill_sends_exactly_the_pages_its_manager_keeps(n: int, bs: int, w:
 
 def test_a_null_block_inside_the_range_moves_the_start_past_it() -> None:
     spec = GroupSpec(0, SLIDING_WINDOW, 4, 8)
-    # 20 tokens, window 8: skipped 13 tokens, kept from page 3; a (never seen) null at page 3
-    sent = sent_pages(spec, [0, 0, 0, 0, 9], 20)
-    assert sent is not None and (sent.first_page, sent.block_ids) == (4, (9,))
-    sent = sent_pages(spec, [0, 0, 0, 7, 9], 20)
-    assert sent is not None and (sent.first_page, sent.block_ids) == (3, (7, 9))
+    # 21 tokens, window 8: the last token's window reads from token 13, page 3; a (never seen)
+    # null at page 3
+    sent = sent_pages(spec, [0, 0, 0, 0, 9, 10], 21)
+    assert sent is not None and (sent.first_page, sent.block_ids) == (4, (9, 10))
+    sent = sent_pages(spec, [0, 0, 0, 7, 9, 10], 21)
+    assert sent is not None and (sent.first_page, sent.block_ids) == (3, (7, 9, 10))
 
 
-@given(tokens, block_sizes, windows, extras, st.integers(0, 3))
+@given(st.integers(2, 2000), block_sizes, windows, extras, st.integers(0, 3))
 def test_a_decode_writes_each_page_it_keeps_from_the_payload_row_of_that_page(
     n: int, bs: int, w: int, extra: int, lag: int
 ) -> None:
-    """The decode's manager, after ``n`` computed tokens (minus ``lag`` for a decode that keeps
-    more), holds its own blocks; each non-null one gets the payload row of its page."""
+    """The decode's manager, allocating for the ``n - 1`` tokens it loads (a decode that keeps
+    ``lag`` pages more fails), holds its own blocks; each non-null one gets the payload row of
+    its page."""
     spec = GroupSpec(0, SLIDING_WINDOW, bs, w, extra)
-    sent = sent_pages(spec, _held(spec, n), n)
+    sent = sent_pages(spec, _held(spec, n - 1) + [900], n)  # the prefill's blocks at its last step
     assert sent is not None
-    decode_first = kept_first_page(n, bs, w, extra + lag * bs)
-    pages = prompt_pages(n, bs)
+    decode_first = kept_first_page(n - 1, bs, w, extra + lag * bs)
+    pages = prompt_pages(n - 1, bs)
     local = [NULL_BLOCK if p < decode_first else 500 + p for p in range(pages)]
     if decode_first < sent.first_page:  # the decode keeps a page the prefill did not send
         with pytest.raises(ValueError, match="the prefill sent pages"):
@@ -96,8 +112,8 @@ def test_a_decode_writes_each_page_it_keeps_from_the_payload_row_of_that_page(
     assert blocks == tuple(500 + p for p in range(decode_first, pages))
     # row r of the payload is page sent.first_page + r: each block gets its own page
     assert [sent.first_page + row + i for i in range(len(blocks))] == [b - 500 for b in blocks]
-    if lag == 0:
-        assert row == 0 and len(blocks) == len(sent.block_ids)  # same window: all of it, once
+    if lag == 0:  # same window: all of it from row 0 (the last page too, unless token n - 1 starts it)
+        assert row == 0 and len(blocks) in (len(sent.block_ids), len(sent.block_ids) - 1)
 
 
 def test_load_span_refuses_a_null_after_a_real_block_and_reads_from_a_first_page() -> None:

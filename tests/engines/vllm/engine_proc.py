@@ -4,6 +4,7 @@ Run by the vLLM venv's interpreter (KVFERRY_VLLM_PYTHON), never imported by pyte
 
     python engine_proc.py make-model DIR SEED      # a tiny random Llama saved by transformers
     python engine_proc.py make-mla-model DIR SEED LAYERS  # a tiny random DeepSeek-V2 (MLA) saved by transformers
+    python engine_proc.py make-hybrid-model DIR SEED WINDOW  # the tiny Llama, layers alternating full / sliding window
     python engine_proc.py serve CONFIG_JSON        # then: {"op": "generate", ...} lines
     python engine_proc.py hf-kv DIR PROMPTS_JSON OUT   # transformers' past_key_values of each prompt
     python engine_proc.py write-pages ISA OUT      # vLLM's CPU kernel writes known K/V into pages
@@ -20,12 +21,13 @@ import sys
 import time
 
 
-def make_model(path: str, seed: int) -> None:
+def make_model(path: str, seed: int, **extra: object) -> None:
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(seed)
     config = LlamaConfig(
+        **extra,
         vocab_size=512,
         hidden_size=128,
         intermediate_size=256,
@@ -185,6 +187,7 @@ def compat_kv(path: str, out: str) -> None:
 PROTO = sys.stdout
 SAVES: dict[str, tuple[int, ...]] = {}  # transfer id -> prefill blocks (from the step metadata)
 LOADS: list[tuple[int, ...]] = []  # decode blocks each load filled, in order
+GROUP_JOBS: list[dict] = []  # with several KV cache groups: each save's and load's pages per group
 
 
 def _capture_plans(llm) -> None:
@@ -200,6 +203,11 @@ def _capture_plans(llm) -> None:
             SAVES[job.transfer_id] = job.block_ids
         for job in meta.plan.loads:
             LOADS.append(job.block_ids)
+        for kind, jobs in (("save", meta.plan.saves), ("load", meta.plan.loads)):
+            for job in jobs:
+                if job.groups:
+                    pages = [[g.group, g.first_page, list(g.block_ids)] for g in job.groups]
+                    GROUP_JOBS.append({"kind": kind, "req_id": job.req_id, "groups": pages})
         return meta
 
     connector.build_connector_meta = capture
@@ -348,6 +356,10 @@ def serve(cfg: dict) -> None:
                 bs = cfg.get("block_size", 32)
                 blocks = blocks[: -(-msg["num_tokens"] // bs)]
                 reply = {"ok": True, "ranks": llm.collective_rpc(_token_hashes, args=(blocks, msg["num_tokens"]))}
+            elif op == "groups":  # the KV cache groups the connector found, and the jobs' pages
+                connector = llm.llm_engine.engine_core.engine_core.scheduler.connector
+                labels = [g.label for g in getattr(connector, "groups", ())]
+                reply = {"ok": True, "groups": labels, "jobs": GROUP_JOBS}
             elif op == "metrics":
                 reply = {
                     "ok": True,
@@ -366,6 +378,9 @@ def serve(cfg: dict) -> None:
 if __name__ == "__main__":
     if sys.argv[1] == "make-model":
         make_model(sys.argv[2], int(sys.argv[3]))
+    elif sys.argv[1] == "make-hybrid-model":  # vLLM's Llama reads layer_types / sliding_window
+        layer_types = ["full_attention", "sliding_attention"] * 2
+        make_model(sys.argv[2], int(sys.argv[3]), layer_types=layer_types, sliding_window=int(sys.argv[4]))
     elif sys.argv[1] == "make-mla-model":
         make_mla_model(sys.argv[2], int(sys.argv[3]), int(sys.argv[4]))
     elif sys.argv[1] == "hf-kv":

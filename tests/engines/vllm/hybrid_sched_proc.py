@@ -172,6 +172,7 @@ def prefill_case(n: int, max_batched: int = 2048) -> dict:
         "steps": steps,
         "groups": [[g.group, g.first_page, list(g.block_ids)] for g in job.groups],
         "block_ids": list(job.block_ids),
+        "hold_step": job.hold_step,
         "at_save": at_save,
         "calls": calls,
         "free": [free0, held, pool.get_num_free_blocks()],
