@@ -181,3 +181,78 @@ def test_layers_without_a_group_each_are_refused_at_register() -> None:
     with pytest.raises(ConfigError, match="4 layers, 2 in KV cache groups"):
         w.register(_caches(HEADS, 0))
     w.close()
+
+
+# ------------------------------------------------------------------- a save that holds its step
+class _Gated:
+    """The memory connector's sender whose puts wait for ``gate`` (no reservations: every
+    layer goes through ``put``)."""
+
+    def __init__(self, inner: object, gate: threading.Event) -> None:
+        self.inner, self.gate = inner, gate
+
+    def put(self, **kw: object) -> object:
+        assert self.gate.wait(10)
+        return self.inner.put(**kw)  # type: ignore[attr-defined]
+
+    def close(self) -> None:
+        self.inner.close()  # type: ignore[attr-defined]
+
+
+def _gated_worker(name: str, gate: threading.Event, timeout_s: float) -> PageWorker:
+    from kvferry.app.registry import create_connector
+
+    settings = ConnectorSettings.from_extra_config(
+        {"connector": {"type": "memory", "shared_name": name}, "load_timeout_s": timeout_s}
+    )
+    w = PageWorker(
+        settings,
+        tp_rank=0,
+        tp_size=1,
+        total_kv_heads=HEADS,
+        producer=True,
+        consumer=False,
+        connector_factory=lambda cfg: _Gated(create_connector(cfg), gate),
+    )
+    w.layer_groups = LAYER_GROUPS
+    w.register(_caches(HEADS, 3))
+    return w
+
+
+def _one_step(w: PageWorker, hold: bool) -> None:
+    groups = (GroupPages(0, 0, tuple(P_FULL)), GroupPages(1, 3, tuple(P_SWA)))
+    w.begin_step([SaveJob("r", "t", tuple(P_FULL), TOKENS, 1, groups, hold_step=hold)])
+    w.end_step()  # vLLM's wait_for_save: the forward handed no layer over, end_step queues them all
+
+
+@pytest.mark.parametrize("hold", [False, True])
+def test_a_save_that_holds_its_step_is_out_when_the_step_ends(hold: bool) -> None:
+    """vLLM frees the window's first sent page right after the step (groups.freed_at_finish):
+    such a save is out by then; another one goes on in the background (the control)."""
+    gate = threading.Event()
+    w = _gated_worker(f"vllm-hybrid-{next(_names)}", gate, 10.0)
+    try:
+        if hold:  # the puts go through once the gate opens, from another thread, while end_step waits
+            threading.Thread(target=gate.set).start()
+        _one_step(w, hold)
+        assert (w.finished({"r"})[0] == {"r"}) is hold
+        gate.set()
+        _wait(lambda: w.finished({"r"})[0] == {"r"} or not w.pending_saves)
+        assert w.stats.peek().get("requests_sent") == 1
+    finally:
+        gate.set()
+        w.close()
+
+
+def test_a_held_save_not_out_by_its_deadline_is_failed_not_sent() -> None:
+    gate = threading.Event()
+    w = _gated_worker(f"vllm-hybrid-{next(_names)}", gate, 0.2)
+    try:
+        _one_step(w, True)  # the gate stays shut: end_step gives up after load_timeout_s
+        assert w.stats.peek().get("failures_timeout") == 1
+        gate.set()
+        _wait(lambda: w.finished({"r"})[0] == {"r"})
+        assert not w.stats.peek().get("requests_sent")  # its remaining layers were not sent
+    finally:
+        gate.set()
+        w.close()
