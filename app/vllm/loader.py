@@ -320,6 +320,8 @@ class PageLoader:
                     args_g = (layer_idx, group, target, pages, heads, cache)
                     plan.nbytes += write_group_pages(layer, geometry, decoded, *args_g)
                     continue
+                if "group" in (decoded.metadata or {}):  # a hybrid prefill's: some layers hold a window only
+                    raise GroupLoadError(f"layer {layer_idx}: pages of KV cache groups; this decode runs one group")
                 check_payload(decoded, geometry, layer_idx, sl.num_heads, plan.src_pages)
                 args = (plan.index, plan.job.first_page, sl.recv_head_start, sl.recv_head_stop)
                 if needs_relay(decoded.metadata, geometry, self.cache_layout, self.kernel_isa):

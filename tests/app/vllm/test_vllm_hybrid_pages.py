@@ -256,3 +256,22 @@ def test_a_held_save_not_out_by_its_deadline_is_failed_not_sent() -> None:
     finally:
         gate.set()
         w.close()
+
+
+def test_a_decode_of_one_group_refuses_a_hybrid_prefills_pages() -> None:
+    """A decode with vLLM's hybrid manager off (one group) must not write a window's pages as
+    if they started at page 0: the load fails (its blocks reported, the one-group way)."""
+    name = f"vllm-hybrid-{next(_names)}"
+    prefills, _ = _save(name, 1, 1)
+    d = _worker(name, 0, 1, False, groups=())
+    try:
+        dst = {n: torch.zeros(BLOCKS, HEADS, BS, 2 * HD, dtype=torch.bfloat16) for n in _caches(HEADS, 0)}
+        d.register(dst)
+        d.start_loads([LoadJob("r", parse_decode_params(_params(1, 1)), D_FULL, 0)])
+        assert _load(d, LoadJob("r", None, (), 0)) == (set(), set(D_FULL))
+        assert d.stats.peek().get("failures_layout") == 1
+        assert not any(t.any() for t in dst.values())  # nothing written
+    finally:
+        d.close()
+        for p in prefills:
+            p.close()
