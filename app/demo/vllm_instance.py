@@ -50,11 +50,13 @@ def save_random_model(path: str, seed: int, model_class: Any, config: Any) -> No
     model_class(config).to(torch.bfloat16).save_pretrained(path)
 
 
-def make_model(path: str, seed: int, layers: int = TINY["layers"], max_len: int = TINY["max_len"]) -> None:
-    """The tiny random Llama of :data:`TINY` (``layers`` and ``max_len`` aside)."""
+def make_model(path: str, seed: int, layers: int = TINY["layers"], max_len: int = TINY["max_len"], **more: Any) -> None:
+    """The tiny random Llama of :data:`TINY` (``layers`` and ``max_len`` aside; ``more``: other
+    LlamaConfig fields, e.g. ``layer_types`` and ``sliding_window``)."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
     config = LlamaConfig(
+        **more,
         vocab_size=512,
         hidden_size=128,
         intermediate_size=256,

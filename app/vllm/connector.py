@@ -5,6 +5,11 @@ kv_connector_module_path="kvferry.app.vllm", kv_role=..., kv_connector_extra_con
 vLLM builds one instance per role: the scheduler's (:class:`~kvferry.app.vllm.scheduler.
 PageScheduler`) and each worker's (:class:`~kvferry.app.vllm.worker.PageWorker`); this module
 only adapts vLLM's calls to them. See docs/vllm.md.
+
+Hybrid models (several KV cache groups: vLLM's hybrid manager, which vLLM enables with a
+connector that declares ``SupportsHMA``): every group's pages move, a sliding-window group's
+only inside its window (:mod:`kvferry.app.vllm.groups`); a spec kvferry does not move (Mamba,
+...) fails the engine at start, and a failed load is reported per request (``failed_recving``).
 """
 
 from __future__ import annotations
@@ -17,10 +22,13 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1,
     KVConnectorMetadata,
     KVConnectorRole,
+    KVConnectorTransferResults,
+    SupportsHMA,
 )
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorPromMetrics, KVConnectorStats
 
 from kvferry.app.vllm.backends import layer_layouts
+from kvferry.app.vllm.groups import GroupSpec, describe_groups
 from kvferry.app.vllm.params import ConnectorSettings
 from kvferry.app.vllm.records import FAILURE_KINDS, POOL_COUNTERS, THREADS_GAUGE, split_gauge_key
 from kvferry.app.vllm.scheduler import PageScheduler, StepPlan
@@ -72,7 +80,29 @@ def _page_layouts(vllm_config: Any, kv_caches: dict[str, torch.Tensor], kv_cache
     return first
 
 
-class KVFerryConnector(KVConnectorBase_V1):
+def _layer_groups(groups: tuple[GroupSpec, ...], kv_caches: dict[str, torch.Tensor]) -> tuple[int, ...]:
+    """Each registered layer's group (layer order); ConfigError for a layer in no group and for
+    groups whose pages differ in shape or dtype (vLLM's hybrid manager pools pages of one size)."""
+    of = {name: g.index for g in groups for name in g.layers}
+    out: list[int] = []
+    first: tuple[str, int, tuple[int, ...], Any] | None = None
+    for name, t in kv_caches.items():
+        if name not in of:
+            raise ConfigError(f"layer {name!r}: in no KV cache group of {[g.label for g in groups]}")
+        g = of[name]
+        out.append(g)
+        if first is None:
+            first = (name, g, tuple(t.shape[1:]), t.dtype)
+        elif (tuple(t.shape[1:]), t.dtype) != first[2:]:
+            raise ConfigError(
+                f"layer {name!r} (KV cache group {g}, {groups[g].label}): pages {tuple(t.shape[1:])} {t.dtype}, "
+                f"layer {first[0]!r}'s (group {first[1]}) are {first[2]} {first[3]}; kvferry moves groups of "
+                f"one page shape"
+            )
+    return tuple(out)
+
+
+class KVFerryConnector(KVConnectorBase_V1, SupportsHMA):
     """Prefill (``kv_producer``) and decode (``kv_consumer``) hand-off through kvferry."""
 
     def __init__(self, vllm_config: Any, role: KVConnectorRole, kv_cache_config: Any = None) -> None:
@@ -80,6 +110,9 @@ class KVFerryConnector(KVConnectorBase_V1):
         tc = self._kv_transfer_config
         self.settings = ConnectorSettings.from_extra_config(tc.kv_connector_extra_config)
         producer, consumer = bool(tc.is_kv_producer), bool(tc.is_kv_consumer)
+        #: vLLM's KV cache groups; ConfigError at start for a spec kvferry does not move.
+        self.groups = describe_groups(kv_cache_config)
+        self.hybrid = len(self.groups) > 1
         tp_size = int(vllm_config.parallel_config.tensor_parallel_size)
         self._scheduler: PageScheduler | None = None
         self._worker: PageWorker | None = None
@@ -93,6 +126,8 @@ class KVFerryConnector(KVConnectorBase_V1):
                 producer=producer,
                 consumer=consumer,
                 block_ids_of=self._block_ids_of,
+                groups=self.groups if self.hybrid else (),
+                group_block_ids_of=self._group_block_ids_of,
             )
         else:
             from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
@@ -110,6 +145,10 @@ class KVFerryConnector(KVConnectorBase_V1):
         manager = self._kv_cache_manager
         return [] if manager is None else list(manager.get_block_ids(req_id)[0])
 
+    def _group_block_ids_of(self, req_id: str) -> tuple[list[int], ...]:
+        manager = self._kv_cache_manager
+        return () if manager is None else tuple(list(ids) for ids in manager.get_block_ids(req_id))
+
     @property
     def page_worker(self) -> PageWorker | None:
         """This worker-role connector's page transfers (None in the scheduler role)."""
@@ -122,6 +161,9 @@ class KVFerryConnector(KVConnectorBase_V1):
         self._worker.kernel_isa = layout.layout.isa
         self._worker.cache_layout = layout.label
         self._worker.latent = layout.layout.name == "mla"
+        if self.hybrid:
+            self._worker.layer_groups = _layer_groups(self.groups, kv_caches)
+            logger.info("kvferry: KV cache groups %s", ", ".join(g.label for g in self.groups))
         logger.info("kvferry: %d layers, backend %s, layout %s", len(kv_caches), layout.backend, layout.label)
         self._worker.register(kv_caches)
 
@@ -154,6 +196,11 @@ class KVFerryConnector(KVConnectorBase_V1):
         sent, loaded = self._worker.finished(finished_req_ids, idle=idle)
         return sent or None, loaded or None
 
+    def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
+        sent, loaded = self.get_finished(finished_req_ids)
+        failed = self._worker.failed_loads() if self._worker is not None else set()
+        return KVConnectorTransferResults(set(sent or ()), set(loaded or ()), failed)
+
     def get_block_ids_with_load_errors(self) -> set[int]:
         return set() if self._worker is None else self._worker.load_errors()
 
@@ -176,7 +223,11 @@ class KVFerryConnector(KVConnectorBase_V1):
         assert self._scheduler is not None
         self._scheduler.track(request)
         if num_external_tokens > 0:
-            self._scheduler.after_alloc(request, blocks.get_block_ids()[0], num_external_tokens)
+            ids = blocks.get_block_ids()
+            self._scheduler.after_alloc(request, ids[0], num_external_tokens, ids)
+
+    def get_loaded_kv_cache_group_ids(self, request: Any) -> tuple[int, ...]:
+        return tuple(range(max(1, len(self.groups))))  # a load restores every group
 
     def build_connector_meta(self, scheduler_output: Any) -> KVConnectorMetadata:
         assert self._scheduler is not None
@@ -187,6 +238,14 @@ class KVFerryConnector(KVConnectorBase_V1):
             self._scheduler.sent(connector_output.finished_sending)
 
     def request_finished(self, request: Any, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+        assert self._scheduler is not None
+        return self._scheduler.request_finished(request)
+
+    def request_finished_all_groups(
+        self, request: Any, block_ids: tuple[list[int], ...]
+    ) -> tuple[bool, dict[str, Any] | None]:
+        """vLLM's finish call with the hybrid manager (every group's blocks): the same as
+        :meth:`request_finished`; the saves hold each group's blocks until the request is sent."""
         assert self._scheduler is not None
         return self._scheduler.request_finished(request)
 

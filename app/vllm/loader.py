@@ -13,7 +13,8 @@ continues on a small thread pool.
 A failed load (timeout, expired lease, corrupt payload, bad params, layout, unreachable
 prefill: one of :data:`~kvferry.app.vllm.records.FAILURE_KINDS`) is counted, logged, and
 reported by :meth:`PageLoader.take_loaded` as finished with all of its blocks in
-:meth:`PageLoader.load_errors`; vLLM's ``kv_load_failure_policy`` then recomputes or fails it.
+:meth:`PageLoader.load_errors` (a hybrid load, several KV cache groups: the request in
+:meth:`PageLoader.take_failed`); vLLM's ``kv_load_failure_policy`` then recomputes or fails it.
 Nothing here waits without a deadline.
 """
 
@@ -33,6 +34,7 @@ from kvferry.adapters.checked_scatter import writable_bytes
 from kvferry.adapters.connectors.pool_buffer import release_soon
 from kvferry.adapters.torch_decode import decode_payload, verify_deferred
 from kvferry.app.vllm.context import WorkerContext
+from kvferry.app.vllm.group_pages import GroupLoadError, write_group_pages
 from kvferry.app.vllm.pages import (
     PageGeometry,
     block_runs,
@@ -101,8 +103,13 @@ class PageLoader:
 
     context: WorkerContext
     recent_loads: collections.deque[LoadRecord]
+    #: Each layer's KV cache group (layer order), with several groups; () with one.
+    layer_groups: tuple[int, ...] = ()
     geometry: PageGeometry | None = attrs.field(init=False, default=None)
     receiver: Any = attrs.field(init=False, default=None)
+    #: Hybrid loads in flight, and those reported failed (vLLM's ``failed_recving``).
+    _group_loads: set[str] = attrs.field(init=False, factory=set)
+    _failed: set[str] = attrs.field(init=False, factory=set)
     _layers: list[torch.Tensor] = attrs.field(init=False, factory=list)
     _layer_bytes: list[memoryview | None] = attrs.field(init=False, factory=list)
     _pool: concurrent.futures.ThreadPoolExecutor | None = attrs.field(init=False, default=None)
@@ -138,6 +145,8 @@ class PageLoader:
                 self._load_now(job, until)
                 continue
             self._load_blocks[job.req_id] = job.block_ids
+            if job.groups:
+                self._group_loads.add(job.req_id)
             run = _LoadRun(job, self.context.clock())
             if self.context.settings.inline_load_s > 0 and self._step(run, until):
                 done: concurrent.futures.Future[bool] = concurrent.futures.Future()
@@ -212,6 +221,12 @@ class PageLoader:
             )
         if src.num_layers != geometry.num_layers:
             raise _LoadFailed("layout", f"prefill has {src.num_layers} layers, this cache {geometry.num_layers}")
+        if job.groups and (src.block_size != geometry.block_size or len(self.layer_groups) != geometry.num_layers):
+            raise _LoadFailed(
+                "layout",
+                f"hybrid load: prefill block_size {src.block_size}, this cache {geometry.block_size}; "
+                f"{len(self.layer_groups)} of {geometry.num_layers} layers in KV cache groups (page for page only)",
+            )
         if src.block_size != geometry.block_size and not self._relays():
             ours = self.context.cache_layout or self.context.kernel_isa
             raise _LoadFailed(
@@ -297,9 +312,20 @@ class PageLoader:
             data = got[0]
             try:
                 decoded = decode_payload(data, defer_verify=True)  # checked as the pages are written
+                layer = self._layers[layer_idx]
+                if plan.job.groups:
+                    verify_deferred(decoded)  # a group's pages: checked before they are written
+                    group = self.layer_groups[layer_idx]
+                    heads = (sl.num_heads, sl.recv_head_start, sl.recv_head_stop)
+                    pages = -(-plan.source.num_tokens // geometry.block_size)
+                    target, cache = plan.job.groups[group], (self.context.cache_layout, self.context.kernel_isa)
+                    args_g = (layer_idx, group, target, pages, heads, cache)
+                    plan.nbytes += write_group_pages(layer, geometry, decoded, *args_g)
+                    continue
+                if "group" in (decoded.metadata or {}):  # a hybrid prefill's: some layers hold a window only
+                    raise GroupLoadError(f"layer {layer_idx}: pages of KV cache groups; this decode runs one group")
                 check_payload(decoded, geometry, layer_idx, sl.num_heads, plan.src_pages)
                 args = (plan.index, plan.job.first_page, sl.recv_head_start, sl.recv_head_stop)
-                layer = self._layers[layer_idx]
                 if needs_relay(decoded.metadata, geometry, self.context.cache_layout, self.context.kernel_isa):
                     meta = decoded.metadata or {}
                     theirs = f"{meta.get('cache_layout') or 'vllm_cpu'}, block_size {meta.get('block_size')}"
@@ -318,11 +344,13 @@ class PageLoader:
                         raise _LoadFailed("layout", f"layer {layer_idx}: {exc}") from exc
                 else:
                     plan.nbytes += write_pages(layer, geometry, decoded, *args, plan.runs, self._layer_bytes[layer_idx])
+            except GroupLoadError as exc:
+                raise _LoadFailed("layout", str(exc)) from exc
             except PayloadError as exc:
                 raise _LoadFailed("corrupt", str(exc)) from exc
             finally:
                 release_soon(data)  # written: the sender may reuse the region once it hears
-            plan.next += 1
+                plan.next += 1  # (a failure ends the load: ``next`` is not read again)
         return True
 
     def _get_one(
@@ -374,8 +402,10 @@ class PageLoader:
                 loaded.add(rid)
                 del self._loads[rid]
                 blocks = self._load_blocks.pop(rid, ())
+                hybrid = rid in self._group_loads
+                self._group_loads.discard(rid)
                 if not fut.result():
-                    self._load_errors.update(blocks)
+                    (self._failed.add(rid) if hybrid else self._load_errors.update(blocks))
         if loaded:
             self._mark_reported(loaded, self.context.clock())
         return loaded
@@ -390,6 +420,11 @@ class PageLoader:
             if record.req_id in left and record.reported is None:
                 self.recent_loads[i] = attrs.evolve(record, reported=now)
                 left.discard(record.req_id)
+
+    def take_failed(self) -> set[str]:
+        """Hybrid loads reported failed (in :meth:`take_loaded`) since the last call."""
+        out, self._failed = self._failed, set()
+        return out
 
     def load_errors(self) -> set[int]:
         """Blocks of loads reported failed since the last call."""

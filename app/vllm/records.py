@@ -17,6 +17,7 @@ from typing import Any
 
 import attrs
 
+from kvferry.app.vllm.groups import GroupPages
 from kvferry.app.vllm.params import DecodeSource
 
 __all__ = [
@@ -69,13 +70,21 @@ def split_gauge_key(key: str) -> tuple[str, int] | None:
 @attrs.frozen
 class SaveJob:
     """Prefill side: send this request's prompt pages (its first ``ceil(num_tokens /
-    block_size)`` blocks) under ``transfer_id`` for a decode stage of ``decode_tp`` ranks."""
+    block_size)`` blocks) under ``transfer_id`` for a decode stage of ``decode_tp`` ranks.
+    ``groups``: with several KV cache groups (vLLM's hybrid manager), the pages each group
+    sends (:func:`kvferry.app.vllm.groups.sent_pages`), one entry per group in group order;
+    each layer sends its group's; ``block_ids`` is then group 0's."""
 
     req_id: str
     transfer_id: str
     block_ids: tuple[int, ...]
     num_tokens: int
     decode_tp: int
+    groups: tuple[GroupPages, ...] = ()
+    #: vLLM frees a page this save sends right after this step (a sliding-window page below
+    #: the window of the prompt's next token: groups.freed_at_finish): the step ends only once
+    #: the save is out (``wait_for_save``).
+    hold_step: bool = False
 
 
 @attrs.frozen
@@ -92,6 +101,12 @@ class LoadJob:
     #: :meth:`PageWorker.start_loads`, is never reported as received, and a failure is a load
     #: error of its blocks at once.
     sync: bool = False
+    #: With several KV cache groups: each group's local blocks from its first page (null
+    #: blocks, pages this decode's window does not keep, lead and are not written), one entry
+    #: per group in group order; ``block_ids`` is then group 0's. A failure in any group fails
+    #: the request (reported in ``failed_recving``, never as blocks: vLLM refuses block errors
+    #: with several groups).
+    groups: tuple[GroupPages, ...] = ()
 
 
 @attrs.frozen

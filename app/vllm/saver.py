@@ -58,6 +58,8 @@ class PageSaver:
     context: WorkerContext
     sleep: Callable[[float], None]
     retry: RetryPolicy
+    #: Each layer's KV cache group (layer order), with several groups; () with one.
+    layer_groups: tuple[int, ...] = ()
     geometry: PageGeometry | None = attrs.field(init=False, default=None)
     #: Gathers a layer's pages into a payload (set once the caches are checked).
     writer: PageWriter | None = attrs.field(init=False, default=None)
@@ -114,7 +116,25 @@ class PageSaver:
         ``save_kv_layer`` call) is queued from the registered caches, so no save is left half."""
         for i, layer in enumerate(self._layers):
             self._enqueue(i, layer)
+        held = [j.req_id for j in self._step_saves if j.hold_step]
         self._step_saves = ()
+        if held:
+            self._hold(held)
+
+    def _hold(self, req_ids: list[str]) -> None:
+        """Wait (up to ``load_timeout_s``) until these saves are out: vLLM frees a page they send
+        right after this step. One still not out then is failed (``timeout``): its last layers
+        are not sent, and the decode's load fails rather than read a page vLLM reused."""
+        ctx = self.context
+        with ctx.lock:
+            states = [self.saves[r] for r in req_ids if r in self.saves]
+            if ctx.progress.wait_for(lambda: all(s.done for s in states), timeout=ctx.settings.load_timeout_s):
+                return
+            for s in states:
+                if not s.done and s.failed is None:
+                    s.failed = "timeout: not out by the end of its step"
+                    ctx.stats.fail("timeout")
+                    logger.error("request %s: save not out by the end of its step; not sent", s.job.req_id)
 
     # ---------------------------------------------------------------------- the save thread
     def _save_loop(self) -> None:
@@ -146,7 +166,14 @@ class PageSaver:
     def _save_one(self, job: SaveJob, layer_idx: int, layer: torch.Tensor) -> int:
         geometry, writer = self.geometry, self.writer
         assert geometry is not None and writer is not None
-        index = torch.tensor(job.block_ids, dtype=torch.long)
+        block_ids = job.block_ids
+        group_meta: dict[str, int] = {}
+        if job.groups:  # a hybrid save: this layer's group's pages, stated in the metadata
+            if layer_idx >= len(self.layer_groups):
+                raise KVFerryError(f"layer {layer_idx}: no KV cache group registered for it")
+            pages = job.groups[self.layer_groups[layer_idx]]
+            block_ids, group_meta = pages.block_ids, {"group": pages.group, "first_page": pages.first_page}
+        index = torch.tensor(block_ids, dtype=torch.long)
         stage = self.context.settings.from_stage
         nbytes = 0
         for sl in send_slices(
@@ -165,12 +192,13 @@ class PageSaver:
                 "heads": [sl.abs_head_start, sl.abs_head_stop],
                 "from_rank": self.context.tp_rank,
                 "to_rank": sl.target_rank,
+                **group_meta,
             }
             if self.context.kernel_isa is not None:
                 meta["isa"] = self.context.kernel_isa
             if self.context.cache_layout is not None:
                 meta["cache_layout"] = self.context.cache_layout
-            layout = writer.layout(job.transfer_id, job.block_ids, sl.num_heads, meta)
+            layout = writer.layout(job.transfer_id, block_ids, sl.num_heads, meta)
             key = layer_key(job.transfer_id, stage, layer_idx, self.context.tp_rank, sl.target_rank)
             nbytes += self._put(
                 key, layout, lambda dest: writer.gather(layer, index, sl.head_start, sl.head_stop, dest, layout)

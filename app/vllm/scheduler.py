@@ -13,6 +13,14 @@ asynchronous load when ``do_remote_prefill`` is set (``load_mode="sync"``: all b
 token, loaded in the step that computes that token); after allocation the load job (local
 block ids) goes into the next step's metadata. Bad params are logged with the field at fault
 and become a failed load, so ``kv_load_failure_policy`` decides (recompute or fail).
+
+Several KV cache groups (vLLM's hybrid manager; ``groups``, from
+:func:`kvferry.app.vllm.groups.describe_groups`): a save carries each group's pages
+(:func:`~kvferry.app.vllm.groups.sent_pages`: a sliding-window group only the pages its window
+keeps for the prompt's last token), a load each group's local blocks. A hybrid load is all but
+the prompt's last token (the decode computes that one: groups.py says why), and always
+asynchronous (``load_mode="sync"`` is taken as async): vLLM reports a sync load's failure only
+as failed blocks, which it refuses with several groups (block ids are unique within a group).
 """
 
 from __future__ import annotations
@@ -23,6 +31,7 @@ from typing import Any
 
 import attrs
 
+from kvferry.app.vllm.groups import GroupPages, GroupSpec, freed_at_finish, prompt_pages, sent_pages
 from kvferry.app.vllm.params import (
     ConnectorSettings,
     DecodeSource,
@@ -69,6 +78,9 @@ class PageScheduler:
     producer: bool
     consumer: bool
     block_ids_of: Callable[[str], Sequence[int]] = lambda rid: ()
+    #: The KV cache groups (hybrid when more than one) and each group's block ids of a request.
+    groups: tuple[GroupSpec, ...] = ()
+    group_block_ids_of: Callable[[str], Sequence[Sequence[int]]] = lambda rid: ()
     _remote_decode: dict[str, _Pending] = attrs.field(init=False, factory=dict)
     _errors: dict[str, str] = attrs.field(init=False, factory=dict)
     _offers: dict[str, tuple[DecodeSource | None, str | None, int, bool]] = attrs.field(init=False, factory=dict)
@@ -76,6 +88,11 @@ class PageScheduler:
     _sending: set[str] = attrs.field(init=False, factory=set)
     #: Remote-decode requests not handed off (``kv_recompute_threshold``): prompt tokens.
     _short: dict[str, int] = attrs.field(init=False, factory=dict)
+
+    @property
+    def hybrid(self) -> bool:
+        """Several KV cache groups: jobs carry per-group pages."""
+        return len(self.groups) > 1
 
     # ----------------------------------------------------------------------- prefill side
     def track(self, request: Any) -> None:
@@ -112,18 +129,47 @@ class PageScheduler:
             req = pending.request
             if pending.saved or not n or req.num_computed_tokens + n < req.num_prompt_tokens:
                 continue
-            pages = -(-req.num_prompt_tokens // self.block_size)
-            blocks = tuple(int(b) for b in list(self.block_ids_of(rid))[:pages])
-            if len(blocks) < pages:
-                logger.error(
-                    "request %s: %d blocks for %d prompt tokens; not sent", rid, len(blocks), req.num_prompt_tokens
-                )
-                continue
+            groups: tuple[GroupPages, ...] = ()
+            if self.hybrid:
+                groups = self._group_saves(rid, req.num_prompt_tokens)
+                if not groups:
+                    continue
+                blocks = groups[0].block_ids
+            else:
+                pages = prompt_pages(req.num_prompt_tokens, self.block_size)
+                blocks = tuple(int(b) for b in list(self.block_ids_of(rid))[:pages])
+                if len(blocks) < pages:
+                    logger.error(
+                        "request %s: %d blocks for %d prompt tokens; not sent", rid, len(blocks), req.num_prompt_tokens
+                    )
+                    continue
             pending.saved = True
             decode_tp = pending.ask.decode_tp_size or self.settings.decode_tp_size or self.tp_size
-            saves.append(SaveJob(rid, pending.ask.transfer_id or rid, blocks, req.num_prompt_tokens, decode_tp))
+            tid = pending.ask.transfer_id or rid
+            hold = any(freed_at_finish(spec, req.num_prompt_tokens) for spec in self.groups) if groups else False
+            saves.append(SaveJob(rid, tid, blocks, req.num_prompt_tokens, decode_tp, groups, hold))
         loads, self._loads = tuple(self._loads), []
         return StepPlan(tuple(saves), loads, idle=not any(scheduled.values()))
+
+    def _group_saves(self, rid: str, num_tokens: int) -> tuple[GroupPages, ...]:
+        """Each group's sent pages of a prompt of ``num_tokens`` tokens; () (logged) when a
+        group holds fewer blocks than the prompt's pages."""
+        per_group = list(self.group_block_ids_of(rid))
+        out = []
+        for spec in self.groups:
+            ids = per_group[spec.index] if spec.index < len(per_group) else ()
+            pages = sent_pages(spec, ids, num_tokens)
+            if pages is None:
+                logger.error(
+                    "request %s: group %d holds %d blocks for %d prompt tokens; not sent",
+                    rid,
+                    spec.index,
+                    len(ids),
+                    num_tokens,
+                )
+                return ()
+            out.append(pages)
+        return tuple(out)
 
     def request_finished(self, request: Any) -> tuple[bool, dict[str, Any] | None]:
         """``(keep_blocks, kv_transfer_params)`` for a finished request."""
@@ -184,6 +230,8 @@ class PageScheduler:
         tokens = prompt if source is None else min(source.num_tokens, prompt)
         remote = tokens - num_computed_tokens  # what a load would bring
         mode = (source.load_mode if source is not None else None) or self.settings.load_mode
+        if self.hybrid:  # all but the last token, asynchronously (the module's docstring)
+            mode, tokens = "async", min(tokens, prompt - 1)
         if mode == "sync":  # vLLM computes at least the prompt's last token in this step
             tokens = min(tokens, prompt - 1)
         count = tokens - num_computed_tokens
@@ -200,9 +248,16 @@ class PageScheduler:
         self._offers[request.request_id] = (source, error, num_computed_tokens, mode == "sync")
         return count, mode != "sync"
 
-    def after_alloc(self, request: Any, block_ids: Sequence[int], num_external_tokens: int) -> None:
+    def after_alloc(
+        self,
+        request: Any,
+        block_ids: Sequence[int],
+        num_external_tokens: int,
+        group_block_ids: Sequence[Sequence[int]] = (),
+    ) -> None:
         """vLLM's ``update_state_after_alloc``: plan the load into ``block_ids`` (all of the
-        request's blocks) and mark the params used (a recompute after a failure loads nothing)."""
+        request's blocks; with several groups ``group_block_ids``, each group's) and mark the
+        params used (a recompute after a failure loads nothing)."""
         rid = request.request_id
         offer = self._offers.pop(rid, None)
         if offer is None or num_external_tokens <= 0:
@@ -210,10 +265,18 @@ class PageScheduler:
         source, error, computed, sync = offer
         first = computed // self.block_size
         last = -(-(computed + num_external_tokens) // self.block_size)
-        blocks = tuple(int(b) for b in list(block_ids)[first:last])
+        groups: tuple[GroupPages, ...] = ()
+        if self.hybrid:
+            groups = tuple(
+                GroupPages(spec.index, first, tuple(int(b) for b in list(group_block_ids[spec.index])[first:last]))
+                for spec in self.groups
+            )
+            blocks = groups[0].block_ids
+        else:
+            blocks = tuple(int(b) for b in list(block_ids)[first:last])
         if error is not None:
             logger.error("request %s: bad kv_transfer_params: %s", rid, error)
-        self._loads.append(LoadJob(rid, source, blocks, first, error, sync))
+        self._loads.append(LoadJob(rid, source, blocks, first, error, sync, groups))
         params = request.kv_transfer_params
         if isinstance(params, dict):
             params["do_remote_prefill"] = False

@@ -68,6 +68,14 @@ def _to_saver(worker: Any, attribute: Any, value: Any) -> Any:
     return value
 
 
+def _to_both(worker: Any, attribute: Any, value: Any) -> Any:
+    """An ``on_setattr`` hook: a setting of the registered caches (not of the context) changed
+    on the worker is changed on its saver and its loader."""
+    setattr(worker._saver, attribute.name, value)
+    setattr(worker._loader, attribute.name, value)
+    return value
+
+
 @attrs.define(eq=False)
 class PageWorker:
     """One vLLM worker rank's page transfers. ``producer``/``consumer``: its kv_role."""
@@ -94,6 +102,9 @@ class PageWorker:
     #: one latent region per block, every rank holding all of it, each decode rank reading it
     #: whole from one prefill rank (pages.PageGeometry ``latent``; core.routing.latent_source).
     latent: bool = False
+    #: With several KV cache groups (vLLM's hybrid manager): each registered layer's group, in
+    #: layer order (set before :meth:`register`); a hybrid job's layers move their group's pages.
+    layer_groups: tuple[int, ...] = attrs.field(default=(), on_setattr=_to_both)
     geometry: PageGeometry | None = attrs.field(init=False, default=None)
     stats: TransferStats = attrs.field(init=False, factory=TransferStats)
     #: The last loads of this rank, oldest first (for a driver that wants per-request figures).
@@ -139,6 +150,8 @@ class PageWorker:
         sender now, so that a connector that cannot start fails the engine at start."""
         layers = list(kv_caches.values())
         index = {name: i for i, name in enumerate(kv_caches)}
+        if self.layer_groups and len(self.layer_groups) != len(layers):
+            raise ConfigError(f"kv_caches: {len(layers)} layers, {len(self.layer_groups)} in KV cache groups")
         self.geometry = geometry = PageGeometry.of(layers, latent=self.latent)
         self._saver.attach(layers, index, geometry)
         self._loader.attach(layers, geometry)
@@ -204,6 +217,11 @@ class PageWorker:
     def load_errors(self) -> set[int]:
         """Blocks of loads reported failed since the last call."""
         return self._loader.load_errors()
+
+    def failed_loads(self) -> set[str]:
+        """Hybrid loads (several KV cache groups) reported failed since the last call: vLLM
+        takes them per request (``failed_recving``), not as blocks."""
+        return self._loader.take_failed()
 
     @property
     def pending_saves(self) -> int:

@@ -26,7 +26,9 @@ def test_the_facade_still_hands_out_every_name() -> None:
     assert out.stdout.split() == ["True", "kvferry.app.wiring"], out.stderr
 
 
-@pytest.mark.parametrize("module", ["kvferry.app.vllm.scheduler", "kvferry.app.vllm.records"])
+@pytest.mark.parametrize(
+    "module", ["kvferry.app.vllm.scheduler", "kvferry.app.vllm.records", "kvferry.app.vllm.groups"]
+)
 def test_the_vllm_scheduler_side_loads_without_torch(module: str) -> None:
     """The scheduler builds the step records; neither it nor they need torch (the worker does)."""
     probe = f"import sys, {module}; print('torch' in sys.modules, {module}.__name__)"

@@ -6,6 +6,7 @@ keys); this file adds the tests' settings, their inspections of the engine and t
 
     python engine_proc.py make-model DIR SEED      # a tiny random Llama saved by transformers
     python engine_proc.py make-mla-model DIR SEED LAYERS  # a tiny random DeepSeek-V2 (MLA) saved by transformers
+    python engine_proc.py make-hybrid-model DIR SEED WINDOW  # the tiny Llama, layers alternating full / sliding window
     python engine_proc.py serve CONFIG_JSON        # then: {"op": "generate", ...} lines (and pages/latents/tokens)
     python engine_proc.py hf-kv DIR PROMPTS_JSON OUT   # transformers' past_key_values of each prompt
     python engine_proc.py write-pages ISA OUT      # vLLM's CPU kernel writes known K/V into pages
@@ -25,10 +26,10 @@ from kvferry.app.demo import vllm_instance as instance
 MAX_LEN = 1024
 
 
-def make_model(path: str, seed: int) -> None:
+def make_model(path: str, seed: int, **config: object) -> None:
     """The library's tiny random Llama (:func:`kvferry.app.demo.vllm_instance.make_model`), at
-    the tests' ``max_model_len``."""
-    instance.make_model(path, seed, max_len=MAX_LEN)
+    the tests' ``max_model_len``; ``config``: more LlamaConfig fields."""
+    instance.make_model(path, seed, max_len=MAX_LEN, **config)
 
 
 def make_mla_model(path: str, seed: int, layers: int) -> None:
@@ -170,6 +171,7 @@ def compat_kv(path: str, out: str) -> None:
 
 SAVES: dict[str, tuple[int, ...]] = {}  # transfer id -> prefill blocks (from the step metadata)
 LOADS: list[tuple[int, ...]] = []  # decode blocks each load filled, in order
+GROUP_JOBS: list[dict] = []  # with several KV cache groups: each save's and load's pages per group
 
 
 def _capture_plans(llm) -> None:
@@ -185,6 +187,11 @@ def _capture_plans(llm) -> None:
             SAVES[job.transfer_id] = job.block_ids
         for job in meta.plan.loads:
             LOADS.append(job.block_ids)
+        for kind, jobs in (("save", meta.plan.saves), ("load", meta.plan.loads)):
+            for job in jobs:
+                if job.groups:
+                    pages = [[g.group, g.first_page, list(g.block_ids)] for g in job.groups]
+                    GROUP_JOBS.append({"kind": kind, "req_id": job.req_id, "groups": pages})
         return meta
 
     connector.build_connector_meta = capture
@@ -246,6 +253,11 @@ def _token_hashes(worker, block_ids, num_tokens):
     return {"isa": isa, "block_size": bs, "hashes": out, "last_load": loads}
 
 
+def _group_labels(llm) -> list[str]:
+    connector = llm.llm_engine.engine_core.engine_core.scheduler.connector
+    return [g.label for g in getattr(connector, "groups", ())]
+
+
 def _blocks(msg: dict, num_tokens: int | None, block_size: int) -> list[int]:
     """The prefill's pages of ``msg``'s transfer, or the decode's of its last load: the first
     ``msg["blocks"]`` of them, or those holding the first ``num_tokens`` tokens."""
@@ -272,6 +284,8 @@ def inspection_ops(cfg: dict):
             "tokens": lambda llm, m: {
                 "ranks": llm.collective_rpc(_token_hashes, args=(_blocks(m, m["num_tokens"], bs), m["num_tokens"]))
             },
+            # the KV cache groups the connector found, and the jobs' pages per group
+            "groups": lambda llm, m: {"groups": _group_labels(llm), "jobs": GROUP_JOBS},
         }
 
     return ops
@@ -291,6 +305,10 @@ def serve(cfg_json: str) -> None:
 COMMANDS = {
     "make-model": lambda a: make_model(a[0], int(a[1])),
     "make-mla-model": lambda a: make_mla_model(a[0], int(a[1]), int(a[2])),
+    # vLLM's Llama reads layer_types / sliding_window
+    "make-hybrid-model": lambda a: make_model(
+        a[0], int(a[1]), layer_types=["full_attention", "sliding_attention"] * 2, sliding_window=int(a[2])
+    ),
     "hf-kv": lambda a: hf_kv(*a),
     "compat-kv": lambda a: compat_kv(*a),
     "write-pages": lambda a: write_pages(*a),
