@@ -141,6 +141,21 @@ class Served:
                 pids.append(int(entry))
         return sorted(pids, key=lambda pid: pid != self.proc.pid)
 
+    def engine_core(self) -> int:
+        """The pid of this server's engine core process (vLLM's default multiprocess engine):
+        SIGSTOP it and the server takes requests but runs no step (no load, no save starts)."""
+        for pid in self.group_pids()[1:]:
+            try:
+                with open(f"/proc/{pid}/cmdline", "rb") as f:
+                    cmd = f.read()
+                with open(f"/proc/{pid}/comm") as f:
+                    comm = f.read()
+            except OSError:
+                continue
+            if b"EngineCore" in cmd or "EngineCore" in comm:
+                return pid
+        raise AssertionError(f"no engine core process under {self.url}: {self.group_pids()}")
+
     def close(self) -> None:
         if self.proc.poll() is None:
             try:
@@ -313,3 +328,10 @@ def counters_when(
         out = kvferry_counters(server)
         tries += 1
     return out, tries
+
+
+def free_gib() -> float:
+    """Memory the kernel says is available now, GiB (before more servers start)."""
+    with open("/proc/meminfo") as f:
+        info = {line.split(":")[0]: int(line.split()[1]) for line in f}
+    return info["MemAvailable"] / (1 << 20)

