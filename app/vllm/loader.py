@@ -242,7 +242,10 @@ class PageLoader:
 
     def _relays(self) -> bool:
         """Whether this cache's pages can be written from other pages per token (its page
-        order is known: a dense ``packed`` cache, or a CPU kernel kvferry knows)."""
+        order is known: a dense ``packed`` cache, a CPU kernel kvferry knows, or MLA latent
+        pages, one latent per token in every MLA backend)."""
+        if self.geometry is not None and self.geometry.latent:
+            return True
         family = (self.cache_layout or "vllm_cpu").split("/", 1)[0].split(":", 1)[0]
         return family == "packed" or (self.kernel_isa or "").lower() in VLLM_CPU_PAGE_ISAS
 

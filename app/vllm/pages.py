@@ -56,6 +56,8 @@ __all__ = [
     "needs_relay",
     "pages_to_tokens",
     "write_relaid",
+    "FP8_DTYPES",
+    "raw_bytes",
 ]
 
 #: The layout name recorded in every dense payload's metadata.
@@ -98,9 +100,12 @@ class PageGeometry:
     @classmethod
     def of(cls, layers: Sequence[torch.Tensor], *, latent: bool = False) -> PageGeometry:
         """The geometry of vLLM's per-layer tensors (``latent``: an MLA cache, as vLLM hands it
-        to a connector: ``[num_blocks, 1, block_size, latent]``); ConfigError for anything else."""
+        to a connector: ``[num_blocks, 1, block_size, latent]``, or the backend's own
+        ``[num_blocks, block_size, latent]``); ConfigError for anything else."""
         if not layers:
             raise ConfigError("kv_caches: no attention layers registered")
+        if latent:  # vLLM's own MLA cache shape [num_blocks, block_size, latent]: the same bytes
+            layers = [t.unsqueeze(1) if isinstance(t, torch.Tensor) and t.dim() == 3 else t for t in layers]
         first = layers[0]
         for i, t in enumerate(layers):
             if latent:
@@ -141,6 +146,17 @@ class PageGeometry:
         if self.latent:
             return (layer.view(self.num_blocks, 1, self.region),)
         return self.regions(layer)
+
+
+#: Torch dtypes of an FP8 cache: moved as their bytes (uint8 views), never converted.
+FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
+
+
+def raw_bytes(t: torch.Tensor) -> torch.Tensor:
+    """``t`` itself, or for an FP8 tensor its bytes (a uint8 view of one shape and strides):
+    pages are copied as bytes, so an FP8 cache moves bit for bit through copies torch may not
+    have for its float8 dtypes."""
+    return t.view(torch.uint8) if t.dtype in FP8_DTYPES else t
 
 
 def layer_key(transfer_id: str, from_stage: int, layer: int, from_rank: int, to_rank: int) -> str:
@@ -217,7 +233,12 @@ class PageWriter:
         write the header in front."""
         dests = dest_views(dest, layout)
         for src, out in zip(self.geometry.page_tensors(layer), dests):
-            torch.index_select(src[:, head_start:head_stop], 0, index, out=out)
+            assert out is not None
+            src, out = raw_bytes(src)[:, head_start:head_stop], raw_bytes(out)
+            if src.device == out.device:
+                torch.index_select(src, 0, index, out=out)
+            else:  # a device cache into a host payload: gathered on the device, then one copy out
+                out.copy_(torch.index_select(src, 0, index.to(src.device)))
         finish_payload_in(dest, layout)
 
 
@@ -262,16 +283,14 @@ def _check_latent(decoded: Any, geometry: PageGeometry, layer: int, min_blocks: 
     if decoded.num_layers != 1 or decoded.key_cache[0] is None or decoded.value_cache[0] is not None:
         raise PayloadError(f"layer {layer}: expected one layer of MLA latent pages and no value tensor")
     src_bs = meta.get("block_size", geometry.block_size)
-    if src_bs != geometry.block_size:
-        raise PayloadError(
-            f"layer {layer}: MLA pages of block_size {src_bs!r}, this cache's is {geometry.block_size} "
-            f"(MLA pages are moved page for page, never re-blocked)"
-        )
+    if isinstance(src_bs, bool) or not isinstance(src_bs, int) or src_bs < 1:
+        raise PayloadError(f"layer {layer}: payload block_size {src_bs!r}")
+    region = src_bs * geometry.head_size  # re-blocked on write when the sender's block size is another
     t = decoded.key_cache[0]
-    if t.dim() != 3 or tuple(t.shape[1:]) != (1, geometry.region) or t.shape[0] < min_blocks:
+    if t.dim() != 3 or tuple(t.shape[1:]) != (1, region) or t.shape[0] < min_blocks:
         raise PayloadError(
-            f"layer {layer}: latent pages {tuple(t.shape)}, expected [>= {min_blocks}, 1, {geometry.region}] "
-            f"(block_size {geometry.block_size}, latent {geometry.head_size})"
+            f"layer {layer}: latent pages {tuple(t.shape)}, expected [>= {min_blocks}, 1, {region}] "
+            f"(block_size {src_bs}, latent {geometry.head_size})"
         )
     if dtype_name(t.dtype) != geometry.dtype:
         raise PayloadError(f"layer {layer}: latent pages are {dtype_name(t.dtype)}, this cache is {geometry.dtype}")
@@ -310,12 +329,12 @@ def write_pages(
     payload = (decoded.key_cache[0],) if geometry.latent else (decoded.key_cache[0], decoded.value_cache[0])
     nbytes = 0
     for dst, whole in zip(geometry.page_tensors(layer), payload):
-        src = whole.narrow(0, first_page, n)
+        dst, src = raw_bytes(dst), raw_bytes(whole).narrow(0, first_page, n)
         if runs is not None and len(runs) <= max(1, n // 4):
             for block, at, length in runs:
                 dst[block : block + length, recv_start:recv_stop].copy_(src[at : at + length])
         else:
-            dst[:, recv_start:recv_stop].index_copy_(0, index, src)
+            dst[:, recv_start:recv_stop].index_copy_(0, index.to(dst.device), src.to(dst.device, non_blocking=True))
         nbytes += src.numel() * src.element_size()
     return nbytes
 
@@ -336,10 +355,13 @@ def _kernel(isa: Any) -> str | None:
 def needs_relay(metadata: Any, geometry: PageGeometry, cache_layout: str | None, isa: str | None) -> bool:
     """True when a payload's pages are not this cache's page for page: another block size,
     another layout family (``packed`` pages into a CPU cache or back), or another CPU kernel's
-    order (all stated by the sender: ``block_size``, ``cache_layout``, ``isa``)."""
+    order (all stated by the sender: ``block_size``, ``cache_layout``, ``isa``). MLA latent
+    pages differ only in their block size."""
     meta = metadata or {}
     if meta.get("block_size", geometry.block_size) != geometry.block_size:
         return True
+    if geometry.latent:  # one latent per token in every MLA backend: only the block size can differ
+        return False
     family = layout_family(cache_layout)
     if layout_family(meta.get("cache_layout")) != family:
         return True
@@ -398,6 +420,8 @@ def write_relaid(
     ``layer[index, recv_start:recv_stop]``. Bit-exact per token; the tail of a partial last
     page is zero. Returns the bytes written. PayloadError when the sender's pages cannot be
     decoded or re-laid (naming both sides)."""
+    if geometry.latent:
+        return _write_latent_reblocked(layer, geometry, decoded, index, first_page)
     meta: dict[str, Any] = dict(decoded.metadata or {})
     src_bs: Any = meta.get("block_size")
     num_tokens: Any = meta.get("num_tokens")
@@ -406,8 +430,8 @@ def write_relaid(
     n = index.numel()
     try:
         start, stop, src_first, src_stop = reblock_span(first_page, n, geometry.block_size, src_bs, num_tokens)
-        k_src = decoded.key_cache[0].narrow(0, src_first, src_stop - src_first)
-        v_src = decoded.value_cache[0].narrow(0, src_first, src_stop - src_first)
+        k_src = raw_bytes(decoded.key_cache[0]).narrow(0, src_first, src_stop - src_first)
+        v_src = raw_bytes(decoded.value_cache[0]).narrow(0, src_first, src_stop - src_first)
         k, v = pages_to_tokens(k_src, v_src, src_family, src_isa, src_bs, (src_stop - src_first) * src_bs)
         offset = start - src_first * src_bs
         k, v = k[offset : offset + stop - start], v[offset : offset + stop - start]
@@ -418,8 +442,38 @@ def write_relaid(
             f"cannot be re-laid as this cache's (block_size {geometry.block_size}, {cache_layout}, "
             f"kernel {isa!r}): {exc}"
         ) from exc
-    k_dst, v_dst = geometry.regions(layer)
-    index = index[: k_pages.shape[0]]  # local pages past the prompt's end hold nothing of it
-    k_dst[:, recv_start:recv_stop].index_copy_(0, index, k_pages[: index.numel()])
-    v_dst[:, recv_start:recv_stop].index_copy_(0, index, v_pages[: index.numel()])
+    k_dst, v_dst = (raw_bytes(t) for t in geometry.regions(layer))
+    index = index[: k_pages.shape[0]].to(k_dst.device)  # local pages past the prompt's end hold nothing of it
+    k_dst[:, recv_start:recv_stop].index_copy_(0, index, k_pages[: index.numel()].to(k_dst.device))
+    v_dst[:, recv_start:recv_stop].index_copy_(0, index, v_pages[: index.numel()].to(v_dst.device))
     return 2 * k_pages.numel() * k_pages.element_size()
+
+
+def _write_latent_reblocked(
+    layer: torch.Tensor, geometry: PageGeometry, decoded: Any, index: torch.Tensor, first_page: int
+) -> int:
+    """:func:`write_relaid` for MLA latent pages of another block size: the sender's pages
+    ``[n, 1, src_block_size * latent]`` are its tokens' latents in order (one row per token,
+    ``latent`` wide), so the tokens of local pages ``first_page ..`` are a row range of them,
+    laid out again ``geometry.block_size`` rows to a page (zero past the prompt's end) and
+    copied into ``layer[index]``. Byte for byte per token (FP8 latents as their bytes)."""
+    meta = decoded.metadata or {}
+    src_bs: Any = meta.get("block_size")
+    num_tokens: Any = meta.get("num_tokens")
+    bs, width = geometry.block_size, geometry.head_size
+    try:
+        start, stop, src_first, src_stop = reblock_span(first_page, index.numel(), bs, src_bs, num_tokens)
+    except ConfigError as exc:
+        raise PayloadError(
+            f"MLA pages of block_size {src_bs!r} cannot be re-blocked into this cache's ({bs}): {exc}"
+        ) from exc
+    src = raw_bytes(decoded.key_cache[0]).narrow(0, src_first, src_stop - src_first).reshape(-1, width)
+    offset = start - src_first * src_bs
+    pages = -(-(stop - start) // bs)
+    out = torch.zeros((pages * bs, width), dtype=src.dtype, device=src.device)
+    out[: stop - start] = src[offset : offset + stop - start]
+    (dst,) = geometry.page_tensors(layer)
+    dst = raw_bytes(dst)
+    target = index[:pages].to(dst.device)
+    dst.index_copy_(0, target, out.view(pages, 1, bs * width).to(dst.device))
+    return out.numel() * out.element_size()
