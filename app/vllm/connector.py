@@ -20,7 +20,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorPromMetrics, KVConnectorStats
 
-from kvferry.app.vllm.backends import layer_layouts
+from kvferry.app.vllm.backends import layer_layouts, layer_scales
 from kvferry.app.vllm.params import ConnectorSettings
 from kvferry.app.vllm.records import FAILURE_KINDS
 from kvferry.app.vllm.scheduler import PageScheduler, StepPlan
@@ -122,6 +122,9 @@ class KVFerryConnector(KVConnectorBase_V1):
         self._worker.kernel_isa = layout.layout.isa
         self._worker.cache_layout = layout.label
         self._worker.latent = layout.layout.name == "mla"
+        self._worker.fp8 = layout.fp8
+        if layout.fp8 is not None:  # FP8 bytes move with their layers' scales, compared on load
+            self._worker.kv_scales = layer_scales(self._vllm_config, list(kv_caches))
         logger.info("kvferry: %d layers, backend %s, layout %s", len(kv_caches), layout.backend, layout.label)
         self._worker.register(kv_caches)
 

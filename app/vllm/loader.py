@@ -33,10 +33,12 @@ import torch
 from kvferry.adapters.connectors.pool_buffer import release_soon
 from kvferry.adapters.torch_decode import decode_payload
 from kvferry.app.vllm.pages import (
+    FP8_FORMAT_KEY,
     PageGeometry,
     block_runs,
     check_payload,
     layer_key,
+    layout_family,
     needs_relay,
     recv_slices,
     write_pages,
@@ -47,6 +49,7 @@ from kvferry.app.vllm.records import LoadJob, LoadRecord, TransferStats
 from kvferry.core.errors import ConfigError, KVFerryError, LeaseExpired, PayloadError
 from kvferry.core.layouts import VLLM_CPU_PAGE_ISAS, reblock_span
 from kvferry.core.ports import BatchedReleases, GetMany, Implements
+from kvferry.core.scales import read_scales, scales_mismatch
 
 __all__ = ["PageLoader"]
 
@@ -108,17 +111,21 @@ class PageLoader:
     recent_loads: collections.deque[LoadRecord]
     kernel_isa: str | None = None
     cache_layout: str | None = None
+    #: An FP8 cache's format and its current per-layer scales (PageWorker.fp8 / kv_scales).
+    fp8: str | None = None
+    kv_scales: Callable[[], tuple[Sequence[float], Sequence[float | None] | None]] | None = None
     geometry: PageGeometry | None = attrs.field(init=False, default=None)
     receiver: Any = attrs.field(init=False, default=None)
     _layers: list[torch.Tensor] = attrs.field(init=False, factory=list)
+    _names: list[str] = attrs.field(init=False, factory=list)
     _pool: concurrent.futures.ThreadPoolExecutor | None = attrs.field(init=False, default=None)
     _loads: dict[str, concurrent.futures.Future] = attrs.field(init=False, factory=dict)
     _load_errors: set[int] = attrs.field(init=False, factory=set)
     _load_blocks: dict[str, tuple[int, ...]] = attrs.field(init=False, factory=dict)
 
-    def attach(self, layers: list[torch.Tensor], geometry: PageGeometry) -> None:
-        """The registered caches (layer order) and their geometry."""
-        self._layers, self.geometry = layers, geometry
+    def attach(self, layers: list[torch.Tensor], geometry: PageGeometry, names: Sequence[str] = ()) -> None:
+        """The registered caches (layer order), their geometry and vLLM's names of the layers."""
+        self._layers, self.geometry, self._names = layers, geometry, list(names)
 
     def start(self, receiver: Any) -> None:
         """Load through ``receiver`` from now on, on ``load_threads`` threads past the inline part."""
@@ -247,6 +254,8 @@ class PageLoader:
         if self.geometry is not None and self.geometry.latent:
             return True
         family = (self.cache_layout or "vllm_cpu").split("/", 1)[0].split(":", 1)[0]
+        if self.fp8 is not None and family == "vllm_cpu":  # the CPU kernel's FP8 page order is not measured
+            return False
         return family == "packed" or (self.kernel_isa or "").lower() in VLLM_CPU_PAGE_ISAS
 
     # ------------------------------------------------------------------------------- reading
@@ -299,17 +308,20 @@ class PageLoader:
             data = got[0]
             try:
                 decoded = decode_payload(data)
+                self._check_fp8(decoded.metadata or {}, layer_idx)
                 check_payload(decoded, geometry, layer_idx, sl.num_heads, plan.src_pages)
                 args = (plan.index, plan.job.first_page, sl.recv_head_start, sl.recv_head_stop)
                 layer = self._layers[layer_idx]
                 if needs_relay(decoded.metadata, geometry, self.cache_layout, self.kernel_isa):
                     meta = decoded.metadata or {}
                     theirs = f"{meta.get('cache_layout') or 'vllm_cpu'}, block_size {meta.get('block_size')}"
-                    if not self._relays():
+                    fp8_cpu = self.fp8 is not None and layout_family(meta.get("cache_layout")) == "vllm_cpu"
+                    if not self._relays() or fp8_cpu:
                         raise _LoadFailed(
                             "layout",
                             f"layer {layer_idx}: the prefill's pages ({theirs}) differ from this cache's "
-                            f"({self.cache_layout}), whose page order kvferry cannot write",
+                            f"({self.cache_layout}), and kvferry cannot re-lay them (an FP8 CPU page's "
+                            f"order is not known; other pages need a page order it knows)",
                         )
                     try:
                         plan.nbytes += write_relaid(layer, geometry, self.cache_layout, self.kernel_isa, decoded, *args)
@@ -323,6 +335,27 @@ class PageLoader:
                 release_soon(data)  # written: the sender may reuse the region once it hears
             plan.next += 1
         return True
+
+    def _check_fp8(self, meta: Any, layer_idx: int) -> None:
+        """A ``layout`` failure, before anything is written, unless the payload's FP8 format
+        and every layer's scales are this cache's (core.scales.scales_mismatch): FP8 bytes
+        quantised with other scales would read as other numbers. PayloadError (``corrupt``)
+        for a malformed scales record."""
+        theirs = meta.get(FP8_FORMAT_KEY)
+        if theirs != self.fp8:
+            name = self._names[layer_idx] if layer_idx < len(self._names) else ""
+            raise _LoadFailed(
+                "layout",
+                f"layer {layer_idx} ({name}): the prefill's cache is {theirs or 'not FP8'}, "
+                f"this cache is {self.fp8 or 'not FP8'}",
+            )
+        if self.fp8 is None:
+            return
+        assert self.kv_scales is not None
+        k, v = self.kv_scales()
+        why = scales_mismatch(read_scales(meta), k, v, self._names or None)
+        if why is not None:
+            raise _LoadFailed("layout", f"FP8 scales differ: {why}")
 
     def _get_one(
         self, plan: _LoadPlan, until: float | None, layer_idx: int, sl: Any, stages: tuple[str, str]

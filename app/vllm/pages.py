@@ -57,6 +57,7 @@ __all__ = [
     "pages_to_tokens",
     "write_relaid",
     "FP8_DTYPES",
+    "FP8_FORMAT_KEY",
     "raw_bytes",
 ]
 
@@ -64,6 +65,8 @@ __all__ = [
 PAGE_LAYOUT = "vllm_cpu_pages_hnd"
 #: The layout name of an MLA payload (one latent region per block, no value tensor).
 MLA_PAGE_LAYOUT = "vllm_mla_pages"
+#: Metadata key of an FP8 payload's format (``fp8_e4m3``, ``fp8_e5m2``; absent: not FP8).
+FP8_FORMAT_KEY = "kv_cache_dtype"
 
 
 @attrs.frozen

@@ -23,12 +23,13 @@ import attrs
 import torch
 
 from kvferry.app.put import put_with_retry
-from kvferry.app.vllm.pages import PageGeometry, PageWriter, layer_key, send_slices
+from kvferry.app.vllm.pages import FP8_FORMAT_KEY, PageGeometry, PageWriter, layer_key, send_slices
 from kvferry.app.vllm.params import ConnectorSettings
 from kvferry.app.vllm.records import SaveJob, TransferStats
 from kvferry.core.errors import KVFerryError, PoolFullError, TransferError
 from kvferry.core.policy import PUT_FAILURES, RetryPolicy
 from kvferry.core.ports import Implements, Reservable
+from kvferry.core.scales import KV_SCALES_KEY, scales_record
 
 __all__ = ["PageSaver"]
 
@@ -66,6 +67,9 @@ class PageSaver:
     retry: RetryPolicy
     kernel_isa: str | None = None
     cache_layout: str | None = None
+    #: An FP8 cache's format and its current per-layer scales (PageWorker.fp8 / kv_scales).
+    fp8: str | None = None
+    kv_scales: Callable[[], tuple[Sequence[float], Sequence[float | None] | None]] | None = None
     geometry: PageGeometry | None = attrs.field(init=False, default=None)
     #: Gathers a layer's pages into a payload (set once the caches are checked).
     writer: PageWriter | None = attrs.field(init=False, default=None)
@@ -152,9 +156,13 @@ class PageSaver:
     def _save_one(self, job: SaveJob, layer_idx: int, layer: torch.Tensor) -> int:
         geometry, writer = self.geometry, self.writer
         assert geometry is not None and writer is not None
-        index = torch.tensor(job.block_ids, dtype=torch.long)
+        index = torch.tensor(job.block_ids, dtype=torch.long, device=layer.device)
         stage = self.settings.from_stage
         nbytes = 0
+        scales = None
+        if self.fp8 is not None:  # every layer's scales in every payload: the first read checks them all
+            assert self.kv_scales is not None
+            scales = scales_record("layer", *self.kv_scales())
         for sl in send_slices(self.tp_size, job.decode_tp, self.total_kv_heads, self.tp_rank, latent=geometry.latent):
             meta = {
                 "layout": geometry.payload_layout,
@@ -170,6 +178,8 @@ class PageSaver:
                 meta["isa"] = self.kernel_isa
             if self.cache_layout is not None:
                 meta["cache_layout"] = self.cache_layout
+            if scales is not None:
+                meta[FP8_FORMAT_KEY], meta[KV_SCALES_KEY] = self.fp8, scales
             layout = writer.layout(job.transfer_id, job.block_ids, sl.num_heads, meta)
             key = layer_key(job.transfer_id, stage, layer_idx, self.tp_rank, sl.target_rank)
             nbytes += self._put(

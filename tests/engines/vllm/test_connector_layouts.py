@@ -19,7 +19,7 @@ def test_dense_backends_are_moved_in_the_layout_vllm_chose(cases: dict) -> None:
     assert cases["CPU_ATTN"]["layout"].startswith("vllm_cpu:") and cases["CPU_ATTN"]["layout"].endswith("/LBHNC")
     assert cases["FLASH_ATTN"] == {"layout": "packed/LBHNC", "backend": "FLASH_ATTN"}
     assert cases["TRITON_ATTN"] == {"layout": "packed/LBHNC", "backend": "TRITON_ATTN"}
-    assert cases["FLASH_ATTN_fp8"]["layout"] == "packed/LBHNC/fp8"
+    assert cases["FLASH_ATTN_fp8"]["layout"] == "packed/LBHNC/fp8_e4m3"  # vLLM's "fp8" is e4m3
 
 
 def test_mla_backends_are_moved_in_any_stride_order(cases: dict) -> None:
