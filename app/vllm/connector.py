@@ -53,23 +53,18 @@ def _num_layers(vllm_config: Any, kv_cache_config: Any) -> int:
 
 def _page_layouts(vllm_config: Any, kv_caches: dict[str, torch.Tensor], kv_cache_config: Any) -> BackendLayout:
     """The one layout of every registered cache, from what vLLM chose (app.vllm.backends);
-    ConfigError at start for a backend kvferry does not move, for layers in different layouts,
-    and for what this connector's page moves do not cover (a dense cache in NHD order, whose
-    (block, head) pages are not contiguous). An MLA cache (``mla``: one latent per token, one
-    "head") is moved in any stride order: with one head NHD and HND are the same bytes."""
+    ConfigError at start for a backend kvferry does not move and for layers in different
+    layouts. A dense cache in NHD order (``LBNHC``) is moved through strided views of its
+    (block, head) pages (pages.PageGeometry ``nhd``: the payload holds the bytes an HND cache's
+    would); an MLA cache (``mla``: one latent per token, one "head") in any stride order: with
+    one head NHD and HND are the same bytes."""
     layouts = layer_layouts(vllm_config, kv_caches, kv_cache_config)
     labels = {bl.label for bl in layouts.values()}
     if len(labels) > 1:
         raise ConfigError(
             f"kv_caches: layers in different layouts {sorted(labels)}; kvferry moves one layout per engine"
         )
-    name, first = next(iter(layouts.items()))
-    if first.layout.name == "packed" and first.stride_order not in (None, "LBHNC"):
-        raise ConfigError(
-            f"layer {name!r}: backend {first.backend} in stride order {first.stride_order}: the vLLM connector moves "
-            f"whole (block, head) pages of one contiguous layer, which needs LBHNC (set VLLM_KV_CACHE_LAYOUT=LBHNC)"
-        )
-    return first
+    return next(iter(layouts.values()))
 
 
 class KVFerryConnector(KVConnectorBase_V1):

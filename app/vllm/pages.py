@@ -30,6 +30,7 @@ from typing import Any
 import attrs
 import torch
 
+from kvferry.adapters.device_staging import PinnedStaging
 from kvferry.adapters.kv_layouts import tokens_to_vllm_pages, vllm_pages_to_tokens
 from kvferry.adapters.torch_decode import dtype_name
 from kvferry.adapters.torch_frames import dest_views, finish_payload_in
@@ -59,6 +60,7 @@ __all__ = [
     "FP8_DTYPES",
     "FP8_FORMAT_KEY",
     "raw_bytes",
+    "as_pages_of",
 ]
 
 #: The layout name recorded in every dense payload's metadata.
@@ -75,7 +77,13 @@ class PageGeometry:
     2 * head_size]`` of one dtype. ``heads`` are this rank's KV heads.
 
     ``latent``: an MLA cache ``[num_blocks, 1, block_size, head_size]``, ``head_size`` the
-    latent width (``kv_lora_rank + qk_rope_head_dim``), one region per block (no V)."""
+    latent width (``kv_lora_rank + qk_rope_head_dim``), one region per block (no V).
+
+    ``nhd``: a dense cache in vLLM's ``LBNHC`` stride order (the logical view of a contiguous
+    ``[num_blocks, block_size, heads, 2 * head_size]``), whose (block, head) pages are not
+    contiguous: its K and V regions are the strided views ``[num_blocks, heads, block_size / 2,
+    2 * head_size]`` of each page's first and second half, and the payload holds the same
+    bytes an HND cache's would (each page's rows in order), so either order reads the other's."""
 
     num_layers: int
     num_blocks: int
@@ -84,6 +92,7 @@ class PageGeometry:
     head_size: int
     dtype: str
     latent: bool = False
+    nhd: bool = False
 
     @property
     def region(self) -> int:
@@ -129,17 +138,29 @@ class PageGeometry:
                     f"kv_caches[{i}]: shape {tuple(t.shape)} / {t.dtype} differs from layer 0's "
                     f"{tuple(first.shape)} / {first.dtype}"
                 )
-            if not t.is_contiguous():
-                raise ConfigError(f"kv_caches[{i}]: expected a contiguous tensor")
+            nhd = not latent and not t.is_contiguous() and t.transpose(1, 2).is_contiguous()
+            if nhd != (not latent and not first.is_contiguous()) or not (t.is_contiguous() or nhd):
+                raise ConfigError(
+                    f"kv_caches[{i}]: expected a contiguous tensor, or for a dense cache the HND view of a "
+                    f"contiguous [num_blocks, block_size, heads, 2*head_size] (vLLM's LBNHC), as layer 0 is"
+                )
+            if nhd and t.shape[2] % 2:
+                raise ConfigError(f"kv_caches[{i}]: an NHD cache's block size must be even, got {t.shape[2]}")
         nb, heads, bs, content = first.shape
         if latent:
             return cls(len(layers), nb, 1, bs, content, dtype_name(first.dtype), latent=True)
-        return cls(len(layers), nb, heads, bs, content // 2, dtype_name(first.dtype))
+        nhd = not first.is_contiguous()
+        return cls(len(layers), nb, heads, bs, content // 2, dtype_name(first.dtype), nhd=nhd)
 
     def regions(self, layer: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Views ``[num_blocks, heads, region]`` of a layer's K and V regions (no copy)."""
+        """Views ``[num_blocks, heads, region]`` of a layer's K and V regions (no copy); of an
+        NHD cache, ``[num_blocks, heads, block_size / 2, 2 * head_size]`` (strided: reshape a
+        payload's pages to them with :func:`as_pages_of`)."""
         if self.latent:
             raise ConfigError("an MLA cache has one latent region per block, no K and V regions")
+        if self.nhd:
+            half = self.block_size // 2
+            return layer[:, :, :half], layer[:, :, half:]
         v = layer.view(self.num_blocks, self.heads, 2, self.region)
         return v[:, :, 0], v[:, :, 1]
 
@@ -160,6 +181,19 @@ def raw_bytes(t: torch.Tensor) -> torch.Tensor:
     pages are copied as bytes, so an FP8 cache moves bit for bit through copies torch may not
     have for its float8 dtypes."""
     return t.view(torch.uint8) if t.dtype in FP8_DTYPES else t
+
+
+def as_pages_of(pages: torch.Tensor, region_view: torch.Tensor) -> torch.Tensor:
+    """Payload pages ``[n, heads, region]`` in the shape of a cache's region view (itself, or an
+    NHD cache's ``[n, heads, block_size / 2, 2 * head_size]``): a view where the pages are
+    contiguous."""
+    if region_view.dim() == pages.dim():
+        return pages
+    return pages.reshape(pages.shape[0], pages.shape[1], *region_view.shape[2:])
+
+
+#: Pinned host staging of the loads into a device cache (one copy at a time; see PinnedStaging).
+_LOAD_STAGING = PinnedStaging()
 
 
 def layer_key(transfer_id: str, from_stage: int, layer: int, from_rank: int, to_rank: int) -> str:
@@ -206,6 +240,8 @@ class PageWriter:
     align: int = 64
     checksums: str | None = None
     _templates: dict[tuple[int, int], LayoutTemplate] = attrs.field(init=False, factory=dict)
+    #: Pinned host staging for a device cache's pages (created on the first device gather).
+    _staging: PinnedStaging | None = attrs.field(init=False, default=None)
 
     def template(self, num_blocks: int, heads: int) -> LayoutTemplate:
         key = (num_blocks, heads)
@@ -237,11 +273,13 @@ class PageWriter:
         dests = dest_views(dest, layout)
         for src, out in zip(self.geometry.page_tensors(layer), dests):
             assert out is not None
-            src, out = raw_bytes(src)[:, head_start:head_stop], raw_bytes(out)
+            src, out = raw_bytes(src)[:, head_start:head_stop], as_pages_of(raw_bytes(out), src)
             if src.device == out.device:
                 torch.index_select(src, 0, index, out=out)
-            else:  # a device cache into a host payload: gathered on the device, then one copy out
-                out.copy_(torch.index_select(src, 0, index.to(src.device)))
+            else:  # a device cache into a host payload: gathered on the device, out through pinned memory
+                if self._staging is None:
+                    self._staging = PinnedStaging()
+                self._staging.to_host(torch.index_select(src, 0, index.to(src.device)), out)
         finish_payload_in(dest, layout)
 
 
@@ -332,12 +370,15 @@ def write_pages(
     payload = (decoded.key_cache[0],) if geometry.latent else (decoded.key_cache[0], decoded.value_cache[0])
     nbytes = 0
     for dst, whole in zip(geometry.page_tensors(layer), payload):
-        dst, src = raw_bytes(dst), raw_bytes(whole).narrow(0, first_page, n)
+        dst = raw_bytes(dst)
+        src = as_pages_of(raw_bytes(whole).narrow(0, first_page, n), dst)
+        if src.device != dst.device:  # host pages into a device cache: in through pinned memory
+            src, index = _LOAD_STAGING.to_device(src, dst.device), index.to(dst.device)
         if runs is not None and len(runs) <= max(1, n // 4):
             for block, at, length in runs:
                 dst[block : block + length, recv_start:recv_stop].copy_(src[at : at + length])
         else:
-            dst[:, recv_start:recv_stop].index_copy_(0, index.to(dst.device), src.to(dst.device, non_blocking=True))
+            dst[:, recv_start:recv_stop].index_copy_(0, index, src)
         nbytes += src.numel() * src.element_size()
     return nbytes
 
@@ -447,8 +488,8 @@ def write_relaid(
         ) from exc
     k_dst, v_dst = (raw_bytes(t) for t in geometry.regions(layer))
     index = index[: k_pages.shape[0]].to(k_dst.device)  # local pages past the prompt's end hold nothing of it
-    k_dst[:, recv_start:recv_stop].index_copy_(0, index, k_pages[: index.numel()].to(k_dst.device))
-    v_dst[:, recv_start:recv_stop].index_copy_(0, index, v_pages[: index.numel()].to(v_dst.device))
+    for dst, pages in ((k_dst, k_pages), (v_dst, v_pages)):
+        dst[:, recv_start:recv_stop].index_copy_(0, index, as_pages_of(pages[: index.numel()], dst).to(dst.device))
     return 2 * k_pages.numel() * k_pages.element_size()
 
 
