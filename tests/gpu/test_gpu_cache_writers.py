@@ -1,7 +1,7 @@
 """The GPU script's non-CUDA parts on CPU tensors (runs everywhere): the cache writers lay
 tokens out as each backend's cache-write kernel does, and kvferry's own saver and loader move
 them between caches of each layout (NHD into HND and back, other block sizes, MLA, FP8),
-in one process and, over shm, in two (gpu_peer.py, the GPU script's decode process)."""
+in one process and, over shm and zmq, in two (gpu_peer.py, the GPU script's decode process)."""
 
 from __future__ import annotations
 
@@ -92,16 +92,15 @@ def test_the_workers_move_each_layout_token_for_token(src, src_bs, dst, dst_bs, 
         p.close()
 
 
-@pytest.mark.parametrize("layout", ["flash_nhd", "mla"])
-def test_two_processes_over_shm_move_a_layout_token_for_token(layout: str, tmp_path: Path) -> None:
+@pytest.mark.parametrize(("layout", "kind"), [("flash_nhd", "shm"), ("mla", "shm"), ("flash_hnd", "zmq")])
+def test_two_processes_move_a_layout_token_for_token(layout: str, kind: str, tmp_path: Path) -> None:
     tokens, seed, bs = 100, 11, 16
     p_blocks, d_blocks = [4, 1, 6, 2, 8, 0, 3], [2, 5, 0, 7, 1, 9, 3]
-    conn = {
-        "type": "shm",
-        "namespace": f"gw{os.getpid()}n{next(_names)}",
-        "runtime_dir": str(tmp_path),
-        "pool_bytes": 16 << 20,
-    }
+    if kind == "shm":
+        conn = {"type": "shm", "namespace": f"gw{os.getpid()}n{next(_names)}", "runtime_dir": str(tmp_path)}
+    else:
+        conn = {"type": "zmq"}
+    conn["pool_bytes"] = 16 << 20
     base = free_base_port(2)
     kw = {"block_size": bs, "num_blocks": 10, "dtype": torch.bfloat16, "device": "cpu"}
     p, _, params, _ = save(conn, base, layout, p_blocks, tokens, seed=seed, **kw)
