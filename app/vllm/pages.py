@@ -19,7 +19,14 @@ is one page of ``block_size * latent`` elements, moved as it is: the payload's k
 the pages ``[blocks, 1, block_size * latent]``, its value absent, its metadata ``layout``
 :data:`MLA_PAGE_LAYOUT` and ``kv_latent: true``. Every rank holds the whole latent; each decode
 rank reads it whole from one prefill rank (:func:`kvferry.core.routing.latent_source`, the
-head plan of one head held by every rank), so a latent geometry routes as one head.
+head plan of one head held by every rank), so a latent geometry routes as one head. A decode
+of another block size re-blocks the latent rows on write (:func:`write_relaid`).
+
+Dense caches in NHD order (vLLM's ``LBNHC``) are read through strided views of their pages
+(``PageGeometry.nhd``); their payloads hold the bytes an HND cache's would. FP8 caches
+(vLLM's ``uint8``, or torch's float8 dtypes) are copied as their bytes (:func:`raw_bytes`);
+their scales travel in the metadata (the saver and loader). A device cache's pages go
+through pinned host staging (:class:`kvferry.adapters.device_staging.PinnedStaging`).
 """
 
 from __future__ import annotations
