@@ -1,7 +1,7 @@
 """The GPU script's non-CUDA parts on CPU tensors (runs everywhere): the cache writers lay
 tokens out as each backend's cache-write kernel does, and kvferry's own saver and loader move
 them between caches of each layout (NHD into HND and back, other block sizes, MLA, FP8),
-in one process and, over shm and zmq, in two (gpu_peer.py, the GPU script's decode process)."""
+in one process and, over shm and zmq, in two (decode_peer.py, the GPU script's decode process)."""
 
 from __future__ import annotations
 
@@ -14,8 +14,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from gpu_cache_writers import new_cache, read_tokens, slots_of, write_tokens
-from gpu_moves import load, save, tokens_equal
+from cache_writers import new_cache, read_tokens, slots_of, write_tokens
+from page_moves import load, save, tokens_equal
 
 from kvferry.adapters.platform import free_base_port
 
@@ -117,7 +117,7 @@ def test_two_processes_move_a_layout_token_for_token(layout: str, kind: str, tmp
             **{k: v for k, v in kw.items() if k != "dtype"},
         }
         proc = subprocess.run(
-            [sys.executable, str(HERE / "gpu_peer.py"), json.dumps(cfg)],
+            [sys.executable, str(HERE / "decode_peer.py"), json.dumps(cfg)],
             capture_output=True,
             text=True,
             timeout=120,

@@ -4,7 +4,7 @@ skipped without CUDA).
 For each layout a vLLM GPU backend writes (FlashAttention in HND and NHD stride order,
 FlashInfer, MLA; FlashAttention with an FP8 cache), a prefill worker in this process saves one
 request's pages from a CUDA cache (gathered on the device, out through pinned host staging,
-into the connector's pool) and a decode worker in another process (gpu_peer.py) loads them
+into the connector's pool) and a decode worker in another process (decode_peer.py) loads them
 over shm or zmq into a CUDA cache of the same layout (in through pinned staging), then checks
 every layer's tokens against the seeded source, byte for byte. It prints the save's and the
 load's GB/s beside a plain device-to-host copy of the same bytes (into pinned and pageable
@@ -25,8 +25,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from gpu_cache_writers import LAYOUTS
-from gpu_moves import LAYERS, save
+from cache_writers import LAYOUTS
+from page_moves import LAYERS, save
 
 from kvferry.adapters.platform import free_base_port
 
@@ -98,7 +98,7 @@ def test_cuda_pages_move_between_two_processes_byte_for_byte(layout, dtype, fp8,
             **{k: v for k, v in kw.items() if k != "dtype"},
         }
         proc = subprocess.run(
-            [sys.executable, str(HERE / "gpu_peer.py"), json.dumps(cfg)],
+            [sys.executable, str(HERE / "decode_peer.py"), json.dumps(cfg)],
             capture_output=True,
             text=True,
             timeout=300,

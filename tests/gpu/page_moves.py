@@ -1,9 +1,9 @@
 """One request's pages saved by kvferry's prefill worker and loaded by its decode worker
 (:class:`kvferry.app.vllm.worker.PageWorker`, the connector's own saver and loader), on
-caches written by gpu_cache_writers in a backend's layout, on any device.
+caches written by cache_writers in a backend's layout, on any device.
 
 The source tokens come from a seeded generator on the CPU, so a decode in another process
-rebuilds them and checks its cache's bytes against them (gpu_peer.py)."""
+rebuilds them and checks its cache's bytes against them (decode_peer.py)."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ from collections.abc import Mapping
 from typing import Any
 
 import torch
-from gpu_cache_writers import LAYOUTS, cache_layout_label, new_cache, read_tokens, slots_of, write_tokens
+from cache_writers import LAYOUTS, cache_layout_label, new_cache, read_tokens, slots_of, write_tokens
 
 from kvferry.app.vllm.params import ConnectorSettings, parse_decode_params, prefill_result
 from kvferry.app.vllm.worker import LoadJob, PageWorker, SaveJob

@@ -1,5 +1,5 @@
 """The decode side of a two-process move (test_gpu_pages.py, test_gpu_cache_writers.py), in
-its own process: ``python gpu_peer.py JSON`` loads the request through kvferry's decode worker
+its own process: ``python decode_peer.py JSON`` loads the request through kvferry's decode worker
 into caches of the given layout and device, checks every layer's tokens against the seeded
 source, and prints one JSON line: ``{"errors", "equal", "seconds", "nbytes"}``."""
 
@@ -11,7 +11,7 @@ import sys
 
 def main(arg: str) -> None:
     import torch
-    from gpu_moves import load, tokens_equal
+    from page_moves import load, tokens_equal
 
     cfg = json.loads(arg)
     dtype = getattr(torch, cfg["dtype"])
