@@ -12,6 +12,9 @@
  * zero bytes". Elsewhere (another CPU, another architecture or compiler) a table-driven CRC reads
  * 8 bytes a step. Both give the same value; set_engine() picks one for tests and measurements.
  * The GIL is released for buffers of 64 KiB or more.
+ *
+ * copy_crc32c(dst, src, chunk, spans, value) copies src chunk by chunk to places in dst and returns
+ * src's CRC-32C, reading src once (the vLLM connector's page write with its check).
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
@@ -172,6 +175,203 @@ static PyObject *crc32c(PyObject *self, PyObject *args) {
     return PyLong_FromUnsignedLong((unsigned long)~reg);
 }
 
+/* copy_crc32c: the page copy and the check in one read of the source. The source is walked in
+ * windows of COPY_WINDOW bytes: the window's chunks are copied to their destinations, then the
+ * window, still in the first-level cache, goes through the CRC routine. */
+#define COPY_WINDOW 49152 /* two long rounds of the three streams */
+
+typedef struct {
+    Py_ssize_t offset, stride, count;
+} span_t;
+
+static int parse_spans(PyObject *spans, Py_ssize_t chunk, Py_ssize_t dst_len, span_t **out,
+                       Py_ssize_t *nspans, Py_ssize_t *nchunks) {
+    PyObject *seq = PySequence_Fast(spans, "spans must be a sequence of (offset, stride, count)");
+    if (seq == NULL)
+        return 0;
+    Py_ssize_t n = PySequence_Fast_GET_SIZE(seq), total = 0;
+    span_t *sp = PyMem_Malloc((size_t)(n ? n : 1) * sizeof(span_t));
+    if (sp == NULL) {
+        Py_DECREF(seq);
+        PyErr_NoMemory();
+        return 0;
+    }
+    for (Py_ssize_t i = 0; i < n; i++) {
+        PyObject *item = PySequence_Fast_GET_ITEM(seq, i);
+        if (!PyTuple_Check(item) || !PyArg_ParseTuple(item, "nnn", &sp[i].offset, &sp[i].stride, &sp[i].count)) {
+            if (!PyErr_Occurred())
+                PyErr_SetString(PyExc_TypeError, "each span must be a tuple (offset, stride, count)");
+            goto fail;
+        }
+        span_t s = sp[i];
+        if (s.offset < 0 || s.stride < 0 || s.count < 0) {
+            PyErr_Format(PyExc_ValueError, "span %zd: offset, stride and count must be >= 0", i);
+            goto fail;
+        }
+        /* the last chunk of the span ends at offset + (count - 1) * stride + chunk <= dst_len */
+        if (s.count && (s.offset > dst_len - chunk
+                        || (s.count > 1 && s.stride && (s.count - 1) > (dst_len - chunk - s.offset) / s.stride))) {
+            PyErr_Format(PyExc_ValueError, "span %zd reaches past the destination (%zd bytes)", i, dst_len);
+            goto fail;
+        }
+        if (s.count > PY_SSIZE_T_MAX / chunk - total) {
+            PyErr_Format(PyExc_ValueError, "span %zd: too many chunks", i);
+            goto fail;
+        }
+        total += s.count;
+    }
+    Py_DECREF(seq);
+    *out = sp, *nspans = n, *nchunks = total;
+    return 1;
+fail:
+    PyMem_Free(sp);
+    Py_DECREF(seq);
+    return 0;
+}
+
+#ifdef KVF_X86
+/* The copy and the CRC in one pass with the crc32 instruction: three streams over consecutive
+ * stretches as in crc_sse42, each word stored to its chunk's destination (to[c]: where chunk c
+ * of the source goes) as it is read. `chunk` is a multiple of 8, `n` of `chunk`. */
+#define KVF_DST(off) (to[(off) / chunk] + (off) % chunk)
+#define KVF_LEFT(off) (chunk - (off) % chunk)
+#define KVF_COPY_ROUNDS(span, shift)                                                               \
+    while (n - o >= 3 * (size_t)(span)) {                                                          \
+        uint64_t a = reg, b = 0, c = 0;                                                            \
+        for (size_t at = 0; at < (span);) {                                                        \
+            size_t oa = o + at, ob = oa + (span), oc = ob + (span);                                \
+            size_t step = KVF_LEFT(oa);                                                            \
+            if (KVF_LEFT(ob) < step)                                                               \
+                step = KVF_LEFT(ob);                                                               \
+            if (KVF_LEFT(oc) < step)                                                               \
+                step = KVF_LEFT(oc);                                                               \
+            if ((span) - at < step)                                                                \
+                step = (span) - at;                                                                \
+            unsigned char *da = KVF_DST(oa), *db = KVF_DST(ob), *dc = KVF_DST(oc);                 \
+            const unsigned char *pa = src + oa, *pb = src + ob, *pc = src + oc;                    \
+            for (size_t j = 0; j < step; j += 8) {                                                 \
+                uint64_t wa = load64(pa + j), wb = load64(pb + j), wc = load64(pc + j);            \
+                a = _mm_crc32_u64(a, wa);                                                          \
+                b = _mm_crc32_u64(b, wb);                                                          \
+                c = _mm_crc32_u64(c, wc);                                                          \
+                memcpy(da + j, &wa, 8);                                                            \
+                memcpy(db + j, &wb, 8);                                                            \
+                memcpy(dc + j, &wc, 8);                                                            \
+            }                                                                                      \
+            at += step;                                                                            \
+        }                                                                                          \
+        reg = apply_shift(shift, apply_shift(shift, (uint32_t)a) ^ (uint32_t)b) ^ (uint32_t)c;     \
+        o += 3 * (size_t)(span);                                                                   \
+    }
+
+__attribute__((target("sse4.2"))) static uint32_t copy_crc_sse42(uint32_t reg, unsigned char *const *to,
+                                                                 size_t chunk, const unsigned char *src,
+                                                                 size_t n) {
+    size_t o = 0;
+    KVF_COPY_ROUNDS(LONG_SPAN, long_shift)
+    KVF_COPY_ROUNDS(SHORT_SPAN, short_shift)
+    uint64_t r = reg;
+    while (n - o >= 8) {
+        size_t step = KVF_LEFT(o);
+        if (step > n - o)
+            step = (n - o) & ~(size_t)7;
+        unsigned char *d = KVF_DST(o);
+        for (size_t j = 0; j < step; j += 8) {
+            uint64_t w = load64(src + o + j);
+            r = _mm_crc32_u64(r, w);
+            memcpy(d + j, &w, 8);
+        }
+        o += step;
+    }
+    reg = (uint32_t)r;
+    for (; o < n; o++) {
+        *KVF_DST(o) = src[o];
+        reg = _mm_crc32_u8(reg, src[o]);
+    }
+    return reg;
+}
+#endif
+
+/* The general way: each window's chunks copied, then the window checked while it is hot. */
+static uint32_t scatter(uint32_t reg, unsigned char *dst, const unsigned char *src, size_t chunk,
+                        const span_t *sp, Py_ssize_t nspans) {
+    size_t copied = 0, checked = 0;
+    for (Py_ssize_t i = 0; i < nspans; i++) {
+        unsigned char *d = dst + sp[i].offset;
+        for (Py_ssize_t j = 0; j < sp[i].count; j++, d += sp[i].stride) {
+            memcpy(d, src + copied, chunk);
+            copied += chunk;
+            if (copied - checked >= COPY_WINDOW) {
+                reg = engine(reg, src + checked, copied - checked);
+                checked = copied;
+            }
+        }
+    }
+    return engine(reg, src + checked, copied - checked);
+}
+
+PyDoc_STRVAR(copy_crc32c_doc,
+"copy_crc32c(dst, src, chunk, spans, value=0, /) -> int\n"
+"\n"
+"Copy `src` chunk by chunk into the writable buffer `dst` and return the CRC-32C of `src`\n"
+"(continuing from `value`), reading `src` once. `spans` is a sequence of (offset, stride, count):\n"
+"the chunks of `chunk` bytes, taken from `src` in order, go to dst[offset + k * stride] for k in\n"
+"range(count), span after span. The chunks must cover `src` exactly and every destination must\n"
+"lie inside `dst` (ValueError otherwise, before anything is written).");
+
+static PyObject *copy_crc32c(PyObject *self, PyObject *args) {
+    Py_buffer dst, src;
+    Py_ssize_t chunk, nspans, nchunks;
+    PyObject *spans;
+    unsigned int value = 0;
+    span_t *sp = NULL;
+    if (!PyArg_ParseTuple(args, "w*y*nO|I:copy_crc32c", &dst, &src, &chunk, &spans, &value))
+        return NULL;
+    PyObject *result = NULL;
+    if (chunk <= 0 || chunk > dst.len) {
+        PyErr_Format(PyExc_ValueError, "chunk must be between 1 and the destination's %zd bytes", dst.len);
+        goto done;
+    }
+    if (!parse_spans(spans, chunk, dst.len, &sp, &nspans, &nchunks))
+        goto done;
+    if (nchunks * chunk != src.len) {
+        PyErr_Format(PyExc_ValueError, "the spans hold %zd bytes, the source has %zd", nchunks * chunk, src.len);
+        goto done;
+    }
+    uint32_t reg = ~(uint32_t)value;
+    unsigned char **to = NULL;
+#ifdef KVF_X86
+    if (engine == crc_sse42 && chunk % 8 == 0 && nchunks) {
+        to = PyMem_Malloc((size_t)nchunks * sizeof(unsigned char *));
+        if (to == NULL) {
+            PyErr_NoMemory();
+            goto done;
+        }
+        Py_ssize_t c = 0;
+        for (Py_ssize_t i = 0; i < nspans; i++)
+            for (Py_ssize_t k = 0; k < sp[i].count; k++)
+                to[c++] = (unsigned char *)dst.buf + sp[i].offset + k * sp[i].stride;
+    }
+#endif
+    int release = src.len >= RELEASE_GIL_BYTES;
+    PyThreadState *state = release ? PyEval_SaveThread() : NULL;
+#ifdef KVF_X86
+    if (to != NULL)
+        reg = copy_crc_sse42(reg, to, (size_t)chunk, (const unsigned char *)src.buf, (size_t)src.len);
+    else
+#endif
+        reg = scatter(reg, (unsigned char *)dst.buf, (const unsigned char *)src.buf, (size_t)chunk, sp, nspans);
+    if (release)
+        PyEval_RestoreThread(state);
+    PyMem_Free(to);
+    result = PyLong_FromUnsignedLong((unsigned long)~reg);
+done:
+    PyMem_Free(sp);
+    PyBuffer_Release(&dst);
+    PyBuffer_Release(&src);
+    return result;
+}
+
 PyDoc_STRVAR(engine_doc, "engine() -> str: the routine in use, sse4.2 (the crc32 instruction) or table.");
 
 static PyObject *engine_of(PyObject *self, PyObject *unused) { return PyUnicode_FromString(engine_name); }
@@ -192,6 +392,7 @@ static PyObject *set_engine(PyObject *self, PyObject *arg) {
 
 static PyMethodDef methods[] = {
     {"crc32c", crc32c, METH_VARARGS, crc32c_doc},
+    {"copy_crc32c", copy_crc32c, METH_VARARGS, copy_crc32c_doc},
     {"engine", engine_of, METH_NOARGS, engine_doc},
     {"set_engine", set_engine, METH_O, set_engine_doc},
     {NULL, NULL, 0, NULL},

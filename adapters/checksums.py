@@ -20,7 +20,7 @@ from __future__ import annotations
 import logging
 import os
 import zlib
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from types import MappingProxyType
 from typing import Any
 
@@ -37,6 +37,8 @@ __all__ = [
     "sending_checksum",
     "compute_checksum",
     "verify_checksum",
+    "FUSED_COPY",
+    "copy_crc32c",
 ]
 
 _log = logging.getLogger(__name__)
@@ -102,3 +104,19 @@ def compute_checksum(algorithm: str, data: Any) -> int:
 def verify_checksum(header: PayloadHeader, descriptor: TensorDescriptor, data: Any) -> None:
     """:func:`kvferry.core.header.verify_checksum` with the routines of :data:`CHECKSUMS`."""
     _verify(header, descriptor, data, CHECKSUMS)
+
+
+#: Whether :func:`copy_crc32c` can copy and check in one read (the native routine is loaded).
+FUSED_COPY: bool = NATIVE_CRC32C
+
+
+def copy_crc32c(dst: Any, src: Any, chunk: int, spans: Sequence[tuple[int, int, int]], value: int = 0) -> int:
+    """Copy ``src`` into the writable buffer ``dst`` in chunks of ``chunk`` bytes and return the
+    CRC-32C of ``src`` continuing from ``value``, reading ``src`` once: chunk after chunk of
+    ``src`` goes to ``dst[offset + k * stride]``, ``k < count``, for each ``(offset, stride,
+    count)`` of ``spans`` in turn (offsets and strides in bytes). The chunks must cover ``src``
+    exactly and lie inside ``dst`` (ValueError, nothing written). Only with the native routine
+    (:data:`FUSED_COPY`); RuntimeError without it."""
+    if _native is None:
+        raise RuntimeError("copy_crc32c needs the native kvferry.adapters._crc32c")
+    return int(_native.copy_crc32c(dst, src, chunk, spans, value))

@@ -22,7 +22,7 @@ from typing import Any
 import attrs
 import torch
 
-from kvferry.adapters.checksums import verify_checksum
+from kvferry.adapters.checksums import compute_checksum, verify_checksum
 from kvferry.core.errors import ConfigError, PayloadError
 from kvferry.core.header import (
     DTYPE_ITEMSIZE,
@@ -34,7 +34,16 @@ from kvferry.core.header import (
 )
 from kvferry.core.phrases import phrase
 
-__all__ = ["TORCH_DTYPES", "dtype_name", "torch_dtype", "host_byte_view", "DecodedKV", "decode_payload"]
+__all__ = [
+    "TORCH_DTYPES",
+    "dtype_name",
+    "torch_dtype",
+    "host_byte_view",
+    "DecodedKV",
+    "decode_payload",
+    "verify_deferred",
+    "checksum_mismatch",
+]
 
 #: Allow-listed dtype names -> torch dtypes (only those this torch build has).
 TORCH_DTYPES: dict[str, torch.dtype] = {
@@ -100,6 +109,13 @@ class DecodedKV:
     key_cache: tuple[torch.Tensor | None, ...]
     value_cache: tuple[torch.Tensor | None, ...]
     nbytes: int
+    #: The header's checksum algorithm (``"ck"``), None when the payload has no checksums.
+    checksum_algorithm: str | None = None
+    #: Checksums decoding left to the caller (``defer_verify=True``): ``{(is_key, layer):
+    #: (tensor name, expected checksum)}``; empty when every checksum was verified (or none was
+    #: asked for). A caller that defers owns the check: :func:`verify_deferred`, or a copy that
+    #: checks as it goes (``kvferry.adapters.checksums.copy_crc32c``).
+    unverified: dict[tuple[bool, int], tuple[str, int]] = attrs.field(factory=dict)
 
     def to_reference_dict(self) -> dict[str, Any]:
         """The reference decoder's dict: request_id, layer_blocks{key_cache, value_cache}, ..."""
@@ -309,10 +325,14 @@ def _is_pool_buffer(data: Any) -> bool:
     return hasattr(data, "tensor") and hasattr(data, "release")
 
 
-def decode_payload(data: Any, *, verify: bool = True, limits: DecodeLimits = DecodeLimits()) -> DecodedKV:
+def decode_payload(
+    data: Any, *, verify: bool = True, defer_verify: bool = False, limits: DecodeLimits = DecodeLimits()
+) -> DecodedKV:
     """Decode bytes-like data, a 1-D uint8 tensor (any device), a pool buffer (``.tensor``; not
     released here) or a sequence of frames. Checksums, when the header has them, are verified
-    unless ``verify=False``. Every malformed input raises PayloadError."""
+    unless ``verify=False``; with ``defer_verify=True`` they are not verified here but listed in
+    ``DecodedKV.unverified`` for the caller to check (:func:`verify_deferred`) before it trusts
+    the bytes. Every malformed input raises PayloadError."""
     if not isinstance(data, (bytes, bytearray, memoryview, torch.Tensor, list, tuple)) and _is_pool_buffer(data):
         data = data.tensor
     decoded, tensors = _tensors(data, limits)
@@ -320,8 +340,47 @@ def decode_payload(data: Any, *, verify: bool = True, limits: DecodeLimits = Dec
     check = verify and h.checksum_algorithm is not None
     keys: list[torch.Tensor | None] = [None] * h.num_layers
     values: list[torch.Tensor | None] = [None] * h.num_layers
+    unverified: dict[tuple[bool, int], tuple[str, int]] = {}
     for (is_key, layer, desc), tensor in tensors:
-        if check:
+        if check and defer_verify and desc.checksum is not None:
+            unverified[(is_key, layer)] = (desc.name, desc.checksum)
+        elif check:
             verify_checksum(h, desc, host_byte_view(tensor))
         (keys if is_key else values)[layer] = tensor
-    return DecodedKV(h.request_id, h.block_ids, h.metadata, h.num_layers, tuple(keys), tuple(values), decoded.total_len)
+    return DecodedKV(
+        h.request_id,
+        h.block_ids,
+        h.metadata,
+        h.num_layers,
+        tuple(keys),
+        tuple(values),
+        decoded.total_len,
+        h.checksum_algorithm,
+        unverified,
+    )
+
+
+def checksum_mismatch(algorithm: str, name: str, expected: int, actual: int) -> PayloadError:
+    """The PayloadError of a tensor whose bytes do not match its checksum (the same words as
+    the decoder's own check)."""
+    return PayloadError(
+        f"invalid KV payload (tensor {name!r}): {algorithm} mismatch: header says {expected:08x}, data has {actual:08x}"
+    )
+
+
+def verify_deferred(decoded: DecodedKV, which: tuple[bool, int] | None = None) -> None:
+    """Check the checksums :func:`decode_payload` left unverified (all, or the one tensor
+    ``which`` = ``(is_key, layer)``), and strike them off; PayloadError naming the tensor on a
+    mismatch."""
+    keys = [which] if which is not None else list(decoded.unverified)
+    for key in keys:
+        entry = decoded.unverified.get(key)
+        if entry is None:
+            continue
+        is_key, layer = key
+        tensor = (decoded.key_cache if is_key else decoded.value_cache)[layer]
+        assert tensor is not None and decoded.checksum_algorithm is not None  # listed only with both
+        actual = compute_checksum(decoded.checksum_algorithm, host_byte_view(tensor))
+        if actual != entry[1]:
+            raise checksum_mismatch(decoded.checksum_algorithm, entry[0], entry[1], actual)
+        del decoded.unverified[key]

@@ -30,8 +30,9 @@ from typing import Any
 import attrs
 import torch
 
+from kvferry.adapters.checked_scatter import writable_bytes
 from kvferry.adapters.connectors.pool_buffer import release_soon
-from kvferry.adapters.torch_decode import decode_payload
+from kvferry.adapters.torch_decode import decode_payload, verify_deferred
 from kvferry.app.vllm.pages import (
     FP8_FORMAT_KEY,
     PageGeometry,
@@ -118,14 +119,18 @@ class PageLoader:
     receiver: Any = attrs.field(init=False, default=None)
     _layers: list[torch.Tensor] = attrs.field(init=False, factory=list)
     _names: list[str] = attrs.field(init=False, factory=list)
+    _layer_bytes: list[memoryview | None] = attrs.field(init=False, factory=list)
     _pool: concurrent.futures.ThreadPoolExecutor | None = attrs.field(init=False, default=None)
     _loads: dict[str, concurrent.futures.Future] = attrs.field(init=False, factory=dict)
     _load_errors: set[int] = attrs.field(init=False, factory=set)
     _load_blocks: dict[str, tuple[int, ...]] = attrs.field(init=False, factory=dict)
 
     def attach(self, layers: list[torch.Tensor], geometry: PageGeometry, names: Sequence[str] = ()) -> None:
-        """The registered caches (layer order), their geometry and vLLM's names of the layers."""
+        """The registered caches (layer order), their geometry and vLLM's names of the layers;
+        each cache's own bytes for the page writes that check the checksum in their copy (None
+        on a device, or for an NHD cache, whose pages are strided)."""
         self._layers, self.geometry, self._names = layers, geometry, list(names)
+        self._layer_bytes = [writable_bytes(t) for t in layers]
 
     def start(self, receiver: Any) -> None:
         """Load through ``receiver`` from now on, on ``load_threads`` threads past the inline part."""
@@ -307,7 +312,7 @@ class PageLoader:
                     return False
             data = got[0]
             try:
-                decoded = decode_payload(data)
+                decoded = decode_payload(data, defer_verify=True)  # checked as the pages are written
                 self._check_fp8(decoded.metadata or {}, layer_idx)
                 check_payload(decoded, geometry, layer_idx, sl.num_heads, plan.src_pages)
                 args = (plan.index, plan.job.first_page, sl.recv_head_start, sl.recv_head_stop)
@@ -323,12 +328,13 @@ class PageLoader:
                             f"({self.cache_layout}), and kvferry cannot re-lay them (an FP8 CPU page's "
                             f"order is not known; other pages need a page order it knows)",
                         )
+                    verify_deferred(decoded)
                     try:
                         plan.nbytes += write_relaid(layer, geometry, self.cache_layout, self.kernel_isa, decoded, *args)
                     except PayloadError as exc:
                         raise _LoadFailed("layout", f"layer {layer_idx}: {exc}") from exc
                 else:
-                    plan.nbytes += write_pages(layer, geometry, decoded, *args, plan.runs)
+                    plan.nbytes += write_pages(layer, geometry, decoded, *args, plan.runs, self._layer_bytes[layer_idx])
             except PayloadError as exc:
                 raise _LoadFailed("corrupt", str(exc)) from exc
             finally:

@@ -37,9 +37,10 @@ from typing import Any
 import attrs
 import torch
 
+from kvferry.adapters.checked_scatter import scatter_checked
 from kvferry.adapters.device_staging import PinnedStaging
 from kvferry.adapters.kv_layouts import tokens_to_vllm_pages, vllm_pages_to_tokens
-from kvferry.adapters.torch_decode import dtype_name
+from kvferry.adapters.torch_decode import dtype_name, verify_deferred
 from kvferry.adapters.torch_frames import dest_views, finish_payload_in
 from kvferry.core.errors import ConfigError, PayloadError
 from kvferry.core.head_slices import HeadSlice
@@ -170,6 +171,16 @@ class PageGeometry:
             return layer[:, :, :half], layer[:, :, half:]
         v = layer.view(self.num_blocks, self.heads, 2, self.region)
         return v[:, :, 0], v[:, :, 1]
+
+    def page_places(self, itemsize: int) -> tuple[tuple[int, int, int], ...]:
+        """Where :meth:`page_tensors` put each page of a contiguous layer, in bytes: per page
+        tensor ``(base, block stride, head stride)``, head ``h`` of block ``b`` at ``base + b *
+        block stride + h * head stride`` (elements of ``itemsize`` bytes)."""
+        region = self.region * itemsize
+        if self.latent:
+            return ((0, region, region),)
+        head = 2 * region
+        return ((0, self.heads * head, head), (region, self.heads * head, head))
 
     def page_tensors(self, layer: torch.Tensor) -> tuple[torch.Tensor, ...]:
         """The layer's page views in payload order, each ``[num_blocks, heads, region]`` (no
@@ -367,18 +378,48 @@ def write_pages(
     recv_start: int,
     recv_stop: int,
     runs: Sequence[tuple[int, int, int]] | None = None,
+    layer_bytes: memoryview | None = None,
 ) -> int:
     """Copy received pages ``first_page:first_page+len(index)`` into ``layer[index,
     recv_start:recv_stop]`` (K and V regions); returns the bytes written. With ``runs``
     (:func:`block_runs` of ``index``) few enough, each run is one slice copy (several times
     faster than an indexed copy), else one indexed copy per region. An MLA geometry writes
-    the latent pages (the payload's key tensor) alone."""
+    the latent pages (the payload's key tensor) alone.
+
+    Checksums :func:`decode_payload` deferred (``defer_verify=True``) are checked here: in the
+    copy's own read where :func:`scatter_checked` can (``layer_bytes``: the layer's own bytes,
+    :func:`writable_bytes`; the pages are then written before a mismatch is known, and the
+    caller fails the load), else before the copy. None is left unchecked: PayloadError naming
+    the tensor on a mismatch."""
     n = index.numel()
     payload = (decoded.key_cache[0],) if geometry.latent else (decoded.key_cache[0], decoded.value_cache[0])
+    pending = getattr(decoded, "unverified", None) or {}  # what decoding left to check
+    fused: set[int] = set()  # page tensors written and checked in one read
     nbytes = 0
-    for dst, whole in zip(geometry.page_tensors(layer), payload):
+    if pending and layer_bytes is not None and not geometry.nhd:  # byte places of contiguous pages
+        spans = runs if runs is not None else block_runs(index.tolist())
+        algorithm = str(decoded.checksum_algorithm)
+        for i, (whole, (base, block, head)) in enumerate(zip(payload, geometry.page_places(layer.element_size()))):
+            entry = pending.get((i == 0, 0))
+            if (
+                entry is None
+                or whole.dtype != layer.dtype
+                or whole.shape[1:] != (recv_stop - recv_start, geometry.region)
+            ):
+                continue
+            if scatter_checked(
+                layer_bytes, whole, first_page, spans, (base + recv_start * head, block, head), (algorithm, *entry)
+            ):
+                del pending[(i == 0, 0)]
+                fused.add(i)
+                nbytes += n * whole.stride(0) * whole.element_size()
+    for i, (dst, whole) in enumerate(zip(geometry.page_tensors(layer) if len(fused) < len(payload) else (), payload)):
+        if i in fused:
+            continue
         dst = raw_bytes(dst)
         src = as_pages_of(raw_bytes(whole).narrow(0, first_page, n), dst)
+        if (i == 0, 0) in pending:  # a deferred check not fused: before the copy
+            verify_deferred(decoded, (i == 0, 0))
         if src.device != dst.device:  # host pages into a device cache: in through pinned memory
             src, index = _LOAD_STAGING.to_device(src, dst.device), index.to(dst.device)
         if runs is not None and len(runs) <= max(1, n // 4):
@@ -387,6 +428,8 @@ def write_pages(
         else:
             dst[:, recv_start:recv_stop].index_copy_(0, index, src)
         nbytes += src.numel() * src.element_size()
+    if pending:  # a tensor this geometry does not write: checked all the same
+        verify_deferred(decoded)
     return nbytes
 
 

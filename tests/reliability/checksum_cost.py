@@ -3,10 +3,12 @@
 ``--vllm`` (default): the vLLM connector's load path driven in-process on a 4 MiB load (8 layers
 of 512 KiB: 64 blocks of 2 KV heads x 16 tokens x 64 dims, bfloat16, K and V pages). Each layer's
 payload is written the way the prefill writes it (``PageWriter.gather``: pages into a buffer,
-header, checksums), then loaded the way the decode side loads it (``decode_payload`` with
-verification, ``check_payload``, ``write_pages`` into the decode cache). The loads without a
-checksum, with crc32 and with crc32c alternate round by round (the order rotating), so each
-round's three figures are taken together; the checksum's cost is its load minus the plain load
+header, checksums), then loaded the way the decode side loads it (``decode_payload`` leaving
+the checksums to the page write, ``check_payload``, ``write_pages`` into the decode cache, which
+checks crc32c in its copy and crc32 before it). ``crc32c-first`` is the load before that fusion:
+crc32c verified by the decode, then the copy. The loads without a checksum, with crc32, crc32c
+and crc32c-first alternate round by round (in an order drawn anew each round), so each round's figures are
+taken together; the checksum's cost is its load minus the plain load
 of the same round, and the share is that over the plain load (median over rounds).
 
 ``--encode``: the older figure, a 235 MB request (28 layers, 4 KV heads of 128, bfloat16, 4096
@@ -21,17 +23,26 @@ from __future__ import annotations
 
 import argparse
 import json
+import random
 import statistics
 import time
 from collections.abc import Callable
 
 import torch
 
+from kvferry.adapters.checked_scatter import writable_bytes
 from kvferry.adapters.checksums import CHECKSUMS, checksum_engine
 from kvferry.adapters.torch_frames import decode_payload, host_byte_view, plan_tensors, write_payload_into
 from kvferry.app.vllm.pages import PageGeometry, PageWriter, block_runs, check_payload, write_pages
 
 ALGORITHMS = (None, "crc32", "crc32c")
+#: Load paths: the connector's (checksums deferred to the page copy: fused for crc32c) and,
+#: for the figure before the fusion, crc32c verified by the decode before the copy.
+VARIANTS = (*ALGORITHMS, "crc32c-first")
+
+
+def _algorithm(variant: str | None) -> str | None:
+    return None if variant is None else variant.split("-")[0]
 
 
 def _timed(fn: Callable[[], object]) -> float:
@@ -46,10 +57,11 @@ def vllm_load(rounds: int) -> dict[str, object]:
     shape = (blocks * 2, heads, block_size, 2 * head_size)
     prefill = [torch.randn(shape).to(torch.bfloat16) for _ in range(layers)]
     decode = [torch.zeros(shape, dtype=torch.bfloat16) for _ in range(layers)]
+    decode_bytes = [writable_bytes(t) for t in decode]  # as the connector's loader takes them once
     geometry = PageGeometry.of(prefill)
     index = torch.arange(blocks, dtype=torch.int64)
     runs = block_runs(index.tolist())
-    payloads: dict[str | None, list[torch.Tensor]] = {}
+    payloads: dict[str | None, list[torch.Tensor]] = {}  # by variant
     save_s: dict[str | None, list[float]] = {a: [] for a in ALGORITHMS}
     for algorithm in ALGORITHMS:
         writer = PageWriter(geometry, checksums=algorithm)
@@ -59,6 +71,8 @@ def vllm_load(rounds: int) -> dict[str, object]:
             lay = writer.layout("t", index.tolist(), heads, {"layout": "vllm_cpu_pages_hnd", "layer": i})
             writer.gather(prefill[i], index, 0, heads, buf, lay)
         payloads[algorithm] = bufs
+    # buffers of its own: a load that reads another variant's buffers would find them in cache
+    payloads["crc32c-first"] = [b.clone() for b in payloads["crc32c"]]
 
     def save(algorithm: str | None) -> None:
         writer = PageWriter(geometry, checksums=algorithm)
@@ -66,31 +80,36 @@ def vllm_load(rounds: int) -> dict[str, object]:
             lay = writer.layout("t", index.tolist(), heads, {"layout": "vllm_cpu_pages_hnd", "layer": i})
             writer.gather(prefill[i], index, 0, heads, buf, lay)
 
-    def load(algorithm: str | None) -> None:
-        for i, buf in enumerate(payloads[algorithm]):
-            decoded = decode_payload(buf)
+    def load(variant: str | None) -> None:
+        for i, buf in enumerate(payloads[variant]):
+            decoded = decode_payload(buf, defer_verify=variant is not None and not variant.endswith("-first"))
             check_payload(decoded, geometry, i, heads, blocks)
-            write_pages(decode[i], geometry, decoded, index, 0, 0, heads, runs)
+            write_pages(decode[i], geometry, decoded, index, 0, 0, heads, runs, decode_bytes[i])
 
-    load_s: dict[str | None, list[float]] = {a: [] for a in ALGORITHMS}
-    alone_s: dict[str | None, list[float]] = {a: [] for a in ALGORITHMS}
+    load_s: dict[str | None, list[float]] = {a: [] for a in VARIANTS}
+    alone_s: dict[str | None, list[float]] = {a: [] for a in VARIANTS}
     regions = [host_byte_view(t[:blocks].contiguous()) for layer in prefill for t in geometry.regions(layer)]
 
-    def alone(algorithm: str | None) -> None:  # the routine alone over the load's bytes
+    def alone(variant: str | None) -> None:  # the routine alone over the load's bytes
+        algorithm = _algorithm(variant)
         if algorithm is not None:
             fn = CHECKSUMS[algorithm]
             for view in regions:
                 fn(view, 0)
 
-    for algorithm in ALGORITHMS:  # warm up every path once
-        load(algorithm)
-        save(algorithm)
-    for r in range(rounds):
-        order = ALGORITHMS[r % 3 :] + ALGORITHMS[: r % 3]
-        for algorithm in order:
-            load_s[algorithm].append(_timed(lambda: load(algorithm)))
-            save_s[algorithm].append(_timed(lambda: save(algorithm)))
-            alone_s[algorithm].append(_timed(lambda: alone(algorithm)))
+    for variant in VARIANTS:  # warm up every path once
+        load(variant)
+        save(_algorithm(variant))
+    shuffle = random.Random(0).shuffle
+    for _round in range(rounds):
+        order = list(VARIANTS)
+        shuffle(order)  # a new order each round: no variant always follows the same one
+        for variant in order:  # the loads of a round back to back, so that they share its weather
+            load_s[variant].append(_timed(lambda: load(variant)))
+        for variant in order:
+            if variant in save_s:
+                save_s[variant].append(_timed(lambda: save(variant)))
+            alone_s[variant].append(_timed(lambda: alone(variant)))
     assert torch.equal(decode[3][:blocks], prefill[3][:blocks])  # the load moved the pages
     nbytes = sum(b.numel() for b in payloads[None])
     out: dict[str, object] = {
@@ -102,12 +121,13 @@ def vllm_load(rounds: int) -> dict[str, object]:
         "load_best_ms_none": round(min(load_s[None]) * 1e3, 3),
         "save_ms_none": round(statistics.median(save_s[None]) * 1e3, 3),
     }
-    for algorithm in ALGORITHMS[1:]:
+    for algorithm in VARIANTS[1:]:
         extra = [a - b for a, b in zip(load_s[algorithm], load_s[None])]
         share = [(a - b) / b for a, b in zip(load_s[algorithm], load_s[None])]
         out[f"load_ms_{algorithm}"] = round(statistics.median(load_s[algorithm]) * 1e3, 3)
         out[f"load_best_ms_{algorithm}"] = round(min(load_s[algorithm]) * 1e3, 3)
-        out[f"save_ms_{algorithm}"] = round(statistics.median(save_s[algorithm]) * 1e3, 3)
+        if save_s.get(algorithm):
+            out[f"save_ms_{algorithm}"] = round(statistics.median(save_s[algorithm]) * 1e3, 3)
         out[f"alone_ms_{algorithm}"] = round(statistics.median(alone_s[algorithm]) * 1e3, 3)
         out[f"alone_best_ms_{algorithm}"] = round(min(alone_s[algorithm]) * 1e3, 3)
         out[f"alone_best_over_load_best_{algorithm}"] = round(min(alone_s[algorithm]) / min(load_s[None]), 3)
