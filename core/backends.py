@@ -23,11 +23,14 @@ CPU_MLA
 =================  ===================  ====================================================
 
 Any other backend is refused with an error naming it and these. Cache dtypes: unquantised
-(``auto``, ``float16``, ``bfloat16``, ``float32``) everywhere; per-tensor FP8 (``fp8``,
-``fp8_e4m3``, ``fp8_e5m2``) for the dense GPU backends, whose FP8 cache is the same layout in
-one byte per element and whose scales are one per layer tensor, the checkpoint's (nothing in
-the cache; both stages of one model have the same). FP8 on the CPU kernel (another page
-order) and FP8 MLA (FlashMLA's ``fp8_ds_mla`` packs scales into the latent) are refused.
+(``auto``, ``float16``, ``bfloat16``, ``float32``) everywhere; per-tensor FP8 (``fp8`` =
+``fp8_e4m3``, ``fp8_e5m2``) for the dense backends, whose FP8 cache is the same layout in one
+byte per element (vLLM allocates it as ``uint8``) and whose scales are one per layer tensor,
+outside the cache (the connector sends them beside the pages and the receiver compares them
+with its own: :func:`kvferry.core.scales.scales_mismatch`). On the CPU kernel an FP8 cache
+moves page for page only (its FP8 page order is not measured: ``per_token`` False, so no
+re-blocking or re-laying). FP8 MLA (FlashMLA's ``fp8_ds_mla`` packs scales into the latent)
+is refused.
 """
 
 from __future__ import annotations
@@ -38,6 +41,7 @@ import attrs
 
 from kvferry.core.errors import ConfigError
 from kvferry.core.layouts import VLLM_CPU_PAGE_ISAS, LayoutSpec
+from kvferry.core.scales import fp8_format
 
 __all__ = [
     "MOVED_BACKENDS",
@@ -71,18 +75,20 @@ class BackendLayout:
 
     ``backend``: vLLM's name; ``layout``: kvferry's (``vllm_cpu`` with the kernel ISA);
     ``stride_order``: vLLM's ``KVCacheLayout`` name when known; ``fp8``: a per-tensor FP8
-    cache (bytes, scales outside)."""
+    cache's format (``fp8_e4m3``, ``fp8_e5m2``: bytes, scales outside), None for a plain one."""
 
     backend: str
     layout: LayoutSpec
     stride_order: str | None = None
-    fp8: bool = False
+    fp8: str | None = None
 
     @property
     def per_token(self) -> bool:
         """True when kvferry can read per-token K/V (and re-block pages): every layout but a
-        CPU kernel ISA whose page order it does not know."""
-        return self.layout.name != "vllm_cpu" or self.layout.isa in VLLM_CPU_PAGE_ISAS
+        CPU kernel ISA whose page order it does not know (an FP8 CPU cache's among them)."""
+        if self.layout.name != "vllm_cpu":
+            return True
+        return self.fp8 is None and self.layout.isa in VLLM_CPU_PAGE_ISAS
 
     @property
     def label(self) -> str:
@@ -90,7 +96,7 @@ class BackendLayout:
         name = self.layout.name if self.layout.isa is None else f"{self.layout.name}:{self.layout.isa}"
         parts = [name, self.stride_order or "strided"]
         if self.fp8:
-            parts.append("fp8")
+            parts.append(self.fp8)
         return "/".join(parts)
 
 
@@ -121,17 +127,18 @@ def backend_layout(
             f"(choose one with vLLM's attention_backend setting)"
         )
     dtype = (cache_dtype or "auto").strip().lower()
-    fp8 = dtype in FP8_CACHE_DTYPES
-    if not fp8 and dtype not in PLAIN_CACHE_DTYPES:
+    fp8 = fp8_format(dtype)
+    dense = ", ".join(b for b, lay in MOVED_BACKENDS.items() if lay != "mla")
+    if fp8 is None and dtype not in PLAIN_CACHE_DTYPES:
         raise ConfigError(
             f"{where}backend {name}: kv cache dtype {cache_dtype!r} is not one kvferry moves "
-            f"(unquantised: {', '.join(PLAIN_CACHE_DTYPES[:4])}; per-tensor FP8 on "
-            f"{', '.join(b for b, lay in MOVED_BACKENDS.items() if lay == 'packed')}: {', '.join(FP8_CACHE_DTYPES)})"
+            f"(unquantised: {', '.join(PLAIN_CACHE_DTYPES[:4])}; per-tensor FP8 on {dense}: "
+            f"{', '.join(FP8_CACHE_DTYPES)})"
         )
-    if fp8 and layout != "packed":
+    if fp8 is not None and layout == "mla":
         raise ConfigError(
-            f"{where}backend {name}: an FP8 kv cache ({dtype}) is moved only for the dense GPU backends "
-            f"({', '.join(b for b, lay in MOVED_BACKENDS.items() if lay == 'packed')}); use kv_cache_dtype 'auto'"
+            f"{where}backend {name}: an FP8 kv cache ({dtype}) is moved only for the dense backends "
+            f"({dense}); use kv_cache_dtype 'auto' for MLA"
         )
     order = stride_order.strip().upper() if isinstance(stride_order, str) and stride_order.strip() else None
     if layout != "vllm_cpu":
@@ -148,4 +155,4 @@ def backend_layout(
     # An ISA whose order kvferry does not know (vec16, neon, ...) still moves page for page
     # between instances of that ISA; per-token reads and re-blocking refuse it (per_token False).
     kernel = VLLM_CPU_PAGE_ISAS.get(isa.strip().lower(), isa.strip().lower())
-    return BackendLayout(name, LayoutSpec("vllm_cpu", kernel), order or "LBHNC", False)
+    return BackendLayout(name, LayoutSpec("vllm_cpu", kernel), order or "LBHNC", fp8)

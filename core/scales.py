@@ -28,11 +28,23 @@ from typing import Any
 from kvferry.core.errors import ConfigError, KVFerryError, PayloadError
 from kvferry.core.validate import check_number
 
-__all__ = ["KV_SCALES_KEY", "GRANULARITIES", "scales_record", "slice_scales", "merge_scales", "read_scales"]
+__all__ = [
+    "KV_SCALES_KEY",
+    "GRANULARITIES",
+    "FP8_FORMATS",
+    "scales_record",
+    "slice_scales",
+    "merge_scales",
+    "read_scales",
+    "fp8_format",
+    "scales_mismatch",
+]
 
 #: Metadata key of the scales record.
 KV_SCALES_KEY = "kv_scales"
 GRANULARITIES = ("layer", "head", "block")
+#: vLLM's per-tensor FP8 ``kv_cache_dtype`` names -> the format of the cache's bytes.
+FP8_FORMATS = {"fp8": "fp8_e4m3", "fp8_e4m3": "fp8_e4m3", "fp8_e5m2": "fp8_e5m2"}
 
 
 def _number(where: str, value: Any, error: type[KVFerryError]) -> float:
@@ -139,3 +151,45 @@ def merge_scales(records: Sequence[Mapping[str, Any] | None], heads: Sequence[in
 
 def _same(a: Mapping[str, Any], b: Mapping[str, Any]) -> bool:
     return all(a.get(n) == b.get(n) for n in ("k_scale", "v_scale"))
+
+
+def fp8_format(cache_dtype: Any) -> str | None:
+    """The format of an FP8 cache's bytes (``fp8_e4m3``, ``fp8_e5m2``) for vLLM's
+    ``kv_cache_dtype`` (``fp8`` is ``fp8_e4m3``, as vLLM maps it); None for any other."""
+    if not isinstance(cache_dtype, str):
+        return None
+    return FP8_FORMATS.get(cache_dtype.strip().lower())
+
+
+def scales_mismatch(
+    received: Mapping[str, Any] | None,
+    k_scale: Sequence[float],
+    v_scale: Sequence[float | None] | None,
+    names: Sequence[str] | None = None,
+) -> str | None:
+    """Why an FP8 cache's per-layer scales (``k_scale[i]``/``v_scale[i]`` of layer ``i``; the
+    receiver's own) cannot read pages quantised with the ``received`` record (the sender's,
+    :func:`read_scales` of its payload), or None when they can: the record is per layer, has
+    one entry per layer and every layer's scales are equal, bit for bit (JSON numbers round-trip
+    exactly). The first layer that differs is named (``names[i]`` when given) with both sides'
+    numbers. Pure; both sides' numbers come from here."""
+    if received is None:
+        return "the sender's pages carry no kv_scales, this cache is FP8 (its scales are needed to read them)"
+    if received.get("granularity") != "layer":
+        return f"the sender's kv_scales are per {received.get('granularity')!r}, this cache's are per layer"
+    theirs_k = list(received.get("k_scale") or ())
+    theirs_v = list(received.get("v_scale") or ()) if received.get("v_scale") is not None else None
+    if len(theirs_k) != len(k_scale):
+        return f"the sender's kv_scales cover {len(theirs_k)} layers, this cache has {len(k_scale)}"
+    if (theirs_v is None) != (v_scale is None) or (theirs_v is not None and len(theirs_v) != len(theirs_k)):
+        return "the sender's kv_scales and this cache's differ in having v_scale"
+    for i, mine_k in enumerate(k_scale):
+        mine_v = v_scale[i] if v_scale is not None else None
+        their_v = theirs_v[i] if theirs_v is not None else None
+        if theirs_k[i] != mine_k or their_v != mine_v:
+            name = f" ({names[i]})" if names is not None and i < len(names) else ""
+            return (
+                f"layer {i}{name}: the sender's k_scale {theirs_k[i]!r} v_scale {their_v!r}, "
+                f"this cache's k_scale {mine_k!r} v_scale {mine_v!r}"
+            )
+    return None

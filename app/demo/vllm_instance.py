@@ -11,7 +11,8 @@ The serve config: ``model``; ``kv_role`` (no connector without it) with ``extra`
 ``kv_connector_extra_config``), ``connector`` and ``module`` (the connector class and its module
 path; default kvferry's, ``module`` null for one of vLLM's own), ``kv_buffer_device``,
 ``policy`` (``kv_load_failure_policy``; vLLM's default without it); ``prefix_caching`` (default
-off), ``tp`` (tensor_parallel_size, default 1), ``dtype`` (default bfloat16), ``block_size``,
+off), ``tp`` (tensor_parallel_size, default 1), ``dtype`` (default bfloat16), ``kv_cache_dtype``
+(default auto), ``block_size``,
 ``max_len`` (max_model_len), ``max_num_seqs`` (defaults: :data:`TINY`, 4) and
 ``attention_backend`` (vLLM's choice without it).
 
@@ -124,6 +125,7 @@ def build_llm(cfg: dict[str, Any]) -> Any:
         skip_tokenizer_init=True,
         dtype=cfg.get("dtype", "bfloat16"),
         block_size=int(cfg.get("block_size", TINY["block_size"])),
+        kv_cache_dtype=cfg.get("kv_cache_dtype", "auto"),
         max_model_len=max_len,
         max_num_seqs=int(cfg.get("max_num_seqs", 4)),
         max_num_batched_tokens=max(max_len, 2048),

@@ -13,13 +13,21 @@ kvferry moves). Used by the connector's ``register_kv_caches`` and by
 from __future__ import annotations
 
 import logging
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 from kvferry.core.backends import BackendLayout, backend_layout
 from kvferry.core.errors import ConfigError
 
-__all__ = ["backend_name", "kernel_isa", "layer_backends", "layer_layouts", "engine_layout", "stride_order"]
+__all__ = [
+    "backend_name",
+    "kernel_isa",
+    "layer_backends",
+    "layer_layouts",
+    "layer_scales",
+    "engine_layout",
+    "stride_order",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -104,9 +112,43 @@ def layer_layouts(
             shape = tuple(getattr(t, "shape", ()))
             if len(shape) != 4:
                 raise ConfigError(f"layer {name!r}: CPU_ATTN cache of shape {list(shape)}, expected 4-D")
-            isa = kernel_isa(t.dtype, shape[2], shape[3] // 2, cache_dtype)
+            # vLLM picks the kernel for the model's dtype (an FP8 cache is a uint8 tensor)
+            fp8_bytes = str(t.dtype) == "torch.uint8"
+            dtype = getattr(getattr(vllm_config, "model_config", None), "dtype", None) if fp8_bytes else None
+            isa = kernel_isa(dtype or t.dtype, shape[2], shape[3] // 2, cache_dtype)
         out[name] = backend_layout(backend, cache_dtype=cache_dtype, isa=isa, stride_order=order, layer=name)
     return out
+
+
+def layer_scales(vllm_config: Any, names: list[str]) -> Callable[[], tuple[list[float], list[float | None] | None]]:
+    """A reader of the FP8 scales of the attention layers ``names`` (in that order): each
+    call returns ``(k_scale, v_scale)`` as vLLM's layers hold them now (``_k_scale_float`` /
+    ``_v_scale_float``, the host copies its backends pass to their kernels; vLLM may compute
+    them on the first forward with ``calculate_kv_scales``). ConfigError at start naming a
+    layer vLLM has no attention layer for, or one without the scales."""
+    from vllm.config import get_layers_from_vllm_config
+    from vllm.model_executor.layers.attention_layer_base import AttentionLayerBase
+
+    found = get_layers_from_vllm_config(vllm_config, AttentionLayerBase, names)  # type: ignore[type-abstract]
+    layers = []
+    for name in names:
+        layer = found.get(name)
+        if layer is None or not hasattr(layer, "_k_scale_float"):
+            raise ConfigError(
+                f"layer {name!r}: an FP8 cache moves with its layer's k_scale/v_scale, and vLLM's layer "
+                f"has none (_k_scale_float)"
+            )
+        layers.append(layer)
+
+    def read() -> tuple[list[float], list[float | None] | None]:
+        k = [float(layer._k_scale_float) for layer in layers]
+        v = [
+            None if getattr(layer, "_v_scale_float", None) is None else float(layer._v_scale_float) for layer in layers
+        ]
+        return k, v
+
+    read()
+    return read
 
 
 def engine_layout(vllm_config: Any) -> BackendLayout:

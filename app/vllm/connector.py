@@ -27,7 +27,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorPromMetrics, KVConnectorStats
 
-from kvferry.app.vllm.backends import layer_layouts
+from kvferry.app.vllm.backends import layer_layouts, layer_scales
 from kvferry.app.vllm.groups import GroupSpec, describe_groups
 from kvferry.app.vllm.params import ConnectorSettings
 from kvferry.app.vllm.records import FAILURE_KINDS, POOL_COUNTERS, THREADS_GAUGE, split_gauge_key
@@ -61,23 +61,18 @@ def _num_layers(vllm_config: Any, kv_cache_config: Any) -> int:
 
 def _page_layouts(vllm_config: Any, kv_caches: dict[str, torch.Tensor], kv_cache_config: Any) -> BackendLayout:
     """The one layout of every registered cache, from what vLLM chose (app.vllm.backends);
-    ConfigError at start for a backend kvferry does not move, for layers in different layouts,
-    and for what this connector's page moves do not cover (a dense cache in NHD order, whose
-    (block, head) pages are not contiguous). An MLA cache (``mla``: one latent per token, one
-    "head") is moved in any stride order: with one head NHD and HND are the same bytes."""
+    ConfigError at start for a backend kvferry does not move and for layers in different
+    layouts. A dense cache in NHD order (``LBNHC``) is moved through strided views of its
+    (block, head) pages (pages.PageGeometry ``nhd``: the payload holds the bytes an HND cache's
+    would); an MLA cache (``mla``: one latent per token, one "head") in any stride order: with
+    one head NHD and HND are the same bytes."""
     layouts = layer_layouts(vllm_config, kv_caches, kv_cache_config)
     labels = {bl.label for bl in layouts.values()}
     if len(labels) > 1:
         raise ConfigError(
             f"kv_caches: layers in different layouts {sorted(labels)}; kvferry moves one layout per engine"
         )
-    name, first = next(iter(layouts.items()))
-    if first.layout.name == "packed" and first.stride_order not in (None, "LBHNC"):
-        raise ConfigError(
-            f"layer {name!r}: backend {first.backend} in stride order {first.stride_order}: the vLLM connector moves "
-            f"whole (block, head) pages of one contiguous layer, which needs LBHNC (set VLLM_KV_CACHE_LAYOUT=LBHNC)"
-        )
-    return first
+    return next(iter(layouts.values()))
 
 
 def _layer_groups(groups: tuple[GroupSpec, ...], kv_caches: dict[str, torch.Tensor]) -> tuple[int, ...]:
@@ -164,6 +159,9 @@ class KVFerryConnector(KVConnectorBase_V1, SupportsHMA):
         if self.hybrid:
             self._worker.layer_groups = _layer_groups(self.groups, kv_caches)
             logger.info("kvferry: KV cache groups %s", ", ".join(g.label for g in self.groups))
+        self._worker.fp8 = layout.fp8
+        if layout.fp8 is not None:  # FP8 bytes move with their layers' scales, compared on load
+            self._worker.kv_scales = layer_scales(self._vllm_config, list(kv_caches))
         logger.info("kvferry: %d layers, backend %s, layout %s", len(kv_caches), layout.backend, layout.label)
         self._worker.register(kv_caches)
 

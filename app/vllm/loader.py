@@ -24,7 +24,7 @@ import collections
 import concurrent.futures
 import contextlib
 import logging
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import attrs
@@ -36,10 +36,12 @@ from kvferry.adapters.torch_decode import decode_payload, verify_deferred
 from kvferry.app.vllm.context import WorkerContext
 from kvferry.app.vllm.group_pages import GroupLoadError, write_group_pages
 from kvferry.app.vllm.pages import (
+    FP8_FORMAT_KEY,
     PageGeometry,
     block_runs,
     check_payload,
     layer_key,
+    layout_family,
     needs_relay,
     recv_slices,
     write_pages,
@@ -50,6 +52,7 @@ from kvferry.app.vllm.records import LoadJob, LoadRecord
 from kvferry.core.errors import ConfigError, KVFerryError, LeaseExpired, PayloadError
 from kvferry.core.layouts import VLLM_CPU_PAGE_ISAS, reblock_span
 from kvferry.core.ports import BatchedReleases, GetMany, Implements
+from kvferry.core.scales import read_scales, scales_mismatch
 
 __all__ = ["PageLoader"]
 
@@ -105,22 +108,27 @@ class PageLoader:
     recent_loads: collections.deque[LoadRecord]
     #: Each layer's KV cache group (layer order), with several groups; () with one.
     layer_groups: tuple[int, ...] = ()
+    #: An FP8 cache's format and its current per-layer scales (PageWorker.fp8 / kv_scales).
+    fp8: str | None = None
+    kv_scales: Callable[[], tuple[Sequence[float], Sequence[float | None] | None]] | None = None
     geometry: PageGeometry | None = attrs.field(init=False, default=None)
     receiver: Any = attrs.field(init=False, default=None)
     #: Hybrid loads in flight, and those reported failed (vLLM's ``failed_recving``).
     _group_loads: set[str] = attrs.field(init=False, factory=set)
     _failed: set[str] = attrs.field(init=False, factory=set)
     _layers: list[torch.Tensor] = attrs.field(init=False, factory=list)
+    _names: list[str] = attrs.field(init=False, factory=list)
     _layer_bytes: list[memoryview | None] = attrs.field(init=False, factory=list)
     _pool: concurrent.futures.ThreadPoolExecutor | None = attrs.field(init=False, default=None)
     _loads: dict[str, concurrent.futures.Future] = attrs.field(init=False, factory=dict)
     _load_errors: set[int] = attrs.field(init=False, factory=set)
     _load_blocks: dict[str, tuple[int, ...]] = attrs.field(init=False, factory=dict)
 
-    def attach(self, layers: list[torch.Tensor], geometry: PageGeometry) -> None:
-        """The registered caches (layer order) and their geometry; each cache's own bytes for
-        the page writes that check the checksum in their copy (None on a device)."""
-        self._layers, self.geometry = layers, geometry
+    def attach(self, layers: list[torch.Tensor], geometry: PageGeometry, names: Sequence[str] = ()) -> None:
+        """The registered caches (layer order), their geometry and vLLM's names of the layers;
+        each cache's own bytes for the page writes that check the checksum in their copy (None
+        on a device, or for an NHD cache, whose pages are strided)."""
+        self._layers, self.geometry, self._names = layers, geometry, list(names)
         self._layer_bytes = [writable_bytes(t) for t in layers]
 
     def start(self, receiver: Any) -> None:
@@ -258,8 +266,13 @@ class PageLoader:
 
     def _relays(self) -> bool:
         """Whether this cache's pages can be written from other pages per token (its page
-        order is known: a dense ``packed`` cache, or a CPU kernel kvferry knows)."""
+        order is known: a dense ``packed`` cache, a CPU kernel kvferry knows, or MLA latent
+        pages, one latent per token in every MLA backend)."""
+        if self.geometry is not None and self.geometry.latent:
+            return True
         family = (self.context.cache_layout or "vllm_cpu").split("/", 1)[0].split(":", 1)[0]
+        if self.fp8 is not None and family == "vllm_cpu":  # the CPU kernel's FP8 page order is not measured
+            return False
         return family == "packed" or (self.context.kernel_isa or "").lower() in VLLM_CPU_PAGE_ISAS
 
     # ------------------------------------------------------------------------------- reading
@@ -312,6 +325,7 @@ class PageLoader:
             data = got[0]
             try:
                 decoded = decode_payload(data, defer_verify=True)  # checked as the pages are written
+                self._check_fp8(decoded.metadata or {}, layer_idx)  # before anything is written
                 layer = self._layers[layer_idx]
                 if plan.job.groups:
                     verify_deferred(decoded)  # a group's pages: checked before they are written
@@ -329,11 +343,13 @@ class PageLoader:
                 if needs_relay(decoded.metadata, geometry, self.context.cache_layout, self.context.kernel_isa):
                     meta = decoded.metadata or {}
                     theirs = f"{meta.get('cache_layout') or 'vllm_cpu'}, block_size {meta.get('block_size')}"
-                    if not self._relays():
+                    fp8_cpu = self.fp8 is not None and layout_family(meta.get("cache_layout")) == "vllm_cpu"
+                    if not self._relays() or fp8_cpu:
                         raise _LoadFailed(
                             "layout",
                             f"layer {layer_idx}: the prefill's pages ({theirs}) differ from this cache's "
-                            f"({self.context.cache_layout}), whose page order kvferry cannot write",
+                            f"({self.context.cache_layout}), and kvferry cannot re-lay them (an FP8 CPU page's "
+                            f"order is not known; other pages need a page order it knows)",
                         )
                     verify_deferred(decoded)
                     try:
@@ -352,6 +368,27 @@ class PageLoader:
                 release_soon(data)  # written: the sender may reuse the region once it hears
                 plan.next += 1  # (a failure ends the load: ``next`` is not read again)
         return True
+
+    def _check_fp8(self, meta: Any, layer_idx: int) -> None:
+        """A ``layout`` failure, before anything is written, unless the payload's FP8 format
+        and every layer's scales are this cache's (core.scales.scales_mismatch): FP8 bytes
+        quantised with other scales would read as other numbers. PayloadError (``corrupt``)
+        for a malformed scales record."""
+        theirs = meta.get(FP8_FORMAT_KEY)
+        if theirs != self.fp8:
+            name = self._names[layer_idx] if layer_idx < len(self._names) else ""
+            raise _LoadFailed(
+                "layout",
+                f"layer {layer_idx} ({name}): the prefill's cache is {theirs or 'not FP8'}, "
+                f"this cache is {self.fp8 or 'not FP8'}",
+            )
+        if self.fp8 is None:
+            return
+        assert self.kv_scales is not None
+        k, v = self.kv_scales()
+        why = scales_mismatch(read_scales(meta), k, v, self._names or None)
+        if why is not None:
+            raise _LoadFailed("layout", f"FP8 scales differ: {why}")
 
     def _get_one(
         self, plan: _LoadPlan, until: float | None, layer_idx: int, sl: Any, stages: tuple[str, str]

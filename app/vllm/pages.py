@@ -19,7 +19,14 @@ is one page of ``block_size * latent`` elements, moved as it is: the payload's k
 the pages ``[blocks, 1, block_size * latent]``, its value absent, its metadata ``layout``
 :data:`MLA_PAGE_LAYOUT` and ``kv_latent: true``. Every rank holds the whole latent; each decode
 rank reads it whole from one prefill rank (:func:`kvferry.core.routing.latent_source`, the
-head plan of one head held by every rank), so a latent geometry routes as one head.
+head plan of one head held by every rank), so a latent geometry routes as one head. A decode
+of another block size re-blocks the latent rows on write (:func:`write_relaid`).
+
+Dense caches in NHD order (vLLM's ``LBNHC``) are read through strided views of their pages
+(``PageGeometry.nhd``); their payloads hold the bytes an HND cache's would. FP8 caches
+(vLLM's ``uint8``, or torch's float8 dtypes) are copied as their bytes (:func:`raw_bytes`);
+their scales travel in the metadata (the saver and loader). A device cache's pages go
+through pinned host staging (:class:`kvferry.adapters.device_staging.PinnedStaging`).
 """
 
 from __future__ import annotations
@@ -31,6 +38,7 @@ import attrs
 import torch
 
 from kvferry.adapters.checked_scatter import scatter_checked
+from kvferry.adapters.device_staging import PinnedStaging
 from kvferry.adapters.kv_layouts import tokens_to_vllm_pages, vllm_pages_to_tokens
 from kvferry.adapters.torch_decode import dtype_name, verify_deferred
 from kvferry.adapters.torch_frames import dest_views, finish_payload_in
@@ -57,12 +65,18 @@ __all__ = [
     "needs_relay",
     "pages_to_tokens",
     "write_relaid",
+    "FP8_DTYPES",
+    "FP8_FORMAT_KEY",
+    "raw_bytes",
+    "as_pages_of",
 ]
 
 #: The layout name recorded in every dense payload's metadata.
 PAGE_LAYOUT = "vllm_cpu_pages_hnd"
 #: The layout name of an MLA payload (one latent region per block, no value tensor).
 MLA_PAGE_LAYOUT = "vllm_mla_pages"
+#: Metadata key of an FP8 payload's format (``fp8_e4m3``, ``fp8_e5m2``; absent: not FP8).
+FP8_FORMAT_KEY = "kv_cache_dtype"
 
 
 @attrs.frozen
@@ -71,7 +85,13 @@ class PageGeometry:
     2 * head_size]`` of one dtype. ``heads`` are this rank's KV heads.
 
     ``latent``: an MLA cache ``[num_blocks, 1, block_size, head_size]``, ``head_size`` the
-    latent width (``kv_lora_rank + qk_rope_head_dim``), one region per block (no V)."""
+    latent width (``kv_lora_rank + qk_rope_head_dim``), one region per block (no V).
+
+    ``nhd``: a dense cache in vLLM's ``LBNHC`` stride order (the logical view of a contiguous
+    ``[num_blocks, block_size, heads, 2 * head_size]``), whose (block, head) pages are not
+    contiguous: its K and V regions are the strided views ``[num_blocks, heads, block_size / 2,
+    2 * head_size]`` of each page's first and second half, and the payload holds the same
+    bytes an HND cache's would (each page's rows in order), so either order reads the other's."""
 
     num_layers: int
     num_blocks: int
@@ -80,6 +100,7 @@ class PageGeometry:
     head_size: int
     dtype: str
     latent: bool = False
+    nhd: bool = False
 
     @property
     def region(self) -> int:
@@ -99,9 +120,12 @@ class PageGeometry:
     @classmethod
     def of(cls, layers: Sequence[torch.Tensor], *, latent: bool = False) -> PageGeometry:
         """The geometry of vLLM's per-layer tensors (``latent``: an MLA cache, as vLLM hands it
-        to a connector: ``[num_blocks, 1, block_size, latent]``); ConfigError for anything else."""
+        to a connector: ``[num_blocks, 1, block_size, latent]``, or the backend's own
+        ``[num_blocks, block_size, latent]``); ConfigError for anything else."""
         if not layers:
             raise ConfigError("kv_caches: no attention layers registered")
+        if latent:  # vLLM's own MLA cache shape [num_blocks, block_size, latent]: the same bytes
+            layers = [t.unsqueeze(1) if isinstance(t, torch.Tensor) and t.dim() == 3 else t for t in layers]
         first = layers[0]
         for i, t in enumerate(layers):
             if latent:
@@ -122,17 +146,29 @@ class PageGeometry:
                     f"kv_caches[{i}]: shape {tuple(t.shape)} / {t.dtype} differs from layer 0's "
                     f"{tuple(first.shape)} / {first.dtype}"
                 )
-            if not t.is_contiguous():
-                raise ConfigError(f"kv_caches[{i}]: expected a contiguous tensor")
+            nhd = not latent and not t.is_contiguous() and t.transpose(1, 2).is_contiguous()
+            if nhd != (not latent and not first.is_contiguous()) or not (t.is_contiguous() or nhd):
+                raise ConfigError(
+                    f"kv_caches[{i}]: expected a contiguous tensor, or for a dense cache the HND view of a "
+                    f"contiguous [num_blocks, block_size, heads, 2*head_size] (vLLM's LBNHC), as layer 0 is"
+                )
+            if nhd and t.shape[2] % 2:
+                raise ConfigError(f"kv_caches[{i}]: an NHD cache's block size must be even, got {t.shape[2]}")
         nb, heads, bs, content = first.shape
         if latent:
             return cls(len(layers), nb, 1, bs, content, dtype_name(first.dtype), latent=True)
-        return cls(len(layers), nb, heads, bs, content // 2, dtype_name(first.dtype))
+        nhd = not first.is_contiguous()
+        return cls(len(layers), nb, heads, bs, content // 2, dtype_name(first.dtype), nhd=nhd)
 
     def regions(self, layer: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Views ``[num_blocks, heads, region]`` of a layer's K and V regions (no copy)."""
+        """Views ``[num_blocks, heads, region]`` of a layer's K and V regions (no copy); of an
+        NHD cache, ``[num_blocks, heads, block_size / 2, 2 * head_size]`` (strided: reshape a
+        payload's pages to them with :func:`as_pages_of`)."""
         if self.latent:
             raise ConfigError("an MLA cache has one latent region per block, no K and V regions")
+        if self.nhd:
+            half = self.block_size // 2
+            return layer[:, :, :half], layer[:, :, half:]
         v = layer.view(self.num_blocks, self.heads, 2, self.region)
         return v[:, :, 0], v[:, :, 1]
 
@@ -152,6 +188,30 @@ class PageGeometry:
         if self.latent:
             return (layer.view(self.num_blocks, 1, self.region),)
         return self.regions(layer)
+
+
+#: Torch dtypes of an FP8 cache: moved as their bytes (uint8 views), never converted.
+FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
+
+
+def raw_bytes(t: torch.Tensor) -> torch.Tensor:
+    """``t`` itself, or for an FP8 tensor its bytes (a uint8 view of one shape and strides):
+    pages are copied as bytes, so an FP8 cache moves bit for bit through copies torch may not
+    have for its float8 dtypes."""
+    return t.view(torch.uint8) if t.dtype in FP8_DTYPES else t
+
+
+def as_pages_of(pages: torch.Tensor, region_view: torch.Tensor) -> torch.Tensor:
+    """Payload pages ``[n, heads, region]`` in the shape of a cache's region view (itself, or an
+    NHD cache's ``[n, heads, block_size / 2, 2 * head_size]``): a view where the pages are
+    contiguous."""
+    if region_view.dim() == pages.dim():
+        return pages
+    return pages.reshape(pages.shape[0], pages.shape[1], *region_view.shape[2:])
+
+
+#: Pinned host staging of the loads into a device cache (one copy at a time; see PinnedStaging).
+_LOAD_STAGING = PinnedStaging()
 
 
 def layer_key(transfer_id: str, from_stage: int, layer: int, from_rank: int, to_rank: int) -> str:
@@ -198,6 +258,8 @@ class PageWriter:
     align: int = 64
     checksums: str | None = None
     _templates: dict[tuple[int, int], LayoutTemplate] = attrs.field(init=False, factory=dict)
+    #: Pinned host staging for a device cache's pages (created on the first device gather).
+    _staging: PinnedStaging | None = attrs.field(init=False, default=None)
 
     def template(self, num_blocks: int, heads: int) -> LayoutTemplate:
         key = (num_blocks, heads)
@@ -228,7 +290,14 @@ class PageWriter:
         write the header in front."""
         dests = dest_views(dest, layout)
         for src, out in zip(self.geometry.page_tensors(layer), dests):
-            torch.index_select(src[:, head_start:head_stop], 0, index, out=out)
+            assert out is not None
+            src, out = raw_bytes(src)[:, head_start:head_stop], as_pages_of(raw_bytes(out), src)
+            if src.device == out.device:
+                torch.index_select(src, 0, index, out=out)
+            else:  # a device cache into a host payload: gathered on the device, out through pinned memory
+                if self._staging is None:
+                    self._staging = PinnedStaging()
+                self._staging.to_host(torch.index_select(src, 0, index.to(src.device)), out)
         finish_payload_in(dest, layout)
 
 
@@ -273,16 +342,14 @@ def _check_latent(decoded: Any, geometry: PageGeometry, layer: int, min_blocks: 
     if decoded.num_layers != 1 or decoded.key_cache[0] is None or decoded.value_cache[0] is not None:
         raise PayloadError(f"layer {layer}: expected one layer of MLA latent pages and no value tensor")
     src_bs = meta.get("block_size", geometry.block_size)
-    if src_bs != geometry.block_size:
-        raise PayloadError(
-            f"layer {layer}: MLA pages of block_size {src_bs!r}, this cache's is {geometry.block_size} "
-            f"(MLA pages are moved page for page, never re-blocked)"
-        )
+    if isinstance(src_bs, bool) or not isinstance(src_bs, int) or src_bs < 1:
+        raise PayloadError(f"layer {layer}: payload block_size {src_bs!r}")
+    region = src_bs * geometry.head_size  # re-blocked on write when the sender's block size is another
     t = decoded.key_cache[0]
-    if t.dim() != 3 or tuple(t.shape[1:]) != (1, geometry.region) or t.shape[0] < min_blocks:
+    if t.dim() != 3 or tuple(t.shape[1:]) != (1, region) or t.shape[0] < min_blocks:
         raise PayloadError(
-            f"layer {layer}: latent pages {tuple(t.shape)}, expected [>= {min_blocks}, 1, {geometry.region}] "
-            f"(block_size {geometry.block_size}, latent {geometry.head_size})"
+            f"layer {layer}: latent pages {tuple(t.shape)}, expected [>= {min_blocks}, 1, {region}] "
+            f"(block_size {src_bs}, latent {geometry.head_size})"
         )
     if dtype_name(t.dtype) != geometry.dtype:
         raise PayloadError(f"layer {layer}: latent pages are {dtype_name(t.dtype)}, this cache is {geometry.dtype}")
@@ -329,7 +396,7 @@ def write_pages(
     pending = getattr(decoded, "unverified", None) or {}  # what decoding left to check
     fused: set[int] = set()  # page tensors written and checked in one read
     nbytes = 0
-    if pending and layer_bytes is not None:
+    if pending and layer_bytes is not None and not geometry.nhd:  # byte places of contiguous pages
         spans = runs if runs is not None else block_runs(index.tolist())
         algorithm = str(decoded.checksum_algorithm)
         for i, (whole, (base, block, head)) in enumerate(zip(payload, geometry.page_places(layer.element_size()))):
@@ -349,9 +416,12 @@ def write_pages(
     for i, (dst, whole) in enumerate(zip(geometry.page_tensors(layer) if len(fused) < len(payload) else (), payload)):
         if i in fused:
             continue
-        src = whole.narrow(0, first_page, n)
+        dst = raw_bytes(dst)
+        src = as_pages_of(raw_bytes(whole).narrow(0, first_page, n), dst)
         if (i == 0, 0) in pending:  # a deferred check not fused: before the copy
             verify_deferred(decoded, (i == 0, 0))
+        if src.device != dst.device:  # host pages into a device cache: in through pinned memory
+            src, index = _LOAD_STAGING.to_device(src, dst.device), index.to(dst.device)
         if runs is not None and len(runs) <= max(1, n // 4):
             for block, at, length in runs:
                 dst[block : block + length, recv_start:recv_stop].copy_(src[at : at + length])
@@ -379,10 +449,13 @@ def _kernel(isa: Any) -> str | None:
 def needs_relay(metadata: Any, geometry: PageGeometry, cache_layout: str | None, isa: str | None) -> bool:
     """True when a payload's pages are not this cache's page for page: another block size,
     another layout family (``packed`` pages into a CPU cache or back), or another CPU kernel's
-    order (all stated by the sender: ``block_size``, ``cache_layout``, ``isa``)."""
+    order (all stated by the sender: ``block_size``, ``cache_layout``, ``isa``). MLA latent
+    pages differ only in their block size."""
     meta = metadata or {}
     if meta.get("block_size", geometry.block_size) != geometry.block_size:
         return True
+    if geometry.latent:  # one latent per token in every MLA backend: only the block size can differ
+        return False
     family = layout_family(cache_layout)
     if layout_family(meta.get("cache_layout")) != family:
         return True
@@ -441,6 +514,8 @@ def write_relaid(
     ``layer[index, recv_start:recv_stop]``. Bit-exact per token; the tail of a partial last
     page is zero. Returns the bytes written. PayloadError when the sender's pages cannot be
     decoded or re-laid (naming both sides)."""
+    if geometry.latent:
+        return _write_latent_reblocked(layer, geometry, decoded, index, first_page)
     meta: dict[str, Any] = dict(decoded.metadata or {})
     src_bs: Any = meta.get("block_size")
     num_tokens: Any = meta.get("num_tokens")
@@ -449,8 +524,8 @@ def write_relaid(
     n = index.numel()
     try:
         start, stop, src_first, src_stop = reblock_span(first_page, n, geometry.block_size, src_bs, num_tokens)
-        k_src = decoded.key_cache[0].narrow(0, src_first, src_stop - src_first)
-        v_src = decoded.value_cache[0].narrow(0, src_first, src_stop - src_first)
+        k_src = raw_bytes(decoded.key_cache[0]).narrow(0, src_first, src_stop - src_first)
+        v_src = raw_bytes(decoded.value_cache[0]).narrow(0, src_first, src_stop - src_first)
         k, v = pages_to_tokens(k_src, v_src, src_family, src_isa, src_bs, (src_stop - src_first) * src_bs)
         offset = start - src_first * src_bs
         k, v = k[offset : offset + stop - start], v[offset : offset + stop - start]
@@ -461,8 +536,38 @@ def write_relaid(
             f"cannot be re-laid as this cache's (block_size {geometry.block_size}, {cache_layout}, "
             f"kernel {isa!r}): {exc}"
         ) from exc
-    k_dst, v_dst = geometry.regions(layer)
-    index = index[: k_pages.shape[0]]  # local pages past the prompt's end hold nothing of it
-    k_dst[:, recv_start:recv_stop].index_copy_(0, index, k_pages[: index.numel()])
-    v_dst[:, recv_start:recv_stop].index_copy_(0, index, v_pages[: index.numel()])
+    k_dst, v_dst = (raw_bytes(t) for t in geometry.regions(layer))
+    index = index[: k_pages.shape[0]].to(k_dst.device)  # local pages past the prompt's end hold nothing of it
+    for dst, pages in ((k_dst, k_pages), (v_dst, v_pages)):
+        dst[:, recv_start:recv_stop].index_copy_(0, index, as_pages_of(pages[: index.numel()], dst).to(dst.device))
     return 2 * k_pages.numel() * k_pages.element_size()
+
+
+def _write_latent_reblocked(
+    layer: torch.Tensor, geometry: PageGeometry, decoded: Any, index: torch.Tensor, first_page: int
+) -> int:
+    """:func:`write_relaid` for MLA latent pages of another block size: the sender's pages
+    ``[n, 1, src_block_size * latent]`` are its tokens' latents in order (one row per token,
+    ``latent`` wide), so the tokens of local pages ``first_page ..`` are a row range of them,
+    laid out again ``geometry.block_size`` rows to a page (zero past the prompt's end) and
+    copied into ``layer[index]``. Byte for byte per token (FP8 latents as their bytes)."""
+    meta = decoded.metadata or {}
+    src_bs: Any = meta.get("block_size")
+    num_tokens: Any = meta.get("num_tokens")
+    bs, width = geometry.block_size, geometry.head_size
+    try:
+        start, stop, src_first, src_stop = reblock_span(first_page, index.numel(), bs, src_bs, num_tokens)
+    except ConfigError as exc:
+        raise PayloadError(
+            f"MLA pages of block_size {src_bs!r} cannot be re-blocked into this cache's ({bs}): {exc}"
+        ) from exc
+    src = raw_bytes(decoded.key_cache[0]).narrow(0, src_first, src_stop - src_first).reshape(-1, width)
+    offset = start - src_first * src_bs
+    pages = -(-(stop - start) // bs)
+    out = torch.zeros((pages * bs, width), dtype=src.dtype, device=src.device)
+    out[: stop - start] = src[offset : offset + stop - start]
+    (dst,) = geometry.page_tensors(layer)
+    dst = raw_bytes(dst)
+    target = index[:pages].to(dst.device)
+    dst.index_copy_(0, target, out.view(pages, 1, bs * width).to(dst.device))
+    return out.numel() * out.element_size()

@@ -24,11 +24,12 @@ import torch
 
 from kvferry.app.put import put_with_retry
 from kvferry.app.vllm.context import WorkerContext
-from kvferry.app.vllm.pages import PageGeometry, PageWriter, layer_key, send_slices
+from kvferry.app.vllm.pages import FP8_FORMAT_KEY, PageGeometry, PageWriter, layer_key, send_slices
 from kvferry.app.vllm.records import SaveJob
 from kvferry.core.errors import KVFerryError, PoolFullError, TransferError
 from kvferry.core.policy import PUT_FAILURES, RetryPolicy
 from kvferry.core.ports import Implements, Reservable
+from kvferry.core.scales import KV_SCALES_KEY, scales_record
 
 __all__ = ["PageSaver"]
 
@@ -60,6 +61,9 @@ class PageSaver:
     retry: RetryPolicy
     #: Each layer's KV cache group (layer order), with several groups; () with one.
     layer_groups: tuple[int, ...] = ()
+    #: An FP8 cache's format and its current per-layer scales (PageWorker.fp8 / kv_scales).
+    fp8: str | None = None
+    kv_scales: Callable[[], tuple[Sequence[float], Sequence[float | None] | None]] | None = None
     geometry: PageGeometry | None = attrs.field(init=False, default=None)
     #: Gathers a layer's pages into a payload (set once the caches are checked).
     writer: PageWriter | None = attrs.field(init=False, default=None)
@@ -173,9 +177,13 @@ class PageSaver:
                 raise KVFerryError(f"layer {layer_idx}: no KV cache group registered for it")
             pages = job.groups[self.layer_groups[layer_idx]]
             block_ids, group_meta = pages.block_ids, {"group": pages.group, "first_page": pages.first_page}
-        index = torch.tensor(block_ids, dtype=torch.long)
+        index = torch.tensor(block_ids, dtype=torch.long, device=layer.device)
         stage = self.context.settings.from_stage
         nbytes = 0
+        scales = None
+        if self.fp8 is not None:  # every layer's scales in every payload: the first read checks them all
+            assert self.kv_scales is not None
+            scales = scales_record("layer", *self.kv_scales())
         for sl in send_slices(
             self.context.tp_size,
             job.decode_tp,
@@ -198,6 +206,8 @@ class PageSaver:
                 meta["isa"] = self.context.kernel_isa
             if self.context.cache_layout is not None:
                 meta["cache_layout"] = self.context.cache_layout
+            if scales is not None:
+                meta[FP8_FORMAT_KEY], meta[KV_SCALES_KEY] = self.fp8, scales
             layout = writer.layout(job.transfer_id, block_ids, sl.num_heads, meta)
             key = layer_key(job.transfer_id, stage, layer_idx, self.context.tp_rank, sl.target_rank)
             nbytes += self._put(

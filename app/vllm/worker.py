@@ -52,6 +52,9 @@ from kvferry.core.policy import RetryPolicy
 __all__ = ["SaveJob", "LoadJob", "LoadRecord", "TransferStats", "PageWorker", "FAILURE_KINDS"]
 
 logger = logging.getLogger(__name__)
+#: A cache tensor of a torch float8 dtype is an FP8 cache of that format (vLLM's own FP8 caches
+#: are uint8 tensors: their format comes from ``kv_cache_dtype``, PageWorker.fp8).
+_TORCH_FP8 = {"float8_e4m3fn": "fp8_e4m3", "float8_e5m2": "fp8_e5m2"}
 
 
 def _to_context(worker: Any, attribute: Any, value: Any) -> Any:
@@ -105,6 +108,15 @@ class PageWorker:
     #: With several KV cache groups (vLLM's hybrid manager): each registered layer's group, in
     #: layer order (set before :meth:`register`); a hybrid job's layers move their group's pages.
     layer_groups: tuple[int, ...] = attrs.field(default=(), on_setattr=_to_both)
+    #: An FP8 cache's format (``fp8_e4m3``, ``fp8_e5m2``: core.scales.fp8_format of vLLM's
+    #: ``kv_cache_dtype``; set before :meth:`register`, or taken from a float8 cache's dtype):
+    #: pages move as their bytes, each payload says the format and carries every layer's
+    #: scales, and a load whose scales differ from this cache's fails (``layout``).
+    fp8: str | None = None
+    #: An FP8 cache's current per-layer scales, ``(k_scale, v_scale)`` lists in layer order
+    #: (vLLM's attention layers' ``_k_scale_float`` / ``_v_scale_float``), read at every save
+    #: and load (vLLM may compute them on its first forward). Needed for an FP8 cache.
+    kv_scales: Callable[[], tuple[Sequence[float], Sequence[float | None] | None]] | None = None
     geometry: PageGeometry | None = attrs.field(init=False, default=None)
     stats: TransferStats = attrs.field(init=False, factory=TransferStats)
     #: The last loads of this rank, oldest first (for a driver that wants per-request figures).
@@ -153,8 +165,20 @@ class PageWorker:
         if self.layer_groups and len(self.layer_groups) != len(layers):
             raise ConfigError(f"kv_caches: {len(layers)} layers, {len(self.layer_groups)} in KV cache groups")
         self.geometry = geometry = PageGeometry.of(layers, latent=self.latent)
+        fp8 = self.fp8 or _TORCH_FP8.get(geometry.dtype)
+        if fp8 is not None:
+            if self.kv_scales is None:
+                raise ConfigError(
+                    f"kv_scales: an FP8 cache ({fp8}) moves with its layers' scales, and none were given "
+                    f"(the connector reads them from vLLM's attention layers)"
+                )
+            k, v = self.kv_scales()
+            if len(k) != len(layers) or (v is not None and len(v) != len(layers)):
+                raise ConfigError(f"kv_scales: {len(k)} k_scale entries for {len(layers)} layers")
+        for part in (self._saver, self._loader):
+            part.fp8, part.kv_scales = fp8, self.kv_scales
         self._saver.attach(layers, index, geometry)
-        self._loader.attach(layers, geometry)
+        self._loader.attach(layers, geometry, list(kv_caches))
         if not geometry.latent:  # a latent is one "head" on every rank, whatever the model's head count
             self._check_heads(geometry)
         self._saver.writer = PageWriter(geometry, checksums=sending_checksum(self.settings.checksums))

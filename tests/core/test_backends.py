@@ -57,12 +57,17 @@ def test_other_backends_are_refused_naming_them_and_the_moved_ones(backend: str)
 
 
 @pytest.mark.parametrize("dtype", FP8_CACHE_DTYPES)
-def test_fp8_is_moved_for_dense_gpu_backends_only(dtype: str) -> None:
+def test_fp8_is_moved_for_dense_backends_only(dtype: str) -> None:
+    fmt = "fp8_e5m2" if dtype == "fp8_e5m2" else "fp8_e4m3"  # vLLM's "fp8" is e4m3
     got = backend_layout("FLASH_ATTN", cache_dtype=dtype)
-    assert got.fp8 and got.label.endswith("/fp8")
-    for backend, isa in (("CPU_ATTN", "vec"), ("FLASHMLA", None)):
-        with pytest.raises(ConfigError, match="FP8"):
-            backend_layout(backend, cache_dtype=dtype, isa=isa)
+    assert got.fp8 == fmt and got.label.endswith(f"/{fmt}") and got.per_token
+    # the CPU kernel's FP8 cache moves page for page only: its FP8 page order is not measured
+    cpu = backend_layout("CPU_ATTN", cache_dtype=dtype, isa="vec")
+    assert cpu.fp8 == fmt and cpu.label == f"vllm_cpu:vec/LBHNC/{fmt}" and not cpu.per_token
+    assert backend_layout("CPU_ATTN", isa="vec").per_token  # control: the same kernel unquantised
+    for backend in ("FLASHMLA", "CPU_MLA", "TRITON_MLA"):
+        with pytest.raises(ConfigError, match="FP8 kv cache .* dense backends"):
+            backend_layout(backend, cache_dtype=dtype)
 
 
 def test_other_quantised_caches_are_refused() -> None:

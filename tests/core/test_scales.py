@@ -6,9 +6,18 @@ import json
 import struct
 
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 
 from kvferry.core.errors import ConfigError, PayloadError
-from kvferry.core.scales import merge_scales, read_scales, scales_record, slice_scales
+from kvferry.core.scales import (
+    fp8_format,
+    merge_scales,
+    read_scales,
+    scales_mismatch,
+    scales_record,
+    slice_scales,
+)
 
 
 def _f32(x: float) -> float:
@@ -54,3 +63,35 @@ def test_bad_scales() -> None:
     with pytest.raises(PayloadError, match="some merged shards"):
         merge_scales([scales_record("layer", [1.0], [1.0]), None], [1, 1])
     assert read_scales({}) is None and merge_scales([None, None], [1, 1]) is None
+
+
+_scale = st.integers(1, 2**24).map(lambda i: _f32(i / 4096))  # float32 scales (no float strategy: FTZ here)
+
+
+@given(k=st.lists(_scale, min_size=1, max_size=8), data=st.data())
+def test_equal_scales_through_the_header_match_and_any_changed_layer_is_named(k: list[float], data) -> None:
+    v = data.draw(st.lists(_scale, min_size=len(k), max_size=len(k)))
+    names = [f"model.layers.{i}.self_attn.attn" for i in range(len(k))]
+    sent = read_scales({"kv_scales": json.loads(json.dumps(scales_record("layer", k, v)))})
+    assert scales_mismatch(sent, k, v, names) is None
+    i = data.draw(st.integers(0, len(k) - 1))
+    which = data.draw(st.sampled_from(["k", "v"]))
+    other = data.draw(_scale.filter(lambda x: x != (k if which == "k" else v)[i]))
+    mine_k = [other if (j == i and which == "k") else x for j, x in enumerate(k)]
+    mine_v = [other if (j == i and which == "v") else x for j, x in enumerate(v)]
+    why = scales_mismatch(sent, mine_k, mine_v, names)
+    assert why is not None and f"layer {i} ({names[i]})" in why and repr(other) in why
+
+
+def test_scales_that_cannot_be_compared_say_why() -> None:
+    rec = scales_record("layer", [0.5, 0.25], [1.0, 2.0])
+    assert "no kv_scales" in (scales_mismatch(None, [0.5], [1.0]) or "")
+    assert "cover 2 layers, this cache has 3" in (scales_mismatch(rec, [0.5, 0.25, 1.0], [1.0, 2.0, 1.0]) or "")
+    assert "per 'head'" in (scales_mismatch(scales_record("head", [[0.5]], [[1.0]]), [0.5], [1.0]) or "")
+    assert "v_scale" in (scales_mismatch(scales_record("layer", [0.5, 0.25], None), [0.5, 0.25], [1.0, 2.0]) or "")
+    assert scales_mismatch(rec, [0.5, 0.25], [1.0, 2.0]) is None
+
+
+def test_fp8_formats_are_vllms_cache_dtypes() -> None:
+    assert [fp8_format(x) for x in ("fp8", "FP8_e4m3", "fp8_e5m2")] == ["fp8_e4m3", "fp8_e4m3", "fp8_e5m2"]
+    assert [fp8_format(x) for x in ("auto", "bfloat16", "fp8_ds_mla", "int8_per_token_head", None)] == [None] * 5

