@@ -9,7 +9,6 @@ fused page write with the plain one, byte for byte, and a flipped byte caught in
 from __future__ import annotations
 
 import random
-from collections.abc import Iterator
 
 import pytest
 import torch
@@ -23,17 +22,6 @@ from kvferry.core.errors import PayloadError
 from kvferry.core.header.checksums import crc32c as pure_crc32c
 
 native = pytest.importorskip("kvferry.adapters._crc32c", reason="the native CRC-32C is not built")
-ENGINES = [name for name in ("sse4.2", "table") if native.set_engine(name)]
-native.set_engine(None)
-
-
-@pytest.fixture(params=ENGINES)
-def engine(request: pytest.FixtureRequest) -> Iterator[str]:
-    assert native.set_engine(request.param)
-    try:
-        yield request.param
-    finally:
-        native.set_engine(None)
 
 
 def _expected_copy(dst: bytearray, src: bytes, chunk: int, spans: list[tuple[int, int, int]]) -> bytearray:

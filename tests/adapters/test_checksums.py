@@ -12,7 +12,6 @@ import os
 import random
 import subprocess
 import sys
-from collections.abc import Iterator
 
 import pytest
 import torch
@@ -25,17 +24,6 @@ from kvferry.core.header import decode_header
 from kvferry.core.header.checksums import crc32c as pure_crc32c
 
 native = pytest.importorskip("kvferry.adapters._crc32c", reason="the native CRC-32C is not built")
-ENGINES = [name for name in ("sse4.2", "table") if native.set_engine(name)]
-native.set_engine(None)
-
-
-@pytest.fixture(params=ENGINES)
-def engine(request: pytest.FixtureRequest) -> Iterator[str]:
-    assert native.set_engine(request.param)
-    try:
-        yield request.param
-    finally:
-        native.set_engine(None)
 
 
 # lengths around every boundary of the routine: 8-byte words, short rounds (3 x 256), long

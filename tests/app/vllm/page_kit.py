@@ -76,3 +76,18 @@ def memory_params(
         connector_type="memory",
         engine_id=engine_id,
     )
+
+
+def caches(
+    layers: int, blocks: int, heads: int, block_size: int, head_size: int, seed: int | None = None
+) -> dict[str, torch.Tensor]:
+    """vLLM CPU caches ``[blocks, heads, block_size, 2 * head_size]`` bf16 under vLLM's layer
+    names: zeros (a decode's), or random from ``seed`` (a prefill's)."""
+    g = torch.Generator().manual_seed(seed) if seed is not None else None
+    out = {}
+    for i in range(layers):
+        t = torch.zeros(blocks, heads, block_size, 2 * head_size, dtype=torch.bfloat16)
+        if g is not None:
+            t.copy_(torch.randn(t.shape, generator=g))
+        out[f"model.layers.{i}.self_attn.attn"] = t
+    return out

@@ -9,10 +9,10 @@ from __future__ import annotations
 
 import itertools
 import threading
-import time
 
 import pytest
 import torch
+from page_kit import wait_for
 
 from kvferry.app.vllm.groups import NULL_BLOCK, GroupPages
 from kvferry.app.vllm.params import ConnectorSettings, parse_decode_params, prefill_result
@@ -37,14 +37,6 @@ def _worker(name: str, rank: int, tp: int, producer: bool, groups: tuple[int, ..
     w = PageWorker(settings, tp_rank=rank, tp_size=tp, total_kv_heads=HEADS, producer=producer, consumer=not producer)
     w.layer_groups = groups
     return w
-
-
-def _wait(pred, timeout_s: float = 10.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    tick = threading.Event()
-    while not pred():
-        assert time.monotonic() < deadline, "timed out"
-        tick.wait(0.01)
 
 
 def _caches(heads: int, seed: int) -> dict[str, torch.Tensor]:
@@ -73,7 +65,7 @@ def _save(name: str, prefill_tp: int, decode_tp: int) -> tuple[list[PageWorker],
         for layer_name, t in c.items():
             p.save_layer(layer_name, t)
         p.end_step()
-        _wait(lambda p=p: p.finished({"r"})[0] == {"r"})
+        wait_for(lambda p=p: p.finished({"r"})[0] == {"r"})
         workers.append(p)
         caches.append(c)
     return workers, caches
@@ -96,7 +88,7 @@ def _params(prefill_tp: int, decode_tp: int) -> dict:
 
 def _load(d: PageWorker, job: LoadJob) -> tuple[set[str], set[int]]:
     got: set[str] = set()
-    _wait(lambda: got.update(d.finished(set())[1]) or "r" in got)
+    wait_for(lambda: got.update(d.finished(set())[1]) or "r" in got)
     return d.failed_loads(), d.load_errors()
 
 
@@ -237,7 +229,7 @@ def test_a_save_that_holds_its_step_is_out_when_the_step_ends(hold: bool) -> Non
         _one_step(w, hold)
         assert (w.finished({"r"})[0] == {"r"}) is hold
         gate.set()
-        _wait(lambda: w.finished({"r"})[0] == {"r"} or not w.pending_saves)
+        wait_for(lambda: w.finished({"r"})[0] == {"r"} or not w.pending_saves)
         assert w.stats.peek().get("requests_sent") == 1
     finally:
         gate.set()
@@ -251,7 +243,7 @@ def test_a_held_save_not_out_by_its_deadline_is_failed_not_sent() -> None:
         _one_step(w, True)  # the gate stays shut: end_step gives up after load_timeout_s
         assert w.stats.peek().get("failures_timeout") == 1
         gate.set()
-        _wait(lambda: w.finished({"r"})[0] == {"r"})
+        wait_for(lambda: w.finished({"r"})[0] == {"r"})
         assert not w.stats.peek().get("requests_sent")  # its remaining layers were not sent
     finally:
         gate.set()

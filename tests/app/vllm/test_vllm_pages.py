@@ -14,7 +14,7 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from page_kit import load, names, page_worker, publish, wait_for
+from page_kit import caches, load, names, page_worker, publish, wait_for
 
 from kvferry.app.vllm.pages import PageGeometry, block_runs, layer_key, recv_slices, send_slices, write_pages
 from kvferry.app.vllm.params import ConnectorSettings, parse_decode_params, parse_prefill_params, prefill_result
@@ -164,14 +164,7 @@ def test_geometry_of_an_nhd_cache_reads_its_pages_through_strides() -> None:
 
 # ----------------------------------------------------------------------------------- workers
 def _caches(heads: int, seed: int | None) -> dict[str, torch.Tensor]:
-    g = torch.Generator().manual_seed(seed) if seed is not None else None
-    out = {}
-    for i in range(LAYERS):
-        t = torch.zeros(BLOCKS, heads, BS, 2 * HEAD, dtype=torch.bfloat16)
-        if g is not None:
-            t.copy_(torch.randn(t.shape, generator=g))
-        out[f"model.layers.{i}.self_attn.attn"] = t
-    return out
+    return caches(LAYERS, BLOCKS, heads, BS, HEAD, seed)
 
 
 def _worker(name: str, rank: int, tp: int, producer: bool, **extra) -> PageWorker:

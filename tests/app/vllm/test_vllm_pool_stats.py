@@ -10,6 +10,7 @@ import time
 
 from hypothesis import given
 from hypothesis import strategies as st
+from page_kit import caches
 
 from kvferry.app.vllm.params import ConnectorSettings, parse_decode_params, prefill_result
 from kvferry.app.vllm.records import POOL_GAUGES, THREADS_GAUGE, PoolWatch, gauge_key, split_gauge_key
@@ -28,16 +29,7 @@ class _Clock:
 
 
 def _caches(seed: int | None) -> dict:
-    import torch
-
-    g = None if seed is None else torch.Generator().manual_seed(seed)
-    out = {}
-    for i in range(LAYERS):
-        t = torch.zeros(BLOCKS, HEADS, BS, 2 * HEAD, dtype=torch.bfloat16)
-        if g is not None:
-            t.copy_(torch.randn(t.shape, generator=g))
-        out[f"model.layers.{i}.self_attn.attn"] = t
-    return out
+    return caches(LAYERS, BLOCKS, HEADS, BS, HEAD, seed)
 
 
 def _wait(pred, timeout_s: float = 10.0) -> None:
