@@ -61,11 +61,18 @@ def load(worker: PageWorker, job: LoadJob) -> tuple[set[str], set[int]]:
 
 
 def memory_params(
-    *, tokens: int, block_size: int, layers: int, prefill_tp: int, decode_tp: int, engine_id: str
+    *,
+    tokens: int,
+    block_size: int,
+    layers: int,
+    prefill_tp: int,
+    decode_tp: int,
+    engine_id: str,
+    transfer_id: str = "t",
 ) -> dict[str, Any]:
-    """The ``kv_transfer_params`` a memory-connector prefill of request ``t`` returns."""
+    """The ``kv_transfer_params`` a memory-connector prefill of ``transfer_id`` returns."""
     return prefill_result(
-        transfer_id="t",
+        transfer_id=transfer_id,
         host="127.0.0.1",
         port=50151,
         num_tokens=tokens,

@@ -6,13 +6,12 @@ from __future__ import annotations
 
 import itertools
 import threading
-import time
 
 from hypothesis import given
 from hypothesis import strategies as st
-from page_kit import caches
+from page_kit import caches, memory_params, wait_for
 
-from kvferry.app.vllm.params import ConnectorSettings, parse_decode_params, prefill_result
+from kvferry.app.vllm.params import ConnectorSettings, parse_decode_params
 from kvferry.app.vllm.records import POOL_GAUGES, THREADS_GAUGE, PoolWatch, gauge_key, split_gauge_key
 from kvferry.app.vllm.worker import LoadJob, PageWorker, SaveJob
 
@@ -32,27 +31,10 @@ def _caches(seed: int | None) -> dict:
     return caches(LAYERS, BLOCKS, HEADS, BS, HEAD, seed)
 
 
-def _wait(pred, timeout_s: float = 10.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    event = threading.Event()
-    while not pred():
-        assert time.monotonic() < deadline, "timed out"
-        event.wait(0.01)
-
-
 def _source(tid: str) -> object:
     return parse_decode_params(
-        prefill_result(
-            transfer_id=tid,
-            host="127.0.0.1",
-            port=50151,
-            num_tokens=70,
-            block_size=BS,
-            num_layers=LAYERS,
-            tp_size=1,
-            decode_tp_size=1,
-            connector_type="memory",
-            engine_id="e",
+        memory_params(
+            tokens=70, block_size=BS, layers=LAYERS, prefill_tp=1, decode_tp=1, engine_id="e", transfer_id=tid
         )
     )
 
@@ -118,7 +100,7 @@ def _prefill(name: str, clock: _Clock) -> PageWorker:
 def _save(p: PageWorker, req: str, tid: str) -> None:
     p.begin_step([SaveJob(req, tid, (1, 2, 3), 70, 1)])
     p.end_step()
-    _wait(lambda: p.finished({req})[0] == {req})
+    wait_for(lambda: p.finished({req})[0] == {req})
 
 
 def _held(stats: dict[str, float]) -> tuple[float, float, float]:
@@ -144,7 +126,7 @@ def test_a_prefills_pool_reports_what_it_holds_then_what_it_released_and_expired
         assert "pool_entries_released" not in saved and "pool_entries_expired" not in saved
         # the decode reads every layer: each entry freed by its release, counted once
         d.start_loads([LoadJob("r", _source("t"), (4, 5, 6), 0)])
-        _wait(lambda: "r" in d.finished(set())[1])
+        wait_for(lambda: "r" in d.finished(set())[1])
         read = p.take_stats()
         assert _held(read) == (0, 0, 0) and read["pool_entries_released"] == LAYERS, read
         assert "pool_entries_expired" not in read
@@ -174,4 +156,4 @@ def test_threads_counts_kvferrys_threads_of_the_process() -> None:
         assert p.take_stats()["threads@0"] == before + 1
     finally:
         p.close()
-    _wait(lambda: sum(t.name.startswith("kvferry") for t in threading.enumerate()) == before)
+    wait_for(lambda: sum(t.name.startswith("kvferry") for t in threading.enumerate()) == before)
