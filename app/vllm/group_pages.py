@@ -15,6 +15,7 @@ from typing import Any
 
 import torch
 
+from kvferry.adapters.torch_decode import verify_deferred
 from kvferry.app.vllm.groups import GroupPages, load_span
 from kvferry.app.vllm.pages import PageGeometry, block_runs, check_payload, needs_relay, write_pages
 from kvferry.core.errors import PayloadError
@@ -36,12 +37,15 @@ def write_group_pages(
     needed_pages: int,
     heads: tuple[int, int, int],
     cache: tuple[str | None, str | None] = (None, None),
+    layer_bytes: memoryview | None = None,
 ) -> int:
     """Write ``layer``'s payload (of KV cache group ``group``) into ``target``'s blocks, those
     of pages below ``needed_pages`` (the prefill's prompt); ``heads``: the slice's head count
     and the receiving head range; ``cache``: this cache's layout label and kernel ISA. Returns
     the bytes written. PayloadError for a corrupt payload, GroupLoadError for one that is not
-    this group's or lacks a page to write."""
+    this group's or lacks a page to write. Checksums decoding deferred are checked as
+    :func:`~kvferry.app.vllm.pages.write_pages` checks them (in its copy, with ``layer_bytes``),
+    or here when no page of the payload is written."""
     num_heads, recv_start, recv_stop = heads
     meta = decoded.metadata or {}
     if meta.get("group") != group:
@@ -62,6 +66,8 @@ def write_group_pages(
     except ValueError as exc:
         raise GroupLoadError(f"layer {layer_idx} (group {group}): {exc}") from exc
     if not blocks:
+        if getattr(decoded, "unverified", None):
+            verify_deferred(decoded)  # nothing to write: the payload is checked all the same
         return 0
     index = torch.tensor(blocks, dtype=torch.long)
-    return write_pages(layer, geometry, decoded, index, row, recv_start, recv_stop, block_runs(blocks))
+    return write_pages(layer, geometry, decoded, index, row, recv_start, recv_stop, block_runs(blocks), layer_bytes)

@@ -328,13 +328,12 @@ class PageLoader:
                 self._check_fp8(decoded.metadata or {}, layer_idx)  # before anything is written
                 layer = self._layers[layer_idx]
                 if plan.job.groups:
-                    verify_deferred(decoded)  # a group's pages: checked before they are written
                     group = self.layer_groups[layer_idx]
                     heads = (sl.num_heads, sl.recv_head_start, sl.recv_head_stop)
                     pages = -(-plan.source.num_tokens // geometry.block_size)
                     target, cache = plan.job.groups[group], (self.context.cache_layout, self.context.kernel_isa)
                     args_g = (layer_idx, group, target, pages, heads, cache)
-                    plan.nbytes += write_group_pages(layer, geometry, decoded, *args_g)
+                    plan.nbytes += write_group_pages(layer, geometry, decoded, *args_g, self._layer_bytes[layer_idx])
                     continue
                 if "group" in (decoded.metadata or {}):  # a hybrid prefill's: some layers hold a window only
                     raise GroupLoadError(f"layer {layer_idx}: pages of KV cache groups; this decode runs one group")

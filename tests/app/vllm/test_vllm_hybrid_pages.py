@@ -14,10 +14,14 @@ import pytest
 import torch
 from page_kit import wait_for
 
+from kvferry.adapters.checked_scatter import writable_bytes
+from kvferry.adapters.torch_decode import decode_payload
+from kvferry.app.vllm.group_pages import write_group_pages
 from kvferry.app.vllm.groups import NULL_BLOCK, GroupPages
+from kvferry.app.vllm.pages import PageGeometry, PageWriter
 from kvferry.app.vllm.params import ConnectorSettings, parse_decode_params, prefill_result
 from kvferry.app.vllm.worker import LoadJob, PageWorker, SaveJob
-from kvferry.core.errors import ConfigError
+from kvferry.core.errors import ConfigError, PayloadError
 
 BLOCKS, BS, HEADS, HD = 24, 16, 2, 32
 LAYER_GROUPS = (0, 1, 0, 1)  # full, sliding window, full, sliding window
@@ -267,3 +271,43 @@ def test_a_decode_of_one_group_refuses_a_hybrid_prefills_pages() -> None:
         d.close()
         for p in prefills:
             p.close()
+
+
+@pytest.mark.parametrize("fused", [True, False])
+def test_a_flipped_byte_of_a_group_payload_fails_its_write(fused: bool) -> None:
+    """A group's pages are checked as write_pages checks them (in the copy when the cache's
+    bytes are given, else before it): a flipped byte raises PayloadError naming the tensor,
+    and the same payload unflipped writes its pages (the control)."""
+    source = _caches(HEADS, seed=3)["model.layers.0.self_attn.attn"]
+    geometry = PageGeometry.of([source])
+    writer = PageWriter(geometry, checksums="crc32c")
+    sent = [4, 7, 9]
+    meta = {"layout": geometry.payload_layout, "layer": 0, "block_size": BS, "group": 1, "first_page": 2}
+    layout = writer.layout("t", sent, HEADS, meta)
+    buf = torch.empty(layout.total_nbytes, dtype=torch.uint8)
+    writer.gather(source, torch.tensor(sent), 0, HEADS, buf, layout)
+    target = GroupPages(1, 2, (11, 12, 13))
+
+    def write(data: torch.Tensor) -> tuple[int, torch.Tensor]:
+        dest = torch.zeros_like(source)
+        decoded = decode_payload(data, defer_verify=True)
+        n = write_group_pages(
+            dest,
+            geometry,
+            decoded,
+            0,
+            1,
+            target,
+            5,
+            (HEADS, 0, HEADS),
+            layer_bytes=writable_bytes(dest) if fused else None,
+        )
+        assert not decoded.unverified
+        return n, dest
+
+    n, dest = write(buf)
+    assert n > 0 and torch.equal(dest[[11, 12, 13]], source[sent])
+    bad = buf.clone()
+    bad[-5] ^= 0x04  # in the last page's V region
+    with pytest.raises(PayloadError, match="value_cache_0"):
+        write(bad)
