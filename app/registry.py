@@ -63,6 +63,7 @@ BUILTIN_CONNECTORS: dict[str, str] = {
     "shm": "kvferry.adapters.connectors.shm.connector:ShmConnector",
     "zmq": "kvferry.adapters.connectors.zmq.connector:ZmqConnector",
     "mooncake": "kvferry.adapters.connectors.mooncake.connector:MooncakeConnector",
+    "nixl": "kvferry.adapters.connectors.nixl.connector:NixlConnector",
 }
 
 
@@ -139,7 +140,7 @@ def reference_connector_config(
 
 #: kvferry's connectors that serve payloads from the sender's process: told their role, a sender
 #: its own port and bind host, a receiver nothing of a sender (it arrives with each request).
-SERVING_CONNECTORS = frozenset({"zmq", "shm", "mooncake"})
+SERVING_CONNECTORS = frozenset({"zmq", "shm", "mooncake", "nixl"})
 
 
 def connector_role_config(

@@ -24,6 +24,7 @@ __all__ = [
     "ConnectorUnavailable",
     "PoolFullError",
     "LeaseExpired",
+    "FailedAtSender",
     "BindError",
 ]
 
@@ -81,6 +82,17 @@ class PoolFullError(TransferError):
 
 class LeaseExpired(TransferError):
     """A payload was dropped because its lease expired before all readers took it."""
+
+
+class FailedAtSender(TransferError):
+    """The sender recorded that it will never publish this key (its save failed): a blocking
+    get raises it at once instead of waiting out its deadline. ``kind`` and ``reason`` are the
+    sender's (:class:`kvferry.core.tombstones.SenderFailure`)."""
+
+    def __init__(self, message: str, *, kind: str, reason: str) -> None:
+        self.kind: str = kind
+        self.reason: str = reason
+        super().__init__(message)
 
 
 class BindError(TransferError, OSError):

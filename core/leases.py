@@ -13,6 +13,9 @@ Pure bookkeeping (times passed in, in seconds of any monotonic origin; sizes in 
   revoked (the reader may still be reading the bytes in place: reusing them would corrupt its
   data silently); it is reported once as ``"overdue"`` and asked about again at every later
   :meth:`LeaseTable.expire`, and revoked once its holder is gone.
+- A key its sender will never publish may carry a failure record (:meth:`LeaseTable.fail`, a
+  tombstone): no entry, no space; :meth:`LeaseTable.status` says ``"failed"`` and
+  :meth:`LeaseTable.failure` returns the record until the key is published or forgotten.
 - A late or duplicate reader gets ``None`` ("not found"); tickets name entries by a serial
   number, never by key, so a late release can never touch a payload published later under the
   same key.
@@ -49,6 +52,7 @@ class EntryState:
     DRAINED = "drained"  #: every reader took it; waiting for outstanding releases
     EXPIRED = "expired"  #: the lease passed with readers left; waiting for releases
     DROPPED = "dropped"  #: removed by drop_key / drop_request; waiting for releases
+    FAILED = "failed"  #: never published: its sender recorded a failure (:meth:`LeaseTable.failure`)
     FREED = "freed"  #: gone; its region (if any) was returned to the allocator
 
 
@@ -178,6 +182,7 @@ class LeaseTable:
     _held: dict[int, _Record] = attrs.field(init=False, factory=dict)  # entry_id -> not freed
     _tickets: dict[int, _Record] = attrs.field(init=False, factory=dict)
     _gone: dict[str, str] = attrs.field(init=False, factory=dict)
+    _failures: dict[str, Any] = attrs.field(init=False, factory=dict)
     _next_id: int = attrs.field(init=False, default=1)
 
     def __len__(self) -> int:
@@ -191,9 +196,12 @@ class LeaseTable:
 
     def _forget_later(self, key: str, why: str) -> None:
         self._gone.pop(key, None)
+        self._failures.pop(key, None)
         self._gone[key] = why
         while len(self._gone) > self.history:
-            del self._gone[next(iter(self._gone))]
+            oldest = next(iter(self._gone))
+            del self._gone[oldest]
+            self._failures.pop(oldest, None)
 
     def _unlist(self, record: _Record, state: str) -> None:
         """Stop new takes of ``record`` (it leaves the key map); remember why."""
@@ -240,6 +248,7 @@ class LeaseTable:
         self._by_key[key] = record
         self._held[record.entry_id] = record
         self._gone.pop(key, None)
+        self._failures.pop(key, None)
         return record.snapshot()
 
     def take(self, key: str, now_s: float, holder: Any = None) -> Ticket | None:
@@ -361,9 +370,27 @@ class LeaseTable:
         """Make every readable key of ``request_id`` unreadable; returns entries freed now."""
         return self._drop([r for r in self._by_key.values() if r.request_id == request_id])
 
+    def fail(self, key: str, failure: Any) -> bool:
+        """Record that ``key`` will never be published (``failure``: the sender's record, a
+        :class:`~kvferry.core.tombstones.SenderFailure`). A readable payload under ``key`` wins
+        (False, nothing recorded); otherwise True: ``status(key)`` is ``"failed"`` and
+        :meth:`failure` returns the record until the key is published or forgotten (the same
+        ``history`` bound as every gone key). Takes no entry and no space."""
+        if not isinstance(key, str):
+            raise ConfigError(f"key must be a string, got {type(key).__name__}")
+        if key in self._by_key:
+            return False
+        self._forget_later(key, EntryState.FAILED)
+        self._failures[key] = failure
+        return True
+
+    def failure(self, key: str) -> Any | None:
+        """The failure record of ``key`` (:meth:`fail`), or None."""
+        return self._failures.get(key)
+
     def status(self, key: str) -> str:
-        """``"published"``, or why it is gone (``"drained"``, ``"expired"``, ``"dropped"``),
-        or ``"unknown"`` (never published, or forgotten beyond ``history``)."""
+        """``"published"``, or why it is gone (``"drained"``, ``"expired"``, ``"dropped"``,
+        ``"failed"``), or ``"unknown"`` (never published, or forgotten beyond ``history``)."""
         if key in self._by_key:
             return EntryState.PUBLISHED
         return self._gone.get(key, "unknown")

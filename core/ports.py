@@ -27,6 +27,7 @@ __all__ = [
     "Connector",
     "FramesPut",
     "BlockingGet",
+    "FailureRecords",
     "GetMany",
     "BatchedReleases",
     "SenderAware",
@@ -130,6 +131,26 @@ class BlockingGet(Protocol):
         the sender reports that the key was dropped unread because its lease passed: waiting
         longer cannot help. ``get`` keeps answering None ("not found") for such a key.
         """
+        ...
+
+
+@runtime_checkable
+class FailureRecords(Protocol):
+    """Optional: a sender that can say a key will never come (a failure record, a tombstone).
+
+    Called by the sender stage when a transfer it promised fails (its pool stayed full, its save
+    ran out of time), once per key it did not publish. The record takes no pool space and is
+    never data: ``get`` of the key keeps answering None, and a receiver's
+    :meth:`BlockingGet.get_blocking` raises :class:`~kvferry.core.errors.FailedAtSender` (the
+    record's kind and reason) at once, also when it was already waiting. Connectors without
+    this ability leave the receiver to its deadline.
+    """
+
+    def publish_failure(self, from_stage: str, to_stage: str, put_key: str, failure: Any) -> bool:
+        """Record ``failure`` (a :class:`~kvferry.core.tombstones.SenderFailure`) under
+        ``put_key``, dropping a payload readable under it (the failed transfer's pages are of
+        no use; a reader holding one keeps it until it releases); False when the connector is
+        closed or cannot record it. Never raises for transfer faults."""
         ...
 
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import os
 import re
+from typing import Any
 
 import pytest
 import warm_spawn
@@ -53,3 +54,13 @@ def no_shm_leaks():
 
 def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
     warm_spawn.shutdown()
+
+
+def pytest_terminal_summary(terminalreporter: Any, exitstatus: int, config: pytest.Config) -> None:
+    """Say so when the nixl connector's tests were skipped, and why (pytest -q only counts skips)."""
+    from nixl_support import nixl_missing
+
+    skipped = [r for r in terminalreporter.stats.get("skipped", []) if "nixl" in getattr(r, "nodeid", "")]
+    missing = nixl_missing() if skipped else None
+    if missing is not None:
+        terminalreporter.write_line(f"{len(skipped)} nixl tests skipped: {missing}", yellow=True)

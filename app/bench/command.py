@@ -20,7 +20,7 @@ from kvferry.core.errors import ConfigError
 __all__ = ["configure", "run", "run_hosts", "settings_from_args", "EXTRA_CONNECTORS"]
 
 #: Connectors ``--connector`` may add beside shm and zmq (which always run).
-EXTRA_CONNECTORS = ("mooncake",)
+EXTRA_CONNECTORS = ("mooncake", "nixl")
 
 
 def configure(parser: argparse.ArgumentParser) -> Callable[[argparse.Namespace], int]:
@@ -34,7 +34,7 @@ def configure(parser: argparse.ArgumentParser) -> Callable[[argparse.Namespace],
         action="append",
         default=[],
         metavar="NAME",
-        help="also measure this connector beside shm and zmq (mooncake); repeatable",
+        help="also measure this connector beside shm and zmq (mooncake, nixl); repeatable",
     )
     add(
         "--runs",
@@ -61,7 +61,13 @@ def configure(parser: argparse.ArgumentParser) -> Callable[[argparse.Namespace],
         action="store_true",
         help="root only: zmq tcp vs plain TCP between two network-namespace hosts over tbf-shaped links",
     )
-    add("--rates", default=None, metavar="R1,R2", help="--hosts link rates, tc syntax (default 1gbit,10gbit)")
+    add(
+        "--rates",
+        default=None,
+        metavar="R1,R2",
+        help="--hosts link rates, tc syntax (default 1gbit,10gbit); --serve request rates per second, inf for all at "
+        "once (default 1,4,inf)",
+    )
     add("--nbytes", type=int, default=None, help="--hosts payload bytes (default 235000000)")
     add(
         "--engine",
@@ -73,6 +79,23 @@ def configure(parser: argparse.ArgumentParser) -> Callable[[argparse.Namespace],
     add("--lengths", default=None, metavar="N1,N2", help="--engine prompt lengths (default 128,512,1024,2047)")
     add("--rows", default=None, metavar="R1,R2", help="--engine rows to measure (default all)")
     add("--logs", default=None, metavar="DIR", help="--engine: keep the vLLM instances' logs in DIR")
+    add(
+        "--serve",
+        action="store_true",
+        help="with --engine vllm: vllm serve prefill/decode servers behind vLLM's toy proxy, driven by vllm bench "
+        "serve at each of --rates (rows plain,kvferry_shm,kvferry_zmq,nixl,mooncake)",
+    )
+    add("--num-prompts", type=int, default=None, help="--serve: requests per rate (default 32)")
+    add("--max-concurrency", type=int, default=None, help="--serve: requests in flight at most (default 8)")
+    add("--input-len", type=int, default=None, help="--serve: prompt tokens (default 512)")
+    add("--output-len", type=int, default=None, help="--serve: output tokens (default 32)")
+    add(
+        "--proxy",
+        default=None,
+        metavar="FILE",
+        help="--serve: vLLM's toy_proxy_server.py (default: the copy in kvferry's source tree, "
+        "tests/engines/vllm/assets/)",
+    )
     return run
 
 
@@ -173,6 +196,9 @@ def run(args: argparse.Namespace, *, out: TextIO | None = None, err: TextIO | No
     err = sys.stderr if err is None else err
     if getattr(args, "hosts", False):
         return run_hosts(args, out, err)
+    if getattr(args, "serve", False) and not getattr(args, "engine", None):
+        print("kvferry bench: error: --serve needs --engine vllm", file=err)
+        return 2
     if getattr(args, "engine", None):
         from kvferry.app.bench.engine.command import run_engine
 

@@ -6,6 +6,7 @@ scenario that fails is recorded (its figures stay missing) and the run goes on.
 
 from __future__ import annotations
 
+import itertools
 import os
 import time
 from collections.abc import Callable
@@ -20,12 +21,13 @@ from kvferry.app.bench.scenarios import (
     ScenarioResult,
     key_items,
     manager_items,
+    one_repetition,
     run_scenario,
     tp_items,
 )
 from kvferry.core.errors import KVFerryError
 
-__all__ = ["RunState", "connector_configs", "connector_paths", "mooncake_raw", "SAME_HOST", "COPYING"]
+__all__ = ["RunState", "connector_configs", "connector_paths", "mooncake_raw", "nixl_pair", "SAME_HOST", "COPYING"]
 
 #: The same-host connector: its 1-request figure is compared with memcpy, and TP runs on it.
 SAME_HOST = "shm"
@@ -52,10 +54,10 @@ def connector_configs(name: str, settings: BenchSettings, pool: int) -> tuple[di
             {"type": "shm", "role": "sender", "port": tag, "namespace": SHM_NAMESPACE, "pool_bytes": pool},
             {"type": "shm", "role": "receiver", "namespace": SHM_NAMESPACE},
         )
-    if name == "mooncake":
+    if name in ("mooncake", "nixl"):
         return (
-            {"type": "mooncake", "role": "sender", "port": 0, "pool_bytes": pool},
-            {"type": "mooncake", "role": "receiver", "pool_bytes": pool},
+            {"type": name, "role": "sender", "port": 0, "pool_bytes": pool},
+            {"type": name, "role": "receiver", "pool_bytes": pool},
         )
     return (
         {"type": name, "role": "sender", "pool_bytes": pool},
@@ -65,7 +67,16 @@ def connector_configs(name: str, settings: BenchSettings, pool: int) -> tuple[di
 
 #: The paths measured as interleaved pairs with a limit: figure -> the limit (a name of
 #: :attr:`RunState.limits`), whose repetitions alternate with the path's (app/bench/pairs.py).
-PAIR_LIMITS: dict[str, str] = {"shm_e2e_1": "memcpy", "shm_e2e_n": "memcpy", "zmq_e2e_1": "raw_tcp"}
+#: The TP rows' limit is the homogeneous TP 2 -> 2 row of the same bytes.
+TP_HOMO = "homo_2_2"
+PAIR_LIMITS: dict[str, str] = {
+    "shm_e2e_1": "memcpy",
+    "shm_e2e_n": "memcpy",
+    "zmq_e2e_1": "raw_tcp",
+    "hetero_2_4": TP_HOMO,
+    "replicated_2_8": TP_HOMO,
+    "mla_2_4": TP_HOMO,
+}
 
 
 @attrs.define(eq=False)
@@ -142,6 +153,22 @@ def mooncake_raw(run: RunState) -> None:
     run.record("mooncake_raw", Stat.of(raw["seconds"]), g.nbytes)
 
 
+def nixl_pair(run: RunState) -> None:
+    """A raw NIXL READ against the nixl connector's get of the same bytes on the same agent pair,
+    repetitions interleaved (figures ``nixl_raw_read`` and ``nixl_pair_get``)."""
+    g, s = run.settings.geometry, run.settings
+    run.progress("raw NIXL READ vs nixl connector, interleaved ...")
+    try:
+        from kvferry.adapters.connectors.nixl.bench import bench_pair
+
+        pair = bench_pair(g.nbytes, reps=s.reps)
+    except (ImportError, KVFerryError) as exc:
+        run.failures["raw nixl"] = " ".join(str(exc).split())[:800]
+        return
+    run.record("nixl_raw_read", Stat.of(pair["raw"]["seconds"]), g.nbytes)
+    run.record("nixl_pair_get", Stat.of(pair["connector"]["seconds"]), g.nbytes)
+
+
 def _fresh(
     run: RunState,
     sender: Peer,
@@ -163,20 +190,10 @@ def _fresh(
     receiver = run.peer(f"receiver-{name}")
     results: list[ScenarioResult | None] = [None] * len(scenarios)
     try:
-        receiver.call("kv_open", t, name=name, config=recv_cfg, sender=where)
-        if group is not None:
-            receiver.call(
-                "mgr_open",
-                t,
-                name=group,
-                role="receiver",
-                ranks=list(range(ranks)),
-                from_tp=from_tp,
-                to_tp=to_tp,
-                timeout_s=t,
-                connectors=[name] * ranks,
-                **(manager_options or {}),
-            )
+        _open_receiver(
+            receiver, t, name, recv_cfg, where, group=group, ranks=ranks, from_tp=from_tp, to_tp=to_tp,
+            manager_options=manager_options,
+        )  # fmt: skip
         base_kb = receiver.call("rss_reset", t)["rss_kb"]
         for i, (scenario, figure) in enumerate(scenarios):
             results[i] = run.scenario(sender, receiver, scenario, figure, baseline_kb=base_kb)
@@ -187,6 +204,36 @@ def _fresh(
     finally:
         run.close_peer(receiver)
     return results
+
+
+def _open_receiver(
+    receiver: Peer,
+    t: float,
+    name: str,
+    recv_cfg: dict,
+    where: dict | None,
+    *,
+    group: str | None,
+    ranks: int,
+    from_tp: int,
+    to_tp: int,
+    manager_options: dict | None,
+) -> None:
+    """Open connector ``name`` in ``receiver`` (and managers ``group`` for ``ranks`` ranks)."""
+    receiver.call("kv_open", t, name=name, config=recv_cfg, sender=where)
+    if group is not None:
+        receiver.call(
+            "mgr_open",
+            t,
+            name=group,
+            role="receiver",
+            ranks=list(range(ranks)),
+            from_tp=from_tp,
+            to_tp=to_tp,
+            timeout_s=t,
+            connectors=[name] * ranks,
+            **(manager_options or {}),
+        )
 
 
 def connector_paths(run: RunState, sender: Peer, name: str, pool: int, small: Geometry) -> None:
@@ -371,10 +418,6 @@ def connector_paths(run: RunState, sender: Peer, name: str, pool: int, small: Ge
             run.failures[f"{name} close"] = str(exc)[:800]
 
 
-#: The payload items of one TP request: ``(sender items, receiver items, expected)``.
-_TPItems = Callable[[int], tuple[list[dict], list[dict], Any]]
-
-
 def tp_paths(run: RunState, sender: Peer, name: str, send_cfg: dict, recv_cfg: dict, where: dict | None) -> None:
     """TP 2->2 against 2->4 for the same bytes: sender rank ``r`` serves from its own connector
     bound at ``port + r*16`` (as a deployment's ranks do); the receiver ranks pull by routing."""
@@ -403,52 +446,67 @@ def tp_paths(run: RunState, sender: Peer, name: str, send_cfg: dict, recv_cfg: d
             rows.append((f"replicated TP 2->8 at {g.heads} KV heads", "replicated_2_8", 8, g.heads, "half", "flash"))
         # an MLA latent: each layer's K half read as [blocks, block_size, heads*head_dim]
         rows.append(("MLA latent TP 2->4", "mla_2_4", 4, 1, "main:latent", "mla"))
-        for label, figure, to_tp, kv_heads, cache, layout in rows:
-            group = f"{name}_{figure}"
-            routing_kw = {"num_kv_heads": None if layout == "mla" else kv_heads, "kv_layout": layout}
-            sender.call(
-                "mgr_open", t, name=group, role="sender", ranks=[0, 1], from_tp=2, to_tp=to_tp,
-                connectors=[name, rank1], **routing_kw,
-            )  # fmt: skip
-
-            def items(
-                i: int, to_tp: int = to_tp, kv_heads: int | None = kv_heads, cache: str = cache, figure: str = figure
-            ) -> tuple[list[dict], list[dict], Any]:
-                return tp_items(f"{name}{figure}", i, 2, to_tp, g.heads, num_kv_heads=kv_heads, cache=cache)
-
-            def send_args(i: int, items: _TPItems = items, group: str = group, cache: str = cache) -> dict[str, Any]:
-                return {"name": group, "cache": cache, "items": items(i)[0]}
-
-            def recv_args(i: int, items: _TPItems = items, group: str = group) -> dict[str, Any]:
-                return {"name": group, "items": items(i)[1], "sender": where}
-
-            _fresh(
-                run,
-                sender,
-                [
-                    (
-                        Scenario(
-                            f"kvferry {name} {label}",
-                            "mgr_send",
-                            "mgr_recv",
-                            send_args,
-                            recv_args,
-                            2 * g.nbytes,
-                            expected=items(0)[2],
-                        ),
-                        figure,
-                    )
-                ],
-                name,
-                recv_cfg,
-                where,
-                group=group,
-                ranks=to_tp,
-                from_tp=2,
-                to_tp=to_tp,
-                manager_options=routing_kw,
-            )
+        # The homogeneous row runs first against a receiver that stays open; each other row's
+        # repetitions then alternate with one of the homogeneous row's (its pair limit).
+        homo: Peer | None = None
+        try:
+            for label, figure, to_tp, kv_heads, cache, layout in rows:
+                group = f"{name}_{figure}"
+                routing_kw = {"num_kv_heads": None if layout == "mla" else kv_heads, "kv_layout": layout}
+                sender.call(
+                    "mgr_open", t, name=group, role="sender", ranks=[0, 1], from_tp=2, to_tp=to_tp,
+                    connectors=[name, rank1], **routing_kw,
+                )  # fmt: skip
+                scenario = _tp_scenario(
+                    f"kvferry {name} {label}", f"{name}{figure}", group, to_tp, kv_heads, cache, where, g
+                )
+                if figure == TP_HOMO:
+                    homo = run.peer(f"receiver-{name}-{figure}")
+                    _open_receiver(
+                        homo, t, name, recv_cfg, where, group=group, ranks=to_tp, from_tp=2, to_tp=to_tp,
+                        manager_options=routing_kw,
+                    )  # fmt: skip
+                    base_kb = homo.call("rss_reset", t)["rss_kb"]
+                    if run.scenario(sender, homo, scenario, figure, baseline_kb=base_kb) is not None:
+                        run.limits[TP_HOMO] = _limit_steps(sender, homo, scenario, t, run.settings)
+                    continue
+                _fresh(
+                    run, sender, [(scenario, figure)], name, recv_cfg, where, group=group, ranks=to_tp,
+                    from_tp=2, to_tp=to_tp, manager_options=routing_kw,
+                )  # fmt: skip
+        finally:
+            run.limits.pop(TP_HOMO, None)
+            if homo is not None:
+                run.close_peer(homo)
     except KVFerryError as exc:
         run.failures[f"{name} TP paths"] = " ".join(str(exc).split())[:800]
     finally:
         sender.call("kv_close", t, name=rank1)
+
+
+def _tp_scenario(
+    label: str, tag: str, group: str, to_tp: int, kv_heads: int | None, cache: str, where: dict, g: Geometry
+) -> Scenario:
+    """One TP row's scenario: TP 2 -> ``to_tp`` of ``2 * g.nbytes`` through managers ``group``."""
+
+    def items(i: int) -> tuple[list[dict], list[dict], Any]:
+        return tp_items(tag, i, 2, to_tp, g.heads, num_kv_heads=kv_heads, cache=cache)
+
+    return Scenario(
+        label,
+        "mgr_send",
+        "mgr_recv",
+        lambda i: {"name": group, "cache": cache, "items": items(i)[0]},
+        lambda i: {"name": group, "items": items(i)[1], "sender": where},
+        2 * g.nbytes,
+        expected=items(0)[2],
+    )
+
+
+def _limit_steps(
+    sender: Peer, receiver: Peer, scenario: Scenario, t: float, settings: BenchSettings
+) -> Callable[[], float]:
+    """One repetition of ``scenario`` a call, each with a request id of its own (after the ids
+    its own run used), as a pair limit of another path."""
+    index = itertools.count(settings.warmup + (scenario.reps or settings.reps))
+    return lambda: one_repetition(sender, receiver, scenario, t, next(index))

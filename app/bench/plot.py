@@ -46,6 +46,10 @@ _PLOTTED: tuple[tuple[str, str, str], ...] = (
     ("mooncake_e2e_1", "kvferry mooncake e2e, 1 req", "kvferry"),
     ("mooncake_e2e_n", "kvferry mooncake e2e, N req", "kvferry"),
     ("mooncake_raw", "raw mooncake write", "limit"),
+    ("nixl_direct_1", "kvferry nixl primitives, 1 req", "kvferry"),
+    ("nixl_e2e_1", "kvferry nixl e2e, 1 req", "kvferry"),
+    ("nixl_pair_get", "kvferry nixl get (paired)", "kvferry"),
+    ("nixl_raw_read", "raw NIXL READ (paired)", "limit"),
     ("baseline_e2e", "baseline e2e (zmq tcp)", "baseline"),
 )
 

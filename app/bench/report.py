@@ -19,6 +19,8 @@ _FIGURE_LABELS: tuple[tuple[str, str], ...] = (
     ("memcpy_cpu", "CPU time: memcpy, 1 thread"),
     ("extraction_cpu", "CPU time: kvferry extraction"),
     ("mooncake_raw", "limit: raw mooncake batched write"),
+    ("nixl_raw_read", "limit: raw NIXL READ (same agent pair as nixl_pair_get)"),
+    ("nixl_pair_get", "kvferry nixl commit + get + release, interleaved with the raw READ"),
     ("extraction", "kvferry extraction (gather into buffer)"),
     ("kvferry_encode", "kvferry encode (frames)"),
     ("kvferry_decode", "kvferry decode (views, one buffer)"),
@@ -40,6 +42,9 @@ _FIGURE_LABELS: tuple[tuple[str, str], ...] = (
     ("mooncake_direct_1", "kvferry mooncake primitives e2e, 1 request"),
     ("mooncake_e2e_1", "kvferry mooncake e2e, 1 request"),
     ("mooncake_e2e_n", "kvferry mooncake e2e, N requests"),
+    ("nixl_direct_1", "kvferry nixl primitives e2e, 1 request"),
+    ("nixl_e2e_1", "kvferry nixl e2e, 1 request"),
+    ("nixl_e2e_n", "kvferry nixl e2e, N requests"),
     ("shm_e2e_1_copy", "copying receive: shm e2e, 1 request"),
     ("zmq_e2e_1_copy", "copying receive: zmq tcp e2e, 1 request"),
     ("readiness_shm", "readiness, small request, shm (from the put)"),
@@ -50,6 +55,7 @@ _FIGURE_LABELS: tuple[tuple[str, str], ...] = (
     ("readiness_zmq_from_call", "readiness, small request, zmq (from the send call)"),
     ("readiness_zmq_direct", "readiness, small request, zmq primitives"),
     ("readiness_mooncake", "readiness, small request, mooncake"),
+    ("readiness_nixl", "readiness, small request, nixl"),
     ("readiness_baseline", "readiness, small request, baseline"),
     ("baseline_extract", "baseline extraction (index + cat)"),
     ("baseline_encode", "baseline encode (tobytes + join)"),
@@ -86,6 +92,23 @@ def save_report(
     except OSError as exc:
         print(f"kvferry bench: error: cannot write the report: {exc}", file=err)
         return False, None
+
+
+def save_and_say(
+    report: dict[str, Any],
+    json_path: str,
+    plot_path: str,
+    draw: Callable[[dict[str, Any], str], Any],
+    out: TextIO,
+    err: TextIO,
+) -> bool:
+    """:func:`save_report`, then a line on ``out`` naming the JSON and the plot (or why there is
+    no plot: matplotlib is the bench extra). False when a file could not be written."""
+    written, drawer = save_report(report, json_path, plot_path, draw, err)
+    if written:
+        plot = f"{plot_path} (drawn by {drawer})" if drawer else "no plot (needs matplotlib: the bench extra)"
+        print(f"wrote {json_path}; {plot}", file=out)
+    return written
 
 
 def _time(seconds: float) -> str:

@@ -15,7 +15,7 @@
   against 2->2 for the same bytes,
   readiness latency of a small request, page faults per MB and peak RSS of both sides, the
   cost of the default checksums (crc32c where the native routine is built); optional
-  connectors (``mooncake``) beside them.
+  connectors (``mooncake``, ``nixl``) beside them.
 
 It returns the report (a JSON-able dict with ``ratios`` under the names of
 :data:`~kvferry.app.bench.model.RATIO_NAMES`, every figure's median/min/max, the machine,
@@ -50,7 +50,7 @@ from kvferry.app.bench.model import (
     ratio_of,
 )
 from kvferry.app.bench.pairs import MAX_SPREAD, paired_ratio, relative_spread, verdict
-from kvferry.app.bench.paths import COPYING, PAIR_LIMITS, RunState, connector_paths, mooncake_raw
+from kvferry.app.bench.paths import COPYING, PAIR_LIMITS, RunState, connector_paths, mooncake_raw, nixl_pair
 from kvferry.app.bench.proc import Peer
 from kvferry.app.bench.scenarios import Scenario, one_repetition
 from kvferry.core.errors import KVFerryError
@@ -100,6 +100,9 @@ PAIRED_RATIOS: dict[str, tuple[str, bool]] = {
     "shm_e2e_vs_memcpy": ("shm_e2e_1", False),
     "shm_8req_vs_memcpy": ("shm_e2e_n", True),
     "zmq_1req_vs_raw_tcp": ("zmq_e2e_1", False),
+    "hetero_vs_homo": ("hetero_2_4", False),
+    "replicated_vs_homo": ("replicated_2_8", False),
+    "mla_vs_homo": ("mla_2_4", False),
 }
 
 
@@ -266,6 +269,8 @@ def _measure(run: RunState) -> None:
     for name in ("shm", "zmq", *s.extra_connectors):
         if name == "mooncake":
             mooncake_raw(run)
+        if name == "nixl":
+            nixl_pair(run)
         connector_paths(run, sender, name, pool, small)
     run.limits.pop("raw_tcp", None)
     run.close_peer(receiver)

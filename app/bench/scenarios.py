@@ -147,13 +147,13 @@ def _per_mb(faults: int, nbytes: int) -> float:
     return faults / (nbytes / _MB) if nbytes else 0.0
 
 
-def one_repetition(sender: Peer, receiver: Peer, scenario: Scenario, timeout: float) -> float:
-    """One repetition of ``scenario`` (index 0), nothing else counted: its seconds, as
-    :func:`run_scenario` times them (a limit's step between a path's repetitions)."""
-    ident = receiver.begin(scenario.recv_cmd, timeout_s=timeout, **scenario.recv(0))
+def one_repetition(sender: Peer, receiver: Peer, scenario: Scenario, timeout: float, index: int = 0) -> float:
+    """One repetition of ``scenario`` (its repetition ``index``), nothing else counted: its
+    seconds, as :func:`run_scenario` times them (a limit's step between a path's repetitions)."""
+    ident = receiver.begin(scenario.recv_cmd, timeout_s=timeout, **scenario.recv(index))
     receiver.wait_ready(ident, timeout)
     try:
-        sent = sender.call(scenario.send_cmd, timeout, **scenario.send(0))
+        sent = sender.call(scenario.send_cmd, timeout, **scenario.send(index))
     finally:
         got = receiver.result(ident, timeout + 30)
     return float(got["t_done"] - sent["t_go"])

@@ -114,7 +114,7 @@ def run_demo(
     every second while waiting. The ranks are processes of ``mp_context`` (a
     :mod:`multiprocessing` context; default: spawn). After a rank fails (an error, or it
     died), the others get ``after_error_s`` seconds to report, then the run stops."""
-    from kvferry.app.demo.worker import run_worker
+    from kvferry.app.demo.worker import run_worker, run_worker_process
 
     reqs = request_plan(spec)
     total = len(reqs)
@@ -147,7 +147,8 @@ def run_demo(
     else:
         for role, size in (("sender", spec.from_tp), ("receiver", spec.to_tp)):
             for rank in range(size):
-                workers.append(ctx.Process(target=run_worker, args=(role, rank, attrs.asdict(spec), q), daemon=True))
+                args = (role, rank, attrs.asdict(spec), q)
+                workers.append(ctx.Process(target=run_worker_process, args=args, daemon=True))
     for w in workers:
         w.start()
     if progress:

@@ -54,6 +54,7 @@ CONNECTOR_CHOICES: dict[str, dict[str, Any]] = {
     "zmq-ipc": {"type": "zmq", "transport": "ipc"},
     "memory": {"type": "memory"},
     "mooncake": {"type": "mooncake"},
+    "nixl": {"type": "nixl"},
 }
 
 
@@ -130,7 +131,7 @@ class DemoSpec:
         """The ``omni_kv_config`` dict an engine would hand kvferry for this rank's stage."""
         connector = dict(CONNECTOR_CHOICES[self.connector])
         connector["zmq_port"] = self.base_port
-        if connector["type"] in ("shm", "zmq", "mooncake"):
+        if connector["type"] in ("shm", "zmq", "mooncake", "nixl"):
             connector["pool_bytes"] = self.pool_bytes
         if connector["type"] == "shm":
             connector["namespace"] = self.namespace

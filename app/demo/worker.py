@@ -20,7 +20,7 @@ import torch
 from kvferry.app.demo.model import DemoSpec, request_plan
 from kvferry.core.policy import RetryPolicy
 
-__all__ = ["head_cache", "synthetic_cache", "expected_kv", "run_worker"]
+__all__ = ["head_cache", "synthetic_cache", "expected_kv", "run_worker", "run_worker_process"]
 
 _DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 
@@ -122,6 +122,38 @@ def run_worker(
         raise
     finally:
         queue.put({"kind": "done", "role": role, "rank": rank})
+
+
+def run_worker_process(role: str, rank: int, spec_dict: dict[str, Any], queue: Any) -> None:
+    """A rank as the whole of a process: :func:`run_worker`, then the queue flushed and the
+    process ended with :func:`os._exit` (0, or 1 after a failure it reported).
+
+    The worker closed its connector and groups already, so nothing is left to release. A
+    spawned process otherwise runs the whole interpreter teardown, the module GC and the C++
+    static destructors of torch and of what the engine's packages load (2.5-3.8 s on the
+    shared 2-core machine, with nixl or zmq alike, and far longer when several ranks end at
+    once under load), which a stage's exit grace then counts as a rank that does not end. A
+    forked rank ends this way already (multiprocessing's fork start method)."""
+    import sys
+
+    code = 0
+    try:
+        run_worker(role, rank, spec_dict, queue)
+    except BaseException:
+        import traceback
+
+        traceback.print_exc()
+        code = 1
+    finally:
+        queue.close()
+        queue.join_thread()  # every report is in the pipe before the process ends
+        logging.shutdown()
+        for stream in (sys.stdout, sys.stderr):
+            try:
+                stream.flush()
+            except (OSError, ValueError):
+                pass
+        os._exit(code)
 
 
 def _manager(spec: DemoSpec, role: str, rank: int, groups: Any, connector: Any) -> Any:

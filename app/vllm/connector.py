@@ -8,8 +8,10 @@ only adapts vLLM's calls to them. See docs/vllm.md.
 
 Hybrid models (several KV cache groups: vLLM's hybrid manager, which vLLM enables with a
 connector that declares ``SupportsHMA``): every group's pages move, a sliding-window group's
-only inside its window (:mod:`kvferry.app.vllm.groups`); a spec kvferry does not move (Mamba,
-...) fails the engine at start, and a failed load is reported per request (``failed_recving``).
+only inside its window (:mod:`kvferry.app.vllm.groups`), a Mamba group's the request's state
+block (:mod:`kvferry.app.vllm.state_pages`; the prefill computes all but the prompt's last
+token); a spec kvferry does not move fails the engine at start, and a failed load is reported
+per request (``failed_recving``).
 """
 
 from __future__ import annotations
@@ -32,6 +34,7 @@ from kvferry.app.vllm.groups import GroupSpec, describe_groups
 from kvferry.app.vllm.params import ConnectorSettings
 from kvferry.app.vllm.records import FAILURE_KINDS, POOL_COUNTERS, THREADS_GAUGE, split_gauge_key
 from kvferry.app.vllm.scheduler import PageScheduler, StepPlan
+from kvferry.app.vllm.state_pages import StateSpec
 from kvferry.app.vllm.worker import PageWorker
 from kvferry.core.backends import BackendLayout
 from kvferry.core.errors import ConfigError
@@ -86,6 +89,8 @@ def _layer_groups(groups: tuple[GroupSpec, ...], kv_caches: dict[str, torch.Tens
             raise ConfigError(f"layer {name!r}: in no KV cache group of {[g.label for g in groups]}")
         g = of[name]
         out.append(g)
+        if groups[g].state:  # a Mamba layer's state block: its own shape (state_pages)
+            continue
         if first is None:
             first = (name, g, tuple(t.shape[1:]), t.dtype)
         elif (tuple(t.shape[1:]), t.dtype) != first[2:]:
@@ -95,6 +100,19 @@ def _layer_groups(groups: tuple[GroupSpec, ...], kv_caches: dict[str, torch.Tens
                 f"one page shape"
             )
     return tuple(out)
+
+
+def _layer_states(
+    groups: tuple[GroupSpec, ...], kv_cache_config: Any, kv_caches: dict[str, torch.Tensor]
+) -> tuple[StateSpec | None, ...]:
+    """Each registered layer's state tensors (a Mamba group's ``MambaSpec`` shapes and dtypes)
+    or None, in layer order."""
+    specs: dict[str, StateSpec] = {}
+    for spec, group in zip(groups, getattr(kv_cache_config, "kv_cache_groups", None) or ()):
+        if spec.state:
+            state = StateSpec.of(group.kv_cache_spec)
+            specs.update((name, state) for name in spec.layers)
+    return tuple(specs.get(name) for name in kv_caches)
 
 
 class KVFerryConnector(KVConnectorBase_V1, SupportsHMA):
@@ -152,16 +170,20 @@ class KVFerryConnector(KVConnectorBase_V1, SupportsHMA):
     # ------------------------------------------------------------------------ worker side
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         assert self._worker is not None
-        layout = _page_layouts(self._vllm_config, kv_caches, self._kv_cache_config)
+        states = _layer_states(self.groups, self._kv_cache_config, kv_caches)
+        pages = {name: t for (name, t), spec in zip(kv_caches.items(), states) if spec is None}
+        layout = _page_layouts(self._vllm_config, pages, self._kv_cache_config)
         self._worker.kernel_isa = layout.layout.isa
         self._worker.cache_layout = layout.label
         self._worker.latent = layout.layout.name == "mla"
         if self.hybrid:
             self._worker.layer_groups = _layer_groups(self.groups, kv_caches)
+            if any(spec is not None for spec in states):
+                self._worker.layer_states = states
             logger.info("kvferry: KV cache groups %s", ", ".join(g.label for g in self.groups))
         self._worker.fp8 = layout.fp8
         if layout.fp8 is not None:  # FP8 bytes move with their layers' scales, compared on load
-            self._worker.kv_scales = layer_scales(self._vllm_config, list(kv_caches))
+            self._worker.kv_scales = layer_scales(self._vllm_config, list(kv_caches))  # (no FP8 Mamba state)
         logger.info("kvferry: %d layers, backend %s, layout %s", len(kv_caches), layout.backend, layout.label)
         self._worker.register(kv_caches)
 
@@ -213,6 +235,12 @@ class KVFerryConnector(KVConnectorBase_V1, SupportsHMA):
             self._worker.close()
 
     # --------------------------------------------------------------------- scheduler side
+    def on_new_request(self, request: Any) -> None:
+        """With a Mamba group, a prefill for a remote decode computes all but the prompt's last
+        token (PageScheduler.new_request)."""
+        if self._scheduler is not None:
+            self._scheduler.new_request(request)
+
     def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int | None, bool]:
         assert self._scheduler is not None
         return self._scheduler.matched_tokens(request, num_computed_tokens)
@@ -317,6 +345,11 @@ class KVFerryPromMetrics(KVConnectorPromMetrics):
         ("bytes_loaded", "vllm:kvferry_bytes_loaded", "Bytes of KV pages kvferry loaded."),
         ("load_seconds", "vllm:kvferry_load_seconds", "Seconds spent loading KV pages."),
         ("put_waits", "vllm:kvferry_put_waits", "Page payloads whose put waited for room in a full pool."),
+        (
+            "saves_failed_told",
+            "vllm:kvferry_saves_failed_told",
+            "Failed rank saves whose decode was told at once (failure records under their keys).",
+        ),
         (
             "pool_entries_released",
             "vllm:kvferry_pool_entries_released",

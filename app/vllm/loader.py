@@ -11,7 +11,8 @@ get and every torch call: hundreds of milliseconds for one request.) What is not
 continues on a small thread pool.
 
 A failed load (timeout, expired lease, corrupt payload, bad params, layout, unreachable
-prefill: one of :data:`~kvferry.app.vllm.records.FAILURE_KINDS`) is counted, logged, and
+prefill, a save the prefill failed and said so, ``sender_failed``, at once: one of
+:data:`~kvferry.app.vllm.records.FAILURE_KINDS`) is counted, logged, and
 reported by :meth:`PageLoader.take_loaded` as finished with all of its blocks in
 :meth:`PageLoader.load_errors` (a hybrid load, several KV cache groups: the request in
 :meth:`PageLoader.take_failed`); vLLM's ``kv_load_failure_policy`` then recomputes or fails it.
@@ -49,7 +50,8 @@ from kvferry.app.vllm.pages import (
 )
 from kvferry.app.vllm.params import DecodeSource
 from kvferry.app.vllm.records import LoadJob, LoadRecord
-from kvferry.core.errors import ConfigError, KVFerryError, LeaseExpired, PayloadError
+from kvferry.app.vllm.state_pages import StateSpec, write_state
+from kvferry.core.errors import ConfigError, FailedAtSender, KVFerryError, LeaseExpired, PayloadError
 from kvferry.core.layouts import VLLM_CPU_PAGE_ISAS, reblock_span
 from kvferry.core.ports import BatchedReleases, GetMany, Implements
 from kvferry.core.scales import read_scales, scales_mismatch
@@ -87,6 +89,13 @@ class _LoadPlan:
     ready: dict[int, tuple[Any, int]] = attrs.field(factory=dict)
 
 
+@attrs.frozen
+class _StateRead:
+    """The read of a Mamba layer's state: from the prefill rank of this rank's number."""
+
+    source_rank: int
+
+
 @attrs.define(eq=False)
 class _LoadRun:
     """One load in progress: planned on its first step; ``ok`` once every read is written."""
@@ -108,6 +117,10 @@ class PageLoader:
     recent_loads: collections.deque[LoadRecord]
     #: Each layer's KV cache group (layer order), with several groups; () with one.
     layer_groups: tuple[int, ...] = ()
+    #: Each layer's state spec (a Mamba layer) or None (PageWorker.layer_states); () without.
+    layer_states: tuple[StateSpec | None, ...] = ()
+    #: Each state layer's ``[num_blocks, state bytes]`` view (state_pages.state_view), else None.
+    state_views: list[torch.Tensor | None] = attrs.field(factory=list)
     #: An FP8 cache's format and its current per-layer scales (PageWorker.fp8 / kv_scales).
     fp8: str | None = None
     kv_scales: Callable[[], tuple[Sequence[float], Sequence[float | None] | None]] | None = None
@@ -229,11 +242,10 @@ class PageLoader:
             )
         if src.num_layers != geometry.num_layers:
             raise _LoadFailed("layout", f"prefill has {src.num_layers} layers, this cache {geometry.num_layers}")
-        if job.groups and (src.block_size != geometry.block_size or len(self.layer_groups) != geometry.num_layers):
+        if job.groups and len(self.layer_groups) != geometry.num_layers:
             raise _LoadFailed(
                 "layout",
-                f"hybrid load: prefill block_size {src.block_size}, this cache {geometry.block_size}; "
-                f"{len(self.layer_groups)} of {geometry.num_layers} layers in KV cache groups (page for page only)",
+                f"hybrid load: {len(self.layer_groups)} of {geometry.num_layers} layers in KV cache groups",
             )
         if src.block_size != geometry.block_size and not self._relays():
             ours = self.context.cache_layout or self.context.kernel_isa
@@ -252,9 +264,25 @@ class PageLoader:
             )
         except KVFerryError as exc:
             raise _LoadFailed("layout", str(exc)) from exc
+        states = self.layer_states
+        if any(s is not None for s in states) and src.prefill_tp_size != self.context.tp_size:
+            raise _LoadFailed(
+                "layout",
+                f"Mamba state moves between equal TP sizes; the prefill runs TP {src.prefill_tp_size}, "
+                f"this decode {self.context.tp_size}",
+            )
         needed_pages = -(-src.num_tokens // geometry.block_size)
         count = max(0, min(len(job.block_ids), needed_pages - job.first_page))
-        reads = [(layer, sl) for layer in range(geometry.num_layers) for sl in slices] if count else []
+        own = _StateRead(self.context.tp_rank)
+        reads = (
+            [
+                (layer, sl)
+                for layer in range(geometry.num_layers)
+                for sl in ((own,) if layer < len(states) and states[layer] is not None else slices)
+            ]
+            if count
+            else []
+        )
         index = torch.tensor(job.block_ids[:count], dtype=torch.long)
         runs = block_runs(job.block_ids[:count])
         try:
@@ -327,13 +355,27 @@ class PageLoader:
                 decoded = decode_payload(data, defer_verify=True)  # checked as the pages are written
                 self._check_fp8(decoded.metadata or {}, layer_idx)  # before anything is written
                 layer = self._layers[layer_idx]
+                spec = self.layer_states[layer_idx] if layer_idx < len(self.layer_states) else None
+                if spec is not None:
+                    view = self.state_views[layer_idx]
+                    assert view is not None
+                    group = self.layer_groups[layer_idx]
+                    tokens = plan.job.upto_tokens if plan.job.upto_tokens is not None else plan.source.num_tokens
+                    plan.nbytes += write_state(view, spec, decoded, layer_idx, group, plan.job.groups[group], tokens)
+                    continue
                 if plan.job.groups:
                     group = self.layer_groups[layer_idx]
                     heads = (sl.num_heads, sl.recv_head_start, sl.recv_head_stop)
                     pages = -(-plan.source.num_tokens // geometry.block_size)
                     target, cache = plan.job.groups[group], (self.context.cache_layout, self.context.kernel_isa)
                     args_g = (layer_idx, group, target, pages, heads, cache)
-                    plan.nbytes += write_group_pages(layer, geometry, decoded, *args_g, self._layer_bytes[layer_idx])
+                    relay = self._relays() and not (
+                        self.fp8 is not None
+                        and layout_family((decoded.metadata or {}).get("cache_layout")) == "vllm_cpu"
+                    )
+                    plan.nbytes += write_group_pages(
+                        layer, geometry, decoded, *args_g, self._layer_bytes[layer_idx], relay
+                    )
                     continue
                 if "group" in (decoded.metadata or {}):  # a hybrid prefill's: some layers hold a window only
                     raise GroupLoadError(f"layer {layer_idx}: pages of KV cache groups; this decode runs one group")
@@ -411,6 +453,8 @@ class PageLoader:
             got = self.receiver.get_blocking(*stages, key, source, timeout_s=remaining)
         except LeaseExpired as exc:
             raise _LoadFailed("expired", str(exc)) from exc
+        except FailedAtSender as exc:  # the prefill's save failed and said so: no wait for the deadline
+            raise _LoadFailed("sender_failed", f"{exc} (the prefill counted it as {exc.kind!r})") from exc
         except KVFerryError as exc:
             raise _LoadFailed("unavailable", str(exc)) from exc
         if got is None:

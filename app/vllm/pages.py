@@ -506,16 +506,18 @@ def write_relaid(
     first_page: int,
     recv_start: int,
     recv_stop: int,
+    src_offset: int = 0,
 ) -> int:
     """Write a payload whose pages differ from this cache's (:func:`needs_relay`): decode the
-    sender's pages that hold local pages ``first_page .. first_page + len(index)`` into tokens
+    sender's pages that hold local pages ``first_page .. first_page + len(index)`` (the
+    payload's row ``r`` is the sender's page ``src_offset + r``: a hybrid group's window) into tokens
     (its block size, layout and kernel ISA, from the payload), lay them out as this cache's
     pages (``geometry.block_size``, ``cache_layout``, kernel ``isa``) and copy those into
     ``layer[index, recv_start:recv_stop]``. Bit-exact per token; the tail of a partial last
     page is zero. Returns the bytes written. PayloadError when the sender's pages cannot be
     decoded or re-laid (naming both sides)."""
     if geometry.latent:
-        return _write_latent_reblocked(layer, geometry, decoded, index, first_page)
+        return _write_latent_reblocked(layer, geometry, decoded, index, first_page, src_offset)
     meta: dict[str, Any] = dict(decoded.metadata or {})
     src_bs: Any = meta.get("block_size")
     num_tokens: Any = meta.get("num_tokens")
@@ -524,8 +526,13 @@ def write_relaid(
     n = index.numel()
     try:
         start, stop, src_first, src_stop = reblock_span(first_page, n, geometry.block_size, src_bs, num_tokens)
-        k_src = raw_bytes(decoded.key_cache[0]).narrow(0, src_first, src_stop - src_first)
-        v_src = raw_bytes(decoded.value_cache[0]).narrow(0, src_first, src_stop - src_first)
+        if src_first < src_offset or src_stop - src_offset > decoded.key_cache[0].shape[0]:
+            raise ConfigError(
+                f"the sender's pages {src_first}..{src_stop - 1} are needed, the payload holds pages "
+                f"{src_offset}..{src_offset + decoded.key_cache[0].shape[0] - 1}"
+            )
+        k_src = raw_bytes(decoded.key_cache[0]).narrow(0, src_first - src_offset, src_stop - src_first)
+        v_src = raw_bytes(decoded.value_cache[0]).narrow(0, src_first - src_offset, src_stop - src_first)
         k, v = pages_to_tokens(k_src, v_src, src_family, src_isa, src_bs, (src_stop - src_first) * src_bs)
         offset = start - src_first * src_bs
         k, v = k[offset : offset + stop - start], v[offset : offset + stop - start]
@@ -544,7 +551,7 @@ def write_relaid(
 
 
 def _write_latent_reblocked(
-    layer: torch.Tensor, geometry: PageGeometry, decoded: Any, index: torch.Tensor, first_page: int
+    layer: torch.Tensor, geometry: PageGeometry, decoded: Any, index: torch.Tensor, first_page: int, src_offset: int = 0
 ) -> int:
     """:func:`write_relaid` for MLA latent pages of another block size: the sender's pages
     ``[n, 1, src_block_size * latent]`` are its tokens' latents in order (one row per token,
@@ -561,7 +568,12 @@ def _write_latent_reblocked(
         raise PayloadError(
             f"MLA pages of block_size {src_bs!r} cannot be re-blocked into this cache's ({bs}): {exc}"
         ) from exc
-    src = raw_bytes(decoded.key_cache[0]).narrow(0, src_first, src_stop - src_first).reshape(-1, width)
+    if src_first < src_offset or src_stop - src_offset > decoded.key_cache[0].shape[0]:
+        raise PayloadError(
+            f"MLA pages {src_first}..{src_stop - 1} are needed, the payload holds pages from {src_offset} "
+            f"({decoded.key_cache[0].shape[0]})"
+        )
+    src = raw_bytes(decoded.key_cache[0]).narrow(0, src_first - src_offset, src_stop - src_first).reshape(-1, width)
     offset = start - src_first * src_bs
     pages = -(-(stop - start) // bs)
     out = torch.zeros((pages * bs, width), dtype=src.dtype, device=src.device)

@@ -6,8 +6,9 @@ starts with the field at fault (``kv_transfer_params.remote_port: ...``).
 
 The hand-off (docs/vllm.md):
 
-- the prefill instance gets ``{"do_remote_decode": true}`` (optionally ``transfer_id`` and
-  ``decode_tp_size``) and returns :func:`prefill_result` in ``RequestOutput.kv_transfer_params``;
+- the prefill instance gets ``{"do_remote_decode": true}`` (optionally ``transfer_id``,
+  ``decode_tp_size`` and ``decode_block_size``) and returns :func:`prefill_result` in
+  ``RequestOutput.kv_transfer_params``;
 - a proxy passes that dict unchanged as the decode request's ``kv_transfer_params``; the decode
   instance reads it with :func:`parse_decode_params`.
 """
@@ -96,7 +97,9 @@ class ConnectorSettings:
     (then ``kv_load_failure_policy`` applies). ``lease_s``: how long an unread layer stays in
     the prefill's pool. ``pool_bytes``: the prefill's pool. ``checksums``: a payload checksum
     algorithm (``crc32c``, ``crc32``) or None. ``decode_tp_size``: the decode instance's TP size the prefill
-    slices heads for (a request may override it). ``load_threads``: concurrent loads.
+    slices heads for (a request may override it). ``decode_block_size``: the decode instance's
+    block size a hybrid prefill sends a sliding window's pages for (groups.window_first_page;
+    a request may override it; None: the prefill's own). ``load_threads``: concurrent loads.
     ``inline_load_s``: how long a load first runs in the engine's own thread, reading what is
     there already, before the rest waits on a load thread (0: every load on a load thread).
     ``load_mode``: ``"async"`` (a request waits for its KV, up to ``load_timeout_s``) or
@@ -121,6 +124,7 @@ class ConnectorSettings:
     pool_bytes: int = 256 << 20
     checksums: str | None = "crc32c"
     decode_tp_size: int | None = None
+    decode_block_size: int | None = None
     load_threads: int = 2
     inline_load_s: float = 0.02
     load_mode: str = "async"
@@ -164,8 +168,9 @@ class ConnectorSettings:
             out["kv_recompute_threshold"] = _int(_EXTRA, "kv_recompute_threshold", extra["kv_recompute_threshold"], 0)
         if "load_threads" in extra:
             out["load_threads"] = _int(_EXTRA, "load_threads", extra["load_threads"], 1, 64)
-        if "decode_tp_size" in extra and extra["decode_tp_size"] is not None:
-            out["decode_tp_size"] = _int(_EXTRA, "decode_tp_size", extra["decode_tp_size"], 1)
+        for name in ("decode_tp_size", "decode_block_size"):
+            if name in extra and extra[name] is not None:
+                out[name] = _int(_EXTRA, name, extra[name], 1)
         if "host" in extra:
             out["host"] = _str(_EXTRA, "host", extra["host"])
         if "checksums" in extra:
@@ -202,6 +207,8 @@ class PrefillRequest:
 
     transfer_id: str | None
     decode_tp_size: int | None
+    #: The decode's block size (a hybrid prefill's sliding-window pages are sent for it).
+    decode_block_size: int | None = None
 
 
 def parse_prefill_params(params: Any) -> PrefillRequest | None:
@@ -216,7 +223,10 @@ def parse_prefill_params(params: Any) -> PrefillRequest | None:
     tp = params.get("decode_tp_size")
     if tp is not None:
         tp = _int(_FIELD, "decode_tp_size", tp, 1)
-    return PrefillRequest(tid, tp)
+    bs = params.get("decode_block_size")
+    if bs is not None:
+        bs = _int(_FIELD, "decode_block_size", bs, 1)
+    return PrefillRequest(tid, tp, bs)
 
 
 @attrs.frozen

@@ -35,7 +35,9 @@ __all__ = [
 ]
 
 #: Failure kinds counted in the stats (``failures_<kind>``).
-FAILURE_KINDS = ("timeout", "expired", "corrupt", "params", "layout", "unavailable", "put", "error")
+#: ``sender_failed``: a decode's load answered at once by its prefill's failure record (the
+#: save failed there: ``put`` or ``timeout`` on the prefill).
+FAILURE_KINDS = ("timeout", "expired", "corrupt", "params", "layout", "unavailable", "put", "error", "sender_failed")
 
 #: Values now (not counts) a rank reports with its stats, each under :func:`gauge_key`: what
 #: the prefill's pool holds (bytes, regions and entries not freed yet) and kvferry's threads
@@ -103,10 +105,14 @@ class LoadJob:
     sync: bool = False
     #: With several KV cache groups: each group's local blocks from its first page (null
     #: blocks, pages this decode's window does not keep, lead and are not written), one entry
-    #: per group in group order; ``block_ids`` is then group 0's. A failure in any group fails
+    #: per group in group order; ``block_ids`` is then the first page group's. A failure in any group fails
     #: the request (reported in ``failed_recving``, never as blocks: vLLM refuses block errors
     #: with several groups).
     groups: tuple[GroupPages, ...] = ()
+    #: The tokens computed once the load is in (vLLM's computed plus the external ones): what
+    #: a group of recurrent state's payload must have seen (state_pages.write_state); None:
+    #: not stated (no such group).
+    upto_tokens: int | None = None
 
 
 @attrs.frozen

@@ -9,6 +9,11 @@ layer 1 is still computing. The engine keeps the request's blocks until every la
 then :meth:`PageSaver.take_sent` reports the request as sent and vLLM frees them. The payloads
 themselves stay in kvferry's pool until the decode side has read them or their lease expires.
 A failed layer fails its request's transfer (counted as ``put`` or ``error``), never the engine.
+A failed save (a layer's put failed, or the save was not out by the end of its step) is told
+to the decode at once where the connector can say it (:class:`~kvferry.core.ports.FailureRecords`:
+memory, shm, zmq; not mooncake): a failure record under every key of the rank's transfer, which a decode's get
+answers at once (``sender_failed``) instead of waiting out ``load_timeout_s``; counted as
+``saves_failed_told``. Over another connector the decode's load times out as before.
 """
 
 from __future__ import annotations
@@ -26,10 +31,12 @@ from kvferry.app.put import put_with_retry
 from kvferry.app.vllm.context import WorkerContext
 from kvferry.app.vllm.pages import FP8_FORMAT_KEY, PageGeometry, PageWriter, layer_key, send_slices
 from kvferry.app.vllm.records import SaveJob
+from kvferry.app.vllm.state_pages import StateSpec, StateWriter
 from kvferry.core.errors import KVFerryError, PoolFullError, TransferError
 from kvferry.core.policy import PUT_FAILURES, RetryPolicy
-from kvferry.core.ports import Implements, Reservable
+from kvferry.core.ports import FailureRecords, Implements, Reservable
 from kvferry.core.scales import KV_SCALES_KEY, scales_record
+from kvferry.core.tombstones import failure_record
 
 __all__ = ["PageSaver"]
 
@@ -44,6 +51,7 @@ class _SaveState:
     nbytes: int = 0
     failed: str | None = None
     queued: set[int] = attrs.field(factory=set)
+    told: bool = False  #: its failure records were published
 
     @property
     def done(self) -> bool:
@@ -61,6 +69,11 @@ class PageSaver:
     retry: RetryPolicy
     #: Each layer's KV cache group (layer order), with several groups; () with one.
     layer_groups: tuple[int, ...] = ()
+    #: Each layer's state spec (a Mamba layer) or None (PageWorker.layer_states); () without.
+    layer_states: tuple[StateSpec | None, ...] = ()
+    #: Each state layer's ``[num_blocks, state bytes]`` view (state_pages.state_view), else None.
+    state_views: list[torch.Tensor | None] = attrs.field(factory=list)
+    state_writer: StateWriter | None = None
     #: An FP8 cache's format and its current per-layer scales (PageWorker.fp8 / kv_scales).
     fp8: str | None = None
     kv_scales: Callable[[], tuple[Sequence[float], Sequence[float | None] | None]] | None = None
@@ -76,6 +89,7 @@ class PageSaver:
     _queue: queue.Queue[Any] = attrs.field(init=False, factory=queue.Queue)
     _thread: threading.Thread | None = attrs.field(init=False, default=None)
     _is_reservable: Implements = attrs.field(init=False, factory=lambda: Implements(Reservable))
+    _records_failures: Implements = attrs.field(init=False, factory=lambda: Implements(FailureRecords))
 
     def attach(self, layers: list[torch.Tensor], index: Mapping[str, int], geometry: PageGeometry) -> None:
         """The registered caches (layer order), their names' indexes and geometry."""
@@ -134,11 +148,13 @@ class PageSaver:
             states = [self.saves[r] for r in req_ids if r in self.saves]
             if ctx.progress.wait_for(lambda: all(s.done for s in states), timeout=ctx.settings.load_timeout_s):
                 return
-            for s in states:
-                if not s.done and s.failed is None:
-                    s.failed = "timeout: not out by the end of its step"
-                    ctx.stats.fail("timeout")
-                    logger.error("request %s: save not out by the end of its step; not sent", s.job.req_id)
+            dropped = [s for s in states if not s.done and s.failed is None]
+            for s in dropped:
+                s.failed = "timeout: not out by the end of its step"
+                ctx.stats.fail("timeout")
+                logger.error("request %s: save not out by the end of its step; not sent", s.job.req_id)
+        for s in dropped:
+            self._tell_decode(s, "timeout", "the save was not out by the end of its step")
 
     # ---------------------------------------------------------------------- the save thread
     def _save_loop(self) -> None:
@@ -155,6 +171,7 @@ class PageSaver:
                 state.failed = f"{kind}: {exc}"
                 self.context.stats.fail(kind)
                 logger.error("request %s: saving layer %d failed: %s", state.job.req_id, layer_idx, exc)
+                self._tell_decode(state, kind, f"layer {layer_idx}: {exc}")
             with self.context.lock:
                 state.layers_left -= 1
                 done = state.done
@@ -167,7 +184,63 @@ class PageSaver:
                     save_seconds=max(0.0, self.context.clock() - state.started),
                 )
 
+    def _tell_decode(self, state: _SaveState, kind: str, reason: str) -> None:
+        """Publish a failure record under every key of this rank's save of ``state`` (every
+        layer, every decode rank it sends to), once, where the connector can (FailureRecords);
+        a page payload already out under one of them is dropped. Never raises."""
+        conn = self.sender
+        with self.context.lock:
+            if state.told or conn is None or not self._records_failures(conn):
+                return
+            state.told = True
+        job, ctx = state.job, self.context
+        stages = str(ctx.settings.from_stage), str(ctx.settings.to_stage)
+        failure = failure_record(kind, reason)
+        latent = self.geometry.latent if self.geometry is not None else False
+        told = 0
+        try:
+            slices = send_slices(ctx.tp_size, job.decode_tp, ctx.total_kv_heads, ctx.tp_rank, latent=latent)
+            pages_to = sorted({sl.target_rank for sl in slices})
+            for layer_idx in range(len(self._layers)):
+                is_state = layer_idx < len(self.layer_states) and self.layer_states[layer_idx] is not None
+                for rank in [ctx.tp_rank] if is_state else pages_to:  # a Mamba state goes to its own rank
+                    key = layer_key(job.transfer_id, ctx.settings.from_stage, layer_idx, ctx.tp_rank, rank)
+                    told += bool(conn.publish_failure(*stages, key, failure))
+        except Exception:  # telling is best effort: the decode's load then times out, as before
+            logger.exception("request %s: the failure records of its save could not be published", job.req_id)
+        if told:
+            ctx.stats.add(saves_failed_told=1)
+
+    def _save_state(self, job: SaveJob, layer_idx: int, spec: StateSpec) -> int:
+        """A Mamba layer's state block of ``job`` (its group's one block), to the decode rank of
+        this rank's number: the state is sharded by vLLM's rule, moved between equal TP sizes."""
+        ctx, writer, view = self.context, self.state_writer, self.state_views[layer_idx]
+        assert writer is not None and view is not None
+        if job.decode_tp != ctx.tp_size:
+            raise KVFerryError(
+                f"layer {layer_idx}: Mamba state moves between equal TP sizes; this prefill runs TP "
+                f"{ctx.tp_size}, the decode {job.decode_tp}"
+            )
+        if not job.groups or layer_idx >= len(self.layer_groups):
+            raise KVFerryError(f"layer {layer_idx}: no KV cache group registered for it")
+        pages = job.groups[self.layer_groups[layer_idx]]
+        meta = {
+            "layer": layer_idx,
+            "num_tokens": job.num_tokens,
+            "group": pages.group,
+            "first_page": pages.first_page,
+            "from_rank": ctx.tp_rank,
+            "to_rank": ctx.tp_rank,
+        }
+        layout = writer.layout(job.transfer_id, pages.block_ids, spec, meta)
+        index = torch.tensor(pages.block_ids, dtype=torch.long)
+        key = layer_key(job.transfer_id, ctx.settings.from_stage, layer_idx, ctx.tp_rank, ctx.tp_rank)
+        return self._put(key, layout, lambda dest: writer.gather(view, index, dest, layout))
+
     def _save_one(self, job: SaveJob, layer_idx: int, layer: torch.Tensor) -> int:
+        spec = self.layer_states[layer_idx] if layer_idx < len(self.layer_states) else None
+        if spec is not None:
+            return self._save_state(job, layer_idx, spec)
         geometry, writer = self.geometry, self.writer
         assert geometry is not None and writer is not None
         block_ids = job.block_ids

@@ -17,7 +17,8 @@ and become a failed load, so ``kv_load_failure_policy`` decides (recompute or fa
 Several KV cache groups (vLLM's hybrid manager; ``groups``, from
 :func:`kvferry.app.vllm.groups.describe_groups`): a save carries each group's pages
 (:func:`~kvferry.app.vllm.groups.sent_pages`: a sliding-window group only the pages its window
-keeps for the prompt's last token), a load each group's local blocks. A hybrid load is all but
+keeps for the prompt's last token, on a decode of the block size the request or the settings say:
+``decode_block_size``), a load each group's local blocks. A hybrid load is all but
 the prompt's last token (the decode computes that one: groups.py says why), and always
 asynchronous (``load_mode="sync"`` is taken as async): vLLM reports a sync load's failure only
 as failed blocks, which it refuses with several groups (block ids are unique within a group).
@@ -31,7 +32,15 @@ from typing import Any
 
 import attrs
 
-from kvferry.app.vllm.groups import GroupPages, GroupSpec, freed_at_finish, prompt_pages, sent_pages
+from kvferry.app.vllm.groups import (
+    GroupPages,
+    GroupSpec,
+    freed_at_finish,
+    prompt_pages,
+    sent_pages,
+    state_pages,
+    state_prompt_tokens,
+)
 from kvferry.app.vllm.params import (
     ConnectorSettings,
     DecodeSource,
@@ -94,7 +103,46 @@ class PageScheduler:
         """Several KV cache groups: jobs carry per-group pages."""
         return len(self.groups) > 1
 
+    @property
+    def has_state(self) -> bool:
+        """A group of recurrent state (Mamba / gated-delta-net): the prefill computes the prompt
+        without its last token (groups.state_prompt_tokens)."""
+        return any(spec.state for spec in self.groups)
+
+    def _first_pages(self, groups: tuple[GroupPages, ...]) -> tuple[int, ...]:
+        """The block ids of the first group of pages of tokens (a job's ``block_ids``)."""
+        for spec, pages in zip(self.groups, groups):
+            if not spec.state:
+                return pages.block_ids
+        return groups[0].block_ids
+
     # ----------------------------------------------------------------------- prefill side
+    def new_request(self, request: Any) -> None:
+        """vLLM's ``on_new_request``: with a group of recurrent state, a prefill for a remote
+        decode (``do_remote_decode``) computes its prompt without the last token, so that the
+        state it sends is the one after ``n - 1`` tokens, the decode's to compute the last from
+        (groups.py says why). Done once per request (a preempted request is not cut again)."""
+        params = request.kv_transfer_params
+        if not self.producer or not self.has_state or not isinstance(params, dict):
+            return
+        if not params.get("do_remote_decode") or params.get("kvferry_state_cut"):
+            return
+        n = int(request.num_prompt_tokens)
+        if recompute_instead(n, self.settings.kv_recompute_threshold):
+            return  # not handed off (track): the decode computes the whole prompt
+        keep = state_prompt_tokens(n)
+        ids = request.prompt_token_ids
+        if keep == n or ids is None or len(ids) != n:
+            return
+        del ids[keep:]
+        all_ids = getattr(request, "_all_token_ids", None)
+        if all_ids is not None and all_ids is not ids and len(all_ids) == n:
+            del all_ids[keep:]
+        request.num_prompt_tokens = keep
+        if getattr(request, "max_tokens", None) is not None:
+            request.max_tokens = 1
+        params["kvferry_state_cut"] = True
+
     def track(self, request: Any) -> None:
         """Note a request scheduled for the first time (a prefill with ``do_remote_decode``)."""
         rid = request.request_id
@@ -130,11 +178,12 @@ class PageScheduler:
             if pending.saved or not n or req.num_computed_tokens + n < req.num_prompt_tokens:
                 continue
             groups: tuple[GroupPages, ...] = ()
+            decode_bs = pending.ask.decode_block_size or self.settings.decode_block_size or self.block_size
             if self.hybrid:
-                groups = self._group_saves(rid, req.num_prompt_tokens)
+                groups = self._group_saves(rid, req.num_prompt_tokens, decode_bs)
                 if not groups:
                     continue
-                blocks = groups[0].block_ids
+                blocks = self._first_pages(groups)
             else:
                 pages = prompt_pages(req.num_prompt_tokens, self.block_size)
                 blocks = tuple(int(b) for b in list(self.block_ids_of(rid))[:pages])
@@ -146,19 +195,21 @@ class PageScheduler:
             pending.saved = True
             decode_tp = pending.ask.decode_tp_size or self.settings.decode_tp_size or self.tp_size
             tid = pending.ask.transfer_id or rid
-            hold = any(freed_at_finish(spec, req.num_prompt_tokens) for spec in self.groups) if groups else False
+            n_tokens = req.num_prompt_tokens
+            hold = any(freed_at_finish(spec, n_tokens, decode_bs) for spec in self.groups) if groups else False
             saves.append(SaveJob(rid, tid, blocks, req.num_prompt_tokens, decode_tp, groups, hold))
         loads, self._loads = tuple(self._loads), []
         return StepPlan(tuple(saves), loads, idle=not any(scheduled.values()))
 
-    def _group_saves(self, rid: str, num_tokens: int) -> tuple[GroupPages, ...]:
-        """Each group's sent pages of a prompt of ``num_tokens`` tokens; () (logged) when a
-        group holds fewer blocks than the prompt's pages."""
+    def _group_saves(self, rid: str, num_tokens: int, decode_block_size: int) -> tuple[GroupPages, ...]:
+        """Each group's sent pages of a prompt of ``num_tokens`` tokens for a decode of
+        ``decode_block_size`` (groups.window_first_page); () (logged) when a group holds fewer
+        blocks than the prompt's pages."""
         per_group = list(self.group_block_ids_of(rid))
         out = []
         for spec in self.groups:
             ids = per_group[spec.index] if spec.index < len(per_group) else ()
-            pages = sent_pages(spec, ids, num_tokens)
+            pages = sent_pages(spec, ids, num_tokens, decode_block_size)
             if pages is None:
                 logger.error(
                     "request %s: group %d holds %d blocks for %d prompt tokens; not sent",
@@ -248,6 +299,17 @@ class PageScheduler:
         self._offers[request.request_id] = (source, error, num_computed_tokens, mode == "sync")
         return count, mode != "sync"
 
+    @staticmethod
+    def _load_pages(
+        spec: GroupSpec, group_block_ids: Sequence[Sequence[int]], first: int, last: int, tokens: int
+    ) -> GroupPages | None:
+        """One group's blocks a load writes: pages ``first .. last - 1``, or a group of
+        recurrent state's one block for the ``tokens`` tokens the load brings."""
+        ids = list(group_block_ids[spec.index])
+        if spec.state:
+            return state_pages(spec, ids, tokens)
+        return GroupPages(spec.index, first, tuple(int(b) for b in ids[first:last]))
+
     def after_alloc(
         self,
         request: Any,
@@ -267,16 +329,18 @@ class PageScheduler:
         last = -(-(computed + num_external_tokens) // self.block_size)
         groups: tuple[GroupPages, ...] = ()
         if self.hybrid:
-            groups = tuple(
-                GroupPages(spec.index, first, tuple(int(b) for b in list(group_block_ids[spec.index])[first:last]))
-                for spec in self.groups
-            )
-            blocks = groups[0].block_ids
+            upto = computed + num_external_tokens
+            found = [self._load_pages(spec, group_block_ids, first, last, upto) for spec in self.groups]
+            if any(p is None for p in found):
+                error = error or "a group of recurrent state holds no block for the loaded tokens"
+            groups = tuple(p or GroupPages(spec.index, 0, ()) for spec, p in zip(self.groups, found))
+            blocks = self._first_pages(groups)
         else:
             blocks = tuple(int(b) for b in list(block_ids)[first:last])
         if error is not None:
             logger.error("request %s: bad kv_transfer_params: %s", rid, error)
-        self._loads.append(LoadJob(rid, source, blocks, first, error, sync, groups))
+        tokens = computed + num_external_tokens if self.has_state else None
+        self._loads.append(LoadJob(rid, source, blocks, first, error, sync, groups, tokens))
         params = request.kv_transfer_params
         if isinstance(params, dict):
             params["do_remote_prefill"] = False

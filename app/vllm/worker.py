@@ -46,6 +46,7 @@ from kvferry.app.vllm.pages import PageGeometry, PageWriter, rank_head_count
 from kvferry.app.vllm.params import ConnectorSettings
 from kvferry.app.vllm.records import FAILURE_KINDS, LoadJob, LoadRecord, PoolWatch, SaveJob, TransferStats
 from kvferry.app.vllm.saver import PageSaver
+from kvferry.app.vllm.state_pages import StateSpec, StateWriter, state_view
 from kvferry.core.errors import ConfigError, KVFerryError
 from kvferry.core.policy import RetryPolicy
 
@@ -108,6 +109,10 @@ class PageWorker:
     #: With several KV cache groups (vLLM's hybrid manager): each registered layer's group, in
     #: layer order (set before :meth:`register`); a hybrid job's layers move their group's pages.
     layer_groups: tuple[int, ...] = attrs.field(default=(), on_setattr=_to_both)
+    #: With a Mamba / gated-delta-net group: each registered layer's state tensors (None for a
+    #: layer of pages), in layer order (set before :meth:`register`); a state layer moves the
+    #: request's state block (state_pages), between equal TP sizes.
+    layer_states: tuple[StateSpec | None, ...] = attrs.field(default=(), on_setattr=_to_both)
     #: An FP8 cache's format (``fp8_e4m3``, ``fp8_e5m2``: core.scales.fp8_format of vLLM's
     #: ``kv_cache_dtype``; set before :meth:`register`, or taken from a float8 cache's dtype):
     #: pages move as their bytes, each payload says the format and carries every layer's
@@ -164,7 +169,17 @@ class PageWorker:
         index = {name: i for i, name in enumerate(kv_caches)}
         if self.layer_groups and len(self.layer_groups) != len(layers):
             raise ConfigError(f"kv_caches: {len(layers)} layers, {len(self.layer_groups)} in KV cache groups")
-        self.geometry = geometry = PageGeometry.of(layers, latent=self.latent)
+        states = self.layer_states
+        if states and len(states) != len(layers):
+            raise ConfigError(f"kv_caches: {len(layers)} layers, {len(states)} with a state spec or none")
+        names = list(kv_caches)
+        views: list[torch.Tensor | None] = [None] * len(layers)
+        for i, spec in enumerate(states):
+            if spec is not None:
+                views[i] = state_view(layers[i], spec, names[i])
+        pages = [t for t, view in zip(layers, views) if view is None]
+        geometry = PageGeometry.of(pages, latent=self.latent)
+        self.geometry = geometry = attrs.evolve(geometry, num_layers=len(layers))
         fp8 = self.fp8 or _TORCH_FP8.get(geometry.dtype)
         if fp8 is not None:
             if self.kv_scales is None:
@@ -179,9 +194,11 @@ class PageWorker:
             part.fp8, part.kv_scales = fp8, self.kv_scales
         self._saver.attach(layers, index, geometry)
         self._loader.attach(layers, geometry, list(kv_caches))
+        self._saver.state_views = self._loader.state_views = views
         if not geometry.latent:  # a latent is one "head" on every rank, whatever the model's head count
             self._check_heads(geometry)
         self._saver.writer = PageWriter(geometry, checksums=sending_checksum(self.settings.checksums))
+        self._saver.state_writer = StateWriter(checksums=sending_checksum(self.settings.checksums))
         if self.producer:
             self._saver.start(self.connector_factory(self.settings.sender_config(self.tp_rank, self.tp_size)))
         if self.consumer:

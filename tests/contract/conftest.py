@@ -69,18 +69,9 @@ def shm_factory(config: dict[str, Any]) -> ConnectorPair:
     return ConnectorPair(sender, receiver, cleanup)
 
 
-def mooncake_factory(config: dict[str, Any]) -> ConnectorPair:
-    """A mooncake sender and receiver in this process, over TCP on loopback (OS-chosen ports).
-
-    Skips when the optional package or its system library (libibverbs) is missing."""
-    try:
-        import mooncake.engine  # noqa: F401
-    except (ImportError, OSError) as exc:
-        pytest.skip(
-            f"mooncake transfer engine unavailable ({exc}); pip install 'kvferry[mooncake]' "
-            "and apt-get install libibverbs1"
-        )
-    common = {"type": "mooncake", "host": "127.0.0.1"}
+def control_pair(common: dict[str, Any], config: dict[str, Any]) -> ConnectorPair:
+    """A sender (control channel on an OS-chosen loopback port) and a receiver that knows it,
+    both ``common`` + ``config``: the pair of the connectors with a control channel."""
     sender = create_connector({**common, **config, "role": "sender", "port": 0})
     try:
         receiver = create_connector({**common, **config, "role": "receiver"})
@@ -94,6 +85,31 @@ def mooncake_factory(config: dict[str, Any]) -> ConnectorPair:
         sender.close()
 
     return ConnectorPair(sender, receiver, cleanup)
+
+
+def mooncake_factory(config: dict[str, Any]) -> ConnectorPair:
+    """A mooncake sender and receiver in this process, over TCP on loopback (OS-chosen ports).
+
+    Skips when the optional package or its system library (libibverbs) is missing."""
+    try:
+        import mooncake.engine  # noqa: F401
+    except (ImportError, OSError) as exc:
+        pytest.skip(
+            f"mooncake transfer engine unavailable ({exc}); pip install 'kvferry[mooncake]' "
+            "and apt-get install libibverbs1"
+        )
+    return control_pair({"type": "mooncake", "host": "127.0.0.1"}, config)
+
+
+def nixl_factory(config: dict[str, Any]) -> ConnectorPair:
+    """A nixl sender and receiver in this process: two NIXL agents (UCX over TCP on loopback),
+    control channel on an OS-chosen port. Skips, saying why, without the nixl package."""
+    from nixl_support import NIXL_TEST_CONFIG, nixl_missing
+
+    missing = nixl_missing()
+    if missing is not None:
+        pytest.skip(missing)
+    return control_pair({"type": "nixl", **NIXL_TEST_CONFIG}, config)
 
 
 def zmq_factory(transport: str) -> Callable[[dict[str, Any]], ConnectorPair]:
@@ -127,12 +143,13 @@ def zmq_factory(transport: str) -> Callable[[dict[str, Any]], ConnectorPair]:
     return factory
 
 
-#: name -> factory. The zmq (tcp/ipc) and mooncake connectors join by adding their entries.
+#: name -> factory. The zmq (tcp/ipc), mooncake and nixl connectors join by adding their entries.
 CONNECTOR_FACTORIES: dict[str, Callable[[dict[str, Any]], ConnectorPair]] = {
     "memory": memory_factory,
     "memory-objects": memory_objects_factory,
     "shm": shm_factory,
     "mooncake": mooncake_factory,
+    "nixl": nixl_factory,
     "zmq-tcp": zmq_factory("tcp"),
     "zmq-ipc": zmq_factory("ipc"),
 }

@@ -379,7 +379,7 @@ def test_registry_unknown_name_lists_the_available_ones() -> None:
     from kvferry.core.errors import ConfigError
 
     registry = ConnectorRegistry()
-    with pytest.raises(ConfigError, match="available: memory, mooncake, shm, zmq"):
+    with pytest.raises(ConfigError, match="available: memory, mooncake, nixl, shm, zmq"):
         registry.create({"type": "carrier-pigeon"})
     with pytest.raises(ConfigError, match="type"):
         registry.create({"pool_bytes": 1})

@@ -190,8 +190,8 @@ def test_bad_input_names_sizes_and_head_count() -> None:
         rank_heads(4, 8, 4)
 
 
-@PROPERTY
-@given(st.integers(1, 32), st.integers(1, 8), st.booleans())
+@settings(max_examples=150, deadline=None)  # TP sizes up to 128; each example is O(ranks^2)
+@given(st.integers(1, 16), st.integers(1, 8), st.booleans())
 def test_property_reference_rank_map_is_route_heads_at_max_tp(smaller: int, k: int, fan_out: bool) -> None:
     """One routing function: the reference's rank map (SPEC 2.1) and its fan-out slices (SPEC
     2.4) are route_heads at a virtual head count of max(S, T), computed here from the SPEC's

@@ -15,6 +15,7 @@ import time
 from typing import Any
 
 import pytest
+from nixl_support import nixl_missing
 from stage_worker import make_spec
 
 from kvferry.app.demo.command import DemoReport, run_demo
@@ -28,8 +29,15 @@ FULL_MATRIX = os.environ.get("KVFERRY_IT_FULL_MATRIX") == "1"
 DEFAULT_CELLS = {("zmq-tcp", t) for t in TOPOLOGIES} | {(c, t) for c in CONNECTORS for t in ((2, 4), (4, 2))}
 
 
+#: The nixl connector runs one fan-out and one fan-in where nixl is installed (.ci/run: the vLLM venv).
+needs_nixl = pytest.mark.skipif(nixl_missing() is not None, reason=str(nixl_missing()))
+
+
 def _cells() -> list[Any]:
-    out = []
+    out = [
+        pytest.param("nixl", from_tp, to_tp, marks=[needs_nixl], id=f"nixl-tp{from_tp}to{to_tp}")
+        for from_tp, to_tp in ((2, 4), (4, 2))
+    ]
     for connector in CONNECTORS:
         for from_tp, to_tp in TOPOLOGIES:
             marks = (

@@ -40,6 +40,7 @@ from kvferry.adapters.connectors.memory.pool import (
 from kvferry.adapters.connectors.pool_buffer import PooledBuffer
 from kvferry.core.errors import ConfigError, LeaseExpired, PoolFullError
 from kvferry.core.ports import PutResult
+from kvferry.core.tombstones import failed_error
 
 __all__ = [
     "DEFAULT_LEASE_S",
@@ -146,9 +147,19 @@ class MemoryConnector:
         if self._closed:
             return None
         ticket = self.pool.take_blocking(get_key, timeout_s)
-        if ticket is None and self.pool.status(get_key) == "expired":
-            raise LeaseExpired(f"{get_key!r} was dropped unread when its lease passed")
+        if ticket is None:
+            status = self.pool.status(get_key)
+            if status == "expired":
+                raise LeaseExpired(f"{get_key!r} was dropped unread when its lease passed")
+            failure = self.pool.failure(get_key) if status == "failed" else None
+            if failure is not None:
+                raise failed_error(get_key, failure)
         return None if ticket is None else self.pool.read(ticket)
+
+    def publish_failure(self, from_stage: Any, to_stage: Any, put_key: str, failure: Any) -> bool:
+        """Record that ``put_key`` will never come (the FailureRecords ability): no space (a
+        payload under it is dropped)."""
+        return not self._closed and self.pool.fail(put_key, failure)
 
     def reserve(self, from_stage: Any, to_stage: Any, put_key: str, nbytes: int) -> PoolReservation:
         if self._closed:

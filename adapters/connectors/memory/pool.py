@@ -372,13 +372,37 @@ class LocalPool:
         return ticket
 
     def status(self, key: str) -> str:
-        """``"published"``, why the key is gone (drained/expired/dropped) or ``"unknown"``."""
+        """``"published"``, why the key is gone (drained/expired/dropped/failed) or ``"unknown"``."""
         with self._cond:
             return self.ledger.leases.status(key)
 
+    def fail(self, key: str, failure: Any) -> bool:
+        """Record that ``key`` will never be published (a tombstone, no space; see
+        :meth:`kvferry.core.leases.LeaseTable.fail`): a payload readable under it is dropped
+        first (a failed transfer's pages are of no use; a reader holding one keeps it until it
+        releases), blocking takes of it return at once and ``on_publish`` callbacks run, so
+        waiting gets hear of it. False when the pool is closed."""
+        with self._cond:
+            if self._closed:
+                return False
+            self._forget(self.ledger.drop_key(key))
+            if not self.ledger.leases.fail(key, failure):
+                return False
+            self._count("failures_recorded")
+            self._cond.notify_all()
+        for callback in self.on_publish:
+            callback(key)
+        return True
+
+    def failure(self, key: str) -> Any | None:
+        """The failure record of ``key`` (:meth:`fail`), or None."""
+        with self._cond:
+            return self.ledger.leases.failure(key)
+
     def take_blocking(self, key: str, timeout_s: float, holder: Any = IN_PROCESS) -> Ticket | None:
         """Wait (condition variable, no polling) until ``key`` can be taken or ``timeout_s``
-        seconds of real time pass; None at once when ``key`` expired unread."""
+        seconds of real time pass; None at once when ``key`` expired unread or its sender
+        recorded a failure (:meth:`fail`)."""
         deadline = time.monotonic() + max(0.0, float(timeout_s))
         with self._cond:
             while True:
@@ -386,8 +410,8 @@ class LocalPool:
                 remaining = deadline - time.monotonic()
                 if ticket is not None or self._closed or remaining <= 0:
                     return ticket
-                if self.ledger.leases.status(key) == "expired":
-                    return None  # dropped unread: it cannot come (see status())
+                if self.ledger.leases.status(key) in ("expired", "failed"):
+                    return None  # dropped unread, or its sender failed: it cannot come (see status())
                 self._cond.wait(remaining)
 
     def view(self, ticket: Ticket) -> Any:

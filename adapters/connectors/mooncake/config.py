@@ -28,43 +28,50 @@ shared_engine  True         share one engine per (host, protocol, device_name) i
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, ClassVar
 
 import attrs
 
 from kvferry.core.errors import ConfigError
 from kvferry.core.validate import check_int, check_seconds
 
-__all__ = ["MooncakeConfig", "ROLES"]
+__all__ = ["Checks", "MooncakeConfig", "PoolConfig", "ROLES"]
 
 ROLES = ("sender", "receiver")
 
 
-def _int(name: str, value: Any, lo: int, hi: int | None = None) -> int:
-    return check_int(f"mooncake config {name!r}", value, lo, maximum=hi)
+@attrs.frozen
+class Checks:
+    """Validators of one connector's config dict; each error names ``<what> config 'key'``."""
 
+    what: str
 
-def _seconds(name: str, value: Any) -> float:
-    return check_seconds(f"mooncake config {name!r}", value)
+    def int(self, name: str, value: Any, lo: int, hi: int | None = None) -> int:
+        return check_int(f"{self.what} config {name!r}", value, lo, maximum=hi)
 
+    def seconds(self, name: str, value: Any) -> float:
+        return check_seconds(f"{self.what} config {name!r}", value)
 
-def _flag(name: str, value: Any) -> bool:
-    if not isinstance(value, bool):
-        raise ConfigError(f"mooncake config {name!r} must be true or false, got {value!r}")
-    return value
+    def flag(self, name: str, value: Any) -> bool:
+        if not isinstance(value, bool):
+            raise ConfigError(f"{self.what} config {name!r} must be true or false, got {value!r}")
+        return value
 
-
-def _text(name: str, value: Any, choices: tuple[str, ...] | None = None) -> str:
-    if not isinstance(value, str):
-        raise ConfigError(f"mooncake config {name!r} must be a string, got {value!r}")
-    if choices is not None and value not in choices:
-        raise ConfigError(f"mooncake config {name!r} must be one of {choices}, got {value!r}")
-    return value
+    def text(self, name: str, value: Any, choices: tuple[str, ...] | None = None, *, empty: bool = True) -> str:
+        if not isinstance(value, str) or (not value and not empty):
+            kind = "a string" if empty else "a non-empty string"
+            raise ConfigError(f"{self.what} config {name!r} must be {kind}, got {value!r}")
+        if choices is not None and value not in choices:
+            raise ConfigError(f"{self.what} config {name!r} must be one of {choices}, got {value!r}")
+        return value
 
 
 @attrs.frozen
-class MooncakeConfig:
-    """Validated settings; build with :meth:`from_mapping` (errors name the key)."""
+class PoolConfig:
+    """The settings every pool-and-control-channel connector shares (mooncake, nixl); a
+    subclass names itself in ``WHAT`` and builds from :meth:`pool_keys` plus its own keys."""
+
+    WHAT: ClassVar[str] = "pool"
 
     role: str = "sender"
     host: str = "127.0.0.1"
@@ -73,39 +80,56 @@ class MooncakeConfig:
     readers: int = 1
     lease_s: float = 120.0
     hold_s: float = 30.0
+    control_timeout_s: float = 2.0
+    alignment: int = 64
+
+    @classmethod
+    def pool_keys(cls, raw: Mapping[str, Any]) -> tuple[Checks, dict[str, Any]]:
+        """The validated shared keys of ``raw`` (missing keys: the class defaults), and the
+        checks the subclass validates its own keys with."""
+        checks = Checks(cls.WHAT)
+        if not isinstance(raw, Mapping):
+            raise ConfigError(f"{cls.WHAT} config must be a mapping, got {type(raw).__name__}")
+        d = cls()
+        get = raw.get
+        alignment = checks.int("alignment", get("alignment", d.alignment), 1)
+        if alignment & (alignment - 1):
+            raise ConfigError(f"{cls.WHAT} config 'alignment' must be a power of two, got {alignment}")
+        return checks, {
+            "role": checks.text("role", get("role", d.role), ROLES),
+            "host": checks.text("host", get("host", d.host), empty=False),
+            "port": checks.int("port", get("port", d.port), 0, 65535),
+            "pool_bytes": checks.int("pool_bytes", get("pool_bytes", d.pool_bytes), alignment),
+            "readers": checks.int("readers", get("readers", d.readers), 1),
+            "lease_s": checks.seconds("lease_s", get("lease_s", d.lease_s)),
+            "hold_s": checks.seconds("hold_s", get("hold_s", d.hold_s)),
+            "control_timeout_s": checks.seconds("control_timeout_s", get("control_timeout_s", d.control_timeout_s)),
+            "alignment": alignment,
+        }
+
+
+@attrs.frozen
+class MooncakeConfig(PoolConfig):
+    """Validated settings; build with :meth:`from_mapping` (errors name the key)."""
+
+    WHAT: ClassVar[str] = "mooncake"
+
     protocol: str = "tcp"
     device_name: str = ""
     pool_device: str = "cpu"
-    control_timeout_s: float = 2.0
     chunk_bytes: int = 16 << 20
-    alignment: int = 64
     shared_engine: bool = True
 
     @classmethod
     def from_mapping(cls, raw: Mapping[str, Any]) -> MooncakeConfig:
-        if not isinstance(raw, Mapping):
-            raise ConfigError(f"mooncake config must be a mapping, got {type(raw).__name__}")
+        checks, shared = cls.pool_keys(raw)
         d = cls()
         get = raw.get
-        host = _text("host", get("host", d.host))
-        if not host:
-            raise ConfigError("mooncake config 'host' must not be empty")
-        alignment = _int("alignment", get("alignment", d.alignment), 1)
-        if alignment & (alignment - 1):
-            raise ConfigError(f"mooncake config 'alignment' must be a power of two, got {alignment}")
         return cls(
-            role=_text("role", get("role", d.role), ROLES),
-            host=host,
-            port=_int("port", get("port", d.port), 0, 65535),
-            pool_bytes=_int("pool_bytes", get("pool_bytes", d.pool_bytes), alignment),
-            readers=_int("readers", get("readers", d.readers), 1),
-            lease_s=_seconds("lease_s", get("lease_s", d.lease_s)),
-            hold_s=_seconds("hold_s", get("hold_s", d.hold_s)),
-            protocol=_text("protocol", get("protocol", d.protocol), ("tcp", "rdma")),
-            device_name=_text("device_name", get("device_name", d.device_name)),
-            pool_device=_text("pool_device", get("pool_device", d.pool_device)),
-            control_timeout_s=_seconds("control_timeout_s", get("control_timeout_s", d.control_timeout_s)),
-            chunk_bytes=_int("chunk_bytes", get("chunk_bytes", d.chunk_bytes), 4096),
-            alignment=alignment,
-            shared_engine=_flag("shared_engine", get("shared_engine", d.shared_engine)),
+            **shared,
+            protocol=checks.text("protocol", get("protocol", d.protocol), ("tcp", "rdma")),
+            device_name=checks.text("device_name", get("device_name", d.device_name)),
+            pool_device=checks.text("pool_device", get("pool_device", d.pool_device)),
+            chunk_bytes=checks.int("chunk_bytes", get("chunk_bytes", d.chunk_bytes), 4096),
+            shared_engine=checks.flag("shared_engine", get("shared_engine", d.shared_engine)),
         )

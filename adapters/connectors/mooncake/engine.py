@@ -108,8 +108,36 @@ def _chunks(length: int, chunk: int) -> list[tuple[int, int]]:
     return [(off, min(chunk, length - off)) for off in range(0, length, chunk)]
 
 
+def pool_tensor(pool_bytes: int, device: str = "cpu") -> Any:
+    """A fresh 1-D ``uint8`` pool of ``pool_bytes`` on ``device``; on the host every page is
+    faulted in now (written once), not by the first payloads (``torch.zeros`` of a large size
+    maps untouched zero pages: each first write there faults)."""
+    import torch
+
+    tensor = torch.empty(pool_bytes, dtype=torch.uint8, device=device)
+    if device == "cpu":
+        tensor.zero_()
+    return tensor
+
+
+class TensorPool:
+    """``base`` and ``pool_bytes`` of a pool held as the 1-D ``uint8`` tensor ``tensor``."""
+
+    __slots__ = ()
+    tensor: Any
+
+    @property
+    def base(self) -> int:
+        """Address of the pool's first byte."""
+        return int(self.tensor.data_ptr())
+
+    @property
+    def pool_bytes(self) -> int:
+        return int(self.tensor.numel())
+
+
 @attrs.define(eq=False)
-class EnginePool:
+class EnginePool(TensorPool):
     """An initialised transfer engine plus one registered pool of ``pool_bytes`` bytes.
 
     ``tensor`` is the pool as a 1-D ``uint8`` torch tensor (CPU, or the device named by
@@ -158,22 +186,11 @@ class EnginePool:
             if not torch.cuda.is_available():
                 raise ConfigError(f"mooncake pool device {device!r} requested but CUDA is unavailable")
             location = str(torch.device(device))  # e.g. "cuda:0"
-        tensor = torch.empty(pool_bytes, dtype=torch.uint8, device=device)
-        if device == "cpu":
-            tensor.zero_()  # fault the pages in once, so the first payloads do not pay for it
+        tensor = pool_tensor(pool_bytes, device)
         rc = engine.register_memory(tensor.data_ptr(), pool_bytes, location)
         if rc != 0:
             raise ConnectorUnavailable(f"mooncake engine could not register {pool_bytes} bytes: rc {rc}")
         return cls(engine, tensor, host, protocol, int(engine.get_rpc_port()), chunk_bytes)
-
-    @property
-    def base(self) -> int:
-        """Address of the pool's first byte."""
-        return int(self.tensor.data_ptr())
-
-    @property
-    def pool_bytes(self) -> int:
-        return int(self.tensor.numel())
 
     def read(self, peer: str, local_offset: int, remote_addr: int, length: int) -> bool:
         """Read ``length`` bytes at ``remote_addr`` of ``peer`` ("host:rpc_port") into the pool."""

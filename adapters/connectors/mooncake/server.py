@@ -21,6 +21,7 @@ import logging
 import threading
 import time
 from collections.abc import Callable
+from typing import ClassVar
 
 import attrs
 import zmq
@@ -193,6 +194,7 @@ class ControlServer:
     _stopping: bool = attrs.field(init=False, default=False)
     _thread: threading.Thread | None = attrs.field(init=False, default=None)
     _table: ParkedTable[_Waiter] = attrs.field(init=False, factory=ParkedTable)
+    NAME: ClassVar[str] = "mooncake"  # in log lines
 
     def start(self) -> None:
         self._thread = threading.Thread(target=self._run, name="kvferry-mooncake-control", daemon=True)
@@ -272,16 +274,20 @@ class ControlServer:
             ident, raw = frames
             message = wire.decode(raw)
             if isinstance(message, Rejection):
-                self.state.count("bad_requests")
-                logger.warning("mooncake control: dropped a malformed message: %s", message.detail)
-                continue
-            if isinstance(message, wire.Lookup):
+                self._rejected(ident, raw, message)
+            elif isinstance(message, wire.Lookup):
                 self._lookup(ident, message)
             elif isinstance(message, wire.Done):
                 self.state.finish(message)
                 self._send(ident, wire.Ack(message.id))
             else:
                 self.state.count("bad_requests")
+
+    def _rejected(self, ident: bytes, raw: bytes, rejection: Rejection) -> None:
+        """A message the mooncake wire does not know: counted and dropped (a subclass may
+        answer its own messages here first)."""
+        self.state.count("bad_requests")
+        logger.warning("%s control: dropped a malformed message: %s", self.NAME, rejection.detail)
 
     def _lookup(self, ident: bytes, lookup: wire.Lookup) -> None:
         reply = self.state.answer(lookup)

@@ -51,8 +51,9 @@ from kvferry.adapters.connectors.shm.segment import (
     reap_namespace,
 )
 from kvferry.core.addressing import resolve_get_source
-from kvferry.core.errors import ConfigError, LeaseExpired
+from kvferry.core.errors import ConfigError, LeaseExpired, PayloadError
 from kvferry.core.ports import PutResult
+from kvferry.core.tombstones import FAILED_REASON, FAILURE_FIELD, decode_failure, failed_error
 from kvferry.core.validate import check_port
 
 __all__ = ["SHM_DEFAULT_POOL_BYTES", "ShmConfig", "ShmConnector"]
@@ -156,6 +157,14 @@ class ShmConnector:
 
         return PoolReservation(reservation.buffer, commit=commit, abort=reservation.abort)
 
+    def publish_failure(self, from_stage: Any, to_stage: Any, put_key: str, failure: Any) -> bool:
+        """Sender: record that ``put_key`` will never come (the FailureRecords ability): no
+        segment space (a payload under it is dropped); a get waiting for the key is answered
+        at once."""
+        if self._closed or self._sender is None:
+            return False
+        return self._sender.pool.fail(put_key, failure)
+
     # ------------------------------------------------------------------------- receiver side
     def _resolve(self, metadata: Mapping[str, Any] | None) -> str | None:
         """The put's ``endpoint`` when the metadata carries one, else the sender
@@ -226,6 +235,9 @@ class ShmConnector:
             ticket = pool.take_blocking(key, wait_s) if wait_s > 0 else pool.take(key)
             if ticket is None and wait_s > 0 and pool.status(key) == "expired":
                 raise LeaseExpired(f"{key!r} was dropped unread when its lease passed")
+            failure = pool.failure(key) if ticket is None and wait_s > 0 else None
+            if failure is not None:
+                raise failed_error(key, failure)
             return None if ticket is None else pool.read(ticket)
         endpoint = self._resolve(metadata)
         if endpoint is None:
@@ -246,6 +258,14 @@ class ShmConnector:
             self._count(f"miss_{reply.get('reason', 'unknown')}")
             if wait_s > 0 and reply.get("reason") == "expired":
                 raise LeaseExpired(f"the sender at {endpoint} dropped {key!r} unread when its lease passed")
+            if wait_s > 0 and reply.get("reason") == FAILED_REASON:
+                try:
+                    failure = decode_failure(reply.get(FAILURE_FIELD))
+                except PayloadError as exc:
+                    self._count("bad_failure_records")
+                    logger.warning("shm sender at %s: unreadable failure record for %r: %s", endpoint, key, exc)
+                    return None
+                raise failed_error(key, failure, endpoint)
             return None
         return self._view(endpoint, client, reply)
 
@@ -362,7 +382,8 @@ class ShmConnector:
         timeout_s: float,
     ) -> tuple[Any, int] | None:
         """Wait up to ``timeout_s`` seconds; the sender answers when the key is published.
-        Raises LeaseExpired at once when the sender says the key expired unread."""
+        Raises LeaseExpired at once when the sender says the key expired unread, and
+        FailedAtSender at once when it recorded a failure for the key (also while waiting)."""
         return self._fetch(metadata, get_key, max(0.0, float(timeout_s)))
 
     def mapped_range(self, segment_name: str) -> tuple[int, int] | None:

@@ -20,7 +20,11 @@ Sender -> receiver::
     {"v": 1, "id": int, "ok": true, "seg": str, "seg_bytes": int, "off": int, "size": int,
      "ticket": int}                                          (a granted read)
     {"v": 1, "id": int, "ok": false, "reason": "not_found" | "drained" | "expired" |
-     "dropped" | "timeout" | "closing" | "bad_request"}
+     "dropped" | "timeout" | "closing" | "bad_request" | "failed"}
+    {"v": 1, "id": int, "ok": false, "reason": "failed", "failure": {"kind": str, "reason": str}}
+                                                             (the sender recorded that the key
+                                                             will never come: a tombstone,
+                                                             kvferry.core.tombstones)
     {"v": 1, "id": int, "ok": true, "health": {...}}         (ping)
     {"v": 1, "id": int, "ok": true, "released": bool}       (release with an id; True when
                                                              this freed the region)

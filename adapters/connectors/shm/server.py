@@ -41,12 +41,15 @@ from kvferry.core.control import Rejection
 from kvferry.core.errors import BindError
 from kvferry.core.parked import MissReason, Parked, ParkedTable
 from kvferry.core.pool import Ticket
+from kvferry.core.tombstones import FAILED_REASON, FAILURE_FIELD, encode_failure
 
 __all__ = ["ControlServer", "Reader", "ReaderRegistry"]
 
 logger = logging.getLogger(__name__)
 
 _MISS = {"unknown": MissReason.NOT_FOUND, "published": MissReason.NOT_FOUND}
+#: Statuses after which a key cannot come: a get is answered at once, never parked.
+_FINAL = (MissReason.EXPIRED, FAILED_REASON)
 
 
 @attrs.define(eq=False)
@@ -224,15 +227,26 @@ class ControlServer:
                 tickets.append(ticket)
                 entries.append(self._granted(ticket))
             else:
-                status = self.pool.status(key)
-                reason = _MISS.get(status, status)
-                self.counters["miss_" + reason] += 1
-                entries.append({"ok": False, "reason": reason})
+                entries.append(self._miss_entry(key))
         self._reply(identity, {"id": request_id, "ok": True, "grants": entries}, *tickets)
+
+    def _miss_entry(self, key: str) -> dict[str, Any]:
+        """Why ``key`` is not there, with its failure record when its sender failed it."""
+        status = self.pool.status(key)
+        reason = _MISS.get(status, status)
+        self.counters["miss_" + reason] += 1
+        entry: dict[str, Any] = {"ok": False, "reason": reason}
+        failure = self.pool.failure(key) if reason == FAILED_REASON else None
+        if failure is not None:
+            entry[FAILURE_FIELD] = encode_failure(failure)
+        return entry
 
     def _miss(self, identity: bytes, request_id: int, reason: str) -> None:
         self.counters["miss_" + reason] += 1
         self._reply(identity, {"id": request_id, "ok": False, "reason": reason})
+
+    def _miss_key(self, identity: bytes, request_id: int, key: str) -> None:
+        self._reply(identity, {"id": request_id, **self._miss_entry(key)})
 
     def _handle(self, identity: bytes, frame: bytes) -> None:
         request = decode_request(frame)
@@ -263,11 +277,10 @@ class ControlServer:
         ticket = self.pool.take(key, holder)
         if ticket is not None:
             self._grant(identity, request_id, ticket)
-        elif wait_s > 0 and not self._stopping and self.pool.status(key) != MissReason.EXPIRED:
+        elif wait_s > 0 and not self._stopping and self.pool.status(key) not in _FINAL:
             self._table.park(key, _Waiter(identity, request_id, holder), time.monotonic(), wait_s)
         else:
-            status = self.pool.status(key)
-            self._miss(identity, request_id, _MISS.get(status, status))
+            self._miss_key(identity, request_id, key)
 
     def _serve_published(self, keys: list[str]) -> None:
         now = time.monotonic()
@@ -275,10 +288,13 @@ class ControlServer:
 
             def offer(waiter: _Waiter) -> bool:
                 ticket = self.pool.take(key, waiter.holder)
-                if ticket is None:
-                    return False
-                self._grant(waiter.identity, waiter.request_id, ticket)
-                return True
+                if ticket is not None:
+                    self._grant(waiter.identity, waiter.request_id, ticket)
+                    return True
+                if self.pool.status(key) == FAILED_REASON:  # its sender failed it: tell every waiter
+                    self._miss_key(waiter.identity, waiter.request_id, key)
+                    return True
+                return False
 
             self._answer(self._table.serve(key, now, offer), MissReason.TIMEOUT)
 

@@ -53,6 +53,7 @@ COUNTERS = (
     "misses_expired",
     "misses_timeout",
     "misses_closing",
+    "misses_failed",
     "errors",
     "timeouts",
     "late_replies",

@@ -42,6 +42,7 @@ from kvferry.adapters.connectors.zmq.protocol import resolve_endpoint
 from kvferry.adapters.connectors.zmq.server import ZmqServer
 from kvferry.adapters.connectors.zmq.store import PublishFailure, ZmqReservation
 from kvferry.core.errors import ConfigError, LeaseExpired, PoolFullError, TransferError
+from kvferry.core.tombstones import failed_error
 from kvferry.core.validate import check_int, check_seconds
 
 __all__ = ["ZmqConnector"]
@@ -170,6 +171,14 @@ class ZmqConnector:
             return {"reason": "not_sender", "detail": "needs a zmq connector with role 'sender'"}
         return None
 
+    def publish_failure(self, from_stage: Any, to_stage: Any, put_key: str, failure: Any) -> bool:
+        """Sender: record that ``put_key`` will never come (the FailureRecords ability): no
+        pool space (a payload under it is dropped); a get parked on the key is answered at once."""
+        if self._refusal() is not None:
+            return False
+        assert self._server is not None  # no refusal: a sender
+        return self._server.publish_failure(put_key, failure)
+
     def put(
         self,
         from_stage: Any,
@@ -285,7 +294,8 @@ class ZmqConnector:
         timeout_s: float,
     ) -> tuple[Any, int] | None:
         """Wait up to ``timeout_s`` seconds for ``get_key``; the sender answers on arrival.
-        Raises LeaseExpired at once when the sender says the key expired unread."""
+        Raises LeaseExpired at once when the sender says the key expired unread, and
+        FailedAtSender at once when it recorded a failure for the key (also while waiting)."""
         if isinstance(timeout_s, bool) or not isinstance(timeout_s, (int, float)) or timeout_s < 0:
             raise ConfigError(f"timeout_s must be a number of seconds >= 0, got {timeout_s!r}")
         if timeout_s == 0:
@@ -308,6 +318,8 @@ class ZmqConnector:
         outcome: Outcome = self._client.request(endpoint, key, mode, wait, timeout)
         if outcome.kind == "miss" and outcome.reason == "expired" and mode == "wait":
             raise LeaseExpired(f"the sender at {endpoint} dropped {key!r} unread when its lease passed")
+        if outcome.kind == "miss" and outcome.failure is not None and mode == "wait":
+            raise failed_error(key, outcome.failure, endpoint)
         if outcome.kind != "data":
             return None
         return outcome.frames, outcome.size

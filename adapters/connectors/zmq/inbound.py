@@ -45,6 +45,8 @@ class Outcome:
     frames: tuple[Any, ...] = ()
     size: int = 0
     reason: str = ""
+    #: A ``failed`` miss: the sender's record (kvferry.core.tombstones.SenderFailure).
+    failure: Any = None
 
 
 @attrs.define(eq=False)
@@ -80,7 +82,8 @@ class ReplyReader:
             elif message.op == "data":
                 self._on_data(endpoint, message, tuple(rest))
             elif message.op == "miss":
-                self.deliver(endpoint, message.corr_id, Outcome("miss", reason=message.reason), message.key)
+                miss = Outcome("miss", reason=message.reason, failure=message.failure)
+                self.deliver(endpoint, message.corr_id, miss, message.key)
             else:
                 logger.warning("zmq sender %s answered an error: %s (%s)", endpoint, message.reason, message.detail)
                 self.deliver(endpoint, message.corr_id, Outcome("error", reason=message.reason), "")

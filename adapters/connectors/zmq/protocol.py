@@ -16,6 +16,12 @@ Sender -> receiver (``[header, *payload frames]``)::
     {"v": 1, "op": "data",  "id": id, "key": key, "sizes": [...], "chunk": <bytes>}
     {"v": 1, "op": "miss",  "id": id, "key": key, "reason": "not_found" | "expired" |
                                                            "timeout" | "closing"}
+    {"v": 1, "op": "miss",  "id": id, "key": key, "reason": "failed",
+     "failure": {"kind": <word>, "reason": <text>}}
+
+A ``failed`` miss carries the sender's failure record for a key it will never publish (a
+tombstone, :mod:`kvferry.core.tombstones`); a miss that says ``failed`` without a readable
+record is a bad reply.
     {"v": 1, "op": "error", "id": id | None, "reason": <word>, "detail": <text>}
 
 A data reply with ``chunk`` (only to a request with ``stream``) is streamed: the header comes
@@ -41,8 +47,9 @@ import msgpack
 
 from kvferry.core.addressing import resolve_get_source
 from kvferry.core.control import Rejection
-from kvferry.core.errors import BindError, ConfigError
+from kvferry.core.errors import BindError, ConfigError, PayloadError
 from kvferry.core.parked import MISS_REASONS as PARKED_MISS_REASONS
+from kvferry.core.tombstones import FAILED_REASON, FAILURE_FIELD, SenderFailure, decode_failure, encode_failure
 from kvferry.core.validate import check_port
 
 __all__ = [
@@ -109,6 +116,8 @@ class Reply:
     detail: str = ""
     sizes: tuple[int, ...] = ()
     chunk: int = 0
+    #: A ``miss`` of a key its sender failed (reason ``failed``): the sender's record.
+    failure: SenderFailure | None = None
 
     @property
     def size(self) -> int:
@@ -228,6 +237,8 @@ def encode_reply(reply: Reply) -> bytes:
     elif reply.op == "miss":
         body["key"] = reply.key
         body["reason"] = reply.reason
+        if reply.failure is not None:
+            body["reason"], body[FAILURE_FIELD] = FAILED_REASON, encode_failure(reply.failure)
     elif reply.op == "error":
         body["reason"] = reply.reason
         body["detail"] = reply.detail[:1024]
@@ -273,6 +284,12 @@ def reply_from_map(obj: Mapping[str, Any]) -> Reply | Rejection:
         return key
     if op == "miss":
         reason = obj.get("reason")
+        if reason == FAILED_REASON:
+            try:
+                failure = decode_failure(obj.get(FAILURE_FIELD))
+            except PayloadError as exc:
+                return Rejection("bad_reply", f"failed miss: {exc}", corr_id)
+            return Reply("miss", corr_id, key, reason=reason, failure=failure)
         if reason not in MISS_REASONS:
             return Rejection("bad_reply", f"unknown miss reason {str(reason)[:64]!r}", corr_id)
         return Reply("miss", corr_id, key, reason=reason)

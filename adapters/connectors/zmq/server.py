@@ -53,6 +53,7 @@ COUNTERS = (
     "requests",
     "misses_not_found",
     "misses_expired",
+    "misses_failed",
     "wait_timeouts",
     "parked_total",
     "parked_refused",
@@ -167,6 +168,14 @@ class ZmqServer:
         if failure is None:
             self._bell.ring(key)
         return failure
+
+    def publish_failure(self, key: str, failure: Any) -> bool:
+        """Record that ``key`` will never come (a tombstone) and answer the requests parked on
+        it at once."""
+        recorded = self.store.fail(key, failure)
+        if recorded:
+            self._bell.ring(key)
+        return recorded
 
     def stats(self) -> dict[str, int]:
         out = self.store.stats()
@@ -318,6 +327,9 @@ class ZmqServer:
         outcome = self._try_send(sock, identity, request.corr_id, request.key, request.stream)
         if outcome in ("sent", "gone"):
             return
+        if outcome == "failed":
+            self._answer_failed(sock, identity, request.corr_id, request.key)
+            return
         if request.mode == "now" or request.wait_s <= 0 or outcome == "expired":
             self._counters["misses_" + outcome] += 1
             self._reply(sock, identity, Reply("miss", request.corr_id, request.key, reason=outcome))
@@ -337,9 +349,19 @@ class ZmqServer:
 
             def offer(waiter: _Waiter) -> bool:
                 # False once every permitted reader was served: the rest keep waiting
-                return self._try_send(sock, waiter.identity, waiter.corr_id, key, waiter.stream) in ("sent", "gone")
+                outcome = self._try_send(sock, waiter.identity, waiter.corr_id, key, waiter.stream)
+                if outcome == "failed":  # its sender failed it: every waiter hears so now
+                    self._answer_failed(sock, waiter.identity, waiter.corr_id, key)
+                    return True
+                return outcome in ("sent", "gone")
 
             self._time_out(sock, self._table.serve(key, now, offer))
+
+    def _answer_failed(self, sock: zmq.Socket, identity: bytes, corr_id: int, key: str) -> None:
+        self._counters["misses_failed"] += 1
+        failure = self.store.failure(key)
+        reason = MissReason.NOT_FOUND if failure is None else "failed"  # forgotten meanwhile: not found
+        self._reply(sock, identity, Reply("miss", corr_id, key, reason=reason, failure=failure))
 
     def _fire_timers(self, sock: zmq.Socket) -> None:
         self._time_out(sock, self._table.expire(time.monotonic()))

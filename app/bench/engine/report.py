@@ -18,6 +18,7 @@ __all__ = [
     "beats",
     "crossover",
     "summarise",
+    "fmt",
     "render_engine_table",
     "write_engine_plot",
 ]
@@ -134,7 +135,8 @@ def _differing(same: Sequence[bool], gaps: Sequence[float | None]) -> str:
     return f"{sum(same)}/{len(same)}" + (f"+{ties}t" if ties else "")
 
 
-def _fmt(value: float | None, digits: int = 1) -> str:
+def fmt(value: float | None, digits: int = 1) -> str:
+    """``value`` with ``digits`` decimals, ``-`` when there is none (the bench tables' cells)."""
     return "-" if value is None else f"{value:.{digits}f}"
 
 
@@ -143,7 +145,7 @@ def render_engine_table(report: dict[str, Any]) -> str:
     lines = [
         f"kvferry bench --engine vllm: {report['model']}",
         f"D's time to first token (ms, median of {report['runs']} runs, min-max), max_tokens=1; "
-        f"memcpy limit {_fmt(report.get('memcpy_gbps'), 2)} GB/s",
+        f"memcpy limit {fmt(report.get('memcpy_gbps'), 2)} GB/s",
         "",
         f"{'row':<36} {'tokens':>6} {'median':>8} {'min-max':>15} {'x floor':>8} {'x local':>8} "
         f"{'beats peers':>11} {'tokens ok':>9} {'KV MB':>7} {'GB/s':>6} {'x memcpy':>8}",
@@ -161,11 +163,11 @@ def render_engine_table(report: dict[str, Any]) -> str:
             kv = cell.get("kv_bytes") or []
             bp = cell.get("beats_peers")
             lines.append(
-                f"{row['label']:<36} {n:>6} {_fmt(cell['median_ms']):>8} "
-                f"{_fmt(cell['min_ms']) + '-' + _fmt(cell['max_ms']):>15} {_fmt(cell.get('vs_floor'), 2):>8} "
-                f"{_fmt(cell.get('vs_local'), 2):>8} {('-' if bp is None else 'yes' if bp else 'no'):>11} {ok:>9} "
-                f"{(_fmt(statistics.median(kv) / 1e6, 2) if kv else '-'):>7} {_fmt(cell.get('median_gbps'), 2):>6} "
-                f"{_fmt(cell.get('vs_memcpy'), 2):>8}"
+                f"{row['label']:<36} {n:>6} {fmt(cell['median_ms']):>8} "
+                f"{fmt(cell['min_ms']) + '-' + fmt(cell['max_ms']):>15} {fmt(cell.get('vs_floor'), 2):>8} "
+                f"{fmt(cell.get('vs_local'), 2):>8} {('-' if bp is None else 'yes' if bp else 'no'):>11} {ok:>9} "
+                f"{(fmt(statistics.median(kv) / 1e6, 2) if kv else '-'):>7} {fmt(cell.get('median_gbps'), 2):>6} "
+                f"{fmt(cell.get('vs_memcpy'), 2):>8}"
             )
     lines.append("")
     for row in report["rows"].values():

@@ -15,6 +15,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from kvferry.app.bench.model import RATIO_NAMES, TARGETS, Stat, Target, combine_stats, ratio_runs
+from kvferry.app.bench.runner import PAIRED_RATIOS
 from kvferry.app.bench.runs import combine_reports
 from kvferry.core.errors import ConfigError
 
@@ -145,8 +146,8 @@ def test_tiny_two_runs_report_each_run_and_the_medians(tiny_run: tuple[int, str,
     for run in report["runs"]:
         assert set(run["verdicts"]) == set(RATIO_NAMES)
         assert all(v in ("met", "missed", "unsteady", "none") for v in run["verdicts"].values())
-        assert set(run["noise"]) == {"memcpy", "raw_tcp"} and all(v >= 0 for v in run["noise"].values())
-    for name in ("extraction_vs_memcpy", "shm_e2e_vs_memcpy", "shm_8req_vs_memcpy", "zmq_1req_vs_raw_tcp"):
+        assert set(run["noise"]) == {"memcpy", "raw_tcp", "homo_2_2"} and all(v >= 0 for v in run["noise"].values())
+    for name in PAIRED_RATIOS:
         assert report["verdict_runs"][name] == [run["verdicts"][name] for run in report["runs"]]
     last = report["runs"][-1]
     for name, pair in report["pairs"].items():  # the last run's pairs (the report's top level)
@@ -157,9 +158,14 @@ def test_tiny_two_runs_report_each_run_and_the_medians(tiny_run: tuple[int, str,
         "shm_e2e_vs_memcpy",
         "shm_8req_vs_memcpy",
         "zmq_1req_vs_raw_tcp",
+        "hetero_vs_homo",
+        "replicated_vs_homo",
+        "mla_vs_homo",
     }
-    assert {p["limit"] for p in report["pairs"].values()} == {"memcpy", "raw_tcp"}
-    for figure in ("shm_e2e_1", "shm_e2e_n", "zmq_e2e_1", "extraction"):  # every limit step alongside
+    assert {p["limit"] for p in report["pairs"].values()} == {"memcpy", "raw_tcp", "homo_2_2"}
+    # the TP rows alternate with the homogeneous row: each TP figure has its limit steps beside it
+    tp_figures = ("hetero_2_4", "replicated_2_8", "mla_2_4")
+    for figure in ("shm_e2e_1", "shm_e2e_n", "zmq_e2e_1", "extraction", *tp_figures):  # every limit step alongside
         assert report["figures"][f"{figure}_limit"]["n"] == 4, figure
     assert "noise (the limits' own spread" in table and "verdict" in table and "paired" not in table
     # the kernel's TCP limit sits beside raw zmq, and the zmq path is compared with both

@@ -113,8 +113,8 @@ def test_served_by_says_whose_class_builds_a_name() -> None:
     assert here.served_by("SharedMemoryConnector") == "vllm-omni"
     assert absent.served_by("SharedMemoryConnector") == "none"
     assert here.served_by("carrier-pigeon") == "none"
-    assert here.servable()[:4] == ("memory", "mooncake", "shm", "zmq") and "NixlConnector" in here.servable()
-    assert absent.servable() == ("memory", "mooncake", "shm", "zmq")
+    assert here.servable()[:5] == ("memory", "mooncake", "nixl", "shm", "zmq") and "NixlConnector" in here.servable()
+    assert absent.servable() == ("memory", "mooncake", "nixl", "shm", "zmq")
 
 
 # --------------------------------------------------------------------- building by the name
@@ -214,7 +214,7 @@ def test_without_vllm_omni_a_reference_name_fails_at_start(role) -> None:
             build()
         message = str(caught.value)
         assert "connector_config.type 'SharedMemoryConnector'" in message
-        assert "vllm_omni is not importable" in message and "available: memory, mooncake, shm, zmq" in message
+        assert "vllm_omni is not importable" in message and "available: memory, mooncake, nixl, shm, zmq" in message
 
 
 @pytest.mark.parametrize("role", ["send", "recv"])

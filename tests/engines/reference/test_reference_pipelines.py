@@ -196,7 +196,7 @@ def test_without_vllm_omni_the_reference_name_fails_at_start(kvferry_python, nod
         node.proc.stdin.flush()
         answer = node.read(timeout_s=120)
         assert "connector_config.type 'SharedMemoryConnector'" in answer.get("error", ""), answer
-        assert "available: memory, mooncake, shm, zmq" in answer["error"]
+        assert "available: memory, mooncake, nixl, shm, zmq" in answer["error"]
 
 
 # ------------------------------------------------------------------------------ refusals

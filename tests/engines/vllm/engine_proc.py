@@ -7,6 +7,7 @@ keys); this file adds the tests' settings, their inspections of the engine and t
     python engine_proc.py make-model DIR SEED      # a tiny random Llama saved by transformers
     python engine_proc.py make-mla-model DIR SEED LAYERS  # a tiny random DeepSeek-V2 (MLA) saved by transformers
     python engine_proc.py make-hybrid-model DIR SEED WINDOW  # the tiny Llama, layers alternating full / sliding window
+    python engine_proc.py make-mamba-model DIR SEED    # a tiny Granite 4 hybrid, Mamba2 and attention layers
     python engine_proc.py serve CONFIG_JSON        # then: {"op": "generate", ...} lines (and pages/latents/tokens)
     python engine_proc.py hf-kv DIR PROMPTS_JSON OUT   # transformers' past_key_values of each prompt
     python engine_proc.py write-pages ISA OUT      # vLLM's CPU kernel writes known K/V into pages
@@ -169,6 +170,38 @@ def compat_kv(path: str, out: str) -> None:
     )
 
 
+def make_mamba_model(path: str, seed: int) -> None:
+    """A tiny random Granite 4 hybrid (``GraniteMoeHybridForCausalLM``): 4 layers, Mamba2 and
+    attention alternating (``layer_types``), dense MLPs only (no experts). vLLM makes a
+    full-attention group and a Mamba group (conv state and SSM state per layer)."""
+    from transformers import GraniteMoeHybridConfig, GraniteMoeHybridForCausalLM
+
+    config = GraniteMoeHybridConfig(
+        vocab_size=512,
+        hidden_size=128,
+        intermediate_size=256,
+        shared_intermediate_size=256,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        layer_types=["mamba", "attention", "mamba", "attention"],
+        mamba_n_heads=8,
+        mamba_d_head=32,
+        mamba_d_state=16,
+        mamba_n_groups=1,
+        mamba_d_conv=4,
+        mamba_expand=2,
+        mamba_chunk_size=64,
+        num_local_experts=0,
+        num_experts_per_tok=0,
+        position_embedding_type="rope",
+        max_position_embeddings=MAX_LEN,
+        initializer_range=0.3,
+        tie_word_embeddings=False,
+    )
+    instance.save_random_model(path, seed, GraniteMoeHybridForCausalLM, config)
+
+
 SAVES: dict[str, tuple[int, ...]] = {}  # transfer id -> prefill blocks (from the step metadata)
 LOADS: list[tuple[int, ...]] = []  # decode blocks each load filled, in order
 GROUP_JOBS: list[dict] = []  # with several KV cache groups: each save's and load's pages per group
@@ -310,6 +343,7 @@ COMMANDS = {
     "make-hybrid-model": lambda a: make_model(
         a[0], int(a[1]), layer_types=["full_attention", "sliding_attention"] * 2, sliding_window=int(a[2])
     ),
+    "make-mamba-model": lambda a: make_mamba_model(a[0], int(a[1])),
     "hf-kv": lambda a: hf_kv(*a),
     "compat-kv": lambda a: compat_kv(*a),
     "write-pages": lambda a: write_pages(*a),

@@ -106,6 +106,90 @@ def failures(metrics: dict[str, float]) -> float:
     return sum(v for k, v in metrics.items() if k.startswith("vllm:kvferry_failures{"))
 
 
+def assert_loaded_without_failures(decode: Instance, before: dict[str, float], count: int) -> None:
+    """``count`` more requests loaded at ``decode`` since ``before`` (its metrics then), and no
+    load failed (a recompute would hide a failure behind right tokens)."""
+    after = decode.metrics()
+    loaded = after["vllm:kvferry_requests_loaded"] - before.get("vllm:kvferry_requests_loaded", 0)
+    assert loaded == count, decode.kv_log()
+    assert failures(after) == failures(before), decode.kv_log()
+
+
+def assert_other_kv_changes_tokens(
+    prefill: Instance, decode: Instance, prompt_a: list[int], seed: int, tokens: int, before: dict[str, float]
+) -> None:
+    """The control: a prompt B of prompt A's length, decoded over A's KV, follows A's KV and not
+    B's own prompt (its tokens differ from B's alone), and no load failed since ``before``."""
+    [b] = prompts([len(prompt_a)], seed=seed)
+    [ref_b] = [r["tokens"] for r in decode.generate([b], max_tokens=tokens)]
+    [par_a] = [
+        r["kv_transfer_params"] for r in prefill.generate([prompt_a], [{"do_remote_decode": True}], max_tokens=1)
+    ]
+    [over_a] = [r["tokens"] for r in decode.generate([b], [par_a], max_tokens=tokens)]
+    assert over_a != ref_b
+    assert failures(decode.metrics()) == failures(before), decode.kv_log()
+
+
+def proc_model(py: str, path: Path, op: str, seed: int, *args: object) -> Path:
+    """A tiny random model made by engine_proc.py's ``op`` (``make-hybrid-model``,
+    ``make-mamba-model``) at ``path``, unless it is there already."""
+    if not (path / "config.json").exists():
+        cmd = [py, str(PROC), op, str(path), str(seed), *map(str, args)]
+        subprocess.run(cmd, check=True, timeout=300, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    return path
+
+
+def two_models(root: Path, op: str, *args: object) -> dict[str, Any]:
+    """The set-up of a P/D test over one of engine_proc's models: the vLLM interpreter, ``root``,
+    ``model_a`` (seed 1, both sides) and ``model_b`` (seed 2, the control's prefill), a base port."""
+    py = vllm_python()
+    return {
+        "py": py,
+        "root": root,
+        "model_a": proc_model(py, root / "model_a", op, 1, *args),
+        "model_b": proc_model(py, root / "model_b", op, 2, *args),
+        "base": free_base_port(),
+    }
+
+
+def start_on(env: dict[str, Any], name: str, model: str, role: str, cpu: str) -> Instance:
+    """An instance of ``env[model]`` in ``role`` on core ``cpu``, logging to ``root/name.log``."""
+    return Instance(
+        env["py"],
+        {"model": str(env[model]), "kv_role": role, "extra": {"base_port": env["base"], "load_timeout_s": 10}},
+        cpu=cpu,
+        log=Path(env["root"]) / f"{name}.log",
+    )
+
+
+def hand_off(
+    env: dict[str, Any], decode: Instance, model: str, lengths: list[int], tokens: int
+) -> tuple[list[list[int]], float, dict[str, Any], list[dict[str, Any]]]:
+    """Prompts of ``lengths`` (seed 7) prefilled by a new prefill of ``env[model]`` (closed after)
+    and decoded for ``tokens`` by ``decode`` over its KV: every prompt loaded, none failed. The
+    decode's tokens, the bytes it loaded, the prefill's cache groups and jobs, the params."""
+    prefill = start_on(env, f"prefill_{model}", model, "kv_producer", "1")
+    try:
+        ps = prompts(lengths, seed=7)
+        before = decode.metrics()
+        out_p = prefill.generate(ps, [{"do_remote_decode": True} for _ in ps], max_tokens=1)
+        params = [r["kv_transfer_params"] for r in out_p]
+        out_d = decode.generate(ps, params, max_tokens=tokens)
+        after = decode.metrics()
+        loaded = after["vllm:kvferry_bytes_loaded"] - before.get("vllm:kvferry_bytes_loaded", 0)
+        assert after["vllm:kvferry_requests_loaded"] - before.get("vllm:kvferry_requests_loaded", 0) == len(ps)
+        assert failures(after) == failures(before), decode.kv_log()
+        return [r["tokens"] for r in out_d], loaded, cache_groups(prefill), params
+    finally:
+        prefill.close()
+
+
+def cache_groups(inst: Instance) -> dict[str, Any]:
+    """The instance's KV cache groups and the connector's jobs so far (engine_proc's ``groups`` op)."""
+    inst.send({"op": "groups"})
+    return inst.reply(60)
+
+
 def prompts(lengths: list[int], seed: int, vocab: int = 512) -> list[list[int]]:
     import random
 

@@ -14,8 +14,11 @@ The config: 4 layers, group 0 full attention (layers 0, 2), group 1 a sliding wi
   pool's free blocks before, while held, and after the connector reports the request sent;
 - ``decode``: the load job's per-group blocks against the manager's, the request's state, and
   what a failed load (``failed_recving``) does under each ``kv_load_failure_policy``;
-- ``refused``: the ConfigError of a Mamba group, a chunked-local group, groups of two block
-  sizes, and of layers whose pages differ in shape at register.
+- ``mamba``: the same over a config of a full-attention group and a Mamba group (mode
+  ``none``: one state block of the model's length per request): the prefill's cut prompt, its
+  save's state block against the manager's, the decode's load job and what vLLM schedules next;
+- ``refused``: the ConfigError of a Mamba group in mode ``align``, a chunked-local group, groups
+  of two block sizes, and of layers whose pages differ in shape at register.
 """
 
 from __future__ import annotations
@@ -26,6 +29,7 @@ import tempfile
 from typing import Any
 
 BS, WINDOW, LAYERS, NUM_BLOCKS = 16, 48, 4, 96
+MAX_LEN = 1024  # the model's length: a Mamba group's block size in mode "none"
 
 
 def _vllm_config(role: str, policy: str = "recompute", max_batched: int = 2048) -> Any:
@@ -79,13 +83,24 @@ def _spec(kind: str, block_size: int = BS) -> Any:
         return SlidingWindowSpec(**common, sliding_window=WINDOW)
     if kind == "chunked":
         return ChunkedLocalAttentionSpec(**common, attention_chunk_size=64)
-    return MambaSpec(block_size=block_size, shapes=((4, 64),), dtypes=(torch.float32,))
+    # a Mamba2 layer's conv state (kernel - 1, conv dims) and SSM state (heads, head dim, state),
+    # padded to the attention page (vLLM's one page size): 2 * 16 * 64 * 2 bytes
+    mode = "align" if kind == "mamba_align" else "none"
+    return MambaSpec(
+        block_size=block_size,
+        shapes=((3, 96), (4, 16, 8)),
+        dtypes=(torch.bfloat16, torch.float32),
+        page_size_padded=2 * BS * 64 * 2,
+        mamba_cache_mode=mode,
+    )
 
 
 def _kv_config(second: str = "swa", second_block_size: int = BS) -> Any:
     from vllm.v1.kv_cache_interface import KVCacheConfig, KVCacheGroupSpec
 
     names = [f"model.layers.{i}.self_attn.attn" for i in range(LAYERS)]
+    if second.startswith("mamba"):
+        names = [n if i % 2 == 0 else f"model.layers.{i}.mixer" for i, n in enumerate(names)]
     return KVCacheConfig(
         num_blocks=NUM_BLOCKS,
         kv_cache_tensors=[],
@@ -96,12 +111,18 @@ def _kv_config(second: str = "swa", second_block_size: int = BS) -> Any:
     )
 
 
-def _scheduler(role: str, **kw: Any) -> Any:
+def _scheduler(role: str, second: str = "swa", **kw: Any) -> Any:
+    from vllm.v1.core.kv_cache_utils import resolve_kv_cache_block_sizes
     from vllm.v1.core.sched.scheduler import Scheduler
     from vllm.v1.structured_output import StructuredOutputManager
 
     config = _vllm_config(role, **kw)
-    return Scheduler(config, _kv_config(), StructuredOutputManager(config), block_size=BS, log_stats=False)
+    kv = _kv_config(second, MAX_LEN if second == "mamba" else BS)
+    # the engine's (EngineCore): the LCM of the groups' block sizes (1024 with the Mamba group)
+    bs, hash_bs = resolve_kv_cache_block_sizes(kv, config)
+    return Scheduler(
+        config, kv, StructuredOutputManager(config), block_size=bs, hash_block_size=hash_bs, log_stats=False
+    )
 
 
 def _request(rid: str, n: int, params: dict | None) -> Any:
@@ -131,7 +152,9 @@ def _finished_calls(sched: Any) -> list[Any]:
 
     def record_all(request: Any, block_ids: Any) -> Any:
         calls.append(("all_groups", request.request_id, [list(b) for b in block_ids]))
-        return all_groups(request, block_ids)
+        result = all_groups(request, block_ids)
+        conn.kvferry_results = [*getattr(conn, "kvferry_results", []), result[1]]
+        return result
 
     def record_single(request: Any, block_ids: Any) -> Any:
         calls.append(("single", request.request_id, list(block_ids)))
@@ -145,13 +168,14 @@ def _plan(out: Any) -> Any:
     return out.kv_connector_metadata.plan
 
 
-def prefill_case(n: int, max_batched: int = 2048) -> dict:
-    sched = _scheduler("kv_producer", max_batched=max_batched)
+def prefill_case(n: int, max_batched: int = 2048, second: str = "swa") -> dict:
+    sched = _scheduler("kv_producer", second, max_batched=max_batched)
     calls = _finished_calls(sched)
     pool = sched.kv_cache_manager.block_pool
     free0 = pool.get_num_free_blocks()
     rid = f"p{n}"
     sched.add_request(_request(rid, n, {"do_remote_decode": True}))
+    prompt = sched.requests[rid].num_prompt_tokens  # a Mamba prefill computes all but the last
     saves, steps, at_save = [], 0, None
     while not saves and steps < 20:
         out = sched.schedule()
@@ -160,15 +184,20 @@ def prefill_case(n: int, max_batched: int = 2048) -> dict:
         if saves:
             at_save = [list(b) for b in sched.kv_cache_manager.get_block_ids(rid)]
         # the step's forward ends: a token is sampled only when the prompt is done
-        done = sched.requests[rid].num_computed_tokens >= n
+        done = sched.requests[rid].num_computed_tokens >= prompt
         sched.update_from_output(out, _output([rid], sampled=done))
     held = pool.get_num_free_blocks()
+    finished = rid not in sched.requests or sched.requests[rid].is_finished()
     pending = sched.connector.has_pending_push_work()
     out = sched.schedule()  # the worker reports the request sent in this step's output
     sched.update_from_output(out, _output([], finished_sending={rid}))
     [job] = saves
     return {
         "n": n,
+        "prompt": prompt,
+        "job_tokens": job.num_tokens,
+        "finished_after_save": finished,
+        "result_tokens": [(r or {}).get("remote_num_tokens") for r in getattr(sched.connector, "kvferry_results", [])],
         "steps": steps,
         "groups": [[g.group, g.first_page, list(g.block_ids)] for g in job.groups],
         "block_ids": list(job.block_ids),
@@ -202,14 +231,16 @@ def _decode_params(n: int, load_mode: str | None) -> dict:
     return params
 
 
-def decode_case(n: int, load_mode: str | None, outcome: str, policy: str = "recompute") -> dict:
+def decode_case(
+    n: int, load_mode: str | None, outcome: str, policy: str = "recompute", second: str = "swa", sent: int | None = None
+) -> dict:
     from vllm.v1.request import RequestStatus
 
-    sched = _scheduler("kv_consumer", policy=policy)
+    sched = _scheduler("kv_consumer", second, policy=policy)
     pool = sched.kv_cache_manager.block_pool
     free0 = pool.get_num_free_blocks()
     rid = f"d{n}"
-    req = _request(rid, n, _decode_params(n, load_mode))
+    req = _request(rid, n, _decode_params(n if sent is None else sent, load_mode))
     sched.add_request(req)
     out = sched.schedule()
     [load] = _plan(out).loads
@@ -218,6 +249,8 @@ def decode_case(n: int, load_mode: str | None, outcome: str, policy: str = "reco
         "n": n,
         "groups": [[g.group, g.first_page, list(g.block_ids)] for g in load.groups],
         "sync": load.sync,
+        "upto_tokens": load.upto_tokens,
+        "error": load.error,
         "manager": blocks,
         "status": str(req.status),
         "waiting_for_kv": req.status == RequestStatus.WAITING_FOR_REMOTE_KVS,
@@ -226,7 +259,9 @@ def decode_case(n: int, load_mode: str | None, outcome: str, policy: str = "reco
     }
     failed = {rid} if outcome == "failed" else set()
     sched.update_from_output(out, _output([], finished_recving={rid}, failed_recving=failed))
+    row["computed_at_load"] = req.num_computed_tokens
     out = sched.schedule()
+    row["computed_after_load"] = req.num_computed_tokens
     row["next_scheduled"] = dict(out.num_scheduled_tokens)
     row["next_loads"] = len(_plan(out).loads)
     row["finished"] = rid not in sched.requests or sched.requests[rid].is_finished()
@@ -249,7 +284,7 @@ def refusals() -> dict:
     out: dict[str, str] = {}
     config = _vllm_config("kv_producer")
     for name, kv in (
-        ("mamba", _kv_config("mamba")),
+        ("mamba", _kv_config("mamba_align")),
         ("chunked_local", _kv_config("chunked")),
         ("block_sizes", _kv_config("swa", 32)),
     ):
@@ -262,7 +297,7 @@ def refusals() -> dict:
         from vllm.v1.core.sched.scheduler import Scheduler
         from vllm.v1.structured_output import StructuredOutputManager
 
-        Scheduler(config, _kv_config("mamba"), StructuredOutputManager(config), block_size=BS)
+        Scheduler(config, _kv_config("mamba_align"), StructuredOutputManager(config), block_size=BS)
         out["scheduler_mamba"] = "accepted"
     except Exception as exc:
         out["scheduler_mamba"] = f"{type(exc).__name__}: {exc}"
@@ -295,6 +330,12 @@ def main(path: str) -> None:
             "failed_recompute": decode_case(100, None, "failed", "recompute"),
             "failed_fail": decode_case(100, None, "failed", "fail"),
             "short": decode_case(40, None, "ok"),
+        },
+        "mamba": {
+            "prefill": [prefill_case(n, second="mamba") for n in (20, 100, 130)],
+            "prefill_chunked": prefill_case(130, max_batched=48, second="mamba"),
+            "decode": decode_case(100, None, "ok", second="mamba", sent=99),
+            "decode_failed": decode_case(100, None, "failed", second="mamba", sent=99),
         },
         "refused": refusals(),
     }

@@ -5,7 +5,10 @@ ids, a sliding-window group sends exactly the pages vLLM's manager keeps for the
 token (what the decode's manager keeps for the all-but-last tokens it loads), vLLM calls
 ``request_finished_all_groups`` and frees every block once the request is reported sent, a
 failed load is handled per request under either failure policy, and specs kvferry does not move
-are refused at start."""
+are refused at start. Over a config of a full-attention group and a Mamba group (mode ``none``,
+block size the model's length): the prefill computes all but the prompt's last token and sends
+the state block vLLM's manager holds, and the decode loads ``n - 1`` tokens, its state into the
+block its manager gave, and computes the last token."""
 
 from __future__ import annotations
 
@@ -13,17 +16,20 @@ import pytest
 from harness import run_json
 
 from kvferry.app.vllm.groups import (
+    MAMBA,
     NULL_BLOCK,
     SLIDING_WINDOW,
     GroupSpec,
     freed_at_finish,
     kept_first_page,
     prompt_pages,
+    state_page,
 )
 
 pytestmark = [pytest.mark.timeout(600)]
 
 BS, WINDOW = 16, 48
+MAX_LEN = 1024  # hybrid_sched_proc.py's model length: the Mamba group's block size
 
 
 @pytest.fixture(scope="module")
@@ -111,13 +117,55 @@ def test_a_failed_load_is_per_request_under_either_policy(run: dict) -> None:
     assert fail["free"][1] == fail["free"][0]
 
 
+def test_a_mamba_prefill_computes_all_but_the_last_token_and_sends_its_state_block(run: dict) -> None:
+    cases = [*run["mamba"]["prefill"], run["mamba"]["prefill_chunked"]]
+    assert [c["n"] for c in cases] == [20, 100, 130, 130] and cases[-1]["steps"] == 3  # 129 in chunks of 48
+    for case in cases:
+        n = case["n"]
+        # the prompt cut on arrival (on_new_request): the state sent is the one after n - 1
+        assert case["prompt"] == case["job_tokens"] == n - 1 and case["result_tokens"] == [n - 1]
+        (g0, f0, full), (g1, f1, state) = case["groups"]
+        assert (g0, f0, full) == (0, 0, case["at_save"][0][: prompt_pages(n - 1, BS)]) and case["block_ids"] == full
+        # the Mamba group holds one block of the model's length; the save sends that one
+        assert len(case["at_save"][1]) == 1 and state_page(n - 1, MAX_LEN) == 0
+        assert (g1, f1, state) == (1, 0, case["at_save"][1]) and state != [NULL_BLOCK]
+        assert case["hold_step"] is False and case["finished_after_save"] is True  # max_tokens 1
+        [(kind, _rid, finished_ids)] = case["calls"]
+        assert kind == "all_groups" and finished_ids == [full, state]
+        # held (the pages and the state block) until the worker reports the request sent
+        free0, held_free, after = case["free"]
+        assert held_free == free0 - len(full) - 1 and after == free0
+
+
+def test_a_mamba_decode_loads_n_minus_one_tokens_and_its_state_block(run: dict) -> None:
+    case = run["mamba"]["decode"]
+    n = case["n"]
+    manager = case["manager"]
+    assert len(manager[1]) == 1 and NULL_BLOCK not in manager[1]
+    assert case["groups"] == [[0, 0, manager[0][: prompt_pages(n - 1, BS)]], [1, 0, manager[1]]]
+    assert case["upto_tokens"] == n - 1 and case["error"] is None
+    assert case["waiting_for_kv"] is True and case["loaded_groups"] == [0, 1]
+    # loaded: vLLM counts n - 1 computed and runs the prompt's last token from the state
+    assert case["computed_at_load"] == n - 1 and case["next_scheduled"] == {f"d{n}": 1}
+    assert case["computed_after_load"] == n
+    assert case["next_loads"] == 0 and case["free"][1] == case["free"][0]
+    failed = run["mamba"]["decode_failed"]  # control: a failed load computes the whole prompt
+    assert failed["next_scheduled"] == {f"d{n}": n} and failed["computed_at_load"] == 0
+    assert GroupSpec(1, MAMBA, MAX_LEN, mode="none").state
+
+
 def test_specs_kvferry_does_not_move_are_refused_at_start(run: dict) -> None:
     refused = run["refused"]
-    for key, spec in (("mamba", "MambaSpec"), ("scheduler_mamba", "MambaSpec"), ("chunked_local", "ChunkedLocal")):
+    for key in ("mamba", "scheduler_mamba"):  # a Mamba group in mode "align" (prefix caching)
+        msg = refused[key]
+        assert msg.startswith("ConfigError:"), (key, msg)
+        assert "MambaSpec" in msg and "mamba_cache_mode 'align'" in msg and "KV cache group 1" in msg
+        assert "model.layers.1.mixer" in msg
+    for key, spec in (("chunked_local", "ChunkedLocal"),):
         msg = refused[key]
         assert msg.startswith("ConfigError:"), (key, msg)
         assert spec in msg and "KV cache group 1" in msg and "model.layers.1.self_attn.attn" in msg
-        assert "FullAttentionSpec" in msg and "SlidingWindowSpec" in msg
+        assert "FullAttentionSpec" in msg and "SlidingWindowSpec" in msg and "MambaSpec" in msg
     assert "block sizes [16, 32]" in refused["block_sizes"]
     assert refused["layer_groups"] == "[0, 1, 0, 1]"
     msg = refused["page_shapes"]

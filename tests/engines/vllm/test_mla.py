@@ -25,7 +25,7 @@ import subprocess
 from typing import Any
 
 import pytest
-from harness import PROC, Instance, failures, free_base_port, prompts, vllm_python
+from harness import PROC, Instance, assert_loaded_without_failures, failures, free_base_port, prompts, vllm_python
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(1200)]
 
@@ -114,10 +114,7 @@ def test_prefill_tp1_to_decode_tp1_is_token_identical(root: Any) -> None:
             assert mine["shape"][1:] == theirs["shape"][1:] == [1, BS, 576]
             assert mine["hashes"] == theirs["hashes"], f"prompt of {len(prompt)} tokens: latents differ"
         assert got == reference
-        after = d.metrics()
-        loaded = after["vllm:kvferry_requests_loaded"] - before.get("vllm:kvferry_requests_loaded", 0)
-        assert loaded == len(ps), d.kv_log()
-        assert failures(after) == failures(before), d.kv_log()  # no load failed (a recompute would hide it)
+        assert_loaded_without_failures(d, before, len(ps))
 
         # control: prompt B decoded over prompt A's latents (same length) follows A's, not B's own
         [b], [ref_b] = _same_steps(d, [LENGTHS[1]], seed=42)

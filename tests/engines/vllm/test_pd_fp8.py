@@ -18,7 +18,15 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from harness import Instance, failures, free_base_port, make_model, prompts, vllm_python
+from harness import (
+    Instance,
+    assert_loaded_without_failures,
+    assert_other_kv_changes_tokens,
+    free_base_port,
+    make_model,
+    prompts,
+    vllm_python,
+)
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(1200)]
 
@@ -75,18 +83,9 @@ def test_fp8_pages_and_tokens_equal_a_single_fp8_instance(model: Any) -> None:
             assert mine["dtype"] == theirs["dtype"] == "uint8"  # vLLM's FP8 cache: one byte per element
             assert mine["hashes"] == theirs["hashes"], f"prompt of {len(prompt)} tokens: FP8 pages differ"
         assert got == reference
-        after = d.metrics()
-        loaded = after["vllm:kvferry_requests_loaded"] - before.get("vllm:kvferry_requests_loaded", 0)
-        assert loaded == len(ps), d.kv_log()
-        assert failures(after) == failures(before), d.kv_log()  # no load failed (a recompute would hide it)
-
+        assert_loaded_without_failures(d, before, len(ps))
         # control: prompt B decoded over prompt A's KV (same length) follows A's KV, not B's prompt
-        [b] = prompts([LENGTHS[1]], seed=52)
-        [ref_b] = [r["tokens"] for r in d.generate([b], max_tokens=TOKENS)]
-        [par_a] = [r["kv_transfer_params"] for r in p.generate([ps[1]], [{"do_remote_decode": True}], max_tokens=1)]
-        [over_a] = [r["tokens"] for r in d.generate([b], [par_a], max_tokens=TOKENS)]
-        assert over_a != ref_b
-        assert failures(d.metrics()) == failures(before), d.kv_log()
+        assert_other_kv_changes_tokens(p, d, ps[1], 52, TOKENS, before)
     finally:
         p.close()
         d.close()

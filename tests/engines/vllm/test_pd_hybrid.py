@@ -10,12 +10,10 @@ and the sliding-window layers' pages inside the window only.
 
 from __future__ import annotations
 
-import subprocess
-from pathlib import Path
 from typing import Any
 
 import pytest
-from harness import PROC, Instance, failures, free_base_port, prompts, vllm_python
+from harness import Instance, cache_groups, hand_off, prompts, start_on, two_models
 
 from kvferry.app.vllm.groups import kept_first_page, prompt_pages
 
@@ -28,38 +26,14 @@ WINDOW, BS = 48, 32
 PAGE_BYTES = 2 * BS * 2 * 32 * 2  # one block of one layer: 2 KV heads x 32 tokens x K and V of 32, bf16
 
 
-def _model(py: str, path: Path, seed: int) -> Path:
-    if not (path / "config.json").exists():
-        cmd = [py, str(PROC), "make-hybrid-model", str(path), str(seed), str(WINDOW)]
-        subprocess.run(cmd, check=True, timeout=300, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
-    return path
-
-
 @pytest.fixture(scope="module")
 def env(tmp_path_factory: pytest.TempPathFactory) -> Any:
-    py = vllm_python()
-    root = tmp_path_factory.mktemp("vllm_hybrid")
-    return {
-        "py": py,
-        "root": root,
-        "model_a": _model(py, root / "model_a", 1),
-        "model_b": _model(py, root / "model_b", 2),
-        "base": free_base_port(),
-    }
-
-
-def _start(env: dict, name: str, model: str, role: str, cpu: str) -> Instance:
-    return Instance(
-        env["py"],
-        {"model": str(env[model]), "kv_role": role, "extra": {"base_port": env["base"], "load_timeout_s": 10}},
-        cpu=cpu,
-        log=Path(env["root"]) / f"{name}.log",
-    )
+    return two_models(tmp_path_factory.mktemp("vllm_hybrid"), "make-hybrid-model", WINDOW)
 
 
 @pytest.fixture(scope="module")
 def decode(env: dict) -> Any:
-    inst = _start(env, "decode", "model_a", "kv_consumer", "0")
+    inst = start_on(env, "decode", "model_a", "kv_consumer", "0")
     yield inst
     inst.close()
 
@@ -69,43 +43,21 @@ def reference(decode: Instance) -> list[list[int]]:
     return [r["tokens"] for r in decode.generate(prompts(LENGTHS, seed=7), max_tokens=TOKENS)]
 
 
-def _groups(inst: Instance) -> dict:
-    inst.send({"op": "groups"})
-    return inst.reply(60)
-
-
-def _hand_off(env: dict, decode: Instance, model: str) -> tuple[list[list[int]], float, dict]:
-    prefill = _start(env, f"prefill_{model}", model, "kv_producer", "1")
-    try:
-        ps = prompts(LENGTHS, seed=7)
-        before = decode.metrics()
-        out_p = prefill.generate(ps, [{"do_remote_decode": True} for _ in ps], max_tokens=1)
-        params = [r["kv_transfer_params"] for r in out_p]
-        out_d = decode.generate(ps, params, max_tokens=TOKENS)
-        after = decode.metrics()
-        loaded = after["vllm:kvferry_bytes_loaded"] - before.get("vllm:kvferry_bytes_loaded", 0)
-        assert after["vllm:kvferry_requests_loaded"] - before.get("vllm:kvferry_requests_loaded", 0) == len(ps)
-        assert failures(after) == failures(before), decode.kv_log()
-        return [r["tokens"] for r in out_d], loaded, _groups(prefill)
-    finally:
-        prefill.close()
-
-
 def test_the_decode_runs_two_kv_cache_groups(env: dict, decode: Instance, reference: list[list[int]]) -> None:
-    assert _groups(decode)["groups"] == ["full", "sliding_window:48"]
+    assert cache_groups(decode)["groups"] == ["full", "sliding_window:48"]
 
 
 def test_hybrid_hand_off_equals_a_single_instance_moving_the_window_only(
     env: dict, decode: Instance, reference: list[list[int]]
 ) -> None:
-    loads_before = len(_groups(decode)["jobs"])
-    tokens, loaded, prefill = _hand_off(env, decode, "model_a")
+    loads_before = len(cache_groups(decode)["jobs"])
+    tokens, loaded, prefill, _ = hand_off(env, decode, "model_a", LENGTHS, TOKENS)
     assert prefill["groups"] == ["full", "sliding_window:48"]
     assert tokens == reference
     # each save sent group 1 from the first page the window of the prompt's last token reads;
     # each load (all but the last token) left the pages before it as vLLM's null block
     saves = [j["groups"] for j in prefill["jobs"] if j["kind"] == "save"]
-    loads = [j["groups"] for j in _groups(decode)["jobs"][loads_before:] if j["kind"] == "load"]
+    loads = [j["groups"] for j in cache_groups(decode)["jobs"][loads_before:] if j["kind"] == "load"]
     assert len(saves) == len(loads) == len(LENGTHS)
     for n, save, load in zip(LENGTHS, saves, loads):
         first = kept_first_page(n - 1, BS, WINDOW)
@@ -123,6 +75,6 @@ def test_hybrid_hand_off_equals_a_single_instance_moving_the_window_only(
 def test_a_prefill_with_other_weights_changes_the_tokens(
     env: dict, decode: Instance, reference: list[list[int]]
 ) -> None:
-    tokens, loaded, _ = _hand_off(env, decode, "model_b")
+    tokens, loaded, _, _ = hand_off(env, decode, "model_b", LENGTHS, TOKENS)
     assert loaded > 0
     assert sum(t != r for t, r in zip(tokens, reference)) >= len(LENGTHS) - 1  # the loaded KV was used

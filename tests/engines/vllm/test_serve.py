@@ -25,7 +25,16 @@ from typing import Any
 
 import pytest
 from harness import free_base_port, prompts, vllm_python
-from serve_harness import Served, free_gib, kvferry_counters, make_serve_model, ready, start_proxy, start_server
+from serve_harness import (
+    Served,
+    free_gib,
+    kvferry_counters,
+    make_serve_model,
+    ready,
+    serve_kv,
+    start_proxy,
+    start_server,
+)
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(1500)]
 
@@ -43,16 +52,7 @@ KV_PER_TOKEN = LAYERS * 2 * 32 * 2 * 2
 
 
 def _kv(role: str, base_port: int) -> dict[str, Any]:
-    extra: dict[str, Any] = {"base_port": base_port, "kv_recompute_threshold": THRESHOLD}
-    if role == "kv_consumer":
-        extra["load_timeout_s"] = LOAD_TIMEOUT_S
-    return {
-        "kv_connector": "KVFerryConnector",
-        "kv_connector_module_path": "kvferry.app.vllm",
-        "kv_role": role,
-        "kv_connector_extra_config": extra,
-        "kv_load_failure_policy": "recompute",
-    }
+    return serve_kv(role, base_port, THRESHOLD, LOAD_TIMEOUT_S)
 
 
 def _start_pair(env: dict[str, Any], into: list[Served], index: int) -> None:

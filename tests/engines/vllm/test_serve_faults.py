@@ -36,7 +36,7 @@ from typing import Any
 
 import pytest
 from harness import free_base_port, prompts, vllm_python
-from serve_harness import Served, free_gib, make_serve_model, ready, start_proxy, start_server
+from serve_harness import Served, free_gib, make_serve_model, ready, serve_kv, start_proxy, start_server
 
 from kvferry.adapters.connectors.shm.segment import reap_namespace
 
@@ -59,22 +59,10 @@ FAST_S = LOAD_TIMEOUT_S
 
 
 def _kv(role: str, base_port: int, policy: str = "recompute") -> dict[str, Any]:
-    extra: dict[str, Any] = {
-        "base_port": base_port,
-        "kv_recompute_threshold": THRESHOLD,
-        "connector": {"type": "shm", "namespace": NS},
-    }
-    if role == "kv_producer":
-        extra["lease_s"] = LEASE_S
-    else:
-        extra["load_timeout_s"] = LOAD_TIMEOUT_S
-    return {
-        "kv_connector": "KVFerryConnector",
-        "kv_connector_module_path": "kvferry.app.vllm",
-        "kv_role": role,
-        "kv_connector_extra_config": extra,
-        "kv_load_failure_policy": policy,
-    }
+    return serve_kv(
+        role, base_port, THRESHOLD, LOAD_TIMEOUT_S, policy=policy, producer={"lease_s": LEASE_S},
+        connector={"type": "shm", "namespace": NS},
+    )  # fmt: skip
 
 
 # ---------------------------------------------------------------------------- the client

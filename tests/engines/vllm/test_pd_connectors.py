@@ -1,7 +1,12 @@
-"""The same hand-off over kvferry's zmq connector (TCP on loopback), chosen by extra config."""
+"""The same hand-off over kvferry's zmq connector (TCP on loopback) and over its nixl connector
+(one-sided NIXL READs of the prefill's registered pool, UCX over TCP on loopback), chosen by
+extra config. The nixl case needs nixl in the vLLM venv (``.ci/venv-vllm`` installs it); without
+it the case skips, naming the install, unless ``KVFERRY_REQUIRE_NIXL=1`` (as ``.ci/run`` sets)."""
 
 from __future__ import annotations
 
+import os
+import subprocess
 import time
 from typing import Any
 
@@ -14,12 +19,27 @@ LENGTHS = [33, 96, 200]
 TOKENS = 12
 
 
-@pytest.fixture(scope="module")
-def pair(tmp_path_factory: pytest.TempPathFactory) -> Any:
+#: kvferry's connector configs of the two cases: zmq, and nixl with UCX over TCP on loopback
+CONNECTORS = {
+    "zmq": {"type": "zmq"},
+    "nixl": {"type": "nixl", "ucx_tls": "tcp,self", "ucx_net_devices": "lo"},
+}
+
+
+def _has_nixl(py: str) -> bool:
+    code = "import importlib.util, sys; sys.exit(importlib.util.find_spec('nixl') is None)"
+    return subprocess.run([py, "-c", code], timeout=120, check=False).returncode == 0
+
+
+@pytest.fixture(scope="module", params=sorted(CONNECTORS, reverse=True))
+def pair(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Any:
     py = vllm_python()
-    root = tmp_path_factory.mktemp("vllm_zmq")
+    kind = request.param
+    if kind == "nixl" and not _has_nixl(py) and os.environ.get("KVFERRY_REQUIRE_NIXL") != "1":
+        pytest.skip(f"nixl is not installed in {py}: pip install --no-deps nixl-cu12==1.5.1 nixl==1.5.1")
+    root = tmp_path_factory.mktemp(f"vllm_{kind}")
     model = make_model(py, root / "model", 1)
-    extra = {"connector": {"type": "zmq"}, "base_port": free_base_port(), "load_timeout_s": 20}
+    extra = {"connector": CONNECTORS[kind], "base_port": free_base_port(), "load_timeout_s": 20}
     timings: dict[str, float] = {}
     d = Instance(py, {"model": str(model), "kv_role": "kv_consumer", "extra": extra}, cpu="0", log=root / "decode.log")
     timings["startup_decode_s"] = round(d.startup_s, 1)
@@ -31,20 +51,20 @@ def pair(tmp_path_factory: pytest.TempPathFactory) -> Any:
         d.close()
         raise
     timings["startup_prefill_s"] = round(p.startup_s, 1)
-    yield d, p, timings
+    yield d, p, timings, kind
     p.close()
     d.close()
     print("timings:", timings)
 
 
-def test_zmq_decode_tokens_equal_a_single_instance(pair: Any) -> None:
-    d, p, timings = pair
+def test_decode_tokens_equal_a_single_instance(pair: Any) -> None:
+    d, p, timings, kind = pair
     ps = prompts(LENGTHS, seed=11)
     reference = [r["tokens"] for r in d.generate(ps, max_tokens=TOKENS)]
     t = time.monotonic()
     out_p = p.generate(ps, [{"do_remote_decode": True} for _ in ps], max_tokens=1)
     params = [r["kv_transfer_params"] for r in out_p]
-    assert {r["kvferry_connector"] for r in params} == {"zmq"}
+    assert {r["kvferry_connector"] for r in params} == {kind}
     out_d = d.generate(ps, params, max_tokens=TOKENS)
     timings["pd_identity_s"] = round(time.monotonic() - t, 1)
     assert [r["tokens"] for r in out_d] == reference
@@ -55,10 +75,10 @@ def test_zmq_decode_tokens_equal_a_single_instance(pair: Any) -> None:
     assert p.settled_metrics()["vllm:kvferry_requests_sent"] == len(ps)
 
 
-def test_zmq_pages_are_consumed_once(pair: Any) -> None:
+def test_pages_are_consumed_once(pair: Any) -> None:
     """A second decode of the same params finds nothing (consume once) and, by policy,
     recomputes: still the right tokens, and the miss is counted."""
-    d, p, _ = pair
+    d, p, _, _ = pair
     ps = prompts(LENGTHS[:1], seed=12)
     reference = [r["tokens"] for r in d.generate(ps, max_tokens=TOKENS)]
     params = [r["kv_transfer_params"] for r in p.generate(ps, [{"do_remote_decode": True}], max_tokens=1)]

@@ -1,0 +1,1 @@
+"""The NIXL connector (docs/connectors.md, "nixl")."""

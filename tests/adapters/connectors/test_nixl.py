@@ -1,0 +1,100 @@
+"""The nixl connector's parts that need no agent: config validation, the missing-package error,
+the UCX environment rule and the agent exchange's codec (decoding never raises)."""
+
+from __future__ import annotations
+
+import msgpack
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from kvferry.adapters.connectors.nixl.agent import INSTALL_HINT, apply_ucx_env, default_ucx_modules, load_nixl
+from kvferry.adapters.connectors.nixl.config import NixlConfig
+from kvferry.adapters.connectors.nixl.control import (
+    AgentReply,
+    AgentRequest,
+    decode_reply,
+    decode_request,
+    encode_reply,
+    encode_request,
+)
+from kvferry.core.control import Rejection
+from kvferry.core.errors import ConfigError
+
+
+def test_defaults_and_keys() -> None:
+    cfg = NixlConfig.from_mapping({"type": "nixl", "backend_options": {"num_threads": "2"}})
+    assert (cfg.role, cfg.backend, cfg.port, cfg.ucx_tls) == ("sender", "UCX", 0, None)
+    assert cfg.backend_options == (("num_threads", "2"),)
+
+
+@pytest.mark.parametrize(
+    ("raw", "key"),
+    [
+        ({"role": "both"}, "role"),
+        ({"port": 70000}, "port"),
+        ({"backend": ""}, "backend"),
+        ({"backend_options": {"num_threads": 2}}, "backend_options"),
+        ({"alignment": 48}, "alignment"),
+        ({"transfer_timeout_s": 30.0, "hold_s": 30.0}, "transfer_timeout_s"),
+        ({"ucx_tls": 5}, "ucx_tls"),
+    ],
+)
+def test_bad_values_name_their_key(raw: dict, key: str) -> None:
+    with pytest.raises(ConfigError, match=key):
+        NixlConfig.from_mapping(raw)
+
+
+def test_missing_nixl_is_a_config_error_naming_the_extra_and_the_cpu_install(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setitem(__import__("sys").modules, "nixl", None)  # as if not installed
+    with pytest.raises(ConfigError) as info:
+        load_nixl()
+    assert "kvferry[nixl]" in str(info.value) and "--no-deps nixl-cu12==1.5.1 nixl==1.5.1" in str(info.value)
+    assert "kvferry[nixl]" in INSTALL_HINT
+    from kvferry.adapters.connectors.nixl.connector import NixlConnector
+
+    with pytest.raises(ConfigError, match="kvferry"):
+        NixlConnector.from_config({"role": "receiver", "pool_bytes": 4096})
+
+
+def test_ucx_env_is_set_once_and_a_different_value_is_refused() -> None:
+    env: dict[str, str] = {}
+    apply_ucx_env("tcp,self", "lo", env, rdma=True)
+    assert env == {"UCX_TLS": "tcp,self", "UCX_NET_DEVICES": "lo"}
+    apply_ucx_env("tcp,self", None, env, rdma=True)  # the same value again, or none: fine
+    with pytest.raises(ConfigError, match="ucx_tls"):
+        apply_ucx_env("rc,self", None, env, rdma=True)
+    apply_ucx_env(None, None, env, rdma=True)
+    assert env == {"UCX_TLS": "tcp,self", "UCX_NET_DEVICES": "lo"}
+
+
+def test_ucx_ib_module_is_left_out_only_without_rdma_devices_and_without_a_choice() -> None:
+    assert default_ucx_modules(None, rdma=False) == "^ib"
+    assert default_ucx_modules(None, rdma=True) is None
+    assert default_ucx_modules("", rdma=False) is None  # "": leave UCX alone
+    assert default_ucx_modules("^cuda", rdma=False) == "^cuda"
+    env: dict[str, str] = {}
+    apply_ucx_env(None, None, env, rdma=False)
+    assert env == {"UCX_MODULES": "^ib"}
+    mine = {"UCX_MODULES": "^cma"}
+    apply_ucx_env(None, None, mine, rdma=False)  # the environment's choice wins over the default
+    assert mine == {"UCX_MODULES": "^cma"}
+    with pytest.raises(ConfigError, match="ucx_modules"):
+        apply_ucx_env(None, None, mine, modules="^ib", rdma=False)
+
+
+def test_agent_exchange_round_trips() -> None:
+    assert decode_request(encode_request(AgentRequest(9))) == AgentRequest(9)
+    reply = AgentReply(9, "kvferry-sender-1-abc", b"\x00meta\xff")
+    assert decode_reply(encode_reply(reply)) == reply
+    # a lookup is not an agent request; an agent request is not a reply
+    assert decode_request(msgpack.packb({"v": 1, "op": "lookup", "id": 1})) is None
+    assert isinstance(decode_reply(encode_request(AgentRequest(1))), Rejection)
+    bad = msgpack.packb({"v": 1, "op": "nixl_agent_reply", "id": 1, "agent": "a", "metadata": "text"})
+    assert isinstance(decode_reply(bad), Rejection)
+
+
+@given(st.binary(max_size=256))
+def test_decoding_random_bytes_never_raises(raw: bytes) -> None:
+    assert decode_request(raw) is None or isinstance(decode_request(raw), AgentRequest)
+    assert isinstance(decode_reply(raw), (AgentReply, Rejection))
