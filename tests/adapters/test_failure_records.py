@@ -1,6 +1,8 @@
-"""A sender's failure records on the connectors that carry them (memory, shm, zmq): a blocking get
-of a failed key ends at once with FailedAtSender, also one already waiting; a get of it, or of
-another key, never returns the record as data; a payload under the key is dropped for it."""
+"""A sender's failure records on the connectors that carry them (memory, shm, zmq, mooncake,
+nixl): a blocking get of a failed key ends at once with FailedAtSender, also one already
+waiting; a get of it, or of another key, never returns the record as data; a payload under the
+key is dropped for it. mooncake and nixl run where their engines do (the contract factories
+skip, saying why, elsewhere)."""
 
 from __future__ import annotations
 
@@ -13,9 +15,11 @@ import time
 
 import msgpack
 import pytest
+from contract.conftest import mooncake_factory, nixl_factory
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from kvferry.adapters.connectors.mooncake import wire as mooncake_wire
 from kvferry.adapters.connectors.zmq.protocol import Reply, decode_reply, encode_reply
 from kvferry.app.registry import create_connector
 from kvferry.core.control import Rejection
@@ -29,9 +33,16 @@ WAIT_S = 30.0  # a get's deadline; a failed key must end it far sooner
 FAST_S = 2.0
 
 
-@pytest.fixture(params=["memory", "shm", "zmq"])
+@pytest.fixture(params=["memory", "shm", "zmq", "mooncake", "nixl"])
 def pair(request):
     """(sender, receiver, receiver's metadata) of one connector type."""
+    if request.param in ("mooncake", "nixl"):
+        made = (mooncake_factory if request.param == "mooncake" else nixl_factory)({})
+        try:
+            yield made.sender, made.receiver, None
+        finally:
+            made.cleanup()
+        return
     if request.param == "zmq":
         sender = create_connector({"type": "zmq", "role": "sender", "host": "127.0.0.1", "port": 0})
         receiver = create_connector({"type": "zmq", "role": "receiver"})
@@ -132,7 +143,7 @@ def _held(sender: object) -> int:
 def _parked(sender: object) -> int | None:
     """Gets parked at the sender now (None: this connector does not say)."""
     health = sender.health()  # type: ignore[attr-defined]
-    value = health.get("parked", health.get("sender", {}).get("parked"))
+    value = health.get("parked", health.get("parked_lookups", health.get("sender", {}).get("parked")))
     return None if value is None else int(value)
 
 
@@ -148,3 +159,20 @@ def test_a_zmq_failed_miss_round_trips_and_needs_its_record(kind: str, reason: s
         assert isinstance(decode_reply(msgpack.packb(mutated)), Rejection)
     plain = Reply("miss", 7, "k", reason="not_found")  # an ordinary miss carries no record
     assert decode_reply(encode_reply(plain)) == plain and "failure" not in msgpack.unpackb(encode_reply(plain))
+
+
+@given(kind=st.from_regex(r"[a-z][a-z0-9_]{0,31}", fullmatch=True), reason=st.text(max_size=300))
+@settings(max_examples=100, deadline=None)
+def test_a_mooncake_failed_miss_round_trips_and_needs_its_record(kind: str, reason: str) -> None:
+    """The mooncake/nixl control wire: a ``failed`` miss carries its record both ways; one
+    without a readable record, or a record on any other reply, is a rejection."""
+    record = failure_record(kind, reason)
+    reply = mooncake_wire.LookupReply(7, False, reason="failed", failure=record)
+    assert mooncake_wire.decode(mooncake_wire.encode(reply)) == reply
+    body = msgpack.unpackb(mooncake_wire.encode(reply))
+    for bad in (None, {"kind": kind}, {"kind": kind, "reason": 3}, "put: why"):
+        assert isinstance(mooncake_wire.decode(msgpack.packb({**body, "failure": bad})), Rejection)
+    other = mooncake_wire.LookupReply(7, False, reason="not_found")
+    other_body = msgpack.unpackb(mooncake_wire.encode(other))
+    assert "failure" not in other_body  # an ordinary miss is as it was on the wire
+    assert isinstance(mooncake_wire.decode(msgpack.packb({**other_body, "failure": body["failure"]})), Rejection)

@@ -12,8 +12,12 @@ view, ``.release()`` idempotent) that the caller decodes zero-copy and then rele
 
 Failures are values: ``put`` returns ``(False, 0, {"reason", "detail"})``; ``get`` returns None
 and :meth:`MooncakeConnector.last_failure` says why (``sender_unavailable``, ``timeout``,
-``expired``, ``no_room``, ``size_mismatch``, ``transfer_failed``, ...). A missing package or
-system library makes construction raise ConnectorUnavailable with what to install.
+``expired``, ``no_room``, ``size_mismatch``, ``transfer_failed``, ``failed``, ...).
+``get_blocking`` raises at once where waiting cannot help: LeaseExpired when the sender dropped
+the key unread, FailedAtSender when the sender recorded that the key will never come
+(:meth:`MooncakeConnector.publish_failure`, a failure record: no pool space, never data). A
+missing package or system library makes construction raise ConnectorUnavailable with what to
+install.
 """
 
 from __future__ import annotations
@@ -29,8 +33,9 @@ import attrs
 from kvferry.adapters.connectors.mooncake.config import MooncakeConfig
 from kvferry.adapters.connectors.mooncake.engine import EnginePool
 from kvferry.adapters.connectors.mooncake.receive import AllocatorSpace, ReceiveSide, resolve_endpoint
-from kvferry.core.errors import ConfigError, PoolFullError
+from kvferry.core.errors import ConfigError, LeaseExpired, PoolFullError
 from kvferry.core.pool import PoolLedger, Region, RegionAllocator, request_id_of_key
+from kvferry.core.tombstones import FAILED_REASON, SenderFailure, failed_error
 
 __all__ = ["MooncakeConnector", "MooncakePoolBuffer", "MooncakeReservation"]
 
@@ -294,6 +299,17 @@ class MooncakeConnector:
         meta = {"source_host": self.config.host, "source_port": self.port, "size": region.nbytes}
         return True, region.nbytes, meta
 
+    def publish_failure(self, from_stage: Any, to_stage: Any, put_key: str, failure: Any) -> bool:
+        """Sender: record that ``put_key`` will never come (the FailureRecords ability): no
+        pool space, a payload readable under it dropped; lookups for it, parked ones too, are
+        answered ``failed`` with the record at once. False when closed or not a sender."""
+        if self._closed or self._sender is None:
+            return False
+        recorded = bool(self._sender.fail(put_key, failure))
+        if recorded:
+            self._server.notify(put_key)
+        return recorded
+
     def _abort(self, region: Region) -> None:
         with self._sender.lock:
             self._sender.ledger.abort(region)
@@ -323,7 +339,8 @@ class MooncakeConnector:
         timeout_s: float,
     ) -> Any:
         """Like :meth:`get`, but the sender answers on arrival, up to ``timeout_s`` seconds.
-        Returns None sooner when the sender is found dead (see :meth:`last_failure`)."""
+        Returns None sooner when the sender is found dead (see :meth:`last_failure`); raises
+        LeaseExpired or FailedAtSender at once when the sender says so (see the module doc)."""
         return self._get(get_key, metadata, max(0.0, float(timeout_s)))
 
     def last_failure(self, get_key: str) -> str | None:
@@ -338,8 +355,17 @@ class MooncakeConnector:
         if where is None:
             return self._miss(key, "no_sender")
         outcome = self._receive.fetch(key, where, wait_s)
+        if isinstance(outcome, SenderFailure):
+            self._miss(key, FAILED_REASON)
+            if wait_s > 0:
+                raise failed_error(key, outcome, f"{where.host}:{where.port}")
+            return None
         if isinstance(outcome, str):
-            return self._miss(key, outcome)
+            self._miss(key, outcome)
+            if wait_s > 0 and outcome == "expired":
+                where_s = f"{where.host}:{where.port}"
+                raise LeaseExpired(f"the sender at {where_s} dropped {key!r} unread when its lease passed")
+            return None
         self._failures.pop(key, None)
         self._count("hits")
         return outcome

@@ -5,7 +5,8 @@ default from ``update_sender_info``) -> ask it for the key with the room left in
 -> check the announced size (against the put's ``size`` when the metadata has it, and the room)
 -> reserve that many bytes in the local pool -> the engine reads them from the sender's pool ->
 tell the sender the claim is over -> return a pool buffer. Every failure releases what it took
-and comes back as a reason word; nothing here raises for a remote fault.
+and comes back as a reason word, or as the sender's failure record when it said the key will
+never come; nothing here raises for a remote fault.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from kvferry.adapters.connectors.mooncake.client import Failure, PeerChannel
 from kvferry.adapters.connectors.mooncake.engine import EnginePool
 from kvferry.core.addressing import resolve_get_source
 from kvferry.core.pool import Region, RegionAllocator
+from kvferry.core.tombstones import SenderFailure
 
 __all__ = ["Endpoint", "resolve_endpoint", "pin_margin_s", "Space", "AllocatorSpace", "ReceiveSide"]
 
@@ -131,8 +133,9 @@ class ReceiveSide:
             )
             self._drop_peer(peer)
 
-    def fetch(self, key: str, where: Endpoint, wait_s: float) -> tuple[Any, int] | str:
-        """``(pool buffer, size)`` or a reason word (see the module doc)."""
+    def fetch(self, key: str, where: Endpoint, wait_s: float) -> tuple[Any, int] | str | SenderFailure:
+        """``(pool buffer, size)``, a reason word, or the sender's failure record (see the
+        module doc)."""
         peer = self._checkout(where.host, where.port)
         if peer is None:
             return "closed"
@@ -141,7 +144,9 @@ class ReceiveSide:
         finally:
             self._checkin(peer)
 
-    def _fetch(self, peer: PeerChannel, key: str, where: Endpoint, wait_s: float) -> tuple[Any, int] | str:
+    def _fetch(
+        self, peer: PeerChannel, key: str, where: Endpoint, wait_s: float
+    ) -> tuple[Any, int] | str | SenderFailure:
         reply = peer.lookup(key, self.space.room(), wait_s, self.control_timeout_s)
         if isinstance(reply, Failure):
             logger.warning(
@@ -150,7 +155,7 @@ class ReceiveSide:
             self._drop_peer(peer)
             return reply.reason
         if not reply.found:
-            return reply.reason
+            return reply.reason if reply.failure is None else reply.failure
         got_at = self.clock()
         size = reply.size
         if where.size is not None and where.size != size:

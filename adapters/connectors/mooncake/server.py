@@ -9,7 +9,9 @@
 - a lookup for a key not published yet with ``wait_s > 0`` is parked
   (:class:`~kvferry.core.parked.ParkedTable`) and answered when a put publishes the key (the put
   rings the loop's :class:`~kvferry.adapters.connectors.wake.Doorbell`) or when ``wait_s`` passes;
-- a lookup for a key already consumed or expired is answered "not found"/"expired" at once.
+- a lookup for a key already consumed or expired is answered "not found"/"expired" at once;
+- a lookup for a key its sender recorded as failed (:meth:`SenderState.fail`, a tombstone) is
+  answered ``failed`` with the record at once, also one parked on it when the record is made.
 
 Leases are swept on every wake-up (at the latest every :data:`SWEEP_S` seconds): an unread
 payload past ``lease_s`` and a claim not finished within ``pin_s`` are logged and counted.
@@ -32,6 +34,7 @@ from kvferry.core.control import Rejection
 from kvferry.core.errors import BindError
 from kvferry.core.parked import MissReason, Parked, ParkedTable
 from kvferry.core.pool import EntryState, PoolLedger, Region
+from kvferry.core.tombstones import FAILED_REASON
 
 __all__ = ["SWEEP_S", "SenderState", "SenderSpace", "ControlServer", "bind_router"]
 
@@ -65,6 +68,8 @@ class SenderState:
                 "revoked_claims",
                 "bad_requests",
                 "no_room_replies",
+                "failures_recorded",
+                "failed_replies",
             ),
             0,
         )
@@ -98,6 +103,10 @@ class SenderState:
                 status = leases.status(lookup.key)
                 if status == "unknown":
                     return None
+                failure = leases.failure(lookup.key) if status == EntryState.FAILED else None
+                if failure is not None:
+                    self.counters["failed_replies"] += 1
+                    return wire.LookupReply(lookup.id, False, reason=FAILED_REASON, failure=failure)
                 reason = "expired" if status == EntryState.EXPIRED else "not_found"
                 return wire.LookupReply(lookup.id, False, reason=reason)
             if entry.size > lookup.room:
@@ -128,6 +137,17 @@ class SenderState:
             else:
                 self.ledger.give_back(done.claim, self.clock())
             self.counters["delivered" if done.ok else "read_failed"] += 1
+
+    def fail(self, key: str, failure: object) -> bool:
+        """Record that ``key`` will never be published (``failure``: the sender's record; no
+        pool space): a payload readable under it is dropped first (a claim on it keeps its
+        region until it ends). Returns what the lease table says (False: not recorded)."""
+        with self.lock:
+            self.ledger.drop_key(key)
+            recorded = self.ledger.leases.fail(key, failure)
+            if recorded:
+                self.counters["failures_recorded"] += 1
+            return recorded
 
     def count(self, name: str) -> None:
         """Add one to counter ``name`` (under the lock)."""

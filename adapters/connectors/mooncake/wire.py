@@ -12,6 +12,8 @@ reads it with the transfer engine. Four messages exist:
 - :class:`LookupReply` (sender -> receiver): either ``found`` with ``claim``, ``addr`` (absolute
   address in the sender's registered pool), ``size`` (bytes), ``rpc_port`` (the sender engine's
   handshake port) and ``pin_s``; or not found with a ``reason`` word (:data:`MISS_REASONS`).
+  A miss whose reason is ``failed`` carries the sender's failure record in ``failure`` (the
+  key will never come: :mod:`kvferry.core.tombstones`); no other reply carries one.
 - :class:`Done` (receiver -> sender): the claim is over; ``ok`` says whether the read succeeded.
   The sender releases the claim (the region is freed once every expected reader finished) and
   answers :class:`Ack`, so when a receiver's get returns, the sender's accounting is final.
@@ -32,6 +34,7 @@ import msgpack
 from kvferry.core.control import Rejection
 from kvferry.core.errors import PayloadError
 from kvferry.core.parked import MISS_REASONS as PARKED_MISS_REASONS
+from kvferry.core.tombstones import FAILED_REASON, FAILURE_FIELD, SenderFailure, decode_failure
 
 __all__ = [
     "WIRE_VERSION",
@@ -56,8 +59,9 @@ _MAX_ID = 2**63 - 1
 #: Why a lookup found nothing: never published / already consumed, lease passed, payload larger
 #: than the receiver's ``room``, long-poll ended without the key, sender closing, malformed
 #: request; the first four are :data:`kvferry.core.parked.MISS_REASONS` ("closed" is what senders
-#: before that table said for "closing", still accepted).
-MISS_REASONS = (*PARKED_MISS_REASONS, "no_room", "bad_request", "closed")
+#: before that table said for "closing", still accepted); ``failed``: the sender recorded that the
+#: key will never come (the reply carries the record).
+MISS_REASONS = (*PARKED_MISS_REASONS, "no_room", "bad_request", "closed", FAILED_REASON)
 
 
 def _u64(name: str, limit: int = _MAX_U64):
@@ -85,6 +89,13 @@ def _bool(instance: Any, attribute: attrs.Attribute, value: Any) -> None:
         raise PayloadError(f"control message field {attribute.name!r} must be a bool")
 
 
+def _as_failure(value: Any) -> SenderFailure | None:
+    """A reply's failure record: None, a record, or its plain-data form (PayloadError if not)."""
+    if value is None or isinstance(value, SenderFailure):
+        return value
+    return decode_failure(value)
+
+
 @attrs.frozen
 class Lookup:
     """Receiver asks for ``key``; ``wait_s`` >= 0 seconds of long-poll (0: answer at once);
@@ -102,7 +113,8 @@ class LookupReply:
 
     Found: ``claim`` > 0, ``addr`` + ``size`` span the payload in the sender's pool (bytes),
     ``rpc_port`` is the sender engine's handshake port, the claim is pinned ``pin_s`` seconds.
-    Not found: ``claim`` == 0, ``reason`` in :data:`MISS_REASONS` (``no_room`` sets ``size``).
+    Not found: ``claim`` == 0, ``reason`` in :data:`MISS_REASONS` (``no_room`` sets ``size``;
+    ``failed`` needs ``failure``, the sender's record, which no other reply has).
     """
 
     id: int = attrs.field(validator=_u64("id", _MAX_ID))
@@ -113,6 +125,7 @@ class LookupReply:
     rpc_port: int = attrs.field(default=0, validator=_u64("rpc_port", 65535))
     pin_s: float = attrs.field(default=0.0, validator=_seconds)
     reason: str = attrs.field(default="")
+    failure: SenderFailure | None = attrs.field(default=None, converter=_as_failure)
 
     def __attrs_post_init__(self) -> None:
         if self.found:
@@ -122,6 +135,8 @@ class LookupReply:
                 raise PayloadError("reply span overflows the address space")
         elif self.claim != 0 or self.reason not in MISS_REASONS:
             raise PayloadError(f"a miss needs claim 0 and a known reason, got {self.reason!r}")
+        if (self.failure is not None) != (not self.found and self.reason == FAILED_REASON):
+            raise PayloadError("a failure record comes with a 'failed' miss, and only with one")
 
 
 @attrs.frozen
@@ -149,6 +164,8 @@ _OP_OF: dict[type, str] = {cls: op for op, cls in _OPS.items()}
 def encode(message: Message) -> bytes:
     """The msgpack bytes of ``message`` (a map with ``v``, ``op`` and the message's fields)."""
     body = attrs.asdict(message)
+    if body.get(FAILURE_FIELD, 0) is None:  # ordinary replies stay as they were on the wire
+        del body[FAILURE_FIELD]
     body["v"] = WIRE_VERSION
     body["op"] = _OP_OF[type(message)]
     return msgpack.packb(body, use_bin_type=True)

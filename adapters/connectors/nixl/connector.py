@@ -14,8 +14,9 @@ once per sender endpoint over the same channel (:mod:`.control`).
 
 Failures are values: ``put`` returns ``(False, 0, {"reason", "detail"})``; ``get`` returns None
 and :meth:`last_failure` says why (``sender_unavailable``, ``timeout``, ``expired``,
-``no_room``, ``size_mismatch``, ``transfer_failed``, ...); ``get_blocking`` raises
-LeaseExpired when the sender dropped the key unread. Without the nixl package construction
+``no_room``, ``size_mismatch``, ``transfer_failed``, ``failed``, ...); ``get_blocking`` raises
+LeaseExpired when the sender dropped the key unread and FailedAtSender when it recorded that the
+key will never come (``publish_failure``, inherited). Without the nixl package construction
 raises ConfigError naming the extra ``kvferry[nixl]`` and the CPU install.
 """
 

@@ -21,7 +21,8 @@ from kvferry.adapters.connectors.mooncake.config import MooncakeConfig
 from kvferry.adapters.connectors.mooncake.engine import _chunks, unavailable_message
 from kvferry.adapters.connectors.mooncake.receive import Endpoint, pin_margin_s, resolve_endpoint
 from kvferry.core.control import Rejection
-from kvferry.core.errors import BindError, ConfigError, ConnectorUnavailable, PayloadError
+from kvferry.core.errors import BindError, ConfigError, ConnectorUnavailable, LeaseExpired, PayloadError
+from kvferry.core.tombstones import failure_record
 
 settings.register_profile("kvferry-mooncake", max_examples=80, deadline=None)
 PROFILE = settings.get_profile("kvferry-mooncake")
@@ -44,7 +45,13 @@ found = st.builds(
     seconds,
 )
 misses = st.builds(
-    lambda i, r, s: wire.LookupReply(i, False, size=s, reason=r), ids, st.sampled_from(wire.MISS_REASONS), u64
+    lambda i, r, s, why: wire.LookupReply(
+        i, False, size=s, reason=r, failure=failure_record("put", why) if r == "failed" else None
+    ),
+    ids,
+    st.sampled_from(wire.MISS_REASONS),
+    u64,
+    st.text(max_size=40),
 )
 dones = st.builds(wire.Done, ids, keys, ids, st.booleans())
 acks = st.builds(wire.Ack, ids)
@@ -336,6 +343,14 @@ def test_expired_lease_is_reported_as_such(make) -> None:
     assert receiver.last_failure("late") == "expired"
     health = sender.health()
     assert health["expired_unread"] == 1 and health["used_bytes"] == 0
+    start = time.monotonic()
+    with pytest.raises(LeaseExpired):  # a blocking get hears it at once: waiting cannot help
+        receiver.get_blocking("0", "1", "late", timeout_s=30.0)
+    assert time.monotonic() - start < 2.0
+    assert sender.put("0", "1", "fresh", b"y" * 100)[0]  # the control: a live key is read
+    data, size = receiver.get_blocking("0", "1", "fresh", timeout_s=30.0)
+    assert size == 100
+    data.release()
 
 
 def _raw_lookup(port: int, key: str) -> wire.LookupReply:
