@@ -8,7 +8,10 @@ output throughput, completed and failed requests (from the client's saved JSON),
 row the prompt tokens the decode took from the transfer (its ``/metrics``), kvferry's loads too.
 
 Rows (:data:`ROWS`): one plain server doing both phases (the client hits it directly; core 0),
-kvferry over shm and zmq, vLLM's NixlConnector (UCX over TCP on ``lo``) and MooncakeConnector.
+kvferry over shm and zmq, vLLM's NixlConnector (UCX over TCP on ``lo``) and MooncakeConnector
+(TCP; behind :mod:`~kvferry.app.bench.engine.mooncake_proxy`, the toy proxy's order with the
+transfer id, engine id and bootstrap address MooncakeConnector needs, and a bootstrap server of
+its own).
 A row that cannot run here says why (``unavailable``); one that fails says its error
 (``failed``); neither is dropped.
 
@@ -40,6 +43,7 @@ from kvferry.app.bench.engine.served import (
     kvferry_transfer_config,
     make_serve_model,
     ready,
+    start_mooncake_proxy,
     start_proxy,
     start_server,
 )
@@ -73,13 +77,8 @@ DEFAULT_CONCURRENCY = 8
 DEFAULT_INPUT = 512
 DEFAULT_OUTPUT = 32
 MAX_MODEL_LEN = 2048  # the servers' --max-model-len
-#: Why the Mooncake row cannot run behind the toy proxy (vLLM 0.32): MooncakeConnector's prefill
-#: saves only a request whose ``kv_transfer_params`` carry a ``transfer_id``, and the decode needs
-#: the prefill's engine id and bootstrap address; the toy proxy sends neither.
-MOONCAKE_PROXY = (
-    "vLLM's toy proxy sends no transfer_id nor bootstrap address, which MooncakeConnector needs "
-    "(its prefill saves nothing without a transfer_id); not run"
-)
+#: The Mooncake row's prefill engine id (its ``--kv-transfer-config``), which its proxy names.
+MOONCAKE_PREFILL_ID = "mooncake-prefill"
 PERCENTILES = (50, 99)
 METRICS = ("ttft", "tpot", "itl")
 STARTUP_S = 600.0
@@ -120,8 +119,9 @@ def rate_key(rate: float) -> str:
     return "inf" if math.isinf(rate) else f"{rate:g}"
 
 
-def kv_config(row: str, role: str, base_port: int) -> dict[str, Any]:
-    """The ``--kv-transfer-config`` of ``row``'s ``role`` (``kv_producer``/``kv_consumer``)."""
+def kv_config(row: str, role: str, base_port: int, bootstrap_port: int = 0) -> dict[str, Any]:
+    """The ``--kv-transfer-config`` of ``row``'s ``role`` (``kv_producer``/``kv_consumer``);
+    ``bootstrap_port``: the Mooncake row's bootstrap server."""
     if row.startswith("kvferry"):
         extra: dict[str, Any] = {
             "connector": {"type": row.rpartition("_")[2]},
@@ -133,6 +133,18 @@ def kv_config(row: str, role: str, base_port: int) -> dict[str, Any]:
         return kvferry_transfer_config(role, extra)
     if row == "nixl":
         return {"kv_connector": "NixlConnector", "kv_role": role, "kv_buffer_device": "cpu"}
+    if row == "mooncake":  # as kvferry bench --engine vllm runs it (peers.py), engine ids named
+        return {
+            "kv_connector": "MooncakeConnector",
+            "kv_connector_module_path": "kvferry.app.bench.engine.accelerator",
+            "kv_role": role,
+            "engine_id": MOONCAKE_PREFILL_ID if role == "kv_producer" else "mooncake-decode",
+            "kv_connector_extra_config": {
+                "mooncake_protocol": "tcp",
+                "num_workers": 2,
+                "bootstrap_server_address": f"127.0.0.1:{bootstrap_port}",
+            },
+        }
     raise ValueError(f"no P/D config for row {row!r}")
 
 
@@ -266,10 +278,17 @@ class _ServeBench:
             result: dict[str, Any] = json.load(f)
         return result
 
+    def bootstrap(self, port: int) -> Any:
+        """Mooncake's bootstrap server on 127.0.0.1:``port``, a process of its own (as
+        ``kvferry bench --engine vllm`` runs it); closed with the row's servers."""
+        from kvferry.app.demo.vllm_demo import InstanceProcess, instance_env
+
+        argv = [self.py, "-m", "kvferry.app.bench.engine.peers", "bootstrap", str(port)]
+        return InstanceProcess(argv, env=instance_env(None), log=self.logs / "mooncake-bootstrap.log", timeout_s=120)
+
     def run_row(self, name: str, rates: tuple[float, ...]) -> dict[str, Any]:
         row: dict[str, Any] = {"label": LABELS[name], "kind": _kind(name), "status": "ok", "cells": {}}
-        why = MOONCAKE_PROXY if name == "mooncake" else None
-        why = missing(name) or why
+        why = missing(name)
         if why is not None:
             row.update(status="unavailable", reason=why)
             return row
@@ -283,20 +302,35 @@ class _ServeBench:
                 ready(STARTUP_S, target)
                 row["startup_s"] = {"server": round(target.startup_s, 1)}
             else:
-                base = free_base_port()
+                base, bootstrap = free_base_port(), 0
+                if name == "mooncake":
+                    bootstrap = free_port()
+                    opened.append(self.bootstrap(bootstrap))
+                servers: list[Served] = []
                 for role, side, cpu in (("kv_producer", "prefill", "1"), ("kv_consumer", "decode", "0")):
-                    env = {**NIXL_ENV, "VLLM_NIXL_SIDE_CHANNEL_PORT": str(free_port())} if name == "nixl" else {}
-                    cfg = kv_config(name, role, base)
-                    opened.append(
+                    env = _server_env(name)
+                    cfg = kv_config(name, role, base, bootstrap)
+                    servers.append(
                         start_server(
                             self.py, self.model, name=f"{name}-{side}", root=self.logs, cpu=cpu, kv=cfg, env=env
                         )
                     )
-                ready(STARTUP_S, *opened)
-                prefill, decode = opened
-                target = start_proxy(
-                    self.py, [prefill], [decode], root=self.logs, name=f"{name}-proxy", proxy=self.proxy
-                )
+                    opened.append(servers[-1])
+                ready(STARTUP_S, *servers)
+                prefill, decode = servers
+                if name == "mooncake":
+                    target = start_mooncake_proxy(
+                        self.py,
+                        [(prefill, MOONCAKE_PREFILL_ID)],
+                        [decode],
+                        bootstrap=f"http://127.0.0.1:{bootstrap}",
+                        root=self.logs,
+                        name=f"{name}-proxy",
+                    )
+                else:
+                    target = start_proxy(
+                        self.py, [prefill], [decode], root=self.logs, name=f"{name}-proxy", proxy=self.proxy
+                    )
                 opened.append(target)
                 target.wait_ready(120)
                 row["startup_s"] = {"prefill": round(prefill.startup_s, 1), "decode": round(decode.startup_s, 1)}
@@ -324,6 +358,17 @@ class _ServeBench:
             for s in reversed(opened):
                 s.close()
         return row
+
+
+def _server_env(row: str) -> dict[str, str]:
+    """The environment a P/D server of ``row`` adds: NIXL's UCX settings and side channel, or
+    a Mooncake bootstrap port of its own (a server does not start the shared one: the config
+    names it)."""
+    if row == "nixl":
+        return {**NIXL_ENV, "VLLM_NIXL_SIDE_CHANNEL_PORT": str(free_port())}
+    if row == "mooncake":
+        return {"VLLM_MOONCAKE_BOOTSTRAP_PORT": str(free_port())}
+    return {}
 
 
 def _kind(name: str) -> str:

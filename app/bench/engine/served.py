@@ -34,6 +34,7 @@ __all__ = [
     "server_env",
     "start_server",
     "start_proxy",
+    "start_mooncake_proxy",
     "ready",
     "kvferry_counters",
 ]
@@ -325,6 +326,22 @@ def start_proxy(
     argv = [py, str(proxy), "--host", "127.0.0.1", "--port", str(port), "--prefiller-hosts"]
     argv += ["127.0.0.1"] * len(prefills) + ["--prefiller-ports"] + [str(s.port) for s in prefills]
     argv += ["--decoder-hosts"] + ["127.0.0.1"] * len(decodes) + ["--decoder-ports"] + [str(s.port) for s in decodes]
+    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    return Served(argv, port=port, health="/healthcheck", env=env, log=root / f"{name}.log")
+
+
+def start_mooncake_proxy(
+    py: str, prefills: Sequence[tuple[Served, str]], decodes: Sequence[Served], *, bootstrap: str, root: Path, name: str
+) -> Served:
+    """The proxy of MooncakeConnector's P/D (:mod:`kvferry.app.bench.engine.mooncake_proxy`):
+    round-robin over ``prefills`` (each with its engine id) then ``decodes``; ``bootstrap`` is
+    the bootstrap server's URL."""
+    port = free_port()
+    argv = [py, "-m", "kvferry.app.bench.engine.mooncake_proxy", "--port", str(port), "--bootstrap", bootstrap]
+    for server, engine_id in prefills:
+        argv += ["--prefill", server.url, engine_id]
+    for server in decodes:
+        argv += ["--decode", server.url]
     env = dict(os.environ, PYTHONUNBUFFERED="1")
     return Served(argv, port=port, health="/healthcheck", env=env, log=root / f"{name}.log")
 

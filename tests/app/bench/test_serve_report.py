@@ -1,6 +1,6 @@
 """``kvferry bench --engine vllm --serve`` without vLLM: its options, each row's
-``--kv-transfer-config``, the client's command line, a cell from the client's JSON and the
-summary table (skipped and failed rows say why)."""
+``--kv-transfer-config``, the Mooncake row proxy's hand-off, the client's command line, a cell
+from the client's JSON and the summary table (skipped and failed rows say why)."""
 
 from __future__ import annotations
 
@@ -10,10 +10,13 @@ import math
 from pathlib import Path
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from kvferry.app.bench.command import configure, run
+from kvferry.app.bench.engine.mooncake_proxy import decode_body, prefill_body
 from kvferry.app.bench.engine.serve import (
-    MOONCAKE_PROXY,
+    MOONCAKE_PREFILL_ID,
     ROWS,
     cell_from_result,
     client_argv,
@@ -57,6 +60,50 @@ def test_kv_configs() -> None:
     assert nixl == {"kv_connector": "NixlConnector", "kv_role": "kv_producer", "kv_buffer_device": "cpu"}
     with pytest.raises(ValueError):
         kv_config("plain", "kv_producer", 0)
+    # Mooncake: both sides name the one bootstrap server; the prefill's engine id is the one
+    # its proxy hands the decode
+    p, d = kv_config("mooncake", "kv_producer", 0, 41000), kv_config("mooncake", "kv_consumer", 0, 41000)
+    assert p["engine_id"] == MOONCAKE_PREFILL_ID != d["engine_id"]
+    for cfg in (p, d):
+        assert cfg["kv_connector"] == "MooncakeConnector"
+        assert cfg["kv_connector_extra_config"]["bootstrap_server_address"] == "127.0.0.1:41000"
+
+
+bodies = st.fixed_dictionaries(
+    {"model": st.just("m"), "prompt": st.lists(st.integers(0, 511), min_size=1, max_size=8)},
+    optional={
+        "max_tokens": st.integers(1, 64),
+        "stream": st.booleans(),
+        "stream_options": st.just({"include_usage": True}),
+        "max_completion_tokens": st.integers(1, 64),
+        "kv_transfer_params": st.just({"do_remote_decode": False}),
+    },
+)
+
+
+@given(body=bodies, tid=st.text(min_size=1, max_size=20))
+@settings(max_examples=50, deadline=None)
+def test_the_mooncake_proxy_hands_both_sides_one_transfer_id(body: dict, tid: str) -> None:
+    before = {k: v for k, v in body.items()}
+    p, d = prefill_body(body, tid), decode_body(body, tid, "engine-p", "http://127.0.0.1:4")
+    assert body == before  # the client's request is left as it was
+    assert p["kv_transfer_params"] == {"do_remote_decode": True, "transfer_id": tid}
+    assert p["max_tokens"] == 1 and p["stream"] is False and "stream_options" not in p
+    assert p.get("max_completion_tokens", 1) == 1
+    assert d["kv_transfer_params"] == {
+        "do_remote_prefill": True,
+        "transfer_id": tid,
+        "remote_engine_id": "engine-p",
+        "remote_bootstrap_addr": "http://127.0.0.1:4",
+    }
+    # the decode answers the client's own request: everything else as the client sent it
+    assert {k: v for k, v in d.items() if k != "kv_transfer_params"} == {
+        k: v for k, v in body.items() if k != "kv_transfer_params"
+    }
+    set_by_proxy = ("kv_transfer_params", "max_tokens", "stream", "stream_options", "max_completion_tokens")
+    assert {k: v for k, v in p.items() if k not in set_by_proxy} == {
+        k: v for k, v in body.items() if k not in set_by_proxy
+    }
 
 
 def test_client_command_line(tmp_path: Path) -> None:
@@ -102,6 +149,9 @@ def test_cell_from_the_clients_json() -> None:
     assert cell["errors"] == ["boom at x"]  # blank ones dropped, the same one once
 
 
+WHY = "the system library libibverbs1 is missing (Mooncake's engine loads it)"
+
+
 def test_table_says_why_a_row_did_not_run() -> None:
     report = {
         "model": "m",
@@ -114,12 +164,12 @@ def test_table_says_why_a_row_did_not_run() -> None:
         "rows": {
             "plain": {"label": "plain", "status": "ok", "cells": {"4": cell_from_result(RESULT)}},
             "nixl": {"label": "nixl", "status": "failed", "reason": "decode exited", "cells": {}},
-            "mooncake": {"label": "mooncake", "status": "unavailable", "reason": MOONCAKE_PROXY, "cells": {}},
+            "mooncake": {"label": "mooncake", "status": "unavailable", "reason": WHY, "cells": {}},
         },
         "failures": ["nixl: decode exited"],
     }
     text = render_serve_table(report)
-    assert "FAILED: decode exited" in text and f"UNAVAILABLE: {MOONCAKE_PROXY}" in text
+    assert "FAILED: decode exited" in text and f"UNAVAILABLE: {WHY}" in text
     line = next(x for x in text.splitlines() if x.startswith("plain "))
     assert line.split()[1:5] == ["4", "7", "1", "3.50"]
     assert "FAILED: nixl: decode exited" in text
