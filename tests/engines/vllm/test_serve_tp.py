@@ -34,10 +34,8 @@ from serve_harness import (
     kvferry_counters,
     make_serve_model,
     pd_behind_proxy,
-    plain_answers,
-    ready,
+    plain_reference,
     serve_kv,
-    start_server,
 )
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(1800)]
@@ -68,15 +66,13 @@ def env(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
     state: dict[str, Any] = {"py": py, "root": root, "model": model, "timings": {}}
     state["prompts"] = prompts(LENGTHS, seed=11)
     state["burst"] = prompts(BURST, seed=12)
-    plain = start_server(py, model, name="plain_tp2", root=root, cpu="0|1", args=TP)
-    try:
-        ready(STARTUP_S, plain)
-        state["timings"]["startup_plain_tp2_s"] = round(plain.startup_s, 1)
-        # the burst's reference is the plain server's own answer to the same burst, and each
-        # prompt's answer alone (its kernels are not batch-invariant near a logit tie)
-        state["reference"], state["batched"] = plain_answers(plain, state["prompts"], state["burst"], TOKENS)
-    finally:
-        plain.close()
+    # the burst's reference is the plain server's own answer to the same burst, and each
+    # prompt's answer alone (its kernels are not batch-invariant near a logit tie)
+    plain = plain_reference(
+        py, model, root, STARTUP_S, state["prompts"], state["burst"], TOKENS, name="plain_tp2", cpu="0|1", args=TP
+    )
+    state["reference"], state["batched"] = plain["reference"], plain["batched"]
+    state["timings"]["startup_plain_tp2_s"] = round(plain["startup_s"], 1)
     yield state
     print("timings:", state["timings"])
 
