@@ -5,7 +5,8 @@ with a word-level tokenizer made on the spot): a prefill ``kv_producer`` on core
 client, ``vllm bench serve`` (random dataset, ``--ignore-eos``), drives the proxy at each
 request rate with a concurrency cap. Per row and rate: TTFT, TPOT and ITL p50/p99, request and
 output throughput, completed and failed requests (from the client's saved JSON), and for a P/D
-row the prompt tokens the decode took from the transfer (its ``/metrics``), kvferry's loads too.
+row the prompt tokens the decode took from the transfer (its ``/metrics``), kvferry's loads too,
+and where the client's mean TTFT went by the servers' own histograms (:func:`ttft_split`).
 
 Rows (:data:`ROWS`): one plain server doing both phases (the client hits it directly; core 0),
 kvferry over shm and zmq, vLLM's NixlConnector (UCX over TCP on ``lo``) and MooncakeConnector
@@ -57,6 +58,7 @@ __all__ = [
     "kv_config",
     "client_argv",
     "cell_from_result",
+    "ttft_split",
     "render_serve_table",
     "write_serve_plot",
     "run_serve",
@@ -79,6 +81,9 @@ DEFAULT_OUTPUT = 32
 MAX_MODEL_LEN = 2048  # the servers' --max-model-len
 #: The Mooncake row's prefill engine id (its ``--kv-transfer-config``), which its proxy names.
 MOONCAKE_PREFILL_ID = "mooncake-prefill"
+#: vLLM's per-request histograms (seconds) whose sums and counts split a cell's mean TTFT.
+E2E = "vllm:e2e_request_latency_seconds"
+SERVER_TTFT = "vllm:time_to_first_token_seconds"
 PERCENTILES = (50, 99)
 METRICS = ("ttft", "tpot", "itl")
 STARTUP_S = 600.0
@@ -230,6 +235,37 @@ def _uptime() -> str:
     return f"load average {one}, {five}, {fifteen} ({os.cpu_count()} cores)"
 
 
+def _histograms(server: Served) -> dict[str, float]:
+    """The sums and counts of :data:`E2E` and :data:`SERVER_TTFT` on ``server`` now."""
+    m = server.metrics()
+    return {k: m.get(k, 0.0) for base in (E2E, SERVER_TTFT) for k in (f"{base}_sum", f"{base}_count")}
+
+
+def ttft_split(
+    client_mean_ms: float,
+    first: tuple[dict[str, float], dict[str, float]],
+    prefill: tuple[dict[str, float], dict[str, float]] | None = None,
+) -> dict[str, float | None]:
+    """Where a cell's mean TTFT went, from two :func:`_histograms` readings (before, after) of
+    the server that gave the first token (``first``: a P/D row's decode, or the plain server)
+    and of a P/D row's ``prefill``: ``server_ttft_ms`` (the first server's own mean TTFT, from
+    its arrival: for a decode its load included), ``prefill_ms`` (the prefill request's mean,
+    arrival to finish) and ``rest_ms``, the client's mean less both (the proxy, HTTP, the
+    client). None where a server counted no request between the readings."""
+
+    def mean(pair: tuple[dict[str, float], dict[str, float]], base: str) -> float | None:
+        before, after = pair
+        n = after.get(f"{base}_count", 0.0) - before.get(f"{base}_count", 0.0)
+        return None if n <= 0 else 1e3 * (after.get(f"{base}_sum", 0.0) - before.get(f"{base}_sum", 0.0)) / n
+
+    out: dict[str, float | None] = {"server_ttft_ms": mean(first, SERVER_TTFT)}
+    if prefill is not None:
+        out["prefill_ms"] = mean(prefill, E2E)
+    parts = list(out.values())
+    out["rest_ms"] = None if any(v is None for v in parts) else client_mean_ms - sum(v or 0.0 for v in parts)
+    return out
+
+
 def _external(server: Served) -> dict[str, float]:
     """The decode's prompt tokens taken from the transfer and kvferry's loads, after one short
     plain request (a connector's stats reach the metrics with a later step's output)."""
@@ -336,13 +372,20 @@ class _ServeBench:
                 row["startup_s"] = {"prefill": round(prefill.startup_s, 1), "decode": round(decode.startup_s, 1)}
                 target.complete(WARM, 2)  # a first hand-off (its handshakes) out of the figures
             before = _external(decode) if decode is not None else None
+            first = decode if decode is not None else target  # the server that gives the first token
+            split_of = [first] if decode is None else [first, prefill]
+            hist = [_histograms(s) for s in split_of]
             for rate in rates:
                 self.say(f"{name}: vllm bench serve at {rate_key(rate)} requests/s")
                 cell = cell_from_result(self.client(name, target.url, rate))
+                now = [_histograms(s) for s in split_of]  # before _external's own request
+                pairs = list(zip(hist, now))
+                cell.update(ttft_split(cell["ttft_mean_ms"], pairs[0], pairs[1] if len(pairs) > 1 else None))
                 if decode is not None and before is not None:
                     after = _external(decode)
                     cell.update({k: after[k] - before[k] for k in after})
                     before = after
+                hist = [_histograms(s) for s in split_of]
                 row["cells"][rate_key(rate)] = cell
                 if cell["failed"] or cell["completed"] != self.args.num_prompts:
                     self.failures.append(
@@ -406,6 +449,24 @@ def render_serve_table(report: dict[str, Any]) -> str:
         "ms; TTFT through the proxy (a P/D row: prefill, hand-off, decode's first token); ext tok: prompt "
         "tokens the decode took from the transfer (its /metrics)"
     )
+    split = [
+        (row["label"], rate, c)
+        for row in report["rows"].values()
+        for rate, c in row.get("cells", {}).items()
+        if "server_ttft_ms" in c
+    ]
+    if split:
+        lines += [
+            "",
+            "where the mean TTFT went (ms, by the servers' own histograms): the prefill request, the "
+            "first-token server's TTFT (a decode's includes its load), the rest (proxy, HTTP, client)",
+            f"{'row':<36} {'rate/s':>6} {'client':>8} {'prefill':>8} {'server':>8} {'rest':>8}",
+        ]
+        for label, rate, c in split:
+            lines.append(
+                f"{label:<36} {rate:>6} {fmt(c['ttft_mean_ms']):>8} {fmt(c.get('prefill_ms')):>8} "
+                f"{fmt(c['server_ttft_ms']):>8} {fmt(c['rest_ms']):>8}"
+            )
     failures = report.get("failures", [])
     lines.append("FAILED: " + "; ".join(failures) if failures else "OK: every request of every row that ran completed")
     return "\n".join(lines) + "\n"

@@ -25,6 +25,7 @@ from kvferry.app.bench.engine.serve import (
     parse_serve_rows,
     rate_key,
     render_serve_table,
+    ttft_split,
 )
 
 
@@ -190,3 +191,26 @@ def test_wrong_options_exit_2_naming_the_option(argv: list[str], named: str) -> 
     err = io.StringIO()
     assert run(_args(*argv), out=io.StringIO(), err=err) == 2
     assert named in err.getvalue(), err.getvalue()
+
+
+def _hist(e2e: tuple[float, float], ttft: tuple[float, float]) -> dict[str, float]:
+    """A histogram reading: (sum s, count) of the e2e latency and the TTFT."""
+    return {
+        "vllm:e2e_request_latency_seconds_sum": e2e[0],
+        "vllm:e2e_request_latency_seconds_count": e2e[1],
+        "vllm:time_to_first_token_seconds_sum": ttft[0],
+        "vllm:time_to_first_token_seconds_count": ttft[1],
+    }
+
+
+def test_the_mean_ttft_split_by_the_servers_histograms() -> None:
+    # decode: 4 requests' TTFT took 0.2 s in all since the last reading (50 ms each); prefill:
+    # 4 requests took 0.12 s (30 ms each); the client saw 100 ms: 20 ms were the hops
+    decode = (_hist((9.0, 10), (1.0, 10)), _hist((9.5, 14), (1.2, 14)))
+    prefill = (_hist((2.0, 7), (1.0, 7)), _hist((2.12, 11), (1.1, 11)))
+    got = ttft_split(100.0, decode, prefill)
+    assert got == pytest.approx({"server_ttft_ms": 50.0, "prefill_ms": 30.0, "rest_ms": 20.0})
+    plain = ttft_split(60.0, decode)  # one server: its TTFT, and the client's rest
+    assert plain == pytest.approx({"server_ttft_ms": 50.0, "rest_ms": 10.0})
+    idle = ttft_split(60.0, (decode[0], decode[0]), prefill)  # no request counted: no figure
+    assert idle["server_ttft_ms"] is None and idle["rest_ms"] is None and idle["prefill_ms"] == pytest.approx(30.0)
