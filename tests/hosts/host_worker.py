@@ -39,6 +39,7 @@ sys.path[:0] = [str(HERE.parent / "integration"), str(HERE.parent)]
 os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 os.environ.setdefault("MC_LOG_LEVEL", "ERROR")
+os.environ.setdefault("UCX_LOG_FILE", "/dev/stderr")  # UCX logs to stdout, this worker's protocol channel
 
 from jsonlines import commands, say  # noqa: E402
 from stage_worker import kv_digest, make_spec, serve_sender  # noqa: E402

@@ -15,7 +15,10 @@ alike (no desync), with pool memory given back; with the wire restored (or the s
 restarted) the next request is bit-exact.
 
 One topology and one pair of stages per connector (module fixtures), so the tests cost a few
-seconds each after the stages start.
+seconds each after the stages start. The connectors: zmq over TCP, mooncake (its transfer
+engine over TCP) and nixl (UCX over TCP on the veth, each host naming its own device); the
+last two skip, saying why, where their packages are missing (.ci/run runs nixl's in the vLLM
+venv, which has it).
 """
 
 from __future__ import annotations
@@ -27,6 +30,7 @@ from typing import Any
 
 import pytest
 from conftest import module_net
+from nixl_support import nixl_missing
 from stages import SLACK_S, TwoHostStage
 
 pytestmark = pytest.mark.timeout(120)
@@ -64,18 +68,52 @@ def _mooncake_missing() -> str | None:
     return None
 
 
-@pytest.fixture(scope="module", params=["zmq-tcp", "mooncake"])
+#: nixl: one READ's deadline in these tests, below the receive deadline of a request that must
+#: fail (MISS_S), so that a read the cut wire stalls ends typed within the slack.
+NIXL_TRANSFER_S = 1.0
+#: nixl: a receiver rank makes its connector (its NIXL agent) at its first receive of each
+#: deadline. UCX cannot start an agent while the only device it may use is down (the agent's
+#: endpoint to itself goes over it: "Destination is unreachable"), and a connector that failed
+#: to start is remembered, not retried (SPEC 7), so the stage receives once with each deadline
+#: before any test cuts the wire, as a deployment's first requests do (docs/nixl.md).
+
+
+#: nixl: a payload whose reads the cut wire failed stays readable at its sender until its lease
+#: passes (a retry may still read it; its readers' ``Done`` was lost with the wire) and a claim
+#: until its hold: both short here, so that ``given_back`` sees them freed within OK_S.
+NIXL_HOLD_S, NIXL_LEASE_S = 3.0, 8.0
+
+
+def _nixl_options(device: str) -> dict[str, Any]:
+    """A nixl rank's connector keys on a host whose wire is ``device``: UCX over TCP on it."""
+    return {
+        "ucx_tls": "tcp,self",
+        "ucx_net_devices": device,
+        "transfer_timeout_s": NIXL_TRANSFER_S,
+        "hold_s": NIXL_HOLD_S,
+        "lease_s": NIXL_LEASE_S,
+    }
+
+
+@pytest.fixture(scope="module", params=["zmq-tcp", "mooncake", "nixl"])
 def stage(
     request: pytest.FixtureRequest, forks: Any, hosts: Any, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[Any]:
     net, a, b, wire = hosts
     receiver_options: dict[str, Any] = {}
+    sender_options: dict[str, Any] = {}
     if request.param == "mooncake":
         missing = _mooncake_missing()
         if missing:
             pytest.skip(missing)
         # the receiver's engine announces its own host's address (its own config, not the sender's)
         receiver_options = {"connector": {"host": b.addresses["to-a"]}}
+    if request.param == "nixl":
+        missing = nixl_missing()
+        if missing:
+            pytest.skip(missing)
+        sender_options = {"connector": _nixl_options("to-b")}
+        receiver_options = {"connector": _nixl_options("to-a")}
     tmp = tmp_path_factory.mktemp(f"stage-{request.param}")
     st = TwoHostStage(
         forks,
@@ -84,11 +122,14 @@ def stage(
         tmp,
         bind_host=a.addresses["to-b"],
         connector=request.param,
+        sender_options=sender_options,
         receiver_options=receiver_options,
         **GEOMETRY,
     )
     st.wire, st.connector = wire, request.param
     try:
+        if request.param == "nixl":
+            st.assert_none_received(st.receive("nixl-agents", MISS_S), MISS_S, kinds=("timed_out",))
         yield st
         st.close()
     finally:
