@@ -40,7 +40,7 @@ from kvferry.app.bench.engine.peers import (
     row_names,
     vllm_version,
 )
-from kvferry.app.bench.engine.report import KV_BYTES_PER_TOKEN, NEAR_TIE, expected_kv_bytes, tie_gap
+from kvferry.app.bench.engine.report import KV_BYTES_PER_TOKEN, NEAR_TIE, expected_kv_bytes, failure_text, tie_gap
 
 __all__ = ["run_engine", "DEFAULT_LENGTHS", "parse_lengths", "parse_rows", "missing_extra"]
 
@@ -225,8 +225,7 @@ class _Bench:
                     cells[str(n)] = cell
                 done.add(spec.name)
         except Exception as exc:  # the rows not measured say what failed; the others still run
-            text = " ".join(str(exc).split())
-            text = text if len(text) <= 900 else text[:300] + " ... " + text[-600:]
+            text = failure_text(exc)
             for name, row in rows.items():
                 if name not in done:
                     row.update(status="failed", reason=text)

@@ -10,6 +10,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 __all__ = [
+    "failure_text",
     "KV_BYTES_PER_TOKEN",
     "expected_kv_bytes",
     "ratio",
@@ -133,6 +134,13 @@ def _differing(same: Sequence[bool], gaps: Sequence[float | None]) -> str:
     """``same/runs``, then how many of the others were near ties of the reference (``+Nt``)."""
     ties = sum(1 for ok, gap in zip(same, gaps) if not ok and gap is not None and gap <= NEAR_TIE)
     return f"{sum(same)}/{len(same)}" + (f"+{ties}t" if ties else "")
+
+
+def failure_text(exc: BaseException) -> str:
+    """What a bench row that failed says of ``exc``: one line, at most about 900 characters
+    (the start and the end of a longer one: a server's log tail ends with the cause)."""
+    text = " ".join(str(exc).split())
+    return text if len(text) <= 900 else text[:300] + " ... " + text[-600:]
 
 
 def fmt(value: float | None, digits: int = 1) -> str:

@@ -35,7 +35,7 @@ from typing import Any, TextIO
 
 from kvferry.adapters.platform import free_base_port, free_port
 from kvferry.app.bench.engine.peers import NIXL_ENV, missing, row_names, vllm_version
-from kvferry.app.bench.engine.report import fmt
+from kvferry.app.bench.engine.report import failure_text, fmt
 from kvferry.app.bench.engine.served import (
     CLI,
     PROXY,
@@ -393,8 +393,7 @@ class _ServeBench:
                         f"{cell['failed']} failed {cell['errors'][:1]}"
                     )
         except Exception as exc:  # the row says what failed; the others still run
-            text = " ".join(str(exc).split())
-            text = text if len(text) <= 900 else text[:300] + " ... " + text[-600:]
+            text = failure_text(exc)
             row.update(status="failed", reason=text)
             self.failures.append(f"{name}: {text[:300]}")
         finally:

@@ -35,6 +35,7 @@ __all__ = [
     "start_server",
     "start_proxy",
     "start_mooncake_proxy",
+    "greedy_request",
     "ready",
     "kvferry_counters",
 ]
@@ -99,7 +100,7 @@ def server_env(cpu: str, more: Mapping[str, str] | None = None) -> dict[str, str
     return env
 
 
-def _greedy(prompt: list[int], max_tokens: int, **more: Any) -> dict[str, Any]:
+def greedy_request(prompt: list[int], max_tokens: int, **more: Any) -> dict[str, Any]:
     """A completion request of a token-id prompt: greedy, exactly ``max_tokens`` out, with the
     output's token ids."""
     return {
@@ -220,7 +221,7 @@ class Served:
     def complete(self, prompt: list[int], max_tokens: int, **more: Any) -> dict[str, Any]:
         """A greedy completion of a token-id prompt: the response's first choice (with its
         ``token_ids``) and, if the server returned them, its ``kv_transfer_params``."""
-        out = self.post("/v1/completions", _greedy(prompt, max_tokens, **more))
+        out = self.post("/v1/completions", greedy_request(prompt, max_tokens, **more))
         choice: dict[str, Any] = out["choices"][0]
         if out.get("kv_transfer_params") is not None:
             choice = {**choice, "kv_transfer_params": out["kv_transfer_params"]}
@@ -229,7 +230,7 @@ class Served:
     def stream(self, prompt: list[int], max_tokens: int, timeout_s: float = 600) -> list[int]:
         """A streamed greedy completion of a token-id prompt: the token ids of every chunk, in
         order."""
-        body = _greedy(prompt, max_tokens, stream=True)
+        body = greedy_request(prompt, max_tokens, stream=True)
         req = urllib.request.Request(
             self.url + "/v1/completions", data=json.dumps(body).encode(), headers={"Content-Type": "application/json"}
         )

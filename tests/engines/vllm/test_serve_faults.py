@@ -39,6 +39,7 @@ from harness import free_base_port, prompts, vllm_python
 from serve_harness import Served, free_gib, make_serve_model, ready, serve_kv, start_proxy, start_server
 
 from kvferry.adapters.connectors.shm.segment import reap_namespace
+from kvferry.app.bench.engine.served import greedy_request
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(1200)]
 
@@ -82,17 +83,7 @@ class Outcome:
 
 
 def _body(prompt: list[int], max_tokens: int, **more: Any) -> bytes:
-    return json.dumps(
-        {
-            "model": "m",
-            "prompt": prompt,
-            "max_tokens": max_tokens,
-            "temperature": 0.0,
-            "ignore_eos": True,
-            "return_token_ids": True,
-            **more,
-        }
-    ).encode()
+    return json.dumps(greedy_request(prompt, max_tokens, **more)).encode()
 
 
 def _stream(server: Served, prompt: list[int], timeout_s: float = 300, **more: Any) -> Outcome:
