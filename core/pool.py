@@ -156,6 +156,14 @@ class PoolLedger:
         """Make ``key`` unreadable; returns the entries whose regions were freed now."""
         return self._free(self.leases.drop_key(key))
 
+    def fail(self, key: str, failure: Any) -> tuple[tuple[LeaseEntry, ...], bool]:
+        """Record that ``key`` will never be published (:meth:`LeaseTable.fail`, a failure
+        record: no space), a payload readable under it dropped first (a reader holding one keeps
+        its region until it releases). Returns the entries freed now and whether the record was
+        made."""
+        freed = self.drop_key(key)
+        return freed, self.leases.fail(key, failure)
+
     def drop_request(self, request_id: str) -> tuple[LeaseEntry, ...]:
         """Drop every readable key of ``request_id``; returns the entries freed now."""
         return self._free(self.leases.drop_request(request_id))

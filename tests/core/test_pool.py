@@ -301,6 +301,23 @@ def test_ledger_reserve_abort_publish() -> None:
     }
 
 
+def test_ledger_fail_drops_the_payload_and_records_the_failure() -> None:
+    ledger = PoolLedger.create(256)
+    ledger.publish("k", ledger.reserve(64), now_s=0.0, lease_s=10.0)
+    held = ledger.reserve(64)
+    ledger.publish("h", held, now_s=0.0, lease_s=10.0)
+    ticket = ledger.take("h", 0.1)  # a reader holds "h"
+    freed, recorded = ledger.fail("k", "why")
+    assert recorded and len(freed) == 1 and ledger.leases.status("k") == EntryState.FAILED
+    assert ledger.leases.failure("k") == "why" and ledger.take("k", 0.2) is None
+    freed, recorded = ledger.fail("h", "why")  # the held region stays until its reader releases
+    assert recorded and freed == () and ledger.stats()["live_regions"] == 1
+    assert ticket is not None and ledger.release(ticket.ticket_id)
+    assert ledger.stats()["used_bytes"] == 0
+    _, again = ledger.fail("never-put", "why")  # a key never published takes a record too
+    assert again and ledger.stats()["entries"] == 0
+
+
 # ------------------------------------------------------------------------ holders and holds
 
 

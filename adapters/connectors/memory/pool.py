@@ -385,8 +385,9 @@ class LocalPool:
         with self._cond:
             if self._closed:
                 return False
-            self._forget(self.ledger.drop_key(key))
-            if not self.ledger.leases.fail(key, failure):
+            freed, recorded = self.ledger.fail(key, failure)
+            self._forget(freed)
+            if not recorded:
                 return False
             self._count("failures_recorded")
             self._cond.notify_all()

@@ -143,8 +143,7 @@ class SenderState:
         pool space): a payload readable under it is dropped first (a claim on it keeps its
         region until it ends). Returns what the lease table says (False: not recorded)."""
         with self.lock:
-            self.ledger.drop_key(key)
-            recorded = self.ledger.leases.fail(key, failure)
+            _, recorded = self.ledger.fail(key, failure)
             if recorded:
                 self.counters["failures_recorded"] += 1
             return recorded

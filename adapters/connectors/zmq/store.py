@@ -222,8 +222,8 @@ class HeldPayloads:
         with self._lock:
             if self._closed:
                 return False
-            self._forget(self._ledger.drop_key(key))
-            recorded = self._ledger.leases.fail(key, failure)
+            freed, recorded = self._ledger.fail(key, failure)
+            self._forget(freed)
             if recorded:
                 self._counters["failures_recorded"] += 1
             return recorded
