@@ -2,7 +2,8 @@
  *
  * gather() copies n blocks of a paged cache into a contiguous destination; gather_split() does
  * the same for several equal slices of every block (head slices for several receivers) in one
- * pass over the source, each slice into its own destination.
+ * pass over the source, each slice into its own destination, or into `replicas` destinations
+ * each (a head that several receivers hold: every copy written from the one read).
  * A block is read as up to three nested strided dimensions of contiguous pieces:
  *
  *   for i in [0, n):                      block = src + index[i] * block_stride
@@ -38,9 +39,11 @@ struct walk {
     const int64_t *index; /* NULL: blocks 0..n-1 */
     Py_ssize_t n, block_stride, d0, s0, d1, s1, d2, s2;
     size_t piece;
-    /* gather_split(): nsplit destinations; split j reads its pieces split_stride*j further on */
+    /* gather_split(): nsplit slices, each into `replicas` destinations (dsts[j*replicas + r]:
+     * copy r of slice j); slice j reads its pieces split_stride*j further on */
     Py_ssize_t nsplit, split_stride;
     char **dsts;
+    Py_ssize_t replicas;
     /* gather_split() when the splits tile each block (see tiled_ok): log2 of a piece's and of
      * a row's bytes, else 0 */
     int piece_shift, row_shift;
@@ -60,14 +63,14 @@ struct walk {
     }
 
 /* The same walk over several destinations at once (gather_split): every block is read for each
- * split in turn while it is still in the core's cache, so memory is read once; each split's
- * pieces of a block land one after another in its destination (measured faster than
- * alternating destinations piece by piece). */
+ * destination in turn while it is still in the core's cache, so memory is read once; each
+ * destination's pieces of a block land one after another in it (measured faster than
+ * alternating destinations piece by piece). Destination j reads slice j / replicas. */
 #define KVF_WALK_SPLIT(w, src, copy)                                                               \
     for (Py_ssize_t i = 0; i < (w)->n; i++) {                                                      \
         const char *block = (src) + ((w)->index ? (w)->index[i] : i) * (w)->block_stride;          \
-        for (Py_ssize_t j = 0; j < (w)->nsplit; j++) {                                             \
-            const char *slice = block + j * (w)->split_stride;                                     \
+        for (Py_ssize_t j = 0; j < (w)->nsplit * (w)->replicas; j++) {                             \
+            const char *slice = block + (j / (w)->replicas) * (w)->split_stride;                   \
             char *out = (w)->dsts[j];                                                              \
             for (Py_ssize_t a = 0; a < (w)->d0; a++)                                               \
                 for (Py_ssize_t b = 0; b < (w)->d1; b++)                                           \
@@ -132,23 +135,29 @@ static inline size_t align_head(char *dst, const char *src, size_t n, size_t ali
     /* One block whose rows are the splits' pieces side by side (tiled_ok): read in the order    \
      * of a whole-block copy (4 or 2 pages at a time, 128 bytes from each in turn: the several   \
      * memory streams that make whole blocks fast), each 128-byte step stored to the split and   \
-     * row it belongs to. Measured as fast as a whole-block copy; piece by piece was 15-25 %     \
-     * slower. */                                                                              \
+     * row it belongs to, in each of its `reps` copies (the step is still in L1 for the next).   \
+     * Measured as fast as a whole-block copy; piece by piece was 15-25 % slower. */             \
     __attribute__((target(isa))) static inline void name##_tiled(char **dsts, const char *src,    \
                                                                  size_t span, int pshift,         \
-                                                                 int rshift, size_t nsplit) {     \
+                                                                 int rshift, size_t nsplit,       \
+                                                                 size_t reps) {                   \
         size_t pmask = ((size_t)1 << pshift) - 1, x = 0;                                           \
         for (size_t pages = 4; pages >= 2; pages /= 2)                                             \
             for (; span - x >= pages * KVF_PAGE; x += pages * KVF_PAGE)                            \
                 for (size_t at = 0; at < KVF_PAGE; at += 128)                                      \
                     for (size_t page = 0; page < pages * KVF_PAGE; page += KVF_PAGE) {             \
                         size_t y = x + page + at;                                                  \
-                        copy128(dsts[(y >> pshift) & (nsplit - 1)] + ((y >> rshift) << pshift)    \
-                                    + (y & pmask), src + y);                                       \
+                        size_t off = ((y >> rshift) << pshift) + (y & pmask);                      \
+                        char **to = dsts + ((y >> pshift) & (nsplit - 1)) * reps;                  \
+                        for (size_t r = 0; r < reps; r++)                                          \
+                            copy128(to[r] + off, src + y);                                         \
                     }                                                                              \
-        for (; x < span; x += 128)                                                                 \
-            copy128(dsts[(x >> pshift) & (nsplit - 1)] + ((x >> rshift) << pshift) + (x & pmask), \
-                    src + x);                                                                      \
+        for (; x < span; x += 128) {                                                               \
+            size_t off = ((x >> rshift) << pshift) + (x & pmask);                                  \
+            char **to = dsts + ((x >> pshift) & (nsplit - 1)) * reps;                              \
+            for (size_t r = 0; r < reps; r++)                                                      \
+                copy128(to[r] + off, src + x);                                                     \
+        }                                                                                          \
     }                                                                                              \
     __attribute__((target(isa))) static void name(char *dst, const char *src,                     \
                                                   const struct walk *w) {                         \
@@ -156,8 +165,8 @@ static inline size_t align_head(char *dst, const char *src, size_t n, size_t ali
             size_t span = (size_t)w->d2 * (size_t)w->s2, part = (size_t)w->d2 * w->piece;          \
             for (Py_ssize_t i = 0; i < w->n; i++) {                                                \
                 name##_tiled(w->dsts, src + (w->index ? w->index[i] : i) * w->block_stride, span, \
-                             w->piece_shift, w->row_shift, (size_t)w->nsplit);                    \
-                for (Py_ssize_t j = 0; j < w->nsplit; j++)                                         \
+                             w->piece_shift, w->row_shift, (size_t)w->nsplit, (size_t)w->replicas);\
+                for (Py_ssize_t j = 0; j < w->nsplit * w->replicas; j++)                           \
                     w->dsts[j] += part;                                                            \
             }                                                                                      \
         } else if (w->nsplit) {                                                                    \
@@ -282,7 +291,7 @@ static PyObject *gather(PyObject *self, PyObject *args) {
     const int64_t *ids = (const int64_t *)(uintptr_t)index;
     if (!check_walk("gather", ids, n, nblocks, d0, d1, d2, piece))
         return NULL;
-    struct walk w = {ids, n, block_stride, d0, s0, d1, s1, d2, s2, (size_t)piece, 0, 0, NULL, 0, 0};
+    struct walk w = {ids, n, block_stride, d0, s0, d1, s1, d2, s2, (size_t)piece, 0, 0, NULL, 1, 0, 0};
     gather_fn run = stream && piece >= STREAM_MIN_PIECE ? stream_gather : gather_plain;
     Py_BEGIN_ALLOW_THREADS
     run((char *)(uintptr_t)dst, (const char *)(uintptr_t)src, &w);
@@ -312,7 +321,7 @@ static void tiled_ok(struct walk *w) {
     if (w->d0 != 1 || w->d1 != 1 || pshift < 7 || nshift < 1 || w->split_stride != (Py_ssize_t)w->piece
         || w->s2 != w->nsplit * (Py_ssize_t)w->piece)
         return;
-    for (Py_ssize_t j = 0; j < w->nsplit; j++)
+    for (Py_ssize_t j = 0; j < w->nsplit * w->replicas; j++)
         if ((uintptr_t)w->dsts[j] & 63)
             return;
     w->piece_shift = pshift;
@@ -320,28 +329,36 @@ static void tiled_ok(struct walk *w) {
 }
 PyDoc_STRVAR(gather_split_doc,
 "gather_split(dsts, split_stride, src, index, n, nblocks, block_stride, d0, s0, d1, s1, d2, s2,\n"
-"             piece, stream)\n"
+"             piece, stream, replicas=1)\n"
 "\n"
 "gather() into len(dsts) destinations in one pass over the source: destination j (an address)\n"
-"gets what gather() would write reading from src + j*split_stride (e.g. head slice j of every\n"
-"block). At most 64 destinations. Errors as gather().");
+"gets what gather() would write reading from src + (j // replicas)*split_stride (e.g. head\n"
+"slice j of every block; with replicas r, each slice into r destinations, written from one\n"
+"read). len(dsts) a multiple of replicas, at most 64 destinations. Errors as gather().");
 static PyObject *gather_split(PyObject *self, PyObject *args) {
     PyObject *targets;
     unsigned long long src, index;
     Py_ssize_t split_stride, n, nblocks, block_stride, d0, s0, d1, s1, d2, s2, piece;
     int stream;
-    if (!PyArg_ParseTuple(args, "O!nKKnnnnnnnnnnp:gather_split", &PyTuple_Type, &targets,
+    Py_ssize_t replicas = 1;
+    if (!PyArg_ParseTuple(args, "O!nKKnnnnnnnnnnp|n:gather_split", &PyTuple_Type, &targets,
                           &split_stride, &src, &index, &n, &nblocks, &block_stride, &d0, &s0, &d1,
-                          &s1, &d2, &s2, &piece, &stream))
+                          &s1, &d2, &s2, &piece, &stream, &replicas))
         return NULL;
-    Py_ssize_t nsplit = PyTuple_GET_SIZE(targets);
-    if (nsplit < 1 || nsplit > KVF_MAX_SPLIT) {
+    Py_ssize_t ndst = PyTuple_GET_SIZE(targets);
+    if (ndst < 1 || ndst > KVF_MAX_SPLIT) {
         PyErr_Format(PyExc_ValueError, "gather_split: need 1 to %d destinations, got %zd",
-                     KVF_MAX_SPLIT, nsplit);
+                     KVF_MAX_SPLIT, ndst);
         return NULL;
     }
+    if (replicas < 1 || ndst % replicas) {
+        PyErr_Format(PyExc_ValueError, "gather_split: %zd destinations are not a multiple of %zd replicas",
+                     ndst, replicas);
+        return NULL;
+    }
+    Py_ssize_t nsplit = ndst / replicas;
     char *dsts[KVF_MAX_SPLIT];
-    for (Py_ssize_t j = 0; j < nsplit; j++) {
+    for (Py_ssize_t j = 0; j < ndst; j++) {
         unsigned long long address = PyLong_AsUnsignedLongLong(PyTuple_GET_ITEM(targets, j));
         if (PyErr_Occurred())
             return NULL;
@@ -351,7 +368,7 @@ static PyObject *gather_split(PyObject *self, PyObject *args) {
     if (!check_walk("gather_split", ids, n, nblocks, d0, d1, d2, piece))
         return NULL;
     struct walk w = {ids, n, block_stride, d0, s0, d1, s1, d2, s2, (size_t)piece,
-                     nsplit, split_stride, dsts, 0, 0};
+                     nsplit, split_stride, dsts, replicas, 0, 0};
     tiled_ok(&w);
     gather_fn run = stream && piece >= STREAM_MIN_PIECE ? stream_gather : gather_plain;
     Py_BEGIN_ALLOW_THREADS

@@ -38,6 +38,7 @@ from kvferry.adapters.kv_layouts import kv_pair, split_named, split_unnamed
 from kvferry.adapters.paged_gather import (
     CROSS_DEVICE_MAX_RUNS,
     DEVICE_MAX_RUNS,
+    MAX_SPLIT,
     STRIDED_MAX_RUNS,
     GatherMethod,
     TensorGather,
@@ -315,47 +316,56 @@ class ExtractionPlan:
         return [fresh(g) for g in self.keys], [fresh(g) for g in self.values]
 
 
-def gather_slices(plans: Sequence[ExtractionPlan], dests: Sequence[Sequence[Sequence[torch.Tensor | None]]]) -> None:
+def gather_slices(
+    plans: Sequence[ExtractionPlan], dests: Sequence[Sequence[Sequence[torch.Tensor | None]]], copies: int = 1
+) -> None:
     """:meth:`ExtractionPlan.gather_all` of every plan into its ``(key_views, value_views)``,
     where the plans are slices of one request (e.g. the head slices of several receivers): a
     tensor whose slices are equal, consecutive views of the cache (``split_stride``) is read
     once for all of them by the native split gather; any other is gathered slice by slice.
-    Every view is checked before the first byte moves."""
-    if len(plans) != len(dests):
-        raise ConfigError(f"{len(plans)} plans, {len(dests)} destinations")
+    With ``copies`` > 1, ``dests`` holds that many destinations per plan, plan-major
+    (``dests[j * copies + r]``: copy ``r`` of plan ``j``, e.g. every receiver of a replicated
+    head): the native gather writes every copy from its one read of the slice; otherwise each
+    copy is gathered again. Every view is checked before the first byte moves."""
+    if copies < 1 or len(plans) * copies != len(dests):
+        raise ConfigError(f"{len(plans)} plans of {copies} copies each, {len(dests)} destinations")
     jobs: list[tuple[list[TensorGather], list[torch.Tensor], list[str]]] = []
     num_layers = plans[0].num_layers
-    for plan, views in zip(plans, dests):
-        if plan.num_layers != num_layers or len(views) != 2 or any(len(v) != num_layers for v in views):
+    for plan in plans:
+        if plan.num_layers != num_layers:
+            raise ConfigError("the plans must have the same layers")
+    for views in dests:
+        if len(views) != 2 or any(len(v) != num_layers for v in views):
             raise ConfigError(
                 "each destination must be (key_views, value_views), one view per layer of plans with the same layers"
             )
-    sides = [((p.keys, p.values), d) for p, d in zip(plans, dests)]
     for which in (0, 1):
         for layer in range(num_layers):
             gathers, outs, methods = [], [], []
-            for tensors, views in sides:
-                gather, view = tensors[which][layer], views[which][layer]
-                if (gather is None) != (view is None):
-                    raise ConfigError(
-                        f"{_WHICH[which]} layer {layer}: view must be None exactly when the layer is absent"
-                    )
-                if gather is not None and view is not None:
-                    gather.check_out(view)
+            for j, plan in enumerate(plans):
+                gather = (plan.keys, plan.values)[which][layer]
+                views = [dests[j * copies + r][which][layer] for r in range(copies)]
+                for view in views:
+                    if (gather is None) != (view is None):
+                        raise ConfigError(
+                            f"{_WHICH[which]} layer {layer}: view must be None exactly when the layer is absent"
+                        )
+                if gather is not None:
+                    for view in views:
+                        gather.check_out(view)
                     gathers.append(gather)
-                    outs.append(view)
-                    methods.append(gather.choose_method(view.device))
+                    outs.extend(views)
+                    methods.append(gather.choose_method(views[0].device))
             jobs.append((gathers, outs, methods))
     with torch.no_grad():
         for gathers, outs, methods in jobs:
-            stride = (
-                split_stride(gathers) if len(gathers) == len(plans) and all(m == "native" for m in methods) else None
-            )
+            native = len(gathers) == len(plans) and len(outs) <= MAX_SPLIT and all(m == "native" for m in methods)
+            stride = split_stride(gathers) if native and len(gathers) > 1 else (0 if native and copies > 1 else None)
             if stride is not None:
-                gather_split(gathers, outs, stride)
+                gather_split(gathers, outs, stride, copies)
                 continue
-            for gather, out, method in zip(gathers, outs, methods):
-                gather.write_unchecked(out, method)
+            for d, out in enumerate(outs):
+                gathers[d // copies].write_unchecked(out, methods[d // copies])
 
 
 @attrs.frozen(eq=False)

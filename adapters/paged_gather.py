@@ -423,12 +423,16 @@ def split_stride(gathers: Sequence[TensorGather]) -> int | None:
     return stride
 
 
-def gather_split(gathers: Sequence[TensorGather], outs: Sequence[torch.Tensor], stride: int) -> None:
-    """Write ``gathers[j]`` into ``outs[j]`` (each checked by :meth:`TensorGather.check_out`)
-    in one pass over the source: the native split gather for the whole blocks, then each
-    partial last block. ``stride``: :func:`split_stride` of ``gathers`` (not None)."""
+def gather_split(gathers: Sequence[TensorGather], outs: Sequence[torch.Tensor], stride: int, replicas: int = 1) -> None:
+    """Write ``gathers[j]`` into ``outs[j * replicas + r]`` for every ``r < replicas`` (each
+    checked by :meth:`TensorGather.check_out`) in one pass over the source: the native split
+    gather for the whole blocks (every copy of a slice written from one read), then each
+    partial last block. ``stride``: :func:`split_stride` of ``gathers`` (not None; any value
+    for one gather)."""
     first = gathers[0]
     layout = first._layout
+    if replicas < 1 or len(outs) != len(gathers) * replicas or len(outs) > MAX_SPLIT:
+        raise ConfigError(f"{len(outs)} destinations for {len(gathers)} slices of {replicas} copies each")
     for g in gathers:
         g._check_tail_id()
     if first.full_blocks:
@@ -443,6 +447,7 @@ def gather_split(gathers: Sequence[TensorGather], outs: Sequence[torch.Tensor], 
             layout.block_stride,
             *layout.full,
             first._stream,
+            replicas,
         )
-    for g, out in zip(gathers, outs):
-        g._write_native_tail(out)
+    for j, out in enumerate(outs):
+        gathers[j // replicas]._write_native_tail(out)

@@ -425,12 +425,24 @@ class SendPath:
                 )
             shared = list(same_as) if same_as is not None else [None] * len(items)
             gathered = [i for i, k in enumerate(shared) if k is None]
-            views = [dest_views(reservations[i].buffer, layouts[i]) for i in gathered]
-            dests = [(v[: items[i][0].num_layers], v[items[i][0].num_layers :]) for v, i in zip(views, gathered)]
-            if len(gathered) == 1:
-                items[gathered[0]][0].gather_all(dests[0])
+            holders = {i: [i] for i in gathered}  # item -> the items that carry its tensors
+            for i, k in enumerate(shared):
+                if k is not None:
+                    holders[k].append(i)
+            copies = len(holders[gathered[0]])
+            if copies > 1 and all(len(h) == copies for h in holders.values()):
+                # every slice to each of its receivers from one read of the cache (replicated
+                # heads, a latent for several receivers): no copy between regions afterwards
+                written = [i for k in gathered for i in holders[k]]
+                shared = [None] * len(items)
             else:
-                gather_slices([items[i][0] for i in gathered], dests)
+                written, copies = gathered, 1
+            views = [dest_views(reservations[i].buffer, layouts[i]) for i in written]
+            dests = [(v[: items[i][0].num_layers], v[items[i][0].num_layers :]) for v, i in zip(views, written)]
+            if len(written) == 1:
+                items[written[0]][0].gather_all(dests[0])
+            else:
+                gather_slices([items[i][0] for i in gathered], dests, copies)
             for i, k in enumerate(shared):
                 if k is not None:  # same tensors, same offsets from the data start: one copy
                     src, dst = layouts[k], layouts[i]

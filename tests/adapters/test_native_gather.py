@@ -386,3 +386,82 @@ def test_a_bench_sized_split_gather_reads_whole_pages_and_writes_the_same_bytes(
         part.gather_all(alone, method="native")
         assert all(same_bits(a, b) for a, b in zip(alone[0] + alone[1], got[0] + got[1]))
     assert (calls == [slices] * 4) if threads == 1 else calls == []
+
+
+# ------------------------------------------- copies: one read of a slice for several receivers
+@pytest.mark.parametrize("slices", [1, 2, 4])
+@pytest.mark.parametrize("copies", [2, 3])
+@pytest.mark.parametrize("dtype", DTYPES[:2], ids=lambda d: str(d).removeprefix("torch."))
+def test_gather_slices_writes_every_copy_what_its_slice_gathers_alone(kernel, split_calls, dtype, copies, slices):
+    """``gather_slices(..., copies)`` (a replicated head, or a latent, for several receivers):
+    each of a slice's copies == the slice's own gather, every layout, scattered/duplicated ids
+    and a partial last block; one thread takes one split call per tensor for every copy."""
+    from kvferry.adapters.paged_cache import gather_slices
+
+    calls, threads = split_calls
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    key = random_blocks(10, 256 // itemsize, dtype, seed=8)
+    value = random_blocks(10, 256 // itemsize, dtype, seed=9)
+    for layout in ("dim0", "dim1", "packed", "tuple"):
+        for ids, seq_len in IDS_CASES:
+            plan = plan_extraction(
+                [make_layer(layout, key, value)] * 2, ids, seq_len, BLOCK, cache_dtype=str(dtype), layout=NAMES[layout]
+            )
+            parts = _sliced(plan, slices)
+            together = [_dests(p) for p in parts for _ in range(copies)]
+            gather_slices(parts, together, copies)
+            for d, got in enumerate(together):
+                alone = _dests(parts[d // copies])
+                parts[d // copies].gather_all(alone)
+                for a, b in zip(alone[0] + alone[1], got[0] + got[1]):
+                    assert same_bits(a, b), (layout, ids, slices, d)
+    assert (set(calls) == {slices * copies}) if threads == 1 else calls == []
+
+
+@needs_native
+@pytest.mark.parametrize("copies", [1, 2, 4])
+def test_a_bench_sized_replicated_split_gather_writes_each_copy(split_calls, copies, monkeypatch):
+    """16 KiB blocks split in 2 (the tiled kernel), each slice into ``copies`` destinations
+    (64-byte aligned, as pool regions are): every copy is the slice's own gather, and a
+    destination past another's end is left alone."""
+    from kvferry.adapters.paged_cache import gather_slices
+
+    monkeypatch.setattr(paged_gather, "STREAM_MIN_BYTES", 0)
+    calls, threads = split_calls
+    cache = torch.randint(-(2**15), 2**15, (2, 300, 16, 4, 128), dtype=torch.int16).view(torch.bfloat16)
+    ids = torch.randperm(300, generator=torch.Generator().manual_seed(11))[:256].tolist()
+    plan = plan_extraction([cache], ids, 4090, 16, cache_dtype="bfloat16")
+    parts = _sliced(plan, 2)
+    size = parts[0].keys[0].nbytes
+    pool = torch.full((2 * copies * 2 * (size + 64),), 0x5A, dtype=torch.uint8)
+    views, at = [], 0
+    for _ in range(2 * copies):
+        pair = []
+        for g in (parts[0].keys[0], parts[0].values[0]):
+            pair.append(pool[at : at + size].view(torch.bfloat16).view(g.shape))
+            at += size + 64
+        views.append(([pair[0]], [pair[1]]))
+    gather_slices(parts, views, copies)
+    for d, got in enumerate(views):
+        alone = _dests(parts[d // copies])
+        parts[d // copies].gather_all(alone, method="index")
+        assert same_bits(alone[0][0], got[0][0]) and same_bits(alone[1][0], got[1][0]), d
+    gaps = torch.cat([pool[s + size : s + size + 64] for s in range(0, at, size + 64)])
+    assert bool((gaps == 0x5A).all())
+    if threads == 1 and copies * 2 > 1:
+        assert calls == [2 * copies] * 2
+
+
+@needs_native
+def test_split_gather_refuses_destinations_that_are_not_whole_copies():
+    native = paged_gather._native
+    with pytest.raises(ValueError, match="replicas"):
+        native.gather_split((0, 0, 0), 8, 0, 0, 0, 3, 0, 1, 0, 1, 0, 1, 0, 8, True, 2)
+    with pytest.raises(ValueError, match="replicas"):
+        native.gather_split((0, 0), 8, 0, 0, 0, 3, 0, 1, 0, 1, 0, 1, 0, 8, True, 0)
+    from kvferry.adapters.paged_cache import gather_slices
+
+    cache = random_blocks(10, 128, torch.bfloat16, seed=5)
+    plan = plan_extraction([make_layer("dim0", cache, cache)], [3, 1], 10, BLOCK, cache_dtype="bfloat16")
+    with pytest.raises(ConfigError, match="copies"):
+        gather_slices([plan], [_dests(plan)] * 3, 2)

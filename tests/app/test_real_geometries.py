@@ -16,12 +16,12 @@ BLOCK, BLOCKS, LAYERS, DIM = 4, 10, 2, 8
 REQUESTS = {"r-a": {"block_ids": [3, 1, 7], "seq_len": 10}, "r-b": {"block_ids": [0, 9], "seq_len": 8}}
 
 
-def _full_cache(heads: int, seed: int = 0) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+def _full_cache(heads: int, seed: int = 0, dim: int = DIM) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
     """The model's KV: per layer ``[blocks, block_size, heads, head_dim]`` (random bf16 bits)."""
     gen = torch.Generator().manual_seed(seed)
 
     def fresh() -> torch.Tensor:
-        return torch.randint(-30000, 30000, (BLOCKS, BLOCK, heads, DIM), generator=gen, dtype=torch.int16).view(
+        return torch.randint(-30000, 30000, (BLOCKS, BLOCK, heads, dim), generator=gen, dtype=torch.int16).view(
             torch.bfloat16
         )
 
@@ -66,7 +66,7 @@ def _expected(
     idx = torch.tensor(head_list)
 
     def pick(t: torch.Tensor) -> torch.Tensor:
-        return t[ids].reshape(-1, t.shape[2], DIM)[:seq][:, idx]
+        return t[ids].reshape(-1, t.shape[2], t.shape[3])[:seq][:, idx]
 
     return [pick(k) for k in full[0]], [pick(v) for v in full[1]]
 
@@ -144,6 +144,64 @@ def test_every_receiver_gets_exactly_its_heads_bit_exact(kit, memory_connector_f
             result.release()
     assert sorted(got_keys) == put_keys  # both sides' key sets agree, nothing read twice
     assert kit.pool_is_empty(conn)  # every payload put was consumed
+
+
+@pytest.mark.parametrize(("heads", "s", "t"), [(4, 2, 8), (2, 1, 4), (4, 1, 8), (8, 2, 16)])
+def test_replicated_heads_through_the_native_one_pass_gather(
+    kit, memory_connector_factory, fake_time, monkeypatch, heads, s, t
+) -> None:
+    """Heads of 128 on one torch thread: the sender's native gather writes each replicated
+    head's copies (one per receiver that holds it) from one read of the cache. Every receiver
+    still gets exactly its heads, bit for bit; the control: another head differs."""
+    from kvferry.adapters import paged_gather
+
+    if not paged_gather.NATIVE_GATHER:
+        pytest.skip("the native gather (kvferry.adapters._gather) is not built")
+    calls: list[int] = []
+    native = paged_gather._native
+
+    class Counting:
+        def __getattr__(self, name: str) -> Any:
+            return getattr(native, name)
+
+        def gather_split(self, *args: Any) -> Any:
+            calls.append(len(args[0]))
+            return native.gather_split(*args)
+
+    monkeypatch.setattr(paged_gather, "_native", Counting())
+    monkeypatch.setattr(paged_gather, "STREAM_MIN_BYTES", 0)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        full = _full_cache(heads, seed=9, dim=128)
+        conn = memory_connector_factory(pool_bytes=64 << 20)
+        assert all(o.ok for o in _send(conn, full, s, t, heads, "flash", fake_time))
+    finally:
+        torch.set_num_threads(threads)
+    # every whole-block tensor of a sender rank: one split call writing all its receivers
+    assert calls and set(calls) == {t // s}, calls
+    for rank in range(t):
+        m = KVTransferManager(
+            _config("receiver", s, t, heads, "flash"),
+            tp_rank=rank,
+            tp_size=t,
+            connector=conn,
+            clock=fake_time,
+            sleep=fake_time.sleep,
+        )
+        for rid, spec in REQUESTS.items():
+            result = m.receive(rid)
+            assert result.ok, result.outcome
+            mine = _engine_heads(t, heads, rank)
+            keys, values = _expected(full, mine, spec)
+            blocks = result.payload["layer_blocks"]
+            for layer in range(LAYERS):
+                assert torch.equal(_bits(blocks["key_cache"][layer]), _bits(keys[layer])), (rank, layer)
+                assert torch.equal(_bits(blocks["value_cache"][layer]), _bits(values[layer])), (rank, layer)
+            other = [(mine[0] + 1) % heads]
+            assert not torch.equal(_bits(blocks["key_cache"][0]), _bits(_expected(full, other, spec)[0][0]))
+            result.release()
+    assert kit.pool_is_empty(conn)
 
 
 @pytest.mark.parametrize("layout", ["flashinfer_hnd", "packed", "vllm_cpu:avx2"])
