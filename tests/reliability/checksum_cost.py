@@ -11,6 +11,14 @@ and crc32c-first alternate round by round (in an order drawn anew each round), s
 taken together; the checksum's cost is its load minus the plain load
 of the same round, and the share is that over the plain load (median over rounds).
 
+``--sets N``: each variant's payloads and the decode caches in N copies, a load taking the
+next copy in turn. With 1 (the worst case) every load reads a payload and writes pages that
+the previous rounds left in the last-level cache, so the copy runs at cache speed and the
+checksum's share is largest; with enough copies to exceed the last-level cache (the default,
+16: 64 MiB of payloads per variant) each load reads memory it has not touched lately, as a
+decode does (its payload was written by another process, its pages are a new request's
+blocks).
+
 ``--encode``: the older figure, a 235 MB request (28 layers, 4 KV heads of 128, bfloat16, 4096
 tokens) encoded into one buffer, then each algorithm alone and the receiver's verification.
 
@@ -51,17 +59,18 @@ def _timed(fn: Callable[[], object]) -> float:
     return time.perf_counter() - started
 
 
-def vllm_load(rounds: int) -> dict[str, object]:
+def vllm_load(rounds: int, sets: int = 1) -> dict[str, object]:
     layers, blocks, heads, block_size, head_size = 8, 64, 2, 16, 64
     torch.manual_seed(0)
     shape = (blocks * 2, heads, block_size, 2 * head_size)
     prefill = [torch.randn(shape).to(torch.bfloat16) for _ in range(layers)]
-    decode = [torch.zeros(shape, dtype=torch.bfloat16) for _ in range(layers)]
-    decode_bytes = [writable_bytes(t) for t in decode]  # as the connector's loader takes them once
+    decodes = [[torch.zeros(shape, dtype=torch.bfloat16) for _ in range(layers)] for _ in range(sets)]
+    # as the connector's loader takes them once
+    decodes_bytes = [[writable_bytes(t) for t in decode] for decode in decodes]
     geometry = PageGeometry.of(prefill)
     index = torch.arange(blocks, dtype=torch.int64)
     runs = block_runs(index.tolist())
-    payloads: dict[str | None, list[torch.Tensor]] = {}  # by variant
+    payloads: dict[str | None, list[list[torch.Tensor]]] = {}  # by variant: sets of layer buffers
     save_s: dict[str | None, list[float]] = {a: [] for a in ALGORITHMS}
     for algorithm in ALGORITHMS:
         writer = PageWriter(geometry, checksums=algorithm)
@@ -70,21 +79,25 @@ def vllm_load(rounds: int) -> dict[str, object]:
         for i, buf in enumerate(bufs):
             lay = writer.layout("t", index.tolist(), heads, {"layout": "vllm_cpu_pages_hnd", "layer": i})
             writer.gather(prefill[i], index, 0, heads, buf, lay)
-        payloads[algorithm] = bufs
+        payloads[algorithm] = [bufs] + [[b.clone() for b in bufs] for _ in range(sets - 1)]
     # buffers of its own: a load that reads another variant's buffers would find them in cache
-    payloads["crc32c-first"] = [b.clone() for b in payloads["crc32c"]]
+    payloads["crc32c-first"] = [[b.clone() for b in bufs] for bufs in payloads["crc32c"]]
+    turn = {v: 0 for v in VARIANTS}  # the next copy each variant loads
 
     def save(algorithm: str | None) -> None:
         writer = PageWriter(geometry, checksums=algorithm)
-        for i, buf in enumerate(payloads[algorithm]):
+        for i, buf in enumerate(payloads[algorithm][0]):
             lay = writer.layout("t", index.tolist(), heads, {"layout": "vllm_cpu_pages_hnd", "layer": i})
             writer.gather(prefill[i], index, 0, heads, buf, lay)
 
     def load(variant: str | None) -> None:
-        for i, buf in enumerate(payloads[variant]):
+        k = turn[variant] = (turn[variant] + 1) % sets
+        # the decode caches in turn too, offset per variant so no two variants share a copy in a round
+        d = (k + VARIANTS.index(variant)) % sets
+        for i, buf in enumerate(payloads[variant][k]):
             decoded = decode_payload(buf, defer_verify=variant is not None and not variant.endswith("-first"))
             check_payload(decoded, geometry, i, heads, blocks)
-            write_pages(decode[i], geometry, decoded, index, 0, 0, heads, runs, decode_bytes[i])
+            write_pages(decodes[d][i], geometry, decoded, index, 0, 0, heads, runs, decodes_bytes[d][i])
 
     load_s: dict[str | None, list[float]] = {a: [] for a in VARIANTS}
     alone_s: dict[str | None, list[float]] = {a: [] for a in VARIANTS}
@@ -110,11 +123,13 @@ def vllm_load(rounds: int) -> dict[str, object]:
             if variant in save_s:
                 save_s[variant].append(_timed(lambda: save(variant)))
             alone_s[variant].append(_timed(lambda: alone(variant)))
-    assert torch.equal(decode[3][:blocks], prefill[3][:blocks])  # the load moved the pages
-    nbytes = sum(b.numel() for b in payloads[None])
+    for copy in decodes:  # every copy was loaded into: the loads moved the pages
+        assert torch.equal(copy[3][:blocks], prefill[3][:blocks])
+    nbytes = sum(b.numel() for b in payloads[None][0])
     out: dict[str, object] = {
         "load_mib": round(nbytes / 2**20, 2),
         "rounds": rounds,
+        "sets": sets,
         "torch_threads": torch.get_num_threads(),
         "engines": {a: checksum_engine(a) for a in ALGORITHMS if a},
         "load_ms_none": round(statistics.median(load_s[None]) * 1e3, 3),
@@ -174,10 +189,13 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--encode", action="store_true", help="the 235 MB encode figure instead")
     parser.add_argument("--rounds", type=int, default=60)
+    parser.add_argument(
+        "--sets", type=int, default=16, help="copies of every payload and decode cache taken in turn (1: cache-hot)"
+    )
     parser.add_argument("--threads", type=int, default=1, help="torch threads (a decode rank's copies)")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
-    print(json.dumps(encode_cost(max(3, args.rounds // 20)) if args.encode else vllm_load(args.rounds)))
+    print(json.dumps(encode_cost(max(3, args.rounds // 20)) if args.encode else vllm_load(args.rounds, args.sets)))
 
 
 if __name__ == "__main__":
