@@ -334,8 +334,8 @@ def gather_slices(
     for plan in plans:
         if plan.num_layers != num_layers:
             raise ConfigError("the plans must have the same layers")
-    for views in dests:
-        if len(views) != 2 or any(len(v) != num_layers for v in views):
+    for dest in dests:
+        if len(dest) != 2 or any(len(v) != num_layers for v in dest):
             raise ConfigError(
                 "each destination must be (key_views, value_views), one view per layer of plans with the same layers"
             )
@@ -344,18 +344,18 @@ def gather_slices(
             gathers, outs, methods = [], [], []
             for j, plan in enumerate(plans):
                 gather = (plan.keys, plan.values)[which][layer]
-                views = [dests[j * copies + r][which][layer] for r in range(copies)]
-                for view in views:
-                    if (gather is None) != (view is None):
-                        raise ConfigError(
-                            f"{_WHICH[which]} layer {layer}: view must be None exactly when the layer is absent"
-                        )
+                copies_of = [dests[j * copies + r][which][layer] for r in range(copies)]
+                present = [view for view in copies_of if view is not None]
+                if (gather is None) != (not present) or len(present) not in (0, copies):
+                    raise ConfigError(
+                        f"{_WHICH[which]} layer {layer}: view must be None exactly when the layer is absent"
+                    )
                 if gather is not None:
-                    for view in views:
+                    for view in present:
                         gather.check_out(view)
                     gathers.append(gather)
-                    outs.extend(views)
-                    methods.append(gather.choose_method(views[0].device))
+                    outs.extend(present)
+                    methods.append(gather.choose_method(present[0].device))
             jobs.append((gathers, outs, methods))
     with torch.no_grad():
         for gathers, outs, methods in jobs:

@@ -5,6 +5,9 @@ same id, watching the socket's monitor at the same time: a refused connection or
 (the sender process died) ends the wait at once with ``sender_unavailable`` instead of waiting
 out the deadline. ZMQ heartbeats detect a silent host within :data:`HEARTBEAT_TIMEOUT_MS`.
 After any failure the channel is closed and the caller opens a new one (no stale replies).
+:meth:`PeerChannel.lookup_many` and :meth:`PeerChannel.done_many` send several messages at once
+and then wait for all their answers (matched by id, in any order): the sender answers each as
+it answers one alone, so a batch costs one round trip on the wire instead of one per key.
 
 Events from before a request are applied first, in order, and only the connection's state
 after all of them counts: a drop that ZMQ already repaired by reconnecting (a wire cut while
@@ -23,6 +26,7 @@ from __future__ import annotations
 import itertools
 import threading
 import time
+from collections.abc import Sequence
 from typing import Any
 
 import attrs
@@ -96,43 +100,80 @@ class PeerChannel:
             request = wire.Done(next(_ids), key, claim, ok)
             return self._ask(request, time.monotonic() + grace_s, wire.Ack)
 
+    def lookup_many(self, keys: Sequence[str], room: int, grace_s: float) -> list[wire.LookupReply | Failure]:
+        """Ask for every key of ``keys`` at once, none waiting on the sender (``wait_s`` 0);
+        per key its reply, or a Failure when the batch got none for it within ``grace_s``."""
+        with self._lock:
+            if self.closed:
+                return [Failure("sender_unavailable", "channel closed")] * len(keys)
+            requests = [wire.Lookup(next(_ids), key, room, 0.0) for key in keys]
+            return self._ask_many(requests, time.monotonic() + grace_s, wire.LookupReply)
+
+    def done_many(self, ends: Sequence[tuple[str, int, bool]], grace_s: float) -> list[wire.Ack | Failure]:
+        """:meth:`done` of every ``(key, claim, ok)`` at once; per claim its Ack or a Failure."""
+        with self._lock:
+            if self.closed:
+                return [Failure("sender_unavailable", "channel closed")] * len(ends)
+            requests = [wire.Done(next(_ids), key, claim, ok) for key, claim, ok in ends]
+            return self._ask_many(requests, time.monotonic() + grace_s, wire.Ack)
+
     def _ask(self, request: wire.Lookup | wire.Done, deadline: float, kind: type) -> Any:
         """Send ``request`` and wait for its answer of type ``kind``; the context being
         terminated (connector closing) ends the wait with ``closed``."""
+        return self._ask_many([request], deadline, kind)[0]
+
+    def _ask_many(self, requests: Sequence[wire.Lookup | wire.Done], deadline: float, kind: type) -> list[Any]:
+        """Send every request, then wait until each has its answer of type ``kind`` or the
+        wait ends (a Failure for each still unanswered)."""
+        if not requests:
+            return []
         try:
-            down = self._check_monitor(history=True)  # before this request: a repaired drop is history
+            down = self._check_monitor(history=True)  # before these requests: a repaired drop is history
             if down is not None:
-                return down  # the connection is down now: nothing was sent, nothing claimed
-            self._sock.send(wire.encode(request), zmq.NOBLOCK)
-            return self._await(request.id, deadline, kind)
+                return [down] * len(requests)  # the connection is down now: nothing was sent, nothing claimed
+            for request in requests:
+                self._sock.send(wire.encode(request), zmq.NOBLOCK)
+            return self._await(requests, deadline, kind)
         except zmq.ZMQError as exc:
             if exc.errno == zmq.ETERM:
-                return Failure("closed", "connector closing")
-            return Failure("sender_unavailable", f"control socket error: {exc}")
+                return [Failure("closed", "connector closing")] * len(requests)
+            return [Failure("sender_unavailable", f"control socket error: {exc}")] * len(requests)
 
-    def _await(self, request_id: int, deadline: float, kind: type) -> Any:
+    def _await(self, requests: Sequence[wire.Lookup | wire.Done], deadline: float, kind: type) -> list[Any]:
+        answers: dict[int, Any] = {}
+        pending = {request.id for request in requests}
+
+        def result(failure: Failure | None = None) -> list[Any]:
+            return [answers.get(request.id, failure) for request in requests]
+
         poller = zmq.Poller()
         poller.register(self._sock, zmq.POLLIN)
         poller.register(self._monitor, zmq.POLLIN)
-        while True:
+        while pending:
             left = deadline - time.monotonic()
             if left <= 0:
-                return Failure("timeout", f"no reply from {self.host}:{self.port} in time")
+                return result(Failure("timeout", f"no reply from {self.host}:{self.port} in time"))
             events = dict(poller.poll(max(1, int(left * 1000))))
-            if self._sock in events:  # first: a reply that came is ours, whatever the monitor says
-                raw = self._sock.recv(zmq.NOBLOCK)
-                reply = wire.decode(raw)
-                if isinstance(reply, Rejection):
-                    return Failure("bad_reply", reply.detail)
-                if reply.id == request_id:
-                    if not isinstance(reply, kind):
-                        return Failure("bad_reply", f"unexpected {type(reply).__name__}")
-                    return reply
-                # else a reply to an earlier, abandoned request: ignore it
-            if self._monitor in events:
+            if self._sock in events:  # first: replies that came are ours, whatever the monitor says
+                while pending:
+                    try:
+                        raw = self._sock.recv(zmq.NOBLOCK)
+                    except zmq.Again:
+                        break
+                    reply = wire.decode(raw)
+                    if isinstance(reply, Rejection):
+                        return result(Failure("bad_reply", reply.detail))
+                    if reply.id in pending:
+                        if not isinstance(reply, kind):
+                            return result(Failure("bad_reply", f"unexpected {type(reply).__name__}"))
+                        answers[reply.id] = reply
+                        pending.discard(reply.id)
+                    # else a reply to an earlier, abandoned request: ignore it
+            if pending and self._monitor in events:
                 failure = self._check_monitor()
                 if failure is not None:
-                    return failure
+                    return result(failure)
+        return result()
 
     def _check_monitor(self, history: bool = False) -> Failure | None:
         """Apply the queued monitor events in order. ``history`` False (a request is out): a

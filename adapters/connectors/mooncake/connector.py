@@ -15,7 +15,9 @@ and :meth:`MooncakeConnector.last_failure` says why (``sender_unavailable``, ``t
 ``expired``, ``no_room``, ``size_mismatch``, ``transfer_failed``, ``failed``, ...).
 ``get_blocking`` raises at once where waiting cannot help: LeaseExpired when the sender dropped
 the key unread, FailedAtSender when the sender recorded that the key will never come
-(:meth:`MooncakeConnector.publish_failure`, a failure record: no pool space, never data). A
+(:meth:`MooncakeConnector.publish_failure`, a failure record: no pool space, never data).
+``get_many`` (the GetMany ability) takes several keys of one sender in one exchange: the
+lookups together, one engine request reading every claimed payload, the claim ends together. A
 missing package or system library makes construction raise ConnectorUnavailable with what to
 install.
 """
@@ -32,7 +34,7 @@ import attrs
 
 from kvferry.adapters.connectors.mooncake.config import MooncakeConfig
 from kvferry.adapters.connectors.mooncake.engine import EnginePool
-from kvferry.adapters.connectors.mooncake.receive import AllocatorSpace, ReceiveSide, resolve_endpoint
+from kvferry.adapters.connectors.mooncake.receive import AllocatorSpace, Endpoint, ReceiveSide, resolve_endpoint
 from kvferry.core.errors import ConfigError, LeaseExpired, PoolFullError
 from kvferry.core.pool import PoolLedger, Region, RegionAllocator, request_id_of_key
 from kvferry.core.tombstones import FAILED_REASON, SenderFailure, failed_error
@@ -342,6 +344,33 @@ class MooncakeConnector:
         Returns None sooner when the sender is found dead (see :meth:`last_failure`); raises
         LeaseExpired or FailedAtSender at once when the sender says so (see the module doc)."""
         return self._get(get_key, metadata, max(0.0, float(timeout_s)))
+
+    def get_many(
+        self, from_stage: Any, to_stage: Any, keys: list[str], metadata: Mapping[str, Any] | None = None
+    ) -> list[tuple[Any, int] | None]:
+        """Per key, in order, what :meth:`get` returns, from one sender in one exchange (the
+        GetMany ability: the lookups together, one engine read of every claimed payload, the
+        claim ends together). Never waits for a key; a key missing here may still come by
+        :meth:`get_blocking`. ``metadata`` names the sender as for :meth:`get` (a ``size`` in it
+        is not checked: it would be one key's)."""
+        keys = [str(k) for k in keys]
+        self._count("get_many")
+        where = None if self._closed else resolve_endpoint(metadata, self._default_sender)
+        if where is None:
+            for k in keys:
+                self._miss(k, "closed" if self._closed else "no_sender")
+            return [None] * len(keys)
+        outcomes = self._receive.fetch_many(keys, Endpoint(where.host, where.port))
+        out: list[tuple[Any, int] | None] = []
+        for key, outcome in zip(keys, outcomes):
+            if isinstance(outcome, (SenderFailure, str)):
+                self._miss(key, outcome if isinstance(outcome, str) else FAILED_REASON)
+                out.append(None)
+            else:
+                self._failures.pop(key, None)
+                self._count("hits")
+                out.append(outcome)
+        return out
 
     def last_failure(self, get_key: str) -> str | None:
         """Why the last get of ``get_key`` returned None (None after a success or never)."""

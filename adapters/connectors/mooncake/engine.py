@@ -135,6 +135,17 @@ class TensorPool:
     def pool_bytes(self) -> int:
         return int(self.tensor.numel())
 
+    def read(self, peer: str, local_offset: int, remote_addr: int, length: int) -> bool:
+        """Read ``length`` bytes at ``remote_addr`` of ``peer`` into the pool at ``local_offset``;
+        False on any remote fault (each pool says how)."""
+        raise NotImplementedError
+
+    def read_spans(self, peer: str, spans: Sequence[tuple[int, int, int]]) -> bool:
+        """Every ``(local_offset, remote_addr, length)`` span of ``peer``, all or nothing (False
+        at the first that fails). Span by span here; a pool whose engine takes a list of spans
+        in one request overrides it."""
+        return all(self.read(peer, off, addr, n) for off, addr, n in spans)
+
 
 @attrs.define(eq=False)
 class EnginePool(TensorPool):

@@ -11,13 +11,15 @@ never come; nothing here raises for a remote fault.
 
 from __future__ import annotations
 
+import functools
 import logging
 import threading
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Protocol
 
 import attrs
 
+from kvferry.adapters.connectors.mooncake import wire
 from kvferry.adapters.connectors.mooncake.client import Failure, PeerChannel
 from kvferry.adapters.connectors.mooncake.engine import EnginePool
 from kvferry.core.addressing import resolve_get_source
@@ -178,6 +180,82 @@ class ReceiveSide:
             return failure
         view = self.pool.tensor[region.offset : region.offset + size]
         return self.make_buffer(view, lambda: self.space.give(region)), size
+
+    def fetch_many(self, keys: Sequence[str], where: Endpoint) -> list[tuple[Any, int] | str | SenderFailure]:
+        """:meth:`fetch` of every key without waiting, as one exchange: the lookups go out
+        together, the claimed payloads are read in one request of the engine
+        (:meth:`~.engine.TensorPool.read_spans`), the claims end together. Per key, in order,
+        what :meth:`fetch` returns for it (a key whose read failed, or that found no room here,
+        gives its reader slot back to the sender: a later get can take it)."""
+        if not keys:
+            return []
+        peer = self._checkout(where.host, where.port)
+        if peer is None:
+            return ["closed"] * len(keys)
+        try:
+            return self._fetch_many(peer, keys, where)
+        finally:
+            self._checkin(peer)
+
+    def _fetch_many(
+        self, peer: PeerChannel, keys: Sequence[str], where: Endpoint
+    ) -> list[tuple[Any, int] | str | SenderFailure]:
+        replies = peer.lookup_many(keys, self.space.room(), self.control_timeout_s)
+        got_at = self.clock()
+        out: list[tuple[Any, int] | str | SenderFailure] = ["not_found"] * len(keys)
+        ends: list[tuple[str, int, bool]] = []
+        claimed: list[tuple[int, wire.LookupReply, Region]] = []
+        broken = False
+        for i, (key, reply) in enumerate(zip(keys, replies)):
+            if isinstance(reply, Failure):
+                out[i], broken = reply.reason, True
+                continue
+            if not reply.found:
+                out[i] = reply.reason if reply.failure is None else reply.failure
+                continue
+            region = self.space.take(reply.size)
+            if region is None:
+                out[i] = "no_room"
+                ends.append((key, reply.claim, False))
+                continue
+            claimed.append((i, reply, region))
+        if broken:
+            logger.warning("mooncake get_many from %s:%d: %s", where.host, where.port, next(iter(set(out))))
+        ok = True
+        if claimed:
+            by_peer: dict[str, list[tuple[int, int, int]]] = {}
+            for _, reply, region in claimed:
+                by_peer.setdefault(f"{where.host}:{reply.rpc_port}", []).append((region.offset, reply.addr, reply.size))
+            ok = all(self.pool.read_spans(name, spans) for name, spans in by_peer.items())
+        failure = "" if ok else "transfer_failed"
+        if ok and claimed and self.clock() - got_at > min(r.pin_s - pin_margin_s(r.pin_s) for _, r, _ in claimed):
+            failure = "expired"  # the sender may have revoked a claim and reused its region meanwhile
+        ends += [(keys[i], reply.claim, not failure) for i, reply, _ in claimed]
+        if ends and not broken:
+            acks = peer.done_many(ends, self.control_timeout_s)
+            lost = [a for a in acks if isinstance(a, Failure)]
+            if lost:
+                logger.warning(
+                    "mooncake get_many from %s:%d: sender did not confirm %d claim ends: %s (%s)",
+                    where.host,
+                    where.port,
+                    len(lost),
+                    lost[0].reason,
+                    lost[0].detail,
+                )
+                broken = True
+        if broken:
+            self._drop_peer(peer)  # its queue may hold stale replies; unconfirmed claims end at their pin time
+        for i, reply, region in claimed:
+            if failure:
+                self.space.give(region)
+                out[i] = failure
+                continue
+            view = self.pool.tensor[region.offset : region.offset + reply.size]
+            out[i] = (self.make_buffer(view, functools.partial(self.space.give, region)), reply.size)
+        if failure:
+            logger.warning("mooncake get_many of %d payloads from %s: %s", len(claimed), where.host, failure)
+        return out
 
     def close(self) -> None:
         """Close every peer channel. Idempotent."""

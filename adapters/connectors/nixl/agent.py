@@ -279,6 +279,7 @@ class AgentPool(TensorPool):
     def _transfer(self, agent_name: str, spans: Sequence[tuple[int, int, int]]) -> bool:
         agent = self.agent
         handle = None
+        self._count("reads")  # one NIXL READ request, however many spans
         try:
             local = agent.get_xfer_descs([(self.base + off, n, 0) for off, _, n in spans], "DRAM")
             remote = agent.get_xfer_descs([(addr, n, 0) for _, addr, n in spans], "DRAM")

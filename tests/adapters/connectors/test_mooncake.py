@@ -551,3 +551,122 @@ def test_bench_raw_transfer_reports_throughput() -> None:
     result = bench_raw_transfer(1 << 20, reps=2)
     assert result["nbytes"] == 1 << 20 and len(result["seconds"]) == 2
     assert result["best_gbps"] >= result["median_gbps"] > 0
+
+
+# -- get_many: one exchange for several keys -----------------------------------------------------
+
+
+def test_get_many_reads_what_is_there_and_leaves_the_rest(make) -> None:
+    sender = make(role="sender", pool_bytes=1 << 20)
+    receiver = make(role="receiver", pool_bytes=1 << 20)
+    blobs = {f"layer_{i}": bytes([i]) * (1000 + 37 * i) for i in range(6)}
+    metas = [sender.put("0", "1", k, v)[2] for k, v in blobs.items()]
+    keys = ["layer_3", "absent", *blobs]
+    got = receiver.get_many("0", "1", keys, metas[0])
+    assert got[1] is None and receiver.last_failure("absent") == "not_found"
+    # the second layer_3 found it consumed (one reader): only the first was claimed
+    assert [k for k, g in zip(keys, got) if g is None] == ["absent", "layer_3"]
+    for key, one in zip([keys[0], *keys[2:]], [got[0], *got[2:]]):
+        if one is not None:
+            assert one[1] == len(blobs[key]) and bytes(one[0].tensor.numpy()) == blobs[key], key
+    assert sender.health()["used_bytes"] == 0 and sender.health()["delivered"] == len(blobs)
+    for one in got:
+        if one is not None:
+            one[0].release()
+    assert receiver.health()["room"] == 1 << 20
+    assert receiver.get_many("0", "1", list(blobs), metas[0]) == [None] * len(blobs)  # consumed
+
+
+def test_get_many_gives_back_what_found_no_room_and_a_later_get_reads_it(make) -> None:
+    sender = make(role="sender", pool_bytes=1 << 20)
+    receiver = make(role="receiver", pool_bytes=96 * 1024)
+    first, second = b"a" * (60 * 1024), b"b" * (60 * 1024)
+    meta = sender.put("0", "1", "first", first)[2]
+    sender.put("0", "1", "second", second)
+    got = receiver.get_many("0", "1", ["first", "second"], meta)
+    assert got[0] is not None and bytes(got[0][0].tensor.numpy()) == first
+    assert got[1] is None and receiver.last_failure("second") == "no_room"
+    got[0][0].release()
+    again = receiver.get("0", "1", "second", meta)  # its reader slot came back to the sender
+    assert again is not None and bytes(again[0].tensor.numpy()) == second
+    again[0].release()
+
+
+def test_get_many_of_a_failed_key_is_none_and_its_blocking_get_raises(make) -> None:
+    from kvferry.core.errors import FailedAtSender
+    from kvferry.core.tombstones import SenderFailure
+
+    sender = make(role="sender")
+    receiver = make(role="receiver")
+    meta = sender.put("0", "1", "fine", b"ok")[2]
+    assert sender.publish_failure("0", "1", "doomed", SenderFailure("put", "no room on the prefill"))
+    got = receiver.get_many("0", "1", ["doomed", "fine"], meta)
+    assert got[0] is None and receiver.last_failure("doomed") == "failed"
+    assert got[1] is not None and bytes(got[1][0].tensor.numpy()) == b"ok"
+    got[1][0].release()
+    with pytest.raises(FailedAtSender):
+        receiver.get_blocking("0", "1", "doomed", meta, timeout_s=5.0)
+
+
+def test_get_many_from_a_closed_sender_is_prompt_and_typed(make) -> None:
+    sender = make(role="sender")
+    receiver = make(role="receiver")
+    meta = {"source_host": "127.0.0.1", "source_port": sender.port}
+    sender.close()
+    start = time.monotonic()
+    assert receiver.get_many("0", "1", ["a", "b", "c"], meta) == [None, None, None]
+    assert time.monotonic() - start < 2.0
+    assert {receiver.last_failure(k) for k in "abc"} == {"sender_unavailable"}
+
+
+def test_a_channel_matches_pipelined_replies_by_id_in_any_order() -> None:
+    """lookup_many / done_many: every message goes out before any answer is awaited, and each
+    answer is matched by its id whatever the order the sender replies in; a reply to an
+    abandoned earlier request is ignored. The sender here is a bare ROUTER answering in reverse."""
+    import zmq
+
+    from kvferry.adapters.connectors.mooncake import wire
+    from kvferry.adapters.connectors.mooncake.client import PeerChannel
+
+    ctx = zmq.Context()
+    router = ctx.socket(zmq.ROUTER)
+    router.linger = 0
+    port = router.bind_to_random_port("tcp://127.0.0.1")
+    channel = PeerChannel(ctx, "127.0.0.1", port)
+    answered: list[list[int]] = []
+
+    def serve(count: int, kind: str) -> None:
+        got = []
+        for _ in range(count):
+            assert router.poll(5000), "the channel sent fewer messages than asked"
+            identity, raw = router.recv_multipart()
+            got.append((identity, wire.decode(raw)))
+        answered.append([m.id for _, m in got])
+        stale = wire.Ack(got[0][1].id + 10**9) if kind == "done" else None  # no request of this channel's
+        if stale is not None:
+            router.send_multipart([got[0][0], wire.encode(stale)])
+        for identity, m in reversed(got):  # all of them were out before the first answer
+            if kind == "lookup":
+                size = len(m.key)
+                reply = wire.LookupReply(m.id, True, claim=m.id, addr=4096, size=size, rpc_port=1, pin_s=5.0)
+            else:
+                reply = wire.Ack(m.id)
+            router.send_multipart([identity, wire.encode(reply)])
+
+    try:
+        t = threading.Thread(target=serve, args=(3, "lookup"))
+        t.start()
+        replies = channel.lookup_many(["a", "bb", "ccc"], room=1 << 20, grace_s=5.0)
+        t.join(10)
+        assert [r.size for r in replies] == [1, 2, 3]  # each key its own reply, though answered in reverse
+        assert [r.claim for r in replies] == answered[0]
+        t = threading.Thread(target=serve, args=(2, "done"))
+        t.start()
+        acks = channel.done_many([("a", 1, True), ("bb", 2, False)], grace_s=5.0)
+        t.join(10)
+        assert [a.id for a in acks] == answered[1] and all(isinstance(a, wire.Ack) for a in acks)
+        assert channel.lookup_many([], room=1, grace_s=1.0) == []
+    finally:
+        channel.close()
+        router.close()
+        ctx.term()

@@ -98,3 +98,37 @@ def test_agent_exchange_round_trips() -> None:
 def test_decoding_random_bytes_never_raises(raw: bytes) -> None:
     assert decode_request(raw) is None or isinstance(decode_request(raw), AgentRequest)
     assert isinstance(decode_reply(raw), (AgentReply, Rejection))
+
+
+def test_get_many_reads_every_claimed_payload_in_one_nixl_read() -> None:
+    """The nixl connector's get_many (shared with mooncake): the lookups together, ONE NIXL READ
+    request for every claimed payload (the agent's ``reads`` counter), the claims ended together;
+    each payload bit-exact, a missing key None, and a get of one key is one READ of its own."""
+    from nixl_support import NIXL_TEST_CONFIG, nixl_missing
+
+    missing = nixl_missing()
+    if missing:
+        pytest.skip(missing)
+    from kvferry.adapters.connectors.nixl.connector import NixlConnector
+
+    cfg = {"pool_bytes": 4 << 20, **NIXL_TEST_CONFIG}
+    sender = NixlConnector.from_config({"role": "sender", "port": 0, **cfg})
+    receiver = NixlConnector.from_config({"role": "receiver", **cfg})
+    try:
+        blobs = {f"layer_{i}": bytes([7 * i + 1]) * (4096 + 512 * i) for i in range(8)}
+        metas = [sender.put("0", "1", key, blob)[2] for key, blob in blobs.items()]
+        warm = receiver.get("0", "1", "layer_0", metas[0])  # the agents meet on the first read
+        assert warm is not None and bytes(warm[0].tensor.numpy()) == blobs["layer_0"]
+        warm[0].release()
+        before = receiver.health()["agent_reads"]
+        keys = [*list(blobs)[1:], "absent"]
+        got = receiver.get_many("0", "1", keys, metas[0])
+        assert receiver.health()["agent_reads"] == before + 1
+        assert got[-1] is None and receiver.last_failure("absent") == "not_found"
+        for key, one in zip(keys[:-1], got[:-1]):
+            assert one is not None and bytes(one[0].tensor.numpy()) == blobs[key], key
+            one[0].release()
+        assert sender.health()["delivered"] == len(blobs) and sender.health()["used_bytes"] == 0
+    finally:
+        receiver.close()
+        sender.close()
