@@ -50,6 +50,7 @@ ROWS = (
     "kvferry_shm",
     "kvferry_zmq",
     "kvferry_shm_sync",
+    "kvferry_nixl",
     "example",
     "mooncake",
     "nixl",
@@ -58,13 +59,14 @@ ROWS = (
 )
 #: vLLM's own connectors (a kvferry row "beats every peer" when faster than each that ran).
 PEERS = ("example", "mooncake", "nixl")
-KVFERRY_ROWS = ("kvferry_shm", "kvferry_zmq", "kvferry_shm_sync", "kvferry_shm_tp2")
+KVFERRY_ROWS = ("kvferry_shm", "kvferry_zmq", "kvferry_shm_sync", "kvferry_nixl", "kvferry_shm_tp2")
 LABELS = {
     "local": "local: D computes the prompt (TP 1)",
     "floor": "floor: prefix cache hit in D",
     "kvferry_shm": "kvferry shm P TP1 -> D TP1",
     "kvferry_zmq": "kvferry zmq P TP1 -> D TP1",
     "kvferry_shm_sync": "kvferry shm, load_mode sync",
+    "kvferry_nixl": "kvferry nixl (UCX tcp) P TP1 -> D TP1",
     "example": "vLLM ExampleConnector (disk)",
     "mooncake": "vLLM MooncakeConnector (tcp)",
     "nixl": "vLLM NixlConnector (UCX tcp)",
@@ -79,6 +81,9 @@ STEP_PREFILL = ("mooncake",)
 #: NixlConnector's environment on one host: UCX over TCP on loopback, the side channel on
 #: loopback (each instance adds its own ``VLLM_NIXL_SIDE_CHANNEL_PORT``).
 NIXL_ENV = {"UCX_TLS": "tcp,self", "UCX_NET_DEVICES": "lo", "VLLM_NIXL_SIDE_CHANNEL_HOST": "127.0.0.1"}
+#: kvferry's nixl connector on one host, the transports vLLM's NixlConnector row gets (NIXL_ENV):
+#: UCX over TCP on loopback (the connector sets UCX's environment from these keys).
+KVFERRY_NIXL = {"type": "nixl", "ucx_tls": "tcp,self", "ucx_net_devices": "lo"}
 #: The row whose tokens each row's must equal (TP 2 tokens may differ from TP 1's: another
 #: reduction order).
 REFERENCE = {name: ("local_tp2" if name.endswith("tp2") else "local") for name in ROWS}
@@ -152,6 +157,8 @@ def groups(names: tuple[str, ...], timeout_s: float, storage: str = "") -> list[
         ("kvferry_zmq", {"type": "zmq"}, {}),
         # the request runs in the step that loads its KV (docs/vllm.md, load_mode)
         ("kvferry_shm_sync", {"type": "shm"}, {"load_mode": "sync"}),
+        # the pool path over NIXL READs, beside vLLM's NixlConnector on the same transports
+        ("kvferry_nixl", KVFERRY_NIXL, {}),
     )
     for name, conn, more in kinds:
         if name in want:
@@ -234,8 +241,9 @@ def missing(connector: str) -> str | None:
 
 
 def unavailable(group: Group) -> str | None:
-    """Why ``group`` cannot run here (installs it lacks), or None."""
-    return missing(group.name)
+    """Why ``group`` cannot run here (installs it lacks), or None. kvferry's nixl row needs what
+    vLLM's NixlConnector row needs: the nixl package."""
+    return missing("nixl" if group.name == "kvferry_nixl" else group.name)
 
 
 def handoff(row: str, transfer_id: str) -> dict[str, Any] | None:

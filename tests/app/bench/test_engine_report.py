@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 
 from kvferry.app.bench.command import configure
 from kvferry.app.bench.engine.command import parse_lengths, parse_rows, run_engine
-from kvferry.app.bench.engine.peers import PEERS, ROWS, decode_params, groups, handoff
+from kvferry.app.bench.engine.peers import NIXL_ENV, PEERS, ROWS, decode_params, groups, handoff, missing, unavailable
 from kvferry.app.bench.engine.report import (
     beats,
     crossover,
@@ -94,6 +94,18 @@ def test_every_row_has_a_group_with_its_instances() -> None:
         assert g.prefill is not None and g.prefill.cpu == "1" and g.decode.cpu == "0"
         assert g.prefill.cfg["kv_role"] == "kv_producer" and g.decode.cfg["kv_role"] == "kv_consumer"
     assert by_name["kvferry_shm"].decode.cfg["extra"] == by_name["kvferry_shm"].prefill.cfg["extra"]  # type: ignore[union-attr]
+    # kvferry's nixl row: the connector over UCX on the transports vLLM's NixlConnector row gets
+    nixl = by_name["kvferry_nixl"]
+    assert nixl.prefill is not None and nixl.prefill.cfg["kv_role"] == "kv_producer"
+    assert nixl.decode.cfg["extra"]["connector"] == {"type": "nixl", "ucx_tls": "tcp,self", "ucx_net_devices": "lo"}
+    assert NIXL_ENV["UCX_TLS"] == "tcp,self" and NIXL_ENV["UCX_NET_DEVICES"] == "lo"
+    assert handoff("kvferry_nixl", "t1") == {"do_remote_decode": True, "transfer_id": "t1"}
+
+
+def test_the_kvferry_nixl_row_needs_what_the_nixl_row_needs() -> None:
+    by_name = {g.name: g for g in groups(ROWS, 30.0)}
+    assert unavailable(by_name["kvferry_nixl"]) == missing("nixl")
+    assert unavailable(by_name["kvferry_shm"]) is None
 
 
 def test_options() -> None:

@@ -23,6 +23,7 @@ ROWS = [
     "kvferry_shm",
     "kvferry_zmq",
     "kvferry_shm_sync",
+    "kvferry_nixl",
     "example",
     "mooncake",
     "nixl",
@@ -49,7 +50,7 @@ def test_engine_bench_reports_every_row(tmp_path: Path) -> None:
     rows = report["rows"]
     assert list(rows) == ROWS
     must = bool(os.environ.get("CI"))
-    for peer, module in (("mooncake", "mooncake.engine"), ("nixl", "nixl._api")):
+    for peer, module in (("mooncake", "mooncake.engine"), ("nixl", "nixl._api"), ("kvferry_nixl", "nixl._api")):
         if must or _installed(py, module):
             assert rows[peer]["status"] == "ok", rows[peer]
         else:
