@@ -9,8 +9,17 @@
  * instruction), three independent streams of crc32 instructions run side by side over three
  * consecutive stretches of the buffer (the instruction takes 3 cycles and can start every cycle),
  * and the three registers are joined with precomputed tables for "this register followed by n
- * zero bytes". Elsewhere (another CPU, another architecture or compiler) a table-driven CRC reads
- * 8 bytes a step. Both give the same value; set_engine() picks one for tests and measurements.
+ * zero bytes". Where it also has AVX-512F with VPCLMULQDQ (carry-less multiplication of 512-bit
+ * registers), buffers of 512 bytes or more are folded instead: sixteen 16-byte lanes of the
+ * buffer are kept as polynomials, and each is carried forward over the next 256 bytes by two
+ * carry-less multiplications with the constants x^(D+31) and x^(D-33) mod P (bit-reflected;
+ * D = 2048, the stretch in bits), so that the lanes' CRC stays the buffer's; at the end the
+ * lanes are folded into one (D = 128) and the crc32 instruction finishes it and the tail. That
+ * reads 256 bytes a step instead of 24 (measured on a 4 MiB buffer: 58 GB/s from cache against
+ * 28, and as fast as memory when cold). The 128-bit PCLMULQDQ alone, latency-bound, measured
+ * slower than the crc32 instruction and is not used. Elsewhere (another CPU, another
+ * architecture or compiler) a table-driven CRC reads 8 bytes a step. All give the same value; set_engine() picks
+ * one for tests and measurements.
  * The GIL is released for buffers of 64 KiB or more.
  *
  * copy_crc32c(dst, src, chunk, spans, value) copies src chunk by chunk to places in dst and returns
@@ -131,6 +140,84 @@ __attribute__((target("sse4.2"))) static uint32_t crc_sse42(uint32_t reg, const 
 }
 #endif
 
+/* The folding engine needs a compiler that knows VPCLMULQDQ (GCC 8, Clang 6 and later). */
+#if defined(KVF_X86) && ((defined(__clang__) && __clang_major__ >= 6) || (!defined(__clang__) && __GNUC__ >= 8))
+#define KVF_FOLD 1
+#endif
+
+#ifdef KVF_FOLD
+/* Fold constants (bit-reflected x^e mod P, e = D + 31 and D - 33 for a fold over D bits; found and
+ * checked against the bitwise CRC by tests/adapters/test_checksums.py's model). */
+#define K128_LOW 0xf20c0dfeu   /* x^159: multiplies a lane's low 64 bits to carry them 128 bits on */
+#define K128_HIGH 0x493c7d27u  /* x^95: its high 64 bits */
+#define K2048_LOW 0xdcb17aa4u  /* x^2079 */
+#define K2048_HIGH 0xb9e02b86u /* x^2015 */
+#define FOLD_MIN 512          /* shorter buffers go to the crc32 instruction alone */
+
+/* One lane x (its two 64-bit halves) carried over `k`'s distance, xor `next`. */
+__attribute__((target("sse4.2,pclmul"))) static inline __m128i fold16(__m128i x, __m128i k, __m128i next) {
+    __m128i lo = _mm_clmulepi64_si128(x, k, 0x00); /* x.lo * k.lo */
+    __m128i hi = _mm_clmulepi64_si128(x, k, 0x11); /* x.hi * k.hi */
+    return _mm_xor_si128(_mm_xor_si128(lo, hi), next);
+}
+
+/* The register after the 16 bytes of `x` (the folded lanes' CRC), then the rest with crc32. */
+__attribute__((target("sse4.2,pclmul"))) static uint32_t finish_lane(__m128i x, const unsigned char *p, size_t n) {
+    uint64_t r = _mm_crc32_u64(0, (uint64_t)_mm_cvtsi128_si64(x));
+    r = _mm_crc32_u64(r, (uint64_t)_mm_extract_epi64(x, 1));
+    return crc_sse42((uint32_t)r, p, n);
+}
+
+/* Four 512-bit registers of four lanes each, 256 bytes a step. */
+__attribute__((target("sse4.2,pclmul,avx512f,vpclmulqdq"))) static inline __m512i fold64(__m512i x, __m512i k,
+                                                                                         __m512i next) {
+    __m512i lo = _mm512_clmulepi64_epi128(x, k, 0x00);
+    __m512i hi = _mm512_clmulepi64_epi128(x, k, 0x11);
+    return _mm512_ternarylogic_epi64(lo, hi, next, 0x96); /* lo ^ hi ^ next */
+}
+
+/* The sixteen lanes of a, b, c, d in buffer order (a's four, then b's, ...) folded into one, then
+ * the register after them and the `n` bytes at `p` (the tail, fewer than 256). */
+__attribute__((target("sse4.2,pclmul,avx512f,vpclmulqdq"))) static uint32_t finish_lanes(
+    __m512i a, __m512i b, __m512i c, __m512i d, const unsigned char *p, size_t n) {
+    const __m128i k128 = _mm_set_epi64x(K128_HIGH, K128_LOW);
+    __m512i regs[4] = {a, b, c, d};
+    __m128i x = _mm512_castsi512_si128(a);
+    for (int r = 0; r < 4; r++)
+        for (int lane = r == 0 ? 1 : 0; lane < 4; lane++) {
+            __m128i next;
+            switch (lane) { /* the lane index must be a constant */
+            case 0: next = _mm512_extracti32x4_epi32(regs[r], 0); break;
+            case 1: next = _mm512_extracti32x4_epi32(regs[r], 1); break;
+            case 2: next = _mm512_extracti32x4_epi32(regs[r], 2); break;
+            default: next = _mm512_extracti32x4_epi32(regs[r], 3); break;
+            }
+            x = fold16(x, k128, next);
+        }
+    return finish_lane(x, p, n);
+}
+
+__attribute__((target("sse4.2,pclmul,avx512f,vpclmulqdq"))) static uint32_t crc_vpclmul(uint32_t reg,
+                                                                                        const unsigned char *p,
+                                                                                        size_t n) {
+    if (n < FOLD_MIN)
+        return crc_sse42(reg, p, n);
+    const __m512i k2048 = _mm512_set4_epi64(K2048_HIGH, K2048_LOW, K2048_HIGH, K2048_LOW);
+    __m512i a = _mm512_xor_si512(_mm512_loadu_si512(p), _mm512_zextsi128_si512(_mm_cvtsi32_si128((int)reg)));
+    __m512i b = _mm512_loadu_si512(p + 64);
+    __m512i c = _mm512_loadu_si512(p + 128);
+    __m512i d = _mm512_loadu_si512(p + 192);
+    p += 256, n -= 256;
+    for (; n >= 256; p += 256, n -= 256) {
+        a = fold64(a, k2048, _mm512_loadu_si512(p));
+        b = fold64(b, k2048, _mm512_loadu_si512(p + 64));
+        c = fold64(c, k2048, _mm512_loadu_si512(p + 128));
+        d = fold64(d, k2048, _mm512_loadu_si512(p + 192));
+    }
+    return finish_lanes(a, b, c, d, p, n);
+}
+#endif
+
 typedef uint32_t (*crc_fn)(uint32_t reg, const unsigned char *p, size_t n);
 static crc_fn engine = crc_table;
 static const char *engine_name = "table";
@@ -138,7 +225,15 @@ static const char *engine_name = "table";
 static int select_engine(const char *name) {
 #ifdef KVF_X86
     __builtin_cpu_init();
-    if ((name == NULL || !strcmp(name, "sse4.2")) && __builtin_cpu_supports("sse4.2")) {
+    int sse42 = __builtin_cpu_supports("sse4.2");
+#ifdef KVF_FOLD
+    if ((name == NULL || !strcmp(name, "vpclmulqdq")) && sse42 && __builtin_cpu_supports("pclmul")
+        && __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("vpclmulqdq")) {
+        engine = crc_vpclmul, engine_name = "vpclmulqdq";
+        return 1;
+    }
+#endif
+    if ((name == NULL || !strcmp(name, "sse4.2")) && sse42) {
         engine = crc_sse42, engine_name = "sse4.2";
         return 1;
     }
@@ -292,6 +387,46 @@ __attribute__((target("sse4.2"))) static uint32_t copy_crc_sse42(uint32_t reg, u
 }
 #endif
 
+#ifdef KVF_FOLD
+/* The copy and the folding CRC in one pass, 256 bytes a step: each 64-byte vector is loaded once,
+ * stored to its chunk's destination and folded (as crc_vpclmul). `chunk` is a multiple of 64 (a
+ * vector never straddles two chunks), `n` of `chunk`. */
+__attribute__((target("sse4.2,pclmul,avx512f,vpclmulqdq"))) static uint32_t copy_fold_vpclmul(
+    uint32_t reg, unsigned char *const *to, size_t chunk, const unsigned char *src, size_t n) {
+    if (n < FOLD_MIN)
+        return copy_crc_sse42(reg, to, chunk, src, n);
+    size_t ci = 0, off = 0; /* where the next vector goes: chunk ci, byte off */
+#define KVF_PUT(v)                                                                                 \
+    do {                                                                                           \
+        _mm512_storeu_si512(to[ci] + off, (v));                                                    \
+        if ((off += 64) == chunk)                                                                  \
+            off = 0, ci++;                                                                         \
+    } while (0)
+    const __m512i k2048 = _mm512_set4_epi64(K2048_HIGH, K2048_LOW, K2048_HIGH, K2048_LOW);
+    __m512i a = _mm512_loadu_si512(src), b = _mm512_loadu_si512(src + 64);
+    __m512i c = _mm512_loadu_si512(src + 128), d = _mm512_loadu_si512(src + 192);
+    KVF_PUT(a);
+    KVF_PUT(b);
+    KVF_PUT(c);
+    KVF_PUT(d);
+    a = _mm512_xor_si512(a, _mm512_zextsi128_si512(_mm_cvtsi32_si128((int)reg)));
+    size_t o = 256;
+    for (; n - o >= 256; o += 256) {
+        __m512i w = _mm512_loadu_si512(src + o), x = _mm512_loadu_si512(src + o + 64);
+        __m512i y = _mm512_loadu_si512(src + o + 128), z = _mm512_loadu_si512(src + o + 192);
+        KVF_PUT(w);
+        KVF_PUT(x);
+        KVF_PUT(y);
+        KVF_PUT(z);
+        a = fold64(a, k2048, w), b = fold64(b, k2048, x), c = fold64(c, k2048, y), d = fold64(d, k2048, z);
+    }
+    for (size_t t = o; t < n; t += 64) /* the tail's vectors (n - o < 256), folded below by crc32 */
+        KVF_PUT(_mm512_loadu_si512(src + t));
+#undef KVF_PUT
+    return finish_lanes(a, b, c, d, src + o, n - o);
+}
+#endif
+
 /* The general way: each window's chunks copied, then the window checked while it is hot. */
 static uint32_t scatter(uint32_t reg, unsigned char *dst, const unsigned char *src, size_t chunk,
                         const span_t *sp, Py_ssize_t nspans) {
@@ -341,7 +476,11 @@ static PyObject *copy_crc32c(PyObject *self, PyObject *args) {
     uint32_t reg = ~(uint32_t)value;
     unsigned char **to = NULL;
 #ifdef KVF_X86
-    if (engine == crc_sse42 && chunk % 8 == 0 && nchunks) {
+    int fused = engine == crc_sse42;
+#ifdef KVF_FOLD
+    fused = fused || engine == crc_vpclmul;
+#endif
+    if (fused && chunk % 8 == 0 && nchunks) {
         to = PyMem_Malloc((size_t)nchunks * sizeof(unsigned char *));
         if (to == NULL) {
             PyErr_NoMemory();
@@ -356,6 +495,11 @@ static PyObject *copy_crc32c(PyObject *self, PyObject *args) {
     int release = src.len >= RELEASE_GIL_BYTES;
     PyThreadState *state = release ? PyEval_SaveThread() : NULL;
 #ifdef KVF_X86
+#ifdef KVF_FOLD
+    if (to != NULL && engine == crc_vpclmul && chunk % 64 == 0)
+        reg = copy_fold_vpclmul(reg, to, (size_t)chunk, (const unsigned char *)src.buf, (size_t)src.len);
+    else
+#endif
     if (to != NULL)
         reg = copy_crc_sse42(reg, to, (size_t)chunk, (const unsigned char *)src.buf, (size_t)src.len);
     else
@@ -372,12 +516,15 @@ done:
     return result;
 }
 
-PyDoc_STRVAR(engine_doc, "engine() -> str: the routine in use, sse4.2 (the crc32 instruction) or table.");
+PyDoc_STRVAR(engine_doc,
+"engine() -> str: the routine in use: vpclmulqdq (carry-less folding, then the crc32\n"
+"instruction), sse4.2 (the crc32 instruction alone) or table.");
 
 static PyObject *engine_of(PyObject *self, PyObject *unused) { return PyUnicode_FromString(engine_name); }
 
 PyDoc_STRVAR(set_engine_doc,
-"set_engine(name) -> bool: use sse4.2 or table if this CPU has it (for tests and measurements);\n"
+"set_engine(name) -> bool: use vpclmulqdq, sse4.2 or table if this CPU has it (for\n"
+"tests and measurements);\n"
 "None picks the best again. False leaves it unchanged.");
 
 static PyObject *set_engine(PyObject *self, PyObject *arg) {

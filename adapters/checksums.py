@@ -75,7 +75,8 @@ DEFAULT_CHECKSUM: str = "crc32c" if NATIVE_CRC32C else "crc32"
 
 
 def checksum_engine(algorithm: str) -> str:
-    """What computes ``algorithm`` here: ``zlib``, ``sse4.2`` or ``table`` (native) or ``python``."""
+    """What computes ``algorithm`` here: ``zlib``, ``vpclmulqdq``, ``sse4.2`` or ``table`` (native) or
+    ``python``."""
     if algorithm == "crc32":
         return "zlib"
     if algorithm == "crc32c":

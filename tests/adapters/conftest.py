@@ -1,5 +1,6 @@
 """Fixtures of the adapter tests: ``engine`` runs a test once with each CRC-32C routine this
-CPU has (the native extension's ``sse4.2`` three-stream rounds and its ``table``), and puts
+CPU has (the native extension's ``vpclmulqdq`` folding, its ``sse4.2`` three-stream rounds and
+its ``table``), and puts
 the best one back after; a test of it skips where the extension is not built."""
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ try:
 except ImportError:  # not built here: the tests that take ``engine`` skip
     _native = None
 
-CRC_ENGINES = [name for name in ("sse4.2", "table") if _native is not None and _native.set_engine(name)]
+CRC_ENGINES = [name for name in ("vpclmulqdq", "sse4.2", "table") if _native is not None and _native.set_engine(name)]
 if _native is not None:
     _native.set_engine(None)
 

@@ -2,8 +2,9 @@
 native copy_crc32c in adapters/_crc32c.c), and the vLLM page write that uses it.
 
 copy_crc32c is compared with a copy made by Python slicing and with core's pure CRC-32C, for
-chunk sizes that take the three-stream path (multiples of 8) and the window path (others),
-with each routine this CPU has; scatter_spans with the addresses torch's own views give; the
+chunk sizes that take the folding path (multiples of 64: a 256-byte step that crosses chunks
+for 64, 192 and 320), the three-stream path (multiples of 8) and the window path (others), with
+each routine this CPU has; scatter_spans with the addresses torch's own views give; the
 fused page write with the plain one, byte for byte, and a flipped byte caught in either."""
 
 from __future__ import annotations
@@ -36,7 +37,7 @@ def _expected_copy(dst: bytearray, src: bytes, chunk: int, spans: list[tuple[int
 
 @st.composite
 def _scatters(draw: st.DrawFn) -> tuple[int, list[tuple[int, int, int]], int]:
-    chunk = draw(st.sampled_from([8, 16, 24, 40, 2048, 4096, 1, 3, 12, 100]))
+    chunk = draw(st.sampled_from([8, 16, 24, 40, 64, 192, 320, 2048, 4096, 1, 3, 12, 100]))
     slots = draw(st.integers(1, 48))
     order = draw(st.permutations(range(slots)))
     used = order[: draw(st.integers(0, slots))]

@@ -1,8 +1,10 @@
 """The checksums with the machine's fastest routine (adapters/checksums.py, adapters/_crc32c.c).
 
 The native CRC-32C gives core's pure value for every length and alignment, with each routine
-this CPU has (the crc32 instruction's three-stream rounds of 24 KiB and 768 bytes, their tails,
-and the table); without the extension the default is zlib's crc32 and a crc32c payload still
+this CPU has (the carry-less folding of 256-byte steps and its lane join and tail, the crc32
+instruction's three-stream rounds of 24 KiB and 768 bytes, their tails, and the table); the
+folding's constants are derived here from the polynomial, and a model of the folding in Python
+gives the bitwise CRC; without the extension the default is zlib's crc32 and a crc32c payload still
 verifies (in a subprocess with KVFERRY_NATIVE_CHECKSUM=0)."""
 
 from __future__ import annotations
@@ -26,9 +28,10 @@ from kvferry.core.header.checksums import crc32c as pure_crc32c
 native = pytest.importorskip("kvferry.adapters._crc32c", reason="the native CRC-32C is not built")
 
 
-# lengths around every boundary of the routine: 8-byte words, short rounds (3 x 256), long
-# rounds (3 x 8192), and their sums
-SIZES = [0, 1, 7, 8, 9, 767, 768, 769, 1543, 24575, 24576, 24577, 24576 + 768 + 13, 3 * 24576 + 5]
+# lengths around every boundary of the routines: 8-byte words, short rounds (3 x 256), long
+# rounds (3 x 8192), folding (from 512 bytes, 256 a step, a tail under 256), and their sums
+SIZES = [0, 1, 7, 8, 9, 255, 511, 512, 513, 767, 768, 769, 1023, 1024, 1279, 1280, 1543]
+SIZES += [24575, 24576, 24577, 24576 + 768 + 13, 3 * 24576 + 5, 65536 + 255]
 
 
 @pytest.mark.parametrize("size", SIZES)
@@ -49,7 +52,12 @@ def test_native_crc32c_continues_and_starts_like_the_pure_one(data: bytes, cut: 
 
 def test_the_engine_is_found_at_run_time() -> None:
     cpu_flags = open("/proc/cpuinfo").read() if os.path.exists("/proc/cpuinfo") else ""
-    expected = "sse4.2" if " sse4_2" in cpu_flags else "table"
+    flags = set(cpu_flags.split())
+    expected = "table"
+    if "sse4_2" in flags:
+        expected = "sse4.2"
+        if {"pclmulqdq", "avx512f", "vpclmulqdq"} <= flags:
+            expected = "vpclmulqdq"
     assert native.engine() == expected == checksums.checksum_engine("crc32c")
     assert native.set_engine("no-such-routine") is False and native.engine() == expected
     assert checksums.NATIVE_CRC32C and checksums.DEFAULT_CHECKSUM == "crc32c"
@@ -111,3 +119,81 @@ def test_the_vllm_connector_checks_with_crc32c_by_default() -> None:
     settings = ConnectorSettings()
     assert settings.checksums == "crc32c"
     assert checksums.sending_checksum(settings.checksums) == checksums.DEFAULT_CHECKSUM == "crc32c"
+
+
+# ----------------------------------------------------- the folding's constants and its model
+def _x_pow_mod(e: int) -> int:
+    """x^e mod P (CRC-32C's polynomial, normal bit order), by shifting."""
+    poly = (1 << 32) | int(f"{0x82F63B78:032b}"[::-1], 2)
+    r = 1
+    for _ in range(e):
+        r <<= 1
+        if r >> 32:
+            r ^= poly
+    return r
+
+
+def _fold_constant(e: int) -> int:
+    return int(f"{_x_pow_mod(e):032b}"[::-1], 2)  # bit-reflected, as the data
+
+
+def _clmul(a: int, b: int) -> int:
+    r = 0
+    while b:
+        if b & 1:
+            r ^= a
+        a, b = a << 1, b >> 1
+    return r
+
+
+def _raw(reg: int, data: bytes) -> int:
+    """The CRC register after ``data`` (no initial value or final xor), bit by bit."""
+    for byte in data:
+        reg ^= byte
+        for _ in range(8):
+            reg = (reg >> 1) ^ 0x82F63B78 if reg & 1 else reg >> 1
+    return reg
+
+
+def _folded(data: bytes, reg: int, lanes: int) -> int:
+    """``lanes`` 16-byte lanes carried over ``16 * lanes`` bytes a step by two carry-less
+    multiplies each (constants x^(D+31), x^(D-33) mod P, D the step in bits), joined lane by
+    lane (D = 128), then the register after the joined lane and the tail: what the native
+    routine does with lanes = 16."""
+    step = 16 * lanes
+    d = 8 * step
+    k_low, k_high = _fold_constant(d + 31), _fold_constant(d - 33)
+    whole = len(data) // step * step
+    acc = [int.from_bytes(data[16 * i : 16 * i + 16], "little") for i in range(lanes)]
+    acc[0] ^= reg
+    for at in range(step, whole, step):
+        for i, x in enumerate(acc):
+            nxt = int.from_bytes(data[at + 16 * i : at + 16 * i + 16], "little")
+            acc[i] = _clmul(x & (2**64 - 1), k_low) ^ _clmul(x >> 64, k_high) ^ nxt
+    x = acc[0]
+    for lane in acc[1:]:
+        x = _clmul(x & (2**64 - 1), _fold_constant(159)) ^ _clmul(x >> 64, _fold_constant(95)) ^ lane
+    return _raw(_raw(0, x.to_bytes(16, "little")), data[whole:])
+
+
+@settings(max_examples=40, deadline=None)
+@given(data=st.binary(min_size=64, max_size=1200), value=st.integers(0, 2**32 - 1), lanes=st.sampled_from([1, 4, 16]))
+def test_folding_model_gives_the_bitwise_crc(data: bytes, value: int, lanes: int) -> None:
+    if len(data) < 16 * lanes:
+        data = data * (16 * lanes // len(data) + 1)
+    assert _folded(data, value ^ 0xFFFFFFFF, lanes) ^ 0xFFFFFFFF == pure_crc32c(data, value)
+
+
+def test_the_native_folding_constants_are_the_derived_ones() -> None:
+    import re
+    from pathlib import Path
+
+    source = Path(__file__).resolve().parents[2] / "adapters" / "_crc32c.c"
+    defined = dict(re.findall(r"#define (K\d+_(?:LOW|HIGH)) (0x[0-9a-f]+)u", source.read_text()))
+    expected = {
+        "K128_LOW": _fold_constant(128 + 31),
+        "K128_HIGH": _fold_constant(128 - 33),
+        "K2048_LOW": _fold_constant(2048 + 31),
+        "K2048_HIGH": _fold_constant(2048 - 33),
+    }
+    assert {k: int(v, 16) for k, v in defined.items()} == expected
