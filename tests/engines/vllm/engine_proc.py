@@ -205,6 +205,40 @@ def make_mamba_model(path: str, seed: int) -> None:
 SAVES: dict[str, tuple[int, ...]] = {}  # transfer id -> prefill blocks (from the step metadata)
 LOADS: list[tuple[int, ...]] = []  # decode blocks each load filled, in order
 GROUP_JOBS: list[dict] = []  # with several KV cache groups: each save's and load's pages per group
+STATES: list[dict] = []  # Mamba state blocks in the engine's own cache, as saved and as written
+
+
+def _watch_states() -> None:
+    """Record the sha256 of every Mamba state block in the engine's own cache: on a prefill as
+    kvferry's saver gathers it, on a decode right after kvferry's loader wrote it (vLLM's next
+    step then runs the prompt's last token and overwrites the block in place, so this is the
+    only moment the written state can be read). The bytes are read from the cache tensors
+    themselves, not from kvferry's payload. Engine core in this process (MP off, TP 1)."""
+    import hashlib
+
+    import torch
+
+    from kvferry.app.vllm import loader, state_pages
+
+    def digest(t):
+        return hashlib.sha256(t.contiguous().view(torch.uint8).cpu().numpy().tobytes()).hexdigest()
+
+    gather, write = state_pages.StateWriter.gather, loader.write_state
+
+    def gather_recorded(self, view, index, dest, layout):
+        gather(self, view, index, dest, layout)
+        blocks = view.index_select(0, index.to(view.device))
+        tid, layer = layout.header.request_id, layout.header.metadata["layer"]
+        STATES.append({"side": "save", "transfer_id": tid, "layer": layer, "sha256": digest(blocks)})
+
+    def write_recorded(view, spec, decoded, layer_idx, group, target, num_tokens):
+        written = write(view, spec, decoded, layer_idx, group, target, num_tokens)
+        block = view[target.block_ids[0]]
+        STATES.append({"side": "load", "transfer_id": decoded.request_id, "layer": layer_idx, "sha256": digest(block)})
+        return written
+
+    state_pages.StateWriter.gather = gather_recorded
+    loader.write_state = write_recorded
 
 
 def _capture_plans(llm) -> None:
@@ -307,6 +341,7 @@ def inspection_ops(cfg: dict):
 
     def ops(llm) -> dict:
         _capture_plans(llm)
+        _watch_states()
         return {
             # only full pages, not recomputed; per decode rank's heads
             "pages": lambda llm, m: {
@@ -318,8 +353,9 @@ def inspection_ops(cfg: dict):
             "tokens": lambda llm, m: {
                 "ranks": llm.collective_rpc(_token_hashes, args=(_blocks(m, m["num_tokens"], bs), m["num_tokens"]))
             },
-            # the KV cache groups the connector found, and the jobs' pages per group
-            "groups": lambda llm, m: {"groups": _group_labels(llm), "jobs": GROUP_JOBS},
+            # the KV cache groups the connector found, the jobs' pages per group, the Mamba
+            # state blocks saved and written
+            "groups": lambda llm, m: {"groups": _group_labels(llm), "jobs": GROUP_JOBS, "states": STATES},
         }
 
     return ops

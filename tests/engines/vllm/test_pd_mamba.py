@@ -6,7 +6,10 @@ full-attention group and a Mamba group (mode ``none``, prefix caching off) on bo
 The prefill computes all but the prompt's last token and sends the attention pages of those
 tokens and each Mamba layer's state block; the decode loads them and computes the last token.
 The reference is the decode instance computing each prompt itself; the control is a prefill
-instance with other weights.
+instance with other weights. Beside the tokens, each Mamba layer's state block is compared in
+the two engines' own caches (engine_proc.py ``_watch_states``: sha256 of the prefill's block as
+it was saved, of the decode's right after it was written, before vLLM's step overwrites it): the
+decode's bytes are the prefill's, for every prompt and layer, and the control's differ.
 """
 
 from __future__ import annotations
@@ -51,9 +54,33 @@ def test_the_decode_runs_an_attention_and_a_mamba_group(env: dict, decode: Insta
     assert cache_groups(decode)["groups"] == ["mamba:none", "full"]  # vLLM's order: the Mamba group first
 
 
+MAMBA_LAYERS = 2
+WRITTEN_A: dict[tuple[int, int], str] = {}  # (prompt, layer) -> sha256 of the decode's state block, model_a
+
+
+def _states(groups: dict, side: str, params: list[dict], since: int = 0) -> dict[tuple[int, int], str]:
+    """``(prompt index, layer) -> sha256`` of the state blocks ``side`` ("save" or "load")
+    recorded since entry ``since``, matched to the prompts by their transfer ids."""
+    prompt = {p["transfer_id"]: i for i, p in enumerate(params)}
+    out = {}
+    for s in groups["states"][since:]:
+        if s["side"] == side and s["transfer_id"] in prompt:
+            out[(prompt[s["transfer_id"]], s["layer"])] = s["sha256"]
+    return out
+
+
 def test_mamba_hand_off_equals_a_single_instance(env: dict, decode: Instance, reference: list[list[int]]) -> None:
-    loads_before = len(cache_groups(decode)["jobs"])
+    before = cache_groups(decode)
+    loads_before, states_before = len(before["jobs"]), len(before["states"])
     tokens, loaded, prefill, params = hand_off(env, decode, "model_a", LENGTHS, TOKENS)
+    # each Mamba layer's state block arrived bit for bit: the decode's cache holds the prefill's
+    # bytes, read from both engines' caches (not from kvferry's payload)
+    saved = _states(prefill, "save", params)
+    written = _states(cache_groups(decode), "load", params, states_before)
+    assert len(saved) == len(LENGTHS) * MAMBA_LAYERS
+    assert written == saved
+    assert len(set(saved.values())) == len(saved)  # every prompt and layer a state of its own
+    WRITTEN_A.update(written)
     assert prefill["groups"] == ["mamba:none", "full"]
     # the prefill computed n - 1 tokens (and says so), each save sent one state block
     assert [p["remote_num_tokens"] for p in params] == [n - 1 for n in LENGTHS]
@@ -78,7 +105,13 @@ def test_mamba_hand_off_equals_a_single_instance(env: dict, decode: Instance, re
 def test_a_prefill_with_other_weights_changes_the_tokens(
     env: dict, decode: Instance, reference: list[list[int]]
 ) -> None:
-    tokens, loaded, _, _ = hand_off(env, decode, "model_b", LENGTHS, TOKENS)
+    states_before = len(cache_groups(decode)["states"])
+    tokens, loaded, _, params = hand_off(env, decode, "model_b", LENGTHS, TOKENS)
     assert loaded > 0
+    # the control: other weights' states were written for the same prompts, and they differ
+    written = _states(cache_groups(decode), "load", params, states_before)
+    assert len(written) == len(LENGTHS) * MAMBA_LAYERS
+    if WRITTEN_A:  # the hand-off test ran first (the module's order)
+        assert all(written[k] != WRITTEN_A[k] for k in written)
     # the loaded KV and state were used: the first tokens differ
     assert sum(t[:2] != r[:2] for t, r in zip(tokens, reference)) >= len(LENGTHS) - 1
