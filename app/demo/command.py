@@ -9,8 +9,12 @@ sender's cache holds. Progress shows while it runs (a bar on a terminal, otherwi
 few seconds); a table (or ``--json``) ends it: per-request transfer time apart from queueing and
 verification, the one transfer figure (per request, the memcpy of its bytes over its transfer
 time, as the benchmark's ``shm_e2e_vs_memcpy``; memcpy measured in the same run), and the wall
-time split into start-up, receiving, checking and shutdown. Exit status is 0 only when every
-request arrived bit-exact on every receiver rank.
+time split into start-up, transfers, checking, pacing and shutdown. By default the senders send
+a request only once every receiver rank verified the one before (paced: each transfer is timed
+as the benchmark times its end to end, the receivers waiting and nothing else running);
+``--overlap`` lets requests overlap (a pipeline under load: its transfer times then include the
+contention with verification). Exit status is 0 only when every request arrived bit-exact on
+every receiver rank.
 """
 
 from __future__ import annotations
@@ -86,6 +90,11 @@ class DemoReport:
     transfer_vs_memcpy: float = math.nan
     memcpy_gbps: float = math.nan
     wall: WallSplit = WallSplit(0.0, 0.0, 0.0, 0.0, 0.0)
+    #: one request at a time (the default), or requests overlapping (``--overlap``)
+    paced: bool = True
+    #: per request received everywhere, in order: (the first sender rank's send call, the last
+    #: receiver rank done verifying it); in a paced run no two overlap
+    windows: tuple[tuple[float, float], ...] = ()
 
     @property
     def ok(self) -> bool:
@@ -125,6 +134,16 @@ def run_demo(
     q: Any = queue_mod.Queue() if threads else ctx.Queue()
     workers: list[Any] = []
     shared = None
+    # paced (the default): one semaphore per sender rank, released once per request it may send
+    gates: list[Any] = (
+        [] if spec.overlap else [(threading.Semaphore(0) if threads else ctx.Semaphore(0)) for _ in range(spec.from_tp)]
+    )
+
+    def let_through(times: int = 1) -> None:
+        for gate in gates:
+            for _ in range(times):
+                gate.release()
+
     if threads:
         from kvferry.adapters.collectives import InProcessWorld
         from kvferry.app.manager import StageGroups
@@ -136,18 +155,20 @@ def run_demo(
             for rank in range(size):
                 g = worlds[role].group(rank)
                 groups = StageGroups(world=g, tp=g if role == "receiver" else None) if size > 1 else StageGroups()
+                gate = gates[rank] if gates and role == "sender" else None
                 workers.append(
                     threading.Thread(
                         target=run_worker,
                         args=(role, rank, attrs.asdict(spec), q),
-                        kwargs={"groups": groups, "connector": shared},
+                        kwargs={"groups": groups, "connector": shared, "gate": gate},
                         daemon=True,
                     )
                 )
     else:
         for role, size in (("sender", spec.from_tp), ("receiver", spec.to_tp)):
             for rank in range(size):
-                args = (role, rank, attrs.asdict(spec), q)
+                gate = gates[rank] if gates and role == "sender" else None
+                args = (role, rank, attrs.asdict(spec), q, gate)
                 workers.append(ctx.Process(target=run_worker_process, args=args, daemon=True))
     for w in workers:
         w.start()
@@ -179,12 +200,14 @@ def run_demo(
                 ready += 1
                 if ready == len(workers):
                     start = time.monotonic()
+                    let_through()  # the first request
             elif kind == "sent":
                 sent.setdefault(msg["request_id"], []).append(msg)
             elif kind == "received":
                 received.setdefault(msg["request_id"], []).append(msg)
                 if len(received[msg["request_id"]]) == spec.to_tp:
                     finished_recv.add(msg["request_id"])
+                    let_through()  # verified by every receiver rank: the next request may go
                     if progress:
                         progress(len(finished_recv), total)
                     if len(finished_recv) == total and spec.done_file:
@@ -196,6 +219,7 @@ def run_demo(
                 # a failed rank fails the run: its peers would otherwise wait for it until the
                 # whole run's deadline (minutes); they get a short while to report, then stop
                 deadline = min(deadline, time.monotonic() + after_error_s)
+                let_through(total)  # no sender waits for a turn that will not come
             elif kind == "done":
                 done += 1
     finally:
@@ -217,6 +241,7 @@ def run_demo(
     exact = 0
     latencies: list[float] = []
     timings: list[RequestTiming] = []
+    windows: list[tuple[float, float]] = []
     moved: list[int] = []  # the bytes of each request in timings
     nbytes = 0
     last_verified = start or end
@@ -250,7 +275,14 @@ def run_demo(
                 )
             )
             moved.append(request_bytes)
-    wall = wall_split(launch, start or end, last_verified, end, (t.check_s for t in timings))
+            windows.append((min(s["t_call"] for s in sends), max(r["t_verified"] for r in rows)))
+    # paced, one request after the other: its transfer, then its verification's tail, add up
+    # without overlap; overlapping requests count each one's slowest rank's verification
+    if spec.overlap:
+        wall = wall_split(launch, start or end, last_verified, end, (t.check_s for t in timings))
+    else:
+        transfers, tails = [t.transfer_s for t in timings], [t.tail_s for t in timings]
+        wall = wall_split(launch, start or end, last_verified, end, tails, transfers)
     routing = tuple(
         p.to_json()
         for p in stage_plan(
@@ -281,11 +313,33 @@ def run_demo(
         transfer_vs_memcpy=figure.vs_memcpy,
         memcpy_gbps=memcpy_gbps,
         wall=wall,
+        paced=not spec.overlap,
+        windows=tuple(windows),
     )
 
 
 def _table(report: DemoReport) -> str:
     w = report.wall
+    if report.paced:
+        how = "the senders' send call -> every receiver rank holds it, one request at a time with the receivers waiting"
+        wall = [
+            f"  wall time       {w.total_s:.2f} s = start-up {w.startup_s:.2f} + transfers {w.transfer_s:.2f} "
+            f"+ checking {w.checking_s:.2f} + pacing {w.pacing_s:.2f} + shutdown {w.shutdown_s:.2f}",
+            "                  (start-up: processes, imports, synthetic caches, connections; transfers: the "
+            "requests' transfer times above, summed; checking: from the last rank holding a request to the "
+            "last done verifying it; pacing: letting each request go once the previous one is verified)",
+        ]
+    else:
+        how = (
+            "senders' put -> every receiver rank has it, queueing excluded; requests overlapping: the ranks "
+            "share the cores with verification, so this is no bench e2e"
+        )
+        wall = [
+            f"  wall time       {w.total_s:.2f} s = start-up {w.startup_s:.2f} + receiving {w.receiving_s:.2f} "
+            f"+ checking {w.checking_s:.2f} + shutdown {w.shutdown_s:.2f}",
+            "                  (start-up: processes, imports, synthetic caches, connections; receiving: requests "
+            "in flight together, waiting and overlapping, so no transfer time)",
+        ]
     lines = [
         f"kvferry demo: {report.model}, TP {report.from_tp} -> {report.to_tp}, connector {report.connector}",
         "",
@@ -293,18 +347,20 @@ def _table(report: DemoReport) -> str:
         f"  bit-exact       {report.bit_exact}/{report.requests}",
         "  outcomes        " + ", ".join(f"{k} {v}" for k, v in sorted(report.outcomes.items())),
         f"  bytes           {report.bytes / 1e9:.2f} GB",
-        f"  transfer        p50 {report.transfer_ms_p50:.1f} ms, p99 {report.transfer_ms_p99:.1f} ms per request "
-        "(senders' put -> every receiver rank has it, queueing excluded)",
+        f"  transfer        p50 {report.transfer_ms_p50:.1f} ms, p99 {report.transfer_ms_p99:.1f} ms "
+        f"per request ({how})",
         f"                  = {report.transfer_vs_memcpy:.2f}x a memcpy of its bytes (median over requests, as the "
         f"bench's shm_e2e_vs_memcpy: {report.transfer_gbps:.2f} GB/s, memcpy {report.memcpy_gbps:.2f} GB/s, "
         "1 thread, this run)",
-        f"  queueing        p50 {report.queue_ms_p50:.1f} ms (the payload committed, its receivers still "
-        "checking earlier requests)",
+    ]
+    if not report.paced:
+        lines.append(
+            f"  queueing        p50 {report.queue_ms_p50:.1f} ms (the payload committed, its receivers still "
+            "checking earlier requests)"
+        )
+    lines += [
         f"  verification    p50 {report.check_ms_p50:.1f} ms per request (every tensor compared bit for bit)",
-        f"  wall time       {w.total_s:.2f} s = start-up {w.startup_s:.2f} + receiving {w.receiving_s:.2f} "
-        f"+ checking {w.checking_s:.2f} + shutdown {w.shutdown_s:.2f}",
-        "                  (start-up: processes, imports, synthetic caches, connections; receiving: requests "
-        "in flight together, waiting and overlapping, so no transfer time)",
+        *wall,
         "",
         "  routing per rank:",
     ]
@@ -357,6 +413,12 @@ def configure(sub: argparse.ArgumentParser) -> Callable[[argparse.Namespace], in
     )
     sub.add_argument("--seed", type=int, default=0)
     sub.add_argument("--timeout", type=float, default=60.0, help="receive deadline per request (s)")
+    sub.add_argument(
+        "--overlap",
+        action="store_true",
+        help="send requests without waiting for the previous one's verification (a pipeline under load; "
+        "by default one request at a time, each transfer timed as kvferry bench times its e2e)",
+    )
     sub.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
     sub.add_argument("--dump", metavar="DIR", help="also write a few payload files for `kvferry inspect`")
     return run
@@ -430,6 +492,7 @@ def _run_in(args: argparse.Namespace, tmp: str, mp_context: Any = None) -> int:
             done_file=os.path.join(tmp, "done"),
             dump_dir=args.dump,
             latent_dim=latent,
+            overlap=bool(getattr(args, "overlap", False)),
         )
         request_plan(spec)
         spec.head_range(0)
@@ -469,6 +532,7 @@ def report_json(report: DemoReport) -> dict[str, Any]:
         "outcomes": report.outcomes,
         "bytes": report.bytes,
         "seconds": round(report.seconds, 4),
+        "paced": report.paced,
         "wall_s": {k.removesuffix("_s"): round(v, 4) for k, v in attrs.asdict(report.wall).items()},
         "transfer_ms": {"p50": finite(report.transfer_ms_p50), "p99": finite(report.transfer_ms_p99)},
         "queue_ms": {"p50": finite(report.queue_ms_p50)},

@@ -91,6 +91,11 @@ class DemoSpec:
     dump_dir: str | None = None
     #: MLA models: the latent width (``kv_lora_rank + qk_rope_head_dim``); 0 for K/V heads.
     latent_dim: int = 0
+    #: False (the default): the senders send request ``i`` only once every receiver rank has
+    #: verified request ``i - 1``, so each request is transferred the way the benchmark times
+    #: its end to end (the receivers waiting, nothing else running). True: requests overlap
+    #: (senders ahead, receivers verifying while later requests arrive): a pipeline under load.
+    overlap: bool = False
 
     @property
     def is_mla(self) -> bool:

@@ -11,7 +11,8 @@ Pure functions of monotonic-clock stamps (seconds, one clock for every process o
 :func:`transfer_figure` is the one transfer figure of the summary: per request, the memcpy of its
 bytes over its transfer time (as ``kvferry bench`` defines ``shm_e2e_vs_memcpy``), the median
 over requests; :func:`wall_split` splits the run's wall time into start-up, receiving, checking
-and shutdown (no rate is made of it: requests overlap while the receivers receive).
+and shutdown, and, in a paced run (one request at a time), receiving into the requests' summed
+transfer times and the pacing between them; when requests overlap no rate is made of receiving.
 """
 
 from __future__ import annotations
@@ -42,6 +43,9 @@ class RequestTiming:
     transfer_s: float
     queue_s: float
     check_s: float
+    #: last receiver rank holding it -> last rank done verifying it (what a paced run's checking
+    #: adds to its wall time: ranks that verify while another still receives are in transfer_s)
+    tail_s: float = 0.0
 
 
 def request_timing(
@@ -62,7 +66,7 @@ def request_timing(
     queue = max(0.0, max(waits) - max(put_end))
     transfer = max(0.0, max(received) - max(put_start) - queue)
     check = max(max(0.0, v - r) for r, v in zip(received, verified))
-    return RequestTiming(transfer, queue, check)
+    return RequestTiming(transfer, queue, check, max(0.0, max(verified) - max(received)))
 
 
 @attrs.frozen
@@ -79,16 +83,33 @@ class WallSplit:
     receiving_s: float
     checking_s: float
     shutdown_s: float
+    #: Of ``receiving_s``, the requests' summed transfer times when they went one at a time (a
+    #: paced run: no two overlap, so they add up); 0.0 for overlapping requests.
+    transfer_s: float = 0.0
+
+    @property
+    def pacing_s(self) -> float:
+        """The rest of ``receiving_s``: the hand-offs between one request and the next."""
+        return self.receiving_s - self.transfer_s
 
 
-def wall_split(launch: float, ready: float, last_verified: float, end: float, checks: Iterable[float]) -> WallSplit:
-    """``checks``: each request's ``check_s``. Stamps out of order are clamped, so the parts are
-    never negative and always add up to ``end - launch``."""
+def wall_split(
+    launch: float,
+    ready: float,
+    last_verified: float,
+    end: float,
+    checks: Iterable[float],
+    transfers: Iterable[float] = (),
+) -> WallSplit:
+    """``checks``: each request's ``check_s``; ``transfers``: each request's ``transfer_s`` in a
+    paced run (none when requests overlap). Stamps out of order are clamped, so the parts are
+    never negative, always add up to ``end - launch``, and the transfers lie within receiving."""
     total = max(0.0, end - launch)
     startup = min(total, max(0.0, ready - launch))
     shutdown = min(total - startup, max(0.0, end - max(last_verified, ready)))
     checking = min(total - startup - shutdown, sum(checks))
-    return WallSplit(total, startup, total - startup - shutdown - checking, checking, shutdown)
+    receiving = total - startup - shutdown - checking
+    return WallSplit(total, startup, receiving, checking, shutdown, min(receiving, sum(transfers)))
 
 
 @attrs.frozen

@@ -18,6 +18,7 @@ import attrs
 import torch
 
 from kvferry.app.demo.model import DemoSpec, request_plan
+from kvferry.core.errors import TransferError
 from kvferry.core.policy import RetryPolicy
 
 __all__ = ["head_cache", "synthetic_cache", "expected_kv", "run_worker", "run_worker_process"]
@@ -92,6 +93,8 @@ def _stage_groups(role: str, rank: int, size: int, store_port: int, timeout_s: f
 
 
 _BITS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+#: A paced sender waits for its next request's turn up to the receive deadline and this long.
+_GATE_GRACE_S = 30.0
 
 
 def _bits_equal(a: torch.Tensor | None, b: torch.Tensor) -> bool:
@@ -103,9 +106,16 @@ def _bits_equal(a: torch.Tensor | None, b: torch.Tensor) -> bool:
 
 
 def run_worker(
-    role: str, rank: int, spec_dict: dict[str, Any], queue: Any, groups: Any = None, connector: Any = None
+    role: str,
+    rank: int,
+    spec_dict: dict[str, Any],
+    queue: Any,
+    groups: Any = None,
+    connector: Any = None,
+    gate: Any = None,
 ) -> None:
-    """Entry point of one rank; reports ``{"kind": ...}`` dicts on ``queue``."""
+    """Entry point of one rank; reports ``{"kind": ...}`` dicts on ``queue``. ``gate`` (a
+    sender's, in a paced run): a semaphore the parent releases once per request it may send."""
     torch.set_num_threads(1)
     from kvferry.adapters.platform import tune_host_allocator
 
@@ -114,7 +124,7 @@ def run_worker(
     spec = DemoSpec(**spec_dict)
     try:
         if role == "sender":
-            _sender(spec, rank, queue, groups, connector)
+            _sender(spec, rank, queue, groups, connector, gate)
         else:
             _receiver(spec, rank, queue, groups, connector)
     except BaseException as exc:  # the parent must learn of every failure
@@ -124,7 +134,7 @@ def run_worker(
         queue.put({"kind": "done", "role": role, "rank": rank})
 
 
-def run_worker_process(role: str, rank: int, spec_dict: dict[str, Any], queue: Any) -> None:
+def run_worker_process(role: str, rank: int, spec_dict: dict[str, Any], queue: Any, gate: Any = None) -> None:
     """A rank as the whole of a process: :func:`run_worker`, then the queue flushed and the
     process ended with :func:`os._exit` (0, or 1 after a failure it reported).
 
@@ -138,7 +148,7 @@ def run_worker_process(role: str, rank: int, spec_dict: dict[str, Any], queue: A
 
     code = 0
     try:
-        run_worker(role, rank, spec_dict, queue)
+        run_worker(role, rank, spec_dict, queue, gate=gate)
     except BaseException:
         import traceback
 
@@ -170,12 +180,19 @@ def _manager(spec: DemoSpec, role: str, rank: int, groups: Any, connector: Any) 
     )
 
 
-def _sender(spec: DemoSpec, rank: int, queue: Any, groups: Any, connector: Any) -> None:
+def _sender(spec: DemoSpec, rank: int, queue: Any, groups: Any, connector: Any, gate: Any = None) -> None:
     manager = _manager(spec, "sender", rank, groups, connector)
     cache = synthetic_cache(spec, rank)
     queue.put({"kind": "ready", "role": "sender", "rank": rank})
     try:
         for req in request_plan(spec):
+            # paced: wait until every rank is ready (the first request) or every receiver rank
+            # verified the previous one; a parent that never says so ends the rank by the deadline
+            if gate is not None and not gate.acquire(timeout=spec.timeout_s + _GATE_GRACE_S):
+                raise TransferError(
+                    f"request {req.request_id}: not let through in {spec.timeout_s + _GATE_GRACE_S:.0f} s "
+                    "(the demo sends the next request once every receiver rank verified the previous one)"
+                )
             finished = {req.request_id: {"block_ids": list(req.block_ids), "seq_len": req.seq_len}}
             t_call = time.monotonic()
             outcome = manager.send_requests(finished, cache, spec.block_size, spec.dtype)[0]

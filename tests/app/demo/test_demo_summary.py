@@ -165,12 +165,14 @@ def test_demo_json_reports_transfer_apart_from_queueing_and_checking(capsys: pyt
     doc = json.loads(capsys.readouterr().out)
     assert doc["bit_exact"] == 4 and doc["errors"] == []
     wall = doc["wall_s"]
-    assert set(wall) == {"total", "startup", "receiving", "checking", "shutdown"}
+    assert set(wall) == {"total", "startup", "receiving", "checking", "shutdown", "transfer"}
     assert all(v >= 0 for v in wall.values()) and wall["startup"] > 0 and wall["checking"] > 0
     parts = wall["startup"] + wall["receiving"] + wall["checking"] + wall["shutdown"]
     assert parts == pytest.approx(wall["total"], abs=1e-3) and wall["total"] == pytest.approx(doc["seconds"], abs=1e-3)
     assert 0 < doc["transfer_ms"]["p50"] <= doc["transfer_ms"]["p99"]
-    assert doc["queue_ms"]["p50"] >= 0 and doc["check_ms"]["p50"] > 0
+    # paced (the default): nothing queued, and the transfers are a part of receiving
+    assert doc["paced"] is True and doc["queue_ms"]["p50"] == 0 and doc["check_ms"]["p50"] > 0
+    assert 0 < wall["transfer"] <= wall["receiving"]
     assert doc["memcpy_gbps"] > 0 and doc["transfer_gbps"] > 0
     assert doc["transfer_vs_memcpy"] == pytest.approx(doc["transfer_gbps"] / doc["memcpy_gbps"], rel=1e-3)
     assert "throughput_gbps" not in doc  # bytes over the wall time is not a transfer rate
@@ -185,8 +187,35 @@ def test_demo_table_and_progress_off_a_terminal(capsys: pytest.CaptureFixture[st
     assert (
         captured.err.splitlines()[-1] == "  progress: 4/4 requests received, " + captured.err.rsplit(", ", 1)[1].strip()
     )
-    for label in ("transfer ", "x a memcpy", "queueing", "verification", "start-up", "receiving", "checking"):
+    for label in ("transfer ", "x a memcpy", "verification", "start-up", "transfers", "checking", "pacing"):
         assert label in captured.out, label
+    assert "one request at a time" in captured.out and "queueing" not in captured.out
     assert "transfer rate" not in captured.out  # one transfer figure, not a second rate beside it
     assert captured.out.count("GB/s, memcpy") == 1 and captured.out.count("GB/s") == 2
     assert "PASS" in captured.out
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(180)
+def test_a_paced_run_sends_each_request_after_the_previous_one_was_verified() -> None:
+    """Paced (the default): each request's window, from the first sender rank's send call to the
+    last receiver rank's verification, starts after the previous one ended (no two overlap), and
+    the wall time's transfers are the requests' transfer times summed. With ``overlap`` the
+    same run still arrives bit-exact and says so (no transfers part)."""
+    import attrs
+
+    from kvferry.adapters.platform import free_base_port
+    from kvferry.app.demo.command import run_demo
+    from kvferry.app.demo.model import DemoSpec
+
+    base = DemoSpec(
+        connector="memory", from_tp=2, to_tp=4, model="tiny", layers=2, kv_heads=8, head_dim=16, requests=6,
+        min_tokens=8, max_tokens=40, base_port=free_base_port(2), timeout_s=30.0,
+    )  # fmt: skip
+    report = run_demo(base)
+    assert report.ok and report.paced and len(report.windows) == 6
+    for (_, end), (start, _) in zip(report.windows, report.windows[1:]):
+        assert start >= end  # sent only after the previous request was verified everywhere
+    assert report.queue_ms_p50 == 0
+    overlapping = run_demo(attrs.evolve(base, overlap=True, base_port=free_base_port(2)))
+    assert overlapping.ok and not overlapping.paced and overlapping.wall.transfer_s == 0
