@@ -314,11 +314,14 @@ class _Counting:
         return self._inner.gather_split(*args)
 
 
-@pytest.mark.parametrize("slices", [2, 4])
+@pytest.mark.parametrize("slices", [1, 2, 4])
+@pytest.mark.parametrize("copies", [1, 2, 3])
 @pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: str(d).removeprefix("torch."))
-def test_gather_slices_writes_what_each_slice_gathers_alone(kernel, split_calls, dtype, slices):
+def test_gather_slices_writes_what_each_slice_gathers_alone(kernel, split_calls, dtype, copies, slices):
     """``gather_slices`` (the native split gather when it applies) == each slice's own gather,
-    for every layout, scattered/duplicated ids and a partial last block."""
+    for every layout, scattered/duplicated ids and a partial last block; with ``copies``
+    destinations per slice (a replicated head, or a latent, for several receivers) every copy
+    is. One thread takes one split call per tensor for every slice and copy."""
     from kvferry.adapters.paged_cache import gather_slices
 
     calls, threads = split_calls
@@ -331,15 +334,16 @@ def test_gather_slices_writes_what_each_slice_gathers_alone(kernel, split_calls,
                 [make_layer(layout, key, value)] * 2, ids, seq_len, BLOCK, cache_dtype=str(dtype), layout=NAMES[layout]
             )
             parts = _sliced(plan, slices)
-            together = [_dests(p) for p in parts]
-            gather_slices(parts, together)
-            for part, got in zip(parts, together):
-                alone = _dests(part)
-                part.gather_all(alone)
+            together = [_dests(p) for p in parts for _ in range(copies)]
+            gather_slices(parts, together, copies)
+            for d, got in enumerate(together):
+                alone = _dests(parts[d // copies])
+                parts[d // copies].gather_all(alone)
                 for a, b in zip(alone[0] + alone[1], got[0] + got[1]):
-                    assert same_bits(a, b), (layout, ids, slices)
-    # one thread: every tensor with whole blocks went through one split call for all slices
-    assert (set(calls) == {slices}) if threads == 1 else calls == []
+                    assert same_bits(a, b), (layout, ids, slices, d)
+    # one thread: every tensor with whole blocks went through one split call for all destinations
+    split = slices * copies > 1
+    assert (set(calls) == ({slices * copies} if split else set())) if threads == 1 else calls == []
 
 
 @needs_native
@@ -389,35 +393,6 @@ def test_a_bench_sized_split_gather_reads_whole_pages_and_writes_the_same_bytes(
 
 
 # ------------------------------------------- copies: one read of a slice for several receivers
-@pytest.mark.parametrize("slices", [1, 2, 4])
-@pytest.mark.parametrize("copies", [2, 3])
-@pytest.mark.parametrize("dtype", DTYPES[:2], ids=lambda d: str(d).removeprefix("torch."))
-def test_gather_slices_writes_every_copy_what_its_slice_gathers_alone(kernel, split_calls, dtype, copies, slices):
-    """``gather_slices(..., copies)`` (a replicated head, or a latent, for several receivers):
-    each of a slice's copies == the slice's own gather, every layout, scattered/duplicated ids
-    and a partial last block; one thread takes one split call per tensor for every copy."""
-    from kvferry.adapters.paged_cache import gather_slices
-
-    calls, threads = split_calls
-    itemsize = torch.empty((), dtype=dtype).element_size()
-    key = random_blocks(10, 256 // itemsize, dtype, seed=8)
-    value = random_blocks(10, 256 // itemsize, dtype, seed=9)
-    for layout in ("dim0", "dim1", "packed", "tuple"):
-        for ids, seq_len in IDS_CASES:
-            plan = plan_extraction(
-                [make_layer(layout, key, value)] * 2, ids, seq_len, BLOCK, cache_dtype=str(dtype), layout=NAMES[layout]
-            )
-            parts = _sliced(plan, slices)
-            together = [_dests(p) for p in parts for _ in range(copies)]
-            gather_slices(parts, together, copies)
-            for d, got in enumerate(together):
-                alone = _dests(parts[d // copies])
-                parts[d // copies].gather_all(alone)
-                for a, b in zip(alone[0] + alone[1], got[0] + got[1]):
-                    assert same_bits(a, b), (layout, ids, slices, d)
-    assert (set(calls) == {slices * copies}) if threads == 1 else calls == []
-
-
 @needs_native
 @pytest.mark.parametrize("copies", [1, 2, 4])
 def test_a_bench_sized_replicated_split_gather_writes_each_copy(split_calls, copies, monkeypatch):

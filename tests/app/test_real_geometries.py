@@ -118,6 +118,14 @@ def test_every_receiver_gets_exactly_its_heads_bit_exact(kit, memory_connector_f
     sent = _send(conn, full, s, t, heads, "flash", fake_time)
     assert all(o.ok for o in sent), [o for o in sent if not o.ok]
     put_keys = sorted(k for o in sent for k in o.keys)
+    assert sorted(_receive_every_rank(conn, full, s, t, heads, fake_time)) == put_keys  # nothing read twice
+    assert kit.pool_is_empty(conn)  # every payload put was consumed
+
+
+def _receive_every_rank(conn: Any, full: Any, s: int, t: int, heads: int, fake_time: Any) -> list[str]:
+    """Every receiver rank of TP ``s -> t`` receives every request from ``conn`` (flash layout):
+    its heads bit for bit against an independent slice of the model's cache, and the control
+    (another head's slice differs). Returns the keys read."""
     got_keys: list[str] = []
     for rank in range(t):
         m = KVTransferManager(
@@ -142,8 +150,7 @@ def test_every_receiver_gets_exactly_its_heads_bit_exact(kit, memory_connector_f
                 other = [(mine[0] + 1) % heads]
                 assert not torch.equal(_bits(blocks["key_cache"][0]), _bits(_expected(full, other, spec)[0][0]))
             result.release()
-    assert sorted(got_keys) == put_keys  # both sides' key sets agree, nothing read twice
-    assert kit.pool_is_empty(conn)  # every payload put was consumed
+    return got_keys
 
 
 @pytest.mark.parametrize(("heads", "s", "t"), [(4, 2, 8), (2, 1, 4), (4, 1, 8), (8, 2, 16)])
@@ -180,27 +187,7 @@ def test_replicated_heads_through_the_native_one_pass_gather(
         torch.set_num_threads(threads)
     # every whole-block tensor of a sender rank: one split call writing all its receivers
     assert calls and set(calls) == {t // s}, calls
-    for rank in range(t):
-        m = KVTransferManager(
-            _config("receiver", s, t, heads, "flash"),
-            tp_rank=rank,
-            tp_size=t,
-            connector=conn,
-            clock=fake_time,
-            sleep=fake_time.sleep,
-        )
-        for rid, spec in REQUESTS.items():
-            result = m.receive(rid)
-            assert result.ok, result.outcome
-            mine = _engine_heads(t, heads, rank)
-            keys, values = _expected(full, mine, spec)
-            blocks = result.payload["layer_blocks"]
-            for layer in range(LAYERS):
-                assert torch.equal(_bits(blocks["key_cache"][layer]), _bits(keys[layer])), (rank, layer)
-                assert torch.equal(_bits(blocks["value_cache"][layer]), _bits(values[layer])), (rank, layer)
-            other = [(mine[0] + 1) % heads]
-            assert not torch.equal(_bits(blocks["key_cache"][0]), _bits(_expected(full, other, spec)[0][0]))
-            result.release()
+    assert len(_receive_every_rank(conn, full, s, t, heads, fake_time)) == t * len(REQUESTS)
     assert kit.pool_is_empty(conn)
 
 
