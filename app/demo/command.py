@@ -9,12 +9,16 @@ sender's cache holds. Progress shows while it runs (a bar on a terminal, otherwi
 few seconds); a table (or ``--json``) ends it: per-request transfer time apart from queueing and
 verification, the one transfer figure (per request, the memcpy of its bytes over its transfer
 time, as the benchmark's ``shm_e2e_vs_memcpy``; memcpy measured in the same run), and the wall
-time split into start-up, transfers, checking, pacing and shutdown. By default the senders send
-a request only once every receiver rank verified the one before (paced: each transfer is timed
-as the benchmark times its end to end, the receivers waiting and nothing else running);
+time split into start-up, transfers, checking, pacing and shutdown (parts that add up; the
+transfers are the very times the figure is the median over). By default the senders send a
+request only once every receiver rank verified the one before, and the first once every rank
+is ready (paced: each transfer is timed as the benchmark times its end to end, the receivers
+waiting and nothing else running): the parent, which learns each verification from the ranks'
+reports, releases a semaphore per sender rank; every wait on it is bounded, and a run that
+stops early (or ends) sets a stop event and lets every sender through, so none is left waiting.
 ``--overlap`` lets requests overlap (a pipeline under load: its transfer times then include the
-contention with verification). Exit status is 0 only when every request arrived bit-exact on
-every receiver rank.
+contention with verification, and the summary labels them so and shows the queueing). Exit
+status is 0 only when every request arrived bit-exact on every receiver rank.
 """
 
 from __future__ import annotations
@@ -39,10 +43,10 @@ from kvferry.adapters.platform import free_base_port, free_port
 from kvferry.app.demo.model import CONNECTOR_CHOICES, PRESETS, DemoSpec, model_preset, request_plan
 from kvferry.app.demo.progress import Progress
 from kvferry.app.demo.timing import (
+    RequestStamps,
     RequestTiming,
     WallSplit,
     percentile,
-    request_timing,
     transfer_figure,
     wall_split,
 )
@@ -67,7 +71,8 @@ class DemoReport:
     bytes over its transfer time and of its memcpy time over its transfer time
     (:func:`~kvferry.app.demo.timing.transfer_figure`); ``memcpy_gbps``: a single-thread memcpy
     of the mean request's bytes on this machine, measured before the stages start; ``wall``:
-    the wall time's split."""
+    the wall time's split (paced: ``wall.transfer_s`` is the sum of the very transfer times the
+    figure is the median over). Every figure is computed from ``stamps``."""
 
     requests: int
     bit_exact: int
@@ -95,6 +100,12 @@ class DemoReport:
     #: per request received everywhere, in order: (the first sender rank's send call, the last
     #: receiver rank done verifying it); in a paced run no two overlap
     windows: tuple[tuple[float, float], ...] = ()
+    #: per request received everywhere, in order: its ranks' stamps, from which every figure
+    #: above is computed
+    stamps: tuple[RequestStamps, ...] = ()
+    #: when the parent learnt that every rank of both stages was ready (monotonic clock); a
+    #: paced run lets the first request go only then
+    t_ready: float = math.nan
 
     @property
     def ok(self) -> bool:
@@ -138,11 +149,19 @@ def run_demo(
     gates: list[Any] = (
         [] if spec.overlap else [(threading.Semaphore(0) if threads else ctx.Semaphore(0)) for _ in range(spec.from_tp)]
     )
+    # set when the run stops early (a rank failed, the deadline passed): a sender let through
+    # then sends nothing more; without it a sender waits for its turn at most its gate timeout
+    stop: Any = None if spec.overlap else (threading.Event() if threads else ctx.Event())
 
     def let_through(times: int = 1) -> None:
         for gate in gates:
             for _ in range(times):
                 gate.release()
+
+    def open_gates() -> None:
+        if stop is not None and not stop.is_set():
+            stop.set()
+            let_through(total + 1)  # every turn a sender could still wait for
 
     if threads:
         from kvferry.adapters.collectives import InProcessWorld
@@ -160,7 +179,8 @@ def run_demo(
                     threading.Thread(
                         target=run_worker,
                         args=(role, rank, attrs.asdict(spec), q),
-                        kwargs={"groups": groups, "connector": shared, "gate": gate},
+                        kwargs={"groups": groups, "connector": shared, "gate": gate, "stop": stop},
+                        name=f"kvferry-demo-{role}-{rank}",
                         daemon=True,
                     )
                 )
@@ -168,7 +188,7 @@ def run_demo(
         for role, size in (("sender", spec.from_tp), ("receiver", spec.to_tp)):
             for rank in range(size):
                 gate = gates[rank] if gates and role == "sender" else None
-                args = (role, rank, attrs.asdict(spec), q, gate)
+                args = (role, rank, attrs.asdict(spec), q, gate, stop if gate is not None else None)
                 workers.append(ctx.Process(target=run_worker_process, args=args, daemon=True))
     for w in workers:
         w.start()
@@ -219,10 +239,11 @@ def run_demo(
                 # a failed rank fails the run: its peers would otherwise wait for it until the
                 # whole run's deadline (minutes); they get a short while to report, then stop
                 deadline = min(deadline, time.monotonic() + after_error_s)
-                let_through(total)  # no sender waits for a turn that will not come
+                open_gates()  # no sender waits for a turn that will not come, none sends more
             elif kind == "done":
                 done += 1
     finally:
+        open_gates()  # at the end, or stopped early: a sender still waiting gives up now
         if spec.done_file:
             open(spec.done_file, "w").close()
         for w in workers:
@@ -241,8 +262,7 @@ def run_demo(
     exact = 0
     latencies: list[float] = []
     timings: list[RequestTiming] = []
-    windows: list[tuple[float, float]] = []
-    moved: list[int] = []  # the bytes of each request in timings
+    stamps: list[RequestStamps] = []
     nbytes = 0
     last_verified = start or end
     for req in reqs:
@@ -265,17 +285,19 @@ def run_demo(
         if rows and sends:
             latencies.append(max(r["t"] for r in rows) - max(s["t"] for s in sends))
         if key == "received" and len(sends) == spec.from_tp:
-            timings.append(
-                request_timing(
-                    [s["t_call"] for s in sends],
-                    [s["t"] for s in sends],
-                    [r["t_wait"] for r in rows],
-                    [r["t"] for r in rows],
-                    [r["t_verified"] for r in rows],
-                )
+            rows = sorted(rows, key=lambda r: r["rank"])
+            sends = sorted(sends, key=lambda s: s["rank"])
+            stamp = RequestStamps(
+                req.request_id,
+                request_bytes,
+                tuple(s["t_call"] for s in sends),
+                tuple(s["t"] for s in sends),
+                tuple(r["t_wait"] for r in rows),
+                tuple(r["t"] for r in rows),
+                tuple(r["t_verified"] for r in rows),
             )
-            moved.append(request_bytes)
-            windows.append((min(s["t_call"] for s in sends), max(r["t_verified"] for r in rows)))
+            stamps.append(stamp)
+            timings.append(stamp.timing())
     # paced, one request after the other: its transfer, then its verification's tail, add up
     # without overlap; overlapping requests count each one's slowest rank's verification
     if spec.overlap:
@@ -289,7 +311,7 @@ def run_demo(
             0, 1, spec.from_tp, spec.to_tp, num_heads=spec.routed_heads, base_port=spec.base_port, request_id="<rid>"
         )
     )
-    figure = transfer_figure(moved, [t.transfer_s for t in timings], memcpy_gbps)
+    figure = transfer_figure([s.nbytes for s in stamps], [t.transfer_s for t in timings], memcpy_gbps)
     ms = lambda values, q: percentile(values, q) * 1e3  # noqa: E731
     return DemoReport(
         total,
@@ -314,14 +336,20 @@ def run_demo(
         memcpy_gbps=memcpy_gbps,
         wall=wall,
         paced=not spec.overlap,
-        windows=tuple(windows),
+        windows=tuple(s.window for s in stamps),
+        stamps=tuple(stamps),
+        t_ready=start if start is not None else math.nan,
     )
 
 
 def _table(report: DemoReport) -> str:
     w = report.wall
     if report.paced:
-        how = "the senders' send call -> every receiver rank holds it, one request at a time with the receivers waiting"
+        how = (
+            "the senders' send call -> every receiver rank holds it, one request at a time with the receivers "
+            "waiting, as kvferry bench times its e2e"
+        )
+        rate = "median over requests, as the bench's shm_e2e_vs_memcpy: {}"
         wall = [
             f"  wall time       {w.total_s:.2f} s = start-up {w.startup_s:.2f} + transfers {w.transfer_s:.2f} "
             f"+ checking {w.checking_s:.2f} + pacing {w.pacing_s:.2f} + shutdown {w.shutdown_s:.2f}",
@@ -331,8 +359,12 @@ def _table(report: DemoReport) -> str:
         ]
     else:
         how = (
-            "senders' put -> every receiver rank has it, queueing excluded; requests overlapping: the ranks "
-            "share the cores with verification, so this is no bench e2e"
+            "UNDER CONTENTION (--overlap): senders' put -> every receiver rank has it, queueing excluded; "
+            "requests overlap, the ranks sharing the cores with verification and extraction"
+        )
+        rate = (
+            "median over requests: {}; under contention, so not the bench's shm_e2e_vs_memcpy, which a default "
+            "(paced) run gives"
         )
         wall = [
             f"  wall time       {w.total_s:.2f} s = start-up {w.startup_s:.2f} + receiving {w.receiving_s:.2f} "
@@ -349,9 +381,9 @@ def _table(report: DemoReport) -> str:
         f"  bytes           {report.bytes / 1e9:.2f} GB",
         f"  transfer        p50 {report.transfer_ms_p50:.1f} ms, p99 {report.transfer_ms_p99:.1f} ms "
         f"per request ({how})",
-        f"                  = {report.transfer_vs_memcpy:.2f}x a memcpy of its bytes (median over requests, as the "
-        f"bench's shm_e2e_vs_memcpy: {report.transfer_gbps:.2f} GB/s, memcpy {report.memcpy_gbps:.2f} GB/s, "
-        "1 thread, this run)",
+        f"                  = {report.transfer_vs_memcpy:.2f}x a memcpy of its bytes ("
+        + rate.format(f"{report.transfer_gbps:.2f} GB/s, memcpy {report.memcpy_gbps:.2f} GB/s, 1 thread, this run")
+        + ")",
     ]
     if not report.paced:
         lines.append(
@@ -533,7 +565,11 @@ def report_json(report: DemoReport) -> dict[str, Any]:
         "bytes": report.bytes,
         "seconds": round(report.seconds, 4),
         "paced": report.paced,
-        "wall_s": {k.removesuffix("_s"): round(v, 4) for k, v in attrs.asdict(report.wall).items()},
+        # total = startup + receiving + checking + shutdown; paced: receiving = transfer + pacing
+        "wall_s": {
+            **{k.removesuffix("_s"): round(v, 4) for k, v in attrs.asdict(report.wall).items()},
+            "pacing": round(report.wall.pacing_s, 4),
+        },
         "transfer_ms": {"p50": finite(report.transfer_ms_p50), "p99": finite(report.transfer_ms_p99)},
         "queue_ms": {"p50": finite(report.queue_ms_p50)},
         "check_ms": {"p50": finite(report.check_ms_p50)},

@@ -7,12 +7,15 @@ Pure functions of monotonic-clock stamps (seconds, one clock for every process o
 - a receiver rank *waits* for it from the moment it starts its receive, *has* it once the
   receive (with TP consensus) returns, and has *verified* it after comparing every tensor.
 
+:class:`RequestStamps` holds one request's stamps as the ranks reported them;
 :func:`request_timing` splits a request into transfer, queueing and verification;
 :func:`transfer_figure` is the one transfer figure of the summary: per request, the memcpy of its
 bytes over its transfer time (as ``kvferry bench`` defines ``shm_e2e_vs_memcpy``), the median
 over requests; :func:`wall_split` splits the run's wall time into start-up, receiving, checking
-and shutdown, and, in a paced run (one request at a time), receiving into the requests' summed
-transfer times and the pacing between them; when requests overlap no rate is made of receiving.
+and shutdown, and, in a paced run (one request at a time, the default), receiving into the
+requests' summed transfer times and the pacing between them, so that every part of the wall
+time is named and the transfer part is made of the very times the transfer figure is the
+median of. When requests overlap (``--overlap``) no rate is made of receiving.
 """
 
 from __future__ import annotations
@@ -24,6 +27,7 @@ from collections.abc import Iterable, Sequence
 import attrs
 
 __all__ = [
+    "RequestStamps",
     "RequestTiming",
     "TransferFigure",
     "WallSplit",
@@ -46,6 +50,31 @@ class RequestTiming:
     #: last receiver rank holding it -> last rank done verifying it (what a paced run's checking
     #: adds to its wall time: ranks that verify while another still receives are in transfer_s)
     tail_s: float = 0.0
+
+
+@attrs.frozen
+class RequestStamps:
+    """One request's stamps as its ranks reported them: per sender rank ``put_start`` (the send
+    call) and ``put_end`` (its return); per receiver rank, in one rank order, ``waits`` (its
+    receive began), ``received`` (it holds the request) and ``verified`` (every tensor
+    compared); ``nbytes``: what the senders put, summed."""
+
+    request_id: str
+    nbytes: int
+    put_start: tuple[float, ...]
+    put_end: tuple[float, ...]
+    waits: tuple[float, ...]
+    received: tuple[float, ...]
+    verified: tuple[float, ...]
+
+    @property
+    def window(self) -> tuple[float, float]:
+        """The first sender rank's send call -> the last receiver rank done verifying."""
+        return min(self.put_start), max(self.verified)
+
+    def timing(self) -> RequestTiming:
+        """:func:`request_timing` of these stamps."""
+        return request_timing(self.put_start, self.put_end, self.waits, self.received, self.verified)
 
 
 def request_timing(
@@ -74,9 +103,11 @@ class WallSplit:
     """The wall time (``total_s``, launch -> every worker finished) in four parts that add up to
     it: ``startup_s`` (processes, imports, caches, connections: launch -> every rank ready),
     ``checking_s`` (the receivers verifying, request after request), ``shutdown_s`` (last
-    request verified -> every worker finished) and ``receiving_s``, the rest: the receivers
-    waiting for and taking in the requests, several of them in flight at once (so bytes over
-    it is no transfer rate: :class:`TransferFigure` is)."""
+    request verified -> every worker finished) and ``receiving_s``, the rest. In a paced run
+    ``receiving_s`` is ``transfer_s`` (the requests' transfer times, summed) plus ``pacing_s``
+    (letting the next request go), so the wall time is start-up + transfers + checking +
+    pacing + shutdown. When requests overlap, several are in flight at once in receiving (so
+    bytes over it is no transfer rate: :class:`TransferFigure` is) and ``transfer_s`` is 0."""
 
     total_s: float
     startup_s: float

@@ -4,7 +4,10 @@ A worker runs as a process (default) or a thread (the in-process ``memory`` conn
 builds its :class:`~kvferry.app.manager.KVTransferManager` from an ``omni_kv_config`` dict
 through :mod:`kvferry.app.wiring`, exactly as an engine would. Synthetic paged caches are
 deterministic functions of ``(seed, sender rank)``, so a receiver rebuilds the sender's cache
-and checks every tensor bit for bit. Results go to the parent over a queue as plain dicts.
+and checks every tensor bit for bit. Results go to the parent over a queue as plain dicts. In a
+paced run (the default) a sender waits on its gate, a semaphore the parent releases, before each
+request, at most the receive deadline and 30 s, and sends nothing more once the parent's stop
+event is set.
 """
 
 from __future__ import annotations
@@ -113,9 +116,12 @@ def run_worker(
     groups: Any = None,
     connector: Any = None,
     gate: Any = None,
+    stop: Any = None,
 ) -> None:
     """Entry point of one rank; reports ``{"kind": ...}`` dicts on ``queue``. ``gate`` (a
-    sender's, in a paced run): a semaphore the parent releases once per request it may send."""
+    sender's, in a paced run): a semaphore the parent releases once per request it may send;
+    ``stop``: an event the parent sets before letting every sender through when the run stops
+    early, after which a sender sends nothing more."""
     torch.set_num_threads(1)
     from kvferry.adapters.platform import tune_host_allocator
 
@@ -124,7 +130,7 @@ def run_worker(
     spec = DemoSpec(**spec_dict)
     try:
         if role == "sender":
-            _sender(spec, rank, queue, groups, connector, gate)
+            _sender(spec, rank, queue, groups, connector, gate, stop)
         else:
             _receiver(spec, rank, queue, groups, connector)
     except BaseException as exc:  # the parent must learn of every failure
@@ -134,7 +140,9 @@ def run_worker(
         queue.put({"kind": "done", "role": role, "rank": rank})
 
 
-def run_worker_process(role: str, rank: int, spec_dict: dict[str, Any], queue: Any, gate: Any = None) -> None:
+def run_worker_process(
+    role: str, rank: int, spec_dict: dict[str, Any], queue: Any, gate: Any = None, stop: Any = None
+) -> None:
     """A rank as the whole of a process: :func:`run_worker`, then the queue flushed and the
     process ended with :func:`os._exit` (0, or 1 after a failure it reported).
 
@@ -148,7 +156,7 @@ def run_worker_process(role: str, rank: int, spec_dict: dict[str, Any], queue: A
 
     code = 0
     try:
-        run_worker(role, rank, spec_dict, queue, gate=gate)
+        run_worker(role, rank, spec_dict, queue, gate=gate, stop=stop)
     except BaseException:
         import traceback
 
@@ -180,7 +188,9 @@ def _manager(spec: DemoSpec, role: str, rank: int, groups: Any, connector: Any) 
     )
 
 
-def _sender(spec: DemoSpec, rank: int, queue: Any, groups: Any, connector: Any, gate: Any = None) -> None:
+def _sender(
+    spec: DemoSpec, rank: int, queue: Any, groups: Any, connector: Any, gate: Any = None, stop: Any = None
+) -> None:
     manager = _manager(spec, "sender", rank, groups, connector)
     cache = synthetic_cache(spec, rank)
     queue.put({"kind": "ready", "role": "sender", "rank": rank})
@@ -193,6 +203,8 @@ def _sender(spec: DemoSpec, rank: int, queue: Any, groups: Any, connector: Any, 
                     f"request {req.request_id}: not let through in {spec.timeout_s + _GATE_GRACE_S:.0f} s "
                     "(the demo sends the next request once every receiver rank verified the previous one)"
                 )
+            if stop is not None and stop.is_set():
+                break  # the run stopped early; the parent reports why
             finished = {req.request_id: {"block_ids": list(req.block_ids), "seq_len": req.seq_len}}
             t_call = time.monotonic()
             outcome = manager.send_requests(finished, cache, spec.block_size, spec.dtype)[0]

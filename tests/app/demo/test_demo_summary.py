@@ -2,9 +2,12 @@
 figure against memcpy (per request, as the bench's e2e ratio), the wall time's split; and its
 progress display (a bar only on a terminal).
 
-The arithmetic is checked against hand-worked timelines and properties; one tiny real run
-(in-process ``memory`` connector, TP 2 -> 4 threads) checks the ``--json`` fields and the
-progress lines a non-terminal gets.
+The arithmetic is checked against hand-worked timelines and properties (the wall time's parts
+add up, its transfer part and the transfer figure agree); tiny real runs (in-process ``memory``
+connector, TP 2 -> 4 threads) check the ``--json`` fields, the progress lines a non-terminal
+gets, the pacing (from the ranks' stamps: no request sent before every receiver rank verified
+the one before), the transfer figure recomputed from those stamps, that ``--overlap`` still
+runs, and that a failed run leaves no sender waiting for its turn.
 """
 
 from __future__ import annotations
@@ -20,7 +23,7 @@ from hypothesis import strategies as st
 
 from kvferry.app.cli import main
 from kvferry.app.demo.progress import Progress
-from kvferry.app.demo.timing import percentile, request_timing, transfer_figure, wall_split
+from kvferry.app.demo.timing import RequestStamps, percentile, request_timing, transfer_figure, wall_split
 
 stamp = st.floats(min_value=0, max_value=1e4, allow_nan=False)
 
@@ -75,6 +78,62 @@ def test_wall_split_parts_add_up_to_the_wall(launch, up, run, down, checks) -> N
     assert w.startup_s == pytest.approx(up)
     if sum(checks) <= run:
         assert w.checking_s == pytest.approx(sum(checks)) and w.shutdown_s == pytest.approx(down)
+
+
+@given(
+    stamp,
+    st.floats(0, 100),
+    st.lists(st.tuples(st.floats(0, 10), st.floats(0, 10), st.floats(0, 1)), max_size=8),
+    st.floats(0, 100),
+)
+def test_a_paced_wall_is_startup_transfers_checking_pacing_and_shutdown(launch, up, requests, down) -> None:
+    """One request after the other: each its transfer, its verification's tail and a hand-off;
+    the five parts are never negative, add up to the wall, and transfers are the sum."""
+    ready = launch + up
+    last = ready + sum(t + c + g for t, c, g in requests)
+    end = last + down
+    transfers, tails = [t for t, _, _ in requests], [c for _, c, _ in requests]
+    w = wall_split(launch, ready, last, end, tails, transfers)
+    parts = (w.startup_s, w.transfer_s, w.checking_s, w.pacing_s, w.shutdown_s)
+    assert all(p >= -1e-9 for p in parts)
+    assert sum(parts) == pytest.approx(w.total_s, abs=1e-6) and w.total_s == pytest.approx(end - launch)
+    assert w.receiving_s == pytest.approx(w.transfer_s + w.pacing_s)
+    assert w.transfer_s == pytest.approx(sum(transfers), abs=1e-6)
+    assert w.checking_s == pytest.approx(sum(tails), abs=1e-6)
+    assert w.pacing_s == pytest.approx(sum(g for _, _, g in requests), abs=1e-6)
+
+
+@given(stamp, st.floats(0, 10), st.floats(0, 10), st.lists(st.floats(0, 10), max_size=6), st.lists(st.floats(0, 10)))
+def test_the_wall_split_clamps_transfers_that_do_not_fit(launch, up, run, checks, transfers) -> None:
+    w = wall_split(launch, launch + up, launch + up + run, launch + up + run, checks, transfers)
+    assert 0 <= w.transfer_s <= w.receiving_s + 1e-9 and w.pacing_s >= -1e-9
+    assert w.startup_s + w.receiving_s + w.checking_s + w.shutdown_s == pytest.approx(w.total_s, abs=1e-6)
+
+
+@given(st.lists(st.tuples(st.integers(1, 10**10), st.floats(1e-3, 10)), min_size=1, max_size=20), st.floats(0.1, 50))
+def test_the_walls_transfer_part_and_the_transfer_figure_agree(requests, memcpy_gbps) -> None:
+    """The wall's transfers are the very times the figure is the median over: all bytes over
+    them (a mean of the requests' rates weighted by their times) lies among those rates, as
+    does the figure; so neither contradicts the other."""
+    sizes, times = [b for b, _ in requests], [t for _, t in requests]
+    w = wall_split(0.0, 1.0, 1.0 + sum(times) + 1.0, 1.0 + sum(times) + 1.0, [0.5], times)
+    assert w.transfer_s == pytest.approx(sum(times))
+    figure = transfer_figure(sizes, times, memcpy_gbps)
+    rates = [b / t / 1e9 for b, t in requests]
+    overall = sum(sizes) / w.transfer_s / 1e9
+    assert min(rates) * (1 - 1e-9) <= overall <= max(rates) * (1 + 1e-9)
+    assert min(rates) * (1 - 1e-9) <= figure.gbps <= max(rates) * (1 + 1e-9)
+    if len(set(rates)) == 1:  # requests alike: the two are one figure
+        assert overall == pytest.approx(figure.gbps)
+
+
+def test_a_requests_stamps_give_its_window_and_timing() -> None:
+    # paced: senders let through at 10 (calls at 10.0 and 10.2, back at 10.5 and 10.6); the
+    # receivers have waited since 9 (verified the one before), hold it at 10.8 and 11.0
+    s = RequestStamps("r", 100, (10.0, 10.2), (10.5, 10.6), (9.0, 9.1), (10.8, 11.0), (11.5, 11.2))
+    assert s.window == (10.0, 11.5)
+    t = s.timing()
+    assert (t.transfer_s, t.queue_s, t.check_s, t.tail_s) == pytest.approx((0.8, 0.0, 0.7, 0.5))
 
 
 def test_the_transfer_figure_is_per_request_not_bytes_over_summed_or_wall_time() -> None:
@@ -165,10 +224,11 @@ def test_demo_json_reports_transfer_apart_from_queueing_and_checking(capsys: pyt
     doc = json.loads(capsys.readouterr().out)
     assert doc["bit_exact"] == 4 and doc["errors"] == []
     wall = doc["wall_s"]
-    assert set(wall) == {"total", "startup", "receiving", "checking", "shutdown", "transfer"}
+    assert set(wall) == {"total", "startup", "receiving", "checking", "shutdown", "transfer", "pacing"}
     assert all(v >= 0 for v in wall.values()) and wall["startup"] > 0 and wall["checking"] > 0
     parts = wall["startup"] + wall["receiving"] + wall["checking"] + wall["shutdown"]
     assert parts == pytest.approx(wall["total"], abs=1e-3) and wall["total"] == pytest.approx(doc["seconds"], abs=1e-3)
+    assert wall["transfer"] + wall["pacing"] == pytest.approx(wall["receiving"], abs=1e-3)
     assert 0 < doc["transfer_ms"]["p50"] <= doc["transfer_ms"]["p99"]
     # paced (the default): nothing queued, and the transfers are a part of receiving
     assert doc["paced"] is True and doc["queue_ms"]["p50"] == 0 and doc["check_ms"]["p50"] > 0
@@ -195,27 +255,94 @@ def test_demo_table_and_progress_off_a_terminal(capsys: pytest.CaptureFixture[st
     assert "PASS" in captured.out
 
 
+def _tiny_spec(**extra: object) -> object:
+    from kvferry.adapters.platform import free_base_port
+    from kvferry.app.demo.model import DemoSpec
+
+    return DemoSpec(
+        connector="memory", from_tp=2, to_tp=4, model="tiny", layers=2, kv_heads=8, head_dim=16, requests=6,
+        min_tokens=8, max_tokens=40, base_port=free_base_port(2), timeout_s=30.0, **extra,
+    )  # fmt: skip
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(180)
 def test_a_paced_run_sends_each_request_after_the_previous_one_was_verified() -> None:
-    """Paced (the default): each request's window, from the first sender rank's send call to the
-    last receiver rank's verification, starts after the previous one ended (no two overlap), and
-    the wall time's transfers are the requests' transfer times summed. With ``overlap`` the
-    same run still arrives bit-exact and says so (no transfers part)."""
-    import attrs
-
-    from kvferry.adapters.platform import free_base_port
+    """Paced (the default), read from the ranks' own stamps: no sender rank calls send for
+    request 0 before every rank of both stages was ready, nor for request ``i`` before every
+    receiver rank verified request ``i - 1``; nothing queues. The transfer figure, recomputed
+    here from the stamps (per request: the memcpy time of its bytes at the run's memcpy rate
+    over send call -> every receiver rank holding it; the median), is the report's, and the
+    wall time's transfers are those times summed."""
     from kvferry.app.demo.command import run_demo
-    from kvferry.app.demo.model import DemoSpec
 
-    base = DemoSpec(
-        connector="memory", from_tp=2, to_tp=4, model="tiny", layers=2, kv_heads=8, head_dim=16, requests=6,
-        min_tokens=8, max_tokens=40, base_port=free_base_port(2), timeout_s=30.0,
-    )  # fmt: skip
-    report = run_demo(base)
-    assert report.ok and report.paced and len(report.windows) == 6
+    report = run_demo(_tiny_spec())
+    assert report.ok and report.paced and len(report.stamps) == 6 and math.isfinite(report.t_ready)
+    first = report.stamps[0]
+    assert min(first.put_start) >= report.t_ready
+    for before, after in zip(report.stamps, report.stamps[1:]):
+        assert len(before.verified) == 4 and len(after.put_start) == 2
+        assert min(after.put_start) >= max(before.verified)  # every receiver rank verified the one before
+    assert [s.window for s in report.stamps] == list(report.windows)
     for (_, end), (start, _) in zip(report.windows, report.windows[1:]):
-        assert start >= end  # sent only after the previous request was verified everywhere
-    assert report.queue_ms_p50 == 0
-    overlapping = run_demo(attrs.evolve(base, overlap=True, base_port=free_base_port(2)))
+        assert start >= end
+    # the figure from the raw stamps, without the timing module
+    for s in report.stamps:
+        assert max(s.waits) <= max(s.put_end)  # every receiver waiting before the put ended: no queue
+    transfers = [max(s.received) - max(s.put_start) for s in report.stamps]
+    memcpy_s = [s.nbytes / (report.memcpy_gbps * 1e9) for s in report.stamps]
+    assert report.queue_ms_p50 == 0 and all(t > 0 for t in transfers)
+    assert sum(s.nbytes for s in report.stamps) == report.bytes
+    assert report.transfer_vs_memcpy == pytest.approx(
+        statistics.median(m / t for m, t in zip(memcpy_s, transfers)), rel=1e-9
+    )
+    assert report.transfer_gbps == pytest.approx(
+        statistics.median(s.nbytes / t / 1e9 for s, t in zip(report.stamps, transfers)), rel=1e-9
+    )
+    assert report.wall.transfer_s == pytest.approx(sum(transfers), rel=1e-9)
+    assert report.transfer_ms_p50 == pytest.approx(percentile(transfers, 50) * 1e3, rel=1e-9)
+    assert report.transfer_ms_p99 == pytest.approx(percentile(transfers, 99) * 1e3, rel=1e-9)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(180)
+def test_the_overlap_option_still_runs_and_says_it_is_under_contention(capsys: pytest.CaptureFixture[str]) -> None:
+    from kvferry.app.demo.command import run_demo
+
+    overlapping = run_demo(_tiny_spec(overlap=True))
     assert overlapping.ok and not overlapping.paced and overlapping.wall.transfer_s == 0
+    assert len(overlapping.stamps) == 6 and overlapping.queue_ms_p50 >= 0
+    assert main(["demo", *TINY, "--overlap"]) == 0
+    out = capsys.readouterr().out
+    assert "UNDER CONTENTION (--overlap)" in out and "queueing" in out and "receiving" in out
+    assert "not the bench's shm_e2e_vs_memcpy" in out and "transfers" not in out and "PASS" in out
+    assert main(["demo", *TINY, "--overlap", "--json"]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    assert doc["paced"] is False and doc["wall_s"]["transfer"] == 0 and doc["bit_exact"] == 4
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(180)
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnhandledThreadExceptionWarning")  # the ranks' raise, on purpose
+def test_a_failed_run_leaves_no_sender_waiting_for_its_turn(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every receiver rank fails while verifying the first request, so the turn of the second
+    never comes: the run stops, says why, and every sender has ended (let through and told to
+    send nothing more) long before its own gate timeout (the receive deadline and 30 s)."""
+    import threading
+    import time
+
+    from kvferry.app.demo import worker
+    from kvferry.app.demo.command import run_demo
+
+    def broken(*args: object, **kwargs: object) -> object:
+        raise RuntimeError("verification broke on purpose")
+
+    monkeypatch.setattr(worker, "expected_kv", broken)
+    started = time.monotonic()
+    report = run_demo(_tiny_spec(), after_error_s=5.0)
+    assert time.monotonic() - started < 25.0
+    assert not report.ok and report.bit_exact == 0
+    assert report.errors and all(e.startswith("receiver rank") for e in report.errors), report.errors
+    assert all("broke on purpose" in e for e in report.errors)
+    senders = [t for t in threading.enumerate() if t.name.startswith("kvferry-demo-sender-")]
+    assert not senders, senders
