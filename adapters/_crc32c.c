@@ -18,8 +18,8 @@
  * reads 256 bytes a step instead of 24 (measured on a 4 MiB buffer: 58 GB/s from cache against
  * 28, and as fast as memory when cold). The 128-bit PCLMULQDQ alone, latency-bound, measured
  * slower than the crc32 instruction and is not used. Elsewhere (another CPU, another
- * architecture or compiler) a table-driven CRC reads 8 bytes a step. All give the same value; set_engine() picks
- * one for tests and measurements.
+ * architecture or compiler) a table-driven CRC reads 8 bytes a step. All give the same value;
+ * set_engine() picks one for tests and measurements.
  * The GIL is released for buffers of 64 KiB or more.
  *
  * copy_crc32c(dst, src, chunk, spans, value) copies src chunk by chunk to places in dst and returns
@@ -523,9 +523,8 @@ PyDoc_STRVAR(engine_doc,
 static PyObject *engine_of(PyObject *self, PyObject *unused) { return PyUnicode_FromString(engine_name); }
 
 PyDoc_STRVAR(set_engine_doc,
-"set_engine(name) -> bool: use vpclmulqdq, sse4.2 or table if this CPU has it (for\n"
-"tests and measurements);\n"
-"None picks the best again. False leaves it unchanged.");
+"set_engine(name) -> bool: use vpclmulqdq, sse4.2 or table if this CPU has it (for tests and\n"
+"measurements); None picks the best again. False leaves it unchanged.");
 
 static PyObject *set_engine(PyObject *self, PyObject *arg) {
     const char *name = NULL;

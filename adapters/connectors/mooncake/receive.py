@@ -57,6 +57,11 @@ def pin_margin_s(pin_s: float) -> float:
     return min(1.0, pin_s / 10.0)
 
 
+def _past_pin(held_s: float, pin_s: float) -> bool:
+    """Whether a claim held ``held_s`` seconds since its reply may have been revoked by now."""
+    return held_s > pin_s - pin_margin_s(pin_s)
+
+
 class Space(Protocol):
     """Local pool space for incoming payloads (byte offsets into the engine pool)."""
 
@@ -170,7 +175,7 @@ class ReceiveSide:
             return "no_room"
         ok = self.pool.read(f"{where.host}:{reply.rpc_port}", region.offset, reply.addr, size)
         failure = "" if ok else "transfer_failed"
-        if ok and self.clock() - got_at > reply.pin_s - pin_margin_s(reply.pin_s):
+        if ok and _past_pin(self.clock() - got_at, reply.pin_s):
             # the sender may have revoked the claim and reused the region meanwhile
             failure = "expired"
         self._finish(peer, key, reply.claim, not failure)
@@ -228,10 +233,11 @@ class ReceiveSide:
                 by_peer.setdefault(f"{where.host}:{reply.rpc_port}", []).append((region.offset, reply.addr, reply.size))
             ok = all(self.pool.read_spans(name, spans) for name, spans in by_peer.items())
         failure = "" if ok else "transfer_failed"
-        if ok and claimed and self.clock() - got_at > min(r.pin_s - pin_margin_s(r.pin_s) for _, r, _ in claimed):
+        if ok and claimed and any(_past_pin(self.clock() - got_at, r.pin_s) for _, r, _ in claimed):
             failure = "expired"  # the sender may have revoked a claim and reused its region meanwhile
         ends += [(keys[i], reply.claim, not failure) for i, reply, _ in claimed]
-        if ends and not broken:
+        if ends:  # even over a channel that failed a lookup: each claim given back or ended now,
+            # not left pinned until its hold time (a dead channel answers this at once)
             acks = peer.done_many(ends, self.control_timeout_s)
             lost = [a for a in acks if isinstance(a, Failure)]
             if lost:
