@@ -296,7 +296,7 @@ class KVFerryStats(KVConnectorStats):
     ``requests_loaded``, ``bytes_loaded``, ``load_seconds``, ``failures_<kind>``,
     ``pool_entries_released``, ``pool_entries_expired``; and gauges, values now, one per rank
     (``<name>@<rank>``: ``pool_bytes_held``, ``pool_regions_held``, ``pool_entries_held``,
-    ``threads``). Aggregating adds counters; a gauge keeps the later value (ranks have keys
+    ``pool_entries_unread``, ``threads``). Aggregating adds counters; a gauge keeps the later value (ranks have keys
     of their own)."""
 
     def reset(self) -> None:
@@ -365,6 +365,11 @@ class KVFerryPromMetrics(KVConnectorPromMetrics):
         ("pool_bytes_held", "vllm:kvferry_pool_bytes_held", "Bytes the prefill's pool holds now."),
         ("pool_regions_held", "vllm:kvferry_pool_regions_held", "Regions the prefill's pool holds now."),
         ("pool_entries_held", "vllm:kvferry_pool_entries_held", "Published entries the prefill's pool holds now."),
+        (
+            "pool_entries_unread",
+            "vllm:kvferry_pool_entries_unread",
+            "Entries the prefill's pool holds that no reader has taken yet.",
+        ),
         (THREADS_GAUGE, "vllm:kvferry_threads", "kvferry's threads in the rank's process."),
     )
 

@@ -40,9 +40,10 @@ __all__ = [
 FAILURE_KINDS = ("timeout", "expired", "corrupt", "params", "layout", "unavailable", "put", "error", "sender_failed")
 
 #: Values now (not counts) a rank reports with its stats, each under :func:`gauge_key`: what
-#: the prefill's pool holds (bytes, regions and entries not freed yet) and kvferry's threads
-#: in the rank's process.
-POOL_GAUGES = ("pool_bytes_held", "pool_regions_held", "pool_entries_held")
+#: the prefill's pool holds (bytes, regions and entries not freed yet), the entries of those no
+#: reader has taken yet (published, unread: a decode that reads them has not asked), and
+#: kvferry's threads in the rank's process.
+POOL_GAUGES = ("pool_bytes_held", "pool_regions_held", "pool_entries_held", "pool_entries_unread")
 THREADS_GAUGE = "threads"
 #: Counts since the last report of a prefill's pool: entries freed because every reader
 #: released them, and entries freed because their lease (or a gone reader's hold) ran out.
@@ -53,7 +54,12 @@ _POOL_SOURCES = {
     "pool_entries_expired": ("expired_unread", "expired_unreleased"),
 }
 #: The pool's values now behind each gauge (LocalPool.stats()).
-_GAUGE_SOURCES = {"pool_bytes_held": "used_bytes", "pool_regions_held": "live_regions", "pool_entries_held": "entries"}
+_GAUGE_SOURCES = {
+    "pool_bytes_held": "used_bytes",
+    "pool_regions_held": "live_regions",
+    "pool_entries_held": "entries",
+    "pool_entries_unread": "readable",
+}
 
 
 def gauge_key(name: str, rank: int) -> str:

@@ -264,6 +264,11 @@ def test_ledger_regions_follow_entries(ops) -> None:
         live = {r.offset for r in ledger.allocator.live_regions()}
         held = {e.handle.offset for e in ledger.leases.entries()}
         assert live == held  # nothing reserved-but-unpublished in this test
+        # unread (the gauge a prefill reports): entries some reader may still take, never more
+        # than those held; a taken entry whose ticket is out is held, not unread
+        stats = ledger.stats()
+        published = [e for e in ledger.leases.entries() if e.state == EntryState.PUBLISHED]
+        assert stats["readable"] == len(published) <= stats["entries"]
         for offset in list(contents):
             if offset not in live:
                 del contents[offset]

@@ -53,12 +53,13 @@ def test_a_decode_rank_reports_its_threads_only() -> None:
 
 def test_the_pools_values_are_gauges_and_its_counters_counts_since_the_last_report() -> None:
     w = PoolWatch(0)
-    pool = {"used_bytes": 4096, "live_regions": 2, "entries": 2, "released": 5, "expired_unread": 1}
+    pool = {"used_bytes": 4096, "live_regions": 2, "entries": 2, "readable": 1, "released": 5, "expired_unread": 1}
     assert w.report(pool, 2) == {
         "threads@0": 2.0,
         "pool_bytes_held@0": 4096.0,
         "pool_regions_held@0": 2.0,
         "pool_entries_held@0": 2.0,
+        "pool_entries_unread@0": 1.0,
         "pool_entries_released": 5.0,
         "pool_entries_expired": 1.0,
     }
@@ -68,6 +69,7 @@ def test_the_pools_values_are_gauges_and_its_counters_counts_since_the_last_repo
         "pool_bytes_held@0": 4096.0,
         "pool_regions_held@0": 2.0,
         "pool_entries_held@0": 2.0,
+        "pool_entries_unread@0": 1.0,
     }
     later = {"used_bytes": 0, "live_regions": 0, "entries": 0, "released": 6}
     later.update(expired_unread=1, expired_unreleased=1)
@@ -123,12 +125,14 @@ def test_a_prefills_pool_reports_what_it_holds_then_what_it_released_and_expired
         # one entry (and region) per layer, the bytes the saves put
         assert saved["requests_sent"] == 1
         assert _held(saved) == (saved["bytes_sent"], LAYERS, LAYERS), saved
+        assert saved["pool_entries_unread@0"] == LAYERS  # nobody asked for them yet
         assert "pool_entries_released" not in saved and "pool_entries_expired" not in saved
         # the decode reads every layer: each entry freed by its release, counted once
         d.start_loads([LoadJob("r", _source("t"), (4, 5, 6), 0)])
         wait_for(lambda: "r" in d.finished(set())[1])
         read = p.take_stats()
         assert _held(read) == (0, 0, 0) and read["pool_entries_released"] == LAYERS, read
+        assert read["pool_entries_unread@0"] == 0
         assert "pool_entries_expired" not in read
         # a save nobody reads: held until the lease runs out, then freed and counted expired
         _save(p, "r2", "t2")
@@ -138,6 +142,7 @@ def test_a_prefills_pool_reports_what_it_holds_then_what_it_released_and_expired
         clock.now += 2.0
         gone = p.take_stats()
         assert _held(gone) == (0, 0, 0) and gone["pool_entries_expired"] == LAYERS, gone
+        assert gone["pool_entries_unread@0"] == 0
         assert "pool_entries_released" not in gone
         ds = d.take_stats()  # the decode rank: its load and threads, no pool
         assert ds["requests_loaded"] == 1 and not any(k.startswith("pool_") for k in ds), ds
