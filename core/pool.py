@@ -74,6 +74,10 @@ class PoolLedger:
 
     allocator: RegionAllocator
     leases: LeaseTable = attrs.Factory(LeaseTable)
+    #: Called with each entry's snapshot right after its region went back to the allocator
+    #: (every way an entry is freed: released, given back past its lease, expired, dropped,
+    #: replaced), exactly once per entry; under whatever lock guards the ledger.
+    on_free: Callable[[LeaseEntry], None] | None = None
     _reserved: set[int] = attrs.field(init=False, factory=set)
 
     @classmethod
@@ -98,6 +102,8 @@ class PoolLedger:
         done = tuple(entries)
         for entry in done:
             self.allocator.free(entry.handle)
+            if self.on_free is not None:
+                self.on_free(entry)
         return done
 
     def publish(
@@ -109,16 +115,22 @@ class PoolLedger:
         now_s: float,
         lease_s: float,
         request_id: str | None = None,
+        size: int | None = None,
     ) -> LeaseEntry:
         """Publish a reserved region under ``key``; an older readable payload of ``key`` is
-        dropped first (latest put wins). Raises ConfigError if ``region`` is not reserved."""
+        dropped first (latest put wins). ``size``: the payload's bytes when the region holds
+        only its first piece (the rest lies in memory the caller keeps), at least
+        ``region.nbytes``; by default the region's. Raises ConfigError if ``region`` is not
+        reserved or ``size`` is smaller."""
         if region.offset not in self._reserved:
             raise ConfigError(f"region {region} was not reserved (or was already published)")
+        if size is not None and size < region.nbytes:
+            raise ConfigError(f"size {size} is less than the region's {region.nbytes} bytes")
         self._free(self.leases.drop_key(key))
         entry = self.leases.publish(
             key,
             region,
-            region.nbytes,
+            region.nbytes if size is None else size,
             readers=readers,
             now_s=now_s,
             lease_s=lease_s,

@@ -33,6 +33,7 @@ __all__ = [
     "SenderAware",
     "Reservable",
     "Reservation",
+    "PiecesPut",
     "PoolBuffer",
     "CollectiveGroup",
     "Clock",
@@ -207,6 +208,31 @@ class Reservable(Protocol):
     def reserve(self, from_stage: str, to_stage: str, put_key: str, nbytes: int) -> Reservation:
         """Reserve ``nbytes``; raises :class:`~kvferry.core.errors.PoolFullError` when full."""
         ...
+
+
+@runtime_checkable
+class PiecesPut(Protocol):
+    """Optional: connectors whose receivers read a payload in place from memory the sender
+    registered with them (the engine's KV cache), so that only its header is copied.
+
+    ``register_memory(tensor)`` makes a host tensor's bytes readable by receivers (before the
+    first get of a payload in it). ``put_pieces`` publishes ``head`` (bytes copied into the
+    pool) followed by ``spans``, absolute ``(address, length)`` ranges of registered memory,
+    as one payload; the caller keeps those bytes unchanged until ``on_free`` is called (once:
+    every reader read it, or its lease passed, or it was dropped). A result like ``put``'s;
+    on failure ``on_free`` is never called."""
+
+    def register_memory(self, tensor: Any) -> None: ...
+
+    def put_pieces(
+        self,
+        from_stage: str,
+        to_stage: str,
+        put_key: str,
+        head: Any,
+        spans: Sequence[tuple[int, int]],
+        on_free: Any,
+    ) -> PutResult: ...
 
 
 @runtime_checkable

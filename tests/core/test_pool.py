@@ -229,6 +229,14 @@ ledger_ops = st.lists(
 def test_ledger_regions_follow_entries(ops) -> None:
     """Regions are freed exactly when their entry is gone; readers never see another payload."""
     ledger = PoolLedger.create(4096, alignment=64, hold_s=4.0)
+    freed: list[int] = []  # on_free: each entry once, after its region went back
+    ledger.on_free = lambda e: freed.append(e.entry_id) or check_free(e)
+
+    def check_free(entry) -> None:
+        assert entry.handle not in ledger.allocator.live_regions()
+        assert entry.entry_id not in {e.entry_id for e in ledger.leases.entries()}
+
+    published: set[int] = set()
     now = 0.0
     contents: dict[int, str] = {}  # region offset -> key written there (the "bytes")
     tickets = []
@@ -241,7 +249,7 @@ def test_ledger_regions_follow_entries(ops) -> None:
                 continue
             assert region.offset not in contents  # never hand out a region still in use
             contents[region.offset] = key
-            ledger.publish(key, region, readers=op[3], now_s=now, lease_s=2.0)
+            published.add(ledger.publish(key, region, readers=op[3], now_s=now, lease_s=2.0).entry_id)
         elif op[0] == "take":
             ticket = ledger.take(f"r{op[1]}_0_0_0_0", now)
             if ticket is not None:
@@ -267,14 +275,19 @@ def test_ledger_regions_follow_entries(ops) -> None:
         # unread (the gauge a prefill reports): entries some reader may still take, never more
         # than those held; a taken entry whose ticket is out is held, not unread
         stats = ledger.stats()
-        published = [e for e in ledger.leases.entries() if e.state == EntryState.PUBLISHED]
-        assert stats["readable"] == len(published) <= stats["entries"]
+        published_now = [e for e in ledger.leases.entries() if e.state == EntryState.PUBLISHED]
+        assert stats["readable"] == len(published_now) <= stats["entries"]
+        # freed entries told once each; every published entry is held or told
+        held_ids = {e.entry_id for e in ledger.leases.entries()}
+        assert len(freed) == len(set(freed)) and not held_ids & set(freed)
+        assert held_ids | set(freed) == published
         for offset in list(contents):
             if offset not in live:
                 del contents[offset]
         check_allocator(ledger.allocator)
     ledger.expire(now + 100.0)
     assert ledger.allocator.used_bytes == 0 and len(ledger.leases) == 0
+    assert sorted(freed) == sorted(published)
 
 
 def test_ledger_reserve_abort_publish() -> None:

@@ -88,7 +88,7 @@ class PeerChannel:
         with self._lock:
             if self.closed:
                 return Failure("sender_unavailable", "channel closed")
-            request = wire.Lookup(next(_ids), key, room, wait_s)
+            request = wire.Lookup(next(_ids), key, room, wait_s, spans_ok=True)
             return self._ask(request, time.monotonic() + wait_s + grace_s, wire.LookupReply)
 
     def done(self, key: str, claim: int, ok: bool, grace_s: float) -> wire.Ack | Failure:
@@ -106,7 +106,7 @@ class PeerChannel:
         with self._lock:
             if self.closed:
                 return [Failure("sender_unavailable", "channel closed")] * len(keys)
-            requests = [wire.Lookup(next(_ids), key, room, 0.0) for key in keys]
+            requests = [wire.Lookup(next(_ids), key, room, 0.0, spans_ok=True) for key in keys]
             return self._ask_many(requests, time.monotonic() + grace_s, wire.LookupReply)
 
     def done_many(self, ends: Sequence[tuple[str, int, bool]], grace_s: float) -> list[wire.Ack | Failure]:

@@ -27,11 +27,12 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import attrs
 
+from kvferry.adapters.connectors.mooncake import wire
 from kvferry.adapters.connectors.mooncake.config import MooncakeConfig
 from kvferry.adapters.connectors.mooncake.engine import EnginePool
 from kvferry.adapters.connectors.mooncake.receive import AllocatorSpace, Endpoint, ReceiveSide, resolve_endpoint
@@ -283,23 +284,52 @@ class MooncakeConnector:
                 pool[offset : offset + size].copy_(torch.frombuffer(bytearray(view), dtype=torch.uint8))
             offset += size
 
-    def _publish(self, key: str, region: Region) -> tuple[bool, int, Any]:
+    def _publish(
+        self, key: str, region: Region, pieces: tuple[Sequence[tuple[int, int]], Callable[[], None]] | None = None
+    ) -> tuple[bool, int, Any]:
         if self._closed:
             self._abort(region)
             return self._put_failed("closed", "connector is closed")
-        with self._sender.lock:
-            self._sender.ledger.publish(
+        size = region.nbytes + (0 if pieces is None else sum(n for _, n in pieces[0]))
+        with self._sender.held() as ledger:
+            if pieces is not None:
+                self._sender.add_pieces(region, *pieces)
+            ledger.publish(
                 key,
                 region,
                 readers=self.config.readers,
                 now_s=self.clock(),
                 lease_s=self.config.lease_s,
                 request_id=request_id_of_key(key),
+                size=size,
             )
         self._server.notify(key)
-        self._count("puts")
-        meta = {"source_host": self.config.host, "source_port": self.port, "size": region.nbytes}
-        return True, region.nbytes, meta
+        self._count("puts" if pieces is None else "puts_in_pieces")
+        meta = {"source_host": self.config.host, "source_port": self.port, "size": size}
+        return True, size, meta
+
+    def _put_pieces(
+        self, key: str, head: Any, spans: Sequence[tuple[int, int]], on_free: Callable[[], None]
+    ) -> tuple[bool, int, Any]:
+        """Copy ``head`` into the pool and publish it followed by ``spans`` (registered memory
+        the caller keeps until ``on_free``), as one payload (the PiecesPut ability's put)."""
+        try:
+            views = _payload_views(head)
+        except TypeError as exc:
+            return self._put_failed("error", str(exc))
+        nbytes = sum(_nbytes(v) for v in views)
+        pieces = tuple((int(a), int(n)) for a, n in spans if n)
+        if nbytes == 0 or any(a <= 0 or n < 0 for a, n in pieces) or len(pieces) + 1 > wire.MAX_SPANS:
+            return self._put_failed(
+                "error",
+                f"a payload in pieces needs a head of at least 1 byte and at most {wire.MAX_SPANS - 1} "
+                f"spans of registered memory; got {nbytes} bytes and {len(pieces)} spans",
+            )
+        region = self._reserve_region(key, nbytes)
+        if not isinstance(region, Region):
+            return region
+        self._fill(region, views)
+        return self._publish(key, region, (pieces, on_free))
 
     def publish_failure(self, from_stage: Any, to_stage: Any, put_key: str, failure: Any) -> bool:
         """Sender: record that ``put_key`` will never come (the FailureRecords ability): no
@@ -416,8 +446,8 @@ class MooncakeConnector:
     def cleanup(self, request_id: str) -> None:
         """Drop every payload of ``request_id`` this sender still holds. Idempotent."""
         if self._sender is not None and not self._closed:
-            with self._sender.lock:
-                self._sender.ledger.drop_request(request_id)
+            with self._sender.held() as ledger:
+                ledger.drop_request(request_id)
 
     def health(self) -> dict[str, Any]:
         """JSON-able snapshot: role, endpoints, pool usage and counters."""

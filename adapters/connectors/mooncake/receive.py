@@ -26,7 +26,7 @@ from kvferry.core.addressing import resolve_get_source
 from kvferry.core.pool import Region, RegionAllocator
 from kvferry.core.tombstones import SenderFailure
 
-__all__ = ["Endpoint", "resolve_endpoint", "pin_margin_s", "Space", "AllocatorSpace", "ReceiveSide"]
+__all__ = ["Endpoint", "resolve_endpoint", "pin_margin_s", "reply_reads", "Space", "AllocatorSpace", "ReceiveSide"]
 
 logger = logging.getLogger(__name__)
 
@@ -55,6 +55,19 @@ def pin_margin_s(pin_s: float) -> float:
     """Safety margin (seconds) kept below a claim's pin time: the receiver starts timing when
     the reply arrives, a little after the sender started the pin. ``0 < margin <= pin_s/10``."""
     return min(1.0, pin_s / 10.0)
+
+
+def reply_reads(reply: wire.LookupReply, local_offset: int) -> list[tuple[int, int, int]]:
+    """The reads that bring a found reply's payload to ``local_offset`` of the pool: ``(local
+    offset, remote address, length)`` of each piece in order, back to back (one read when the
+    payload lies in one piece)."""
+    if not reply.spans:
+        return [(local_offset, reply.addr, reply.size)]
+    out, at = [], local_offset
+    for addr, length in reply.spans:
+        out.append((at, addr, length))
+        at += length
+    return out
 
 
 def _past_pin(held_s: float, pin_s: float) -> bool:
@@ -173,7 +186,7 @@ class ReceiveSide:
         if region is None:
             self._finish(peer, key, reply.claim, False)
             return "no_room"
-        ok = self.pool.read(f"{where.host}:{reply.rpc_port}", region.offset, reply.addr, size)
+        ok = self.pool.read_spans(f"{where.host}:{reply.rpc_port}", reply_reads(reply, region.offset))
         failure = "" if ok else "transfer_failed"
         if ok and _past_pin(self.clock() - got_at, reply.pin_s):
             # the sender may have revoked the claim and reused the region meanwhile
@@ -230,7 +243,7 @@ class ReceiveSide:
         if claimed:
             by_peer: dict[str, list[tuple[int, int, int]]] = {}
             for _, reply, region in claimed:
-                by_peer.setdefault(f"{where.host}:{reply.rpc_port}", []).append((region.offset, reply.addr, reply.size))
+                by_peer.setdefault(f"{where.host}:{reply.rpc_port}", []).extend(reply_reads(reply, region.offset))
             ok = all(self.pool.read_spans(name, spans) for name, spans in by_peer.items())
         failure = "" if ok else "transfer_failed"
         if ok and claimed and any(_past_pin(self.clock() - got_at, r.pin_s) for _, r, _ in claimed):

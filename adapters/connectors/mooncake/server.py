@@ -15,6 +15,12 @@
 
 Leases are swept on every wake-up (at the latest every :data:`SWEEP_S` seconds): an unread
 payload past ``lease_s`` and a claim not finished within ``pin_s`` are logged and counted.
+
+A payload put in pieces (:meth:`SenderState.add_pieces`: its header in the pool, the rest in
+other registered memory the caller keeps) is answered with its spans to a lookup that reads
+pieces, and refused (``bad_request``, counted ``pieces_refused``) to one that does not, before it
+takes a reader's turn. When its entry is freed (read by every reader, expired, dropped) its
+``on_free`` is called once, outside the lock: from then on the caller may reuse that memory.
 """
 
 from __future__ import annotations
@@ -22,7 +28,8 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from typing import ClassVar
 
 import attrs
@@ -33,7 +40,7 @@ from kvferry.adapters.connectors.wake import Doorbell
 from kvferry.core.control import Rejection
 from kvferry.core.errors import BindError
 from kvferry.core.parked import MissReason, Parked, ParkedTable
-from kvferry.core.pool import EntryState, PoolLedger, Region
+from kvferry.core.pool import EntryState, LeaseEntry, PoolLedger, Region
 from kvferry.core.tombstones import FAILED_REASON
 
 __all__ = ["SWEEP_S", "SenderState", "SenderSpace", "ControlServer", "bind_router"]
@@ -70,15 +77,52 @@ class SenderState:
                 "no_room_replies",
                 "failures_recorded",
                 "failed_replies",
+                "pieces_refused",
             ),
             0,
         )
     )
+    #: Payloads put in pieces, by their pool region's offset: the spans after the region's
+    #: bytes, and what to call once the entry is freed.
+    _pieces: dict[int, tuple[tuple[tuple[int, int], ...], Callable[[], None]]] = attrs.field(init=False, factory=dict)
+    #: on_free calls of entries freed under the lock, made once it is released.
+    _due: list[Callable[[], None]] = attrs.field(init=False, factory=list)
+
+    def __attrs_post_init__(self) -> None:
+        self.ledger.on_free = self._freed
+
+    def _freed(self, entry: LeaseEntry) -> None:  # under the lock (the ledger's on_free)
+        extra = self._pieces.pop(entry.handle.offset, None)
+        if extra is not None:
+            self._due.append(extra[1])
+
+    @contextmanager
+    def held(self) -> Iterator[PoolLedger]:
+        """The ledger under the lock; the on_free calls of entries freed meanwhile are made
+        after the lock is released (a caller's callback may take locks of its own)."""
+        with self.lock:
+            yield self.ledger
+            due, self._due = self._due, []
+        for call in due:
+            try:
+                call()
+            except Exception:  # the caller's: never the control thread's end
+                logger.exception("on_free of a payload put in pieces failed")
+
+    def add_pieces(self, region: Region, spans: Sequence[tuple[int, int]], on_free: Callable[[], None]) -> None:
+        """Say that the payload about to be published in ``region`` goes on with ``spans``
+        (absolute ``(addr, length)`` in registered memory, in order); call it before
+        publishing (under :meth:`held`)."""
+        self._pieces[region.offset] = (tuple((int(a), int(n)) for a, n in spans), on_free)
+
+    def drop_pieces(self, region: Region) -> None:
+        """Forget the pieces of a region that was not published after all (no on_free call)."""
+        self._pieces.pop(region.offset, None)
 
     def sweep(self) -> None:
         """Expire leases and stale claims now; report each as such (log + counter)."""
-        with self.lock:
-            report = self.ledger.expire(self.clock())
+        with self.held() as ledger:
+            report = ledger.expire(self.clock())
             for item in report:
                 self.counters["expired_unread" if item.kind == "unread" else "revoked_claims"] += 1
         for item in report:
@@ -112,38 +156,51 @@ class SenderState:
             if entry.size > lookup.room:
                 self.counters["no_room_replies"] += 1
                 return wire.LookupReply(lookup.id, False, size=entry.size, reason="no_room")
+            extra = self._pieces.get(entry.handle.offset)
+            if extra is not None and not lookup.spans_ok:
+                self.counters["pieces_refused"] += 1
+                logger.warning(
+                    "lookup of %r refused: the payload lies in %d pieces and the receiver does not read "
+                    "pieces (a kvferry older than this sender); upgrade it",
+                    lookup.key,
+                    len(extra[0]) + 1,
+                )
+                return wire.LookupReply(lookup.id, False, reason="bad_request")
             ticket = self.ledger.take(lookup.key, self.clock())
             if ticket is None:  # lease passed between entry() and take()
                 return wire.LookupReply(lookup.id, False, reason="expired")
             self.counters["claims"] += 1
             region: Region = ticket.handle
+            addr = self.base + region.offset
+            spans = () if extra is None else ((addr, region.nbytes), *extra[0])
             return wire.LookupReply(
                 lookup.id,
                 True,
                 claim=ticket.ticket_id,
-                addr=self.base + region.offset,
+                addr=addr,
                 size=ticket.size,
                 rpc_port=self.rpc_port,
                 pin_s=self.pin_s,
+                spans=spans,
             )
 
     def finish(self, done: wire.Done) -> None:
         """The reader finished its claim: release the ticket (idempotent). A failed read gives
         its reader slot back, so the receiver's retry can read the payload while its lease
         lasts."""
-        with self.lock:
+        with self.held() as ledger:
             if done.ok:
-                self.ledger.release(done.claim)
+                ledger.release(done.claim)
             else:
-                self.ledger.give_back(done.claim, self.clock())
+                ledger.give_back(done.claim, self.clock())
             self.counters["delivered" if done.ok else "read_failed"] += 1
 
     def fail(self, key: str, failure: object) -> bool:
         """Record that ``key`` will never be published (``failure``: the sender's record; no
         pool space): a payload readable under it is dropped first (a claim on it keeps its
         region until it ends). Returns what the lease table says (False: not recorded)."""
-        with self.lock:
-            _, recorded = self.ledger.fail(key, failure)
+        with self.held() as ledger:
+            _, recorded = ledger.fail(key, failure)
             if recorded:
                 self.counters["failures_recorded"] += 1
             return recorded

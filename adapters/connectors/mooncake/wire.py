@@ -12,6 +12,10 @@ reads it with the transfer engine. Four messages exist:
 - :class:`LookupReply` (sender -> receiver): either ``found`` with ``claim``, ``addr`` (absolute
   address in the sender's registered pool), ``size`` (bytes), ``rpc_port`` (the sender engine's
   handshake port) and ``pin_s``; or not found with a ``reason`` word (:data:`MISS_REASONS`).
+  A payload that lies in several places of the sender's registered memory (its header in the
+  pool, its pages where the engine keeps them: an in-place put) comes with ``spans``, the
+  ``[addr, length]`` pieces whose concatenation is the payload, in order (``addr`` is then the
+  first one's); only a receiver whose lookup said ``spans_ok`` gets one.
   A miss whose reason is ``failed`` carries the sender's failure record in ``failure`` (the
   key will never come: :mod:`kvferry.core.tombstones`); no other reply carries one.
 - :class:`Done` (receiver -> sender): the claim is over; ``ok`` says whether the read succeeded.
@@ -40,6 +44,7 @@ __all__ = [
     "WIRE_VERSION",
     "MAX_MESSAGE_BYTES",
     "MAX_KEY_CHARS",
+    "MAX_SPANS",
     "MISS_REASONS",
     "Lookup",
     "LookupReply",
@@ -54,6 +59,9 @@ WIRE_VERSION = 1
 #: Control messages are tiny; anything larger is rejected before msgpack parses it.
 MAX_MESSAGE_BYTES = 64 * 1024
 MAX_KEY_CHARS = 4096
+#: Most pieces of one payload a reply lists (a span takes at most 19 bytes of msgpack: 4096
+#: fit well inside :data:`MAX_MESSAGE_BYTES`); a payload in more pieces is put by copy.
+MAX_SPANS = 2048
 _MAX_U64 = 2**64 - 1
 _MAX_ID = 2**63 - 1
 #: Why a lookup found nothing: never published / already consumed, lease passed, payload larger
@@ -96,15 +104,38 @@ def _as_failure(value: Any) -> SenderFailure | None:
     return decode_failure(value)
 
 
+def _as_spans(value: Any) -> tuple[tuple[int, int], ...]:
+    """A reply's spans: ``[addr, length]`` pairs (addr > 0, length > 0, both u64), at most
+    :data:`MAX_SPANS` (PayloadError otherwise)."""
+    if value is None or value == ():
+        return ()
+    if not isinstance(value, (list, tuple)) or len(value) > MAX_SPANS:
+        raise PayloadError(f"control message field 'spans' must be a list of at most {MAX_SPANS} pairs")
+    out = []
+    for pair in value:
+        if not isinstance(pair, (list, tuple)) or len(pair) != 2:
+            raise PayloadError("control message field 'spans' must hold [addr, length] pairs")
+        addr, length = pair
+        for x in (addr, length):
+            if isinstance(x, bool) or not isinstance(x, int) or not 0 < x <= _MAX_U64:
+                raise PayloadError("a span's addr and length must be ints in [1, 2**64 - 1]")
+        if addr + length > _MAX_U64:
+            raise PayloadError("a span overflows the address space")
+        out.append((addr, length))
+    return tuple(out)
+
+
 @attrs.frozen
 class Lookup:
     """Receiver asks for ``key``; ``wait_s`` >= 0 seconds of long-poll (0: answer at once);
-    ``room``: the largest payload (bytes) the receiver can take now."""
+    ``room``: the largest payload (bytes) the receiver can take now; ``spans_ok``: it reads a
+    payload given in pieces (a reply's ``spans``)."""
 
     id: int = attrs.field(validator=_u64("id", _MAX_ID))
     key: str = attrs.field(validator=_key)
     room: int = attrs.field(validator=_u64("room"))
     wait_s: float = attrs.field(default=0.0, validator=_seconds)
+    spans_ok: bool = attrs.field(default=False, validator=_bool)
 
 
 @attrs.frozen
@@ -112,7 +143,9 @@ class LookupReply:
     """Answer to the :class:`Lookup` with the same ``id``.
 
     Found: ``claim`` > 0, ``addr`` + ``size`` span the payload in the sender's pool (bytes),
-    ``rpc_port`` is the sender engine's handshake port, the claim is pinned ``pin_s`` seconds.
+    ``rpc_port`` is the sender engine's handshake port, the claim is pinned ``pin_s`` seconds;
+    or, with ``spans``, the payload is their concatenation (lengths adding up to ``size``,
+    ``addr`` the first span's).
     Not found: ``claim`` == 0, ``reason`` in :data:`MISS_REASONS` (``no_room`` sets ``size``;
     ``failed`` needs ``failure``, the sender's record, which no other reply has).
     """
@@ -126,6 +159,7 @@ class LookupReply:
     pin_s: float = attrs.field(default=0.0, validator=_seconds)
     reason: str = attrs.field(default="")
     failure: SenderFailure | None = attrs.field(default=None, converter=_as_failure)
+    spans: tuple[tuple[int, int], ...] = attrs.field(default=(), converter=_as_spans)
 
     def __attrs_post_init__(self) -> None:
         if self.found:
@@ -133,6 +167,10 @@ class LookupReply:
                 raise PayloadError("a found reply needs claim, addr and rpc_port")
             if self.addr + self.size > _MAX_U64:
                 raise PayloadError("reply span overflows the address space")
+            if self.spans and (sum(n for _, n in self.spans) != self.size or self.spans[0][0] != self.addr):
+                raise PayloadError("a reply's spans must add up to its size and start at its addr")
+        elif self.spans:
+            raise PayloadError("a miss has no spans")
         elif self.claim != 0 or self.reason not in MISS_REASONS:
             raise PayloadError(f"a miss needs claim 0 and a known reason, got {self.reason!r}")
         if (self.failure is not None) != (not self.found and self.reason == FAILED_REASON):
@@ -166,6 +204,9 @@ def encode(message: Message) -> bytes:
     body = attrs.asdict(message)
     if body.get(FAILURE_FIELD, 0) is None:  # ordinary replies stay as they were on the wire
         del body[FAILURE_FIELD]
+    for field in ("spans", "spans_ok"):  # so do replies and lookups of one piece
+        if field in body and not body[field]:
+            del body[field]
     body["v"] = WIRE_VERSION
     body["op"] = _OP_OF[type(message)]
     return msgpack.packb(body, use_bin_type=True)

@@ -180,6 +180,9 @@ class AgentPool(TensorPool):
     counters: dict[str, int] = attrs.field(init=False, factory=dict)
     _closed: bool = attrs.field(init=False, default=False)
     _name: str = attrs.field(init=False, default="")
+    #: Host memory registered besides the pool (register_tensor): ``(address, length,
+    #: registration)`` each.
+    _extra: list[tuple[int, int, Any]] = attrs.field(init=False, factory=list)
 
     def __attrs_post_init__(self) -> None:
         self._name = str(self.agent.name)
@@ -204,6 +207,36 @@ class AgentPool(TensorPool):
         except Exception as exc:
             raise ConnectorUnavailable(f"nixl could not register {pool_bytes} bytes: {exc}") from exc
         return cls(agent, tensor, registration, backend, transfer_timeout_s=transfer_timeout_s)
+
+    def register_tensor(self, tensor: Any) -> bool:
+        """Register the host storage behind ``tensor`` with the agent (once: False when it
+        already lies in registered memory). ConfigError for a device tensor or after close,
+        ConnectorUnavailable when the agent refuses it."""
+        if getattr(tensor, "device", None) is None or tensor.device.type != "cpu":
+            raise ConfigError(f"nixl registers host memory here; got a tensor on {getattr(tensor, 'device', '?')}")
+        storage = tensor.untyped_storage()
+        addr, length = int(storage.data_ptr()), int(storage.nbytes())
+        with self._lock:
+            if self._closed:
+                raise ConfigError("the nixl agent is closed")
+            if length == 0 or self._covered(addr, length):
+                return False
+        try:
+            reg = self.agent.register_memory([(addr, length, 0, "")], "DRAM", [self.backend])
+        except Exception as exc:
+            raise ConnectorUnavailable(f"nixl could not register {length} bytes at {addr:#x}: {exc}") from exc
+        with self._lock:
+            self._extra.append((addr, length, reg))
+        self._count("registered_extra")
+        return True
+
+    def _covered(self, addr: int, length: int) -> bool:
+        return any(a <= addr and addr + length <= a + n for a, n, _ in self._extra)
+
+    def registered(self, addr: int, length: int) -> bool:
+        """Whether ``[addr, addr + length)`` lies in one registered range besides the pool."""
+        with self._lock:
+            return self._covered(addr, length)
 
     @property
     def name(self) -> str:
@@ -320,6 +353,12 @@ class AgentPool(TensorPool):
         self._closed = True
         for peer in list(self._peers):
             self.forget(peer)
+        for _, _, reg in self._extra:
+            try:
+                self.agent.deregister_memory(reg, [self.backend])
+            except Exception as exc:
+                logger.warning("nixl deregister_memory failed: %s", exc)
+        self._extra.clear()
         try:
             self.agent.deregister_memory(self.registration, [self.backend])
         except Exception as exc:

@@ -23,7 +23,7 @@ raises ConfigError naming the extra ``kvferry[nixl]`` and the CPU install.
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import attrs
@@ -31,6 +31,7 @@ import attrs
 from kvferry.adapters.connectors.mooncake.connector import MooncakeConnector, _as_clock
 from kvferry.adapters.connectors.nixl.agent import AgentPool, apply_ucx_env, load_nixl
 from kvferry.adapters.connectors.nixl.config import NixlConfig
+from kvferry.core.errors import ConfigError
 
 __all__ = ["NixlConnector"]
 
@@ -105,6 +106,42 @@ class NixlConnector(MooncakeConnector):
             pool.pool_bytes,
         )
         return conn
+
+    # -- in place (the PiecesPut ability) -------------------------------------------------
+
+    def register_memory(self, tensor: Any) -> None:
+        """Sender: make ``tensor``'s bytes (a host tensor: the engine's KV cache) readable by
+        receivers, so that :meth:`put_pieces` can point them there. Its storage is registered
+        once (tensors sharing one are covered by the first) and stays registered until
+        :meth:`close`; receivers that learnt this agent before are told again on their next
+        failed read. ConfigError for a device tensor or on a receiver; ConnectorUnavailable when
+        the agent refuses it."""
+        if self._sender is None or self._server is None:
+            raise ConfigError("register_memory is for a sender-role nixl connector")
+        pool: AgentPool = self._pool  # type: ignore[assignment]  # set by from_config
+        if pool.register_tensor(tensor):
+            self._server.metadata = pool.metadata()  # what agent requests are answered with from now on
+
+    def put_pieces(
+        self,
+        from_stage: Any,
+        to_stage: Any,
+        put_key: str,
+        head: Any,
+        spans: Sequence[tuple[int, int]],
+        on_free: Callable[[], None],
+    ) -> tuple[bool, int, Any]:
+        """Publish ``head`` (copied into the pool) followed by ``spans`` of memory given to
+        :meth:`register_memory`, as one payload under ``put_key``; a receiver reads the pieces
+        with one NIXL READ. The caller keeps those bytes unchanged until ``on_free()`` (called
+        once, on the control thread or the caller's: every reader done, the lease passed, or the
+        key dropped). Fails like :meth:`put` (never calling ``on_free``), also ``error`` for a
+        span outside the registered memory."""
+        pool: AgentPool = self._pool  # type: ignore[assignment]
+        outside = [(a, n) for a, n in spans if n and not pool.registered(int(a), int(n))]
+        if outside:
+            return self._put_failed("error", f"{len(outside)} spans lie outside registered memory, first {outside[0]}")
+        return self._put_pieces(put_key, head, spans, on_free)
 
     def health(self) -> dict[str, Any]:
         """JSON-able snapshot: role, agent, endpoints, pool usage and counters."""

@@ -32,7 +32,7 @@ keys = st.text(min_size=1, max_size=64)
 seconds = st.floats(0, 3600, allow_nan=False)
 u64 = st.integers(0, 2**64 - 1)
 
-lookups = st.builds(wire.Lookup, ids, keys, u64, seconds)
+lookups = st.builds(wire.Lookup, ids, keys, u64, seconds, st.booleans())
 found = st.builds(
     lambda i, c, a, s, p, pin: wire.LookupReply(
         i, True, claim=c, addr=a, size=min(s, 2**64 - 1 - a), rpc_port=p, pin_s=pin
@@ -53,9 +53,20 @@ misses = st.builds(
     u64,
     st.text(max_size=40),
 )
+pieces = st.lists(st.tuples(st.integers(1, 2**48), st.integers(1, 2**32)), min_size=1, max_size=40)
+in_pieces = st.builds(
+    lambda i, c, sp, p, pin: wire.LookupReply(
+        i, True, claim=c, addr=sp[0][0], size=sum(n for _, n in sp), rpc_port=p, pin_s=pin, spans=sp
+    ),
+    ids,
+    st.integers(1, 2**63 - 1),
+    pieces,
+    st.integers(1, 65535),
+    seconds,
+)
 dones = st.builds(wire.Done, ids, keys, ids, st.booleans())
 acks = st.builds(wire.Ack, ids)
-messages = st.one_of(lookups, found, misses, dones, acks)
+messages = st.one_of(lookups, found, in_pieces, misses, dones, acks)
 
 
 # -- control messages --------------------------------------------------------------------------
@@ -106,6 +117,72 @@ def test_decode_rejects_wrong_version_unknown_op_and_oversize() -> None:
     ):
         rejection = wire.decode(raw)
         assert isinstance(rejection, Rejection) and why in rejection.detail
+
+
+def test_a_payload_in_pieces_lists_them_in_order_and_one_piece_is_sent_as_before() -> None:
+    reply = wire.LookupReply(3, True, claim=1, addr=4096, size=30, rpc_port=9, spans=[[4096, 10], [99, 20]])
+    assert reply.spans == ((4096, 10), (99, 20)) and wire.decode(wire.encode(reply)) == reply
+    # a reply and a lookup without pieces carry no field for them (receivers before spans read them)
+    plain = msgpack.unpackb(wire.encode(wire.LookupReply(3, True, claim=1, addr=64, size=8, rpc_port=9)))
+    assert "spans" not in plain and "spans_ok" not in msgpack.unpackb(wire.encode(wire.Lookup(1, "k", 8)))
+    assert msgpack.unpackb(wire.encode(wire.Lookup(1, "k", 8, spans_ok=True)))["spans_ok"] is True
+    for bad in (
+        dict(spans=[[4096, 10], [99, 19]]),  # lengths do not add up to the size
+        dict(spans=[[64, 10], [99, 20]]),  # the first piece is not at addr
+        dict(spans=[[4096, 30], [0, 0]][:1] + [[0, 5]]),  # a piece at address 0
+        dict(spans=[[4096, 10], [99, 20, 1]]),  # not a pair
+        dict(spans=[[4096, 1]] * (wire.MAX_SPANS + 1)),  # too many
+    ):
+        with pytest.raises(PayloadError):
+            wire.LookupReply(3, True, claim=1, addr=4096, size=30, rpc_port=9, **bad)
+    with pytest.raises(PayloadError, match="miss"):
+        wire.LookupReply(3, False, reason="not_found", spans=[[4096, 10]])
+    # the most pieces a reply may list fit in one control message
+    most = [[2**64 - 2**40 + i * 2**20, 2**20] for i in range(wire.MAX_SPANS)]
+    big = wire.LookupReply(2**63 - 1, True, claim=2**63 - 1, addr=most[0][0], size=wire.MAX_SPANS * 2**20,
+                           rpc_port=65535, pin_s=3600.0, spans=most)  # fmt: skip
+    assert len(wire.encode(big)) <= wire.MAX_MESSAGE_BYTES and wire.decode(wire.encode(big)) == big
+
+
+def test_a_sender_answers_a_payload_in_pieces_with_its_spans_and_frees_it_once() -> None:
+    """SenderState: a lookup that does not read pieces is refused before it takes a turn; one
+    that does gets the pool region then the spans; on_free runs once, after the lock is
+    released, whether the entry is read or its lease passes."""
+    from kvferry.adapters.connectors.mooncake.server import SenderState
+    from kvferry.core.pool import PoolLedger
+
+    now = [0.0]
+    state = SenderState(PoolLedger.create(4096, alignment=64, hold_s=5.0), 1 << 20, 7000, 5.0, lambda: now[0])
+    calls: list[str] = []
+
+    def on_free(key: str):
+        def call() -> None:
+            assert not state.lock.locked()  # outside the lock
+            calls.append(key)
+
+        return call
+
+    for key in ("a", "b"):
+        with state.held() as ledger:
+            region = ledger.reserve(100)
+            state.add_pieces(region, [(1 << 30, 500), (1 << 31, 24)], on_free(key))
+            ledger.publish(key, region, now_s=0.0, lease_s=10.0, size=624)
+    refused = state.answer(wire.Lookup(1, "a", 1 << 20))
+    assert refused is not None and (refused.found, refused.reason) == (False, "bad_request")
+    assert state.counters["pieces_refused"] == 1
+    reply = state.answer(wire.Lookup(2, "a", 1 << 20, spans_ok=True))  # still there: nothing taken
+    assert reply is not None and reply.found and reply.size == 624
+    assert reply.spans == ((reply.addr, 100), (1 << 30, 500), (1 << 31, 24)) and reply.addr >= 1 << 20
+    assert state.answer(wire.Lookup(3, "a", 600, spans_ok=True)).reason == "not_found"  # consumed
+    assert state.answer(wire.Lookup(4, "b", 600, spans_ok=True)).reason == "no_room"  # the whole size
+    assert calls == []
+    state.finish(wire.Done(5, "a", reply.claim, True))
+    assert calls == ["a"]
+    now[0] = 11.0  # "b" was never read: its lease passes
+    state.sweep()
+    assert calls == ["a", "b"] and state.ledger.allocator.used_bytes == 0
+    state.sweep()
+    assert calls == ["a", "b"]  # once
 
 
 def test_found_reply_must_name_a_claim_and_a_miss_must_not() -> None:

@@ -132,3 +132,76 @@ def test_get_many_reads_every_claimed_payload_in_one_nixl_read() -> None:
     finally:
         receiver.close()
         sender.close()
+
+
+def test_a_payload_put_in_pieces_is_read_in_place_and_freed_once() -> None:
+    """put_pieces: the header copied into the pool, the rest read where the sender keeps it (a
+    registered tensor standing for the KV cache), in the order given, with one NIXL READ. The
+    bytes are read at get time, not copied at put time (the control: a byte changed after the
+    put arrives changed); on_free comes once, after the reader's Done, or when the lease passes
+    unread; a span outside registered memory is a failed put without on_free."""
+    import threading
+
+    import torch
+    from nixl_support import NIXL_TEST_CONFIG, nixl_missing
+
+    missing = nixl_missing()
+    if missing:
+        pytest.skip(missing)
+    from kvferry.adapters.connectors.nixl.connector import NixlConnector
+
+    cfg = {"pool_bytes": 1 << 20, **NIXL_TEST_CONFIG}
+    sender = NixlConnector.from_config({"role": "sender", "port": 0, "lease_s": 2.0, **cfg})
+    receiver = NixlConnector.from_config({"role": "receiver", **cfg})
+    cache = torch.randint(0, 256, (64, 4096), dtype=torch.uint8)  # 64 "pages" of 4 KiB
+    other = torch.zeros(4096, dtype=torch.uint8)  # never registered
+    freed: dict[str, int] = {}
+    told = {k: threading.Event() for k in ("a", "b", "c")}
+
+    def on_free(key: str):
+        def call() -> None:
+            freed[key] = freed.get(key, 0) + 1
+            told[key].set()
+
+        return call
+
+    try:
+        sender.register_memory(cache)
+        sender.register_memory(cache[3:5])  # the same storage: registered once
+        assert sender.health()["agent_registered_extra"] == 1
+        pages = [9, 2, 40, 41, 63, 0]  # out of order, two adjacent
+        spans = [(cache[p].data_ptr() + 100, 4096 - 100) for p in pages]
+        head = b"HEAD" * 50
+        ok, size, meta = sender.put_pieces("0", "1", "a", head, spans, on_free("a"))
+        assert ok and size == len(head) + len(pages) * 3996 and meta["size"] == size
+        assert len(head) <= sender.health()["used_bytes"] < len(head) + 64  # only the header is in the pool
+        cache[40, 100] ^= 0xFF  # after the put, before the get
+        want = head + b"".join(bytes(cache[p, 100:].numpy()) for p in pages)
+        got = receiver.get("0", "1", "a", meta)
+        assert got is not None and got[1] == size and bytes(got[0].tensor.numpy()) == want
+        got[0].release()
+        assert freed == {"a": 1}  # the get returned once the sender processed its Done
+        # get_many of two payloads in pieces: one READ request for both
+        ok_b, _, meta_b = sender.put_pieces("0", "1", "b", b"B" * 64, spans[:2], on_free("b"))
+        ok_p = sender.put("0", "1", "plain", b"P" * 1000)[0]
+        assert ok_b and ok_p
+        reads = receiver.health()["agent_reads"]
+        many = receiver.get_many("0", "1", ["b", "plain"], meta_b)
+        assert receiver.health()["agent_reads"] == reads + 1
+        first_two = b"".join(bytes(cache[p, 100:].numpy()) for p in pages[:2])
+        assert bytes(many[0][0].tensor.numpy()) == b"B" * 64 + first_two
+        assert bytes(many[1][0].tensor.numpy()) == b"P" * 1000
+        for one in many:
+            one[0].release()
+        assert told["b"].wait(5) and freed["b"] == 1
+        # never read: freed when the lease passes (the control thread's sweep)
+        assert sender.put_pieces("0", "1", "c", b"C" * 64, spans[:1], on_free("c"))[0]
+        assert told["c"].wait(10) and freed == {"a": 1, "b": 1, "c": 1}
+        assert sender.health()["expired_unread"] == 1 and sender.health()["used_bytes"] == 0
+        # memory the agent does not know: refused, nothing published, on_free never called
+        bad = sender.put_pieces("0", "1", "d", b"D" * 64, [(other.data_ptr(), 4096)], on_free("d"))
+        assert not bad[0] and bad[2]["reason"] == "error" and "registered" in bad[2]["detail"]
+        assert sender.health()["used_bytes"] == 0 and "d" not in freed
+    finally:
+        receiver.close()
+        sender.close()
