@@ -220,7 +220,9 @@ class PiecesPut(Protocol):
     pool) followed by ``spans``, absolute ``(address, length)`` ranges of registered memory,
     as one payload; the caller keeps those bytes unchanged until ``on_free`` is called (once:
     every reader read it, or its lease passed, or it was dropped). A result like ``put``'s;
-    on failure ``on_free`` is never called."""
+    on failure ``on_free`` is never called. ``max_pieces``: the most spans one put takes."""
+
+    max_pieces: int
 
     def register_memory(self, tensor: Any) -> None: ...
 

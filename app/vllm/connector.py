@@ -340,6 +340,11 @@ class KVFerryPromMetrics(KVConnectorPromMetrics):
     _COUNTERS = (
         ("requests_sent", "vllm:kvferry_requests_sent", "Requests whose KV pages kvferry sent."),
         ("bytes_sent", "vllm:kvferry_bytes_sent", "Bytes of KV pages kvferry sent."),
+        (
+            "bytes_in_place",
+            "vllm:kvferry_bytes_in_place",
+            "Bytes of those sent that decodes read straight from this prefill's KV cache (not copied into a pool).",
+        ),
         ("save_seconds", "vllm:kvferry_save_seconds", "Seconds from a prefill's first layer to its last one sent."),
         ("requests_loaded", "vllm:kvferry_requests_loaded", "Requests whose KV pages kvferry loaded."),
         ("bytes_loaded", "vllm:kvferry_bytes_loaded", "Bytes of KV pages kvferry loaded."),

@@ -38,6 +38,7 @@ import attrs
 import torch
 
 from kvferry.adapters.checked_scatter import scatter_checked
+from kvferry.adapters.checksums import compute_checksum
 from kvferry.adapters.device_staging import PinnedStaging
 from kvferry.adapters.kv_layouts import tokens_to_vllm_pages, vllm_pages_to_tokens
 from kvferry.adapters.torch_decode import dtype_name, verify_deferred
@@ -58,6 +59,8 @@ __all__ = [
     "recv_slices",
     "rank_head_count",
     "PageWriter",
+    "page_spans",
+    "payload_pieces",
     "write_pages",
     "block_runs",
     "check_payload",
@@ -299,6 +302,94 @@ class PageWriter:
                     self._staging = PinnedStaging()
                 self._staging.to_host(torch.index_select(src, 0, index.to(src.device)), out)
         finish_payload_in(dest, layout)
+
+    def pieces(
+        self,
+        layer: torch.Tensor,
+        block_ids: Sequence[int],
+        head_start: int,
+        head_stop: int,
+        layout: Any,
+        zeros: tuple[int, int],
+    ) -> tuple[bytes, list[tuple[int, int]]] | None:
+        """What :meth:`gather` would write into a payload, as its header and the address
+        ranges of ``layer`` (and of ``zeros``, ``(address, length)`` of a zero-filled buffer,
+        for padding) whose concatenation is the rest, in place: no page is copied. Checksums
+        are computed over those ranges in order. None where the pages cannot be read in place
+        (a device cache, or one that is not vLLM's contiguous CPU layout)."""
+        g = self.geometry
+        if g.nhd or layer.device.type != "cpu" or not layer.is_contiguous():
+            return None
+        itemsize = layer.element_size()
+        spans = page_spans(g.page_places(itemsize), g.region * itemsize, block_ids, head_start, head_stop)
+        present = [sp for sp in layout.spans if sp is not None and sp[1]]
+        if len(present) != len(spans):
+            return None
+        pieces = payload_pieces(layout.data_start, layout.total_nbytes, present, spans, zeros[1])
+        if pieces is None:
+            return None
+        if layout.checksums_pending:
+            algorithm = layout.header.checksum_algorithm
+            assert algorithm is not None  # pending checksums were planned with an algorithm
+            flat = layer.view(torch.uint8).reshape(-1).numpy()
+            layout = layout.with_checksums(
+                [compute_checksum(algorithm, [flat[off : off + n] for off, n in part]) for part in spans]
+            )
+        base = layer.data_ptr()
+        return layout.header_bytes, [(zeros[0], n) if off < 0 else (base + off, n) for off, n in pieces]
+
+
+def page_spans(
+    places: Sequence[tuple[int, int, int]], region_bytes: int, block_ids: Sequence[int], head_start: int, head_stop: int
+) -> list[list[tuple[int, int]]]:
+    """Per page tensor (:meth:`PageGeometry.page_places`), the byte ranges ``(offset in the
+    layer, length)`` that hold the pages of ``block_ids``' heads ``head_start:head_stop``, in
+    the order a gather writes them (block by block, head by head), adjacent ranges merged:
+    their concatenation is that tensor's bytes in the payload."""
+    out: list[list[tuple[int, int]]] = []
+    for base, block_stride, head_stride in places:
+        spans: list[tuple[int, int]] = []
+        for b in block_ids:
+            for h in range(head_start, head_stop):
+                at = base + int(b) * block_stride + h * head_stride
+                if spans and spans[-1][0] + spans[-1][1] == at:
+                    spans[-1] = (spans[-1][0], spans[-1][1] + region_bytes)
+                else:
+                    spans.append((at, region_bytes))
+        out.append(spans)
+    return out
+
+
+def payload_pieces(
+    data_start: int,
+    total_nbytes: int,
+    tensor_places: Sequence[tuple[int, int]],
+    tensor_spans: Sequence[Sequence[tuple[int, int]]],
+    zeros: int,
+) -> list[tuple[int, int]] | None:
+    """The pieces after the header (``data_start`` bytes) of a payload of ``total_nbytes``
+    whose tensors lie at ``tensor_places`` (``(offset, nbytes)`` in the payload, in order) and
+    are read from ``tensor_spans`` (layer offsets, :func:`page_spans`): those ranges, with the
+    padding before, between and after the tensors as ranges ``(-1, n)`` of zeros, ``n`` at
+    most ``zeros`` (>= 1) each. None when a tensor's ranges do not add up to its size."""
+    if zeros < 1:
+        raise ConfigError(f"zeros must be at least 1 byte, got {zeros}")
+    out: list[tuple[int, int]] = []
+    pos = data_start
+
+    def pad(n: int) -> None:
+        while n > 0:
+            out.append((-1, min(n, zeros)))
+            n -= min(n, zeros)
+
+    for (offset, nbytes), spans in zip(tensor_places, tensor_spans):
+        if offset < pos or sum(n for _, n in spans) != nbytes:
+            return None
+        pad(offset - pos)
+        out.extend(spans)
+        pos = offset + nbytes
+    pad(total_nbytes - pos)
+    return out
 
 
 def check_payload(decoded: Any, geometry: PageGeometry, layer: int, heads: int, min_blocks: int) -> None:

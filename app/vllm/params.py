@@ -112,6 +112,13 @@ class ConnectorSettings:
     ``kv_recompute_threshold``: prompts of fewer tokens are not handed off: the prefill saves
     nothing for them and the decode computes them itself (:func:`recompute_instead`; 0: every
     prompt is handed off). Set the same value on both sides.
+    ``in_place``: over a connector that reads payloads in place (nixl: the PiecesPut ability),
+    a prefill registers its KV cache with it and a decode reads the pages straight from the
+    prefill's cache: only each payload's header is copied into the pool, and the request's
+    blocks stay held until every payload of its was read or its lease passed. Used where the
+    pages can be read so (a host cache in vLLM's CPU layout, one KV cache group, a request
+    that ends in the step its prefill completes); a gather into the pool otherwise. False:
+    always the gather.
     """
 
     connector: Mapping[str, Any] = attrs.field(factory=lambda: {"type": "shm"})
@@ -130,6 +137,7 @@ class ConnectorSettings:
     load_mode: str = "async"
     idle_wait_s: float = 0.002
     kv_recompute_threshold: int = RECOMPUTE_THRESHOLD
+    in_place: bool = True
 
     @classmethod
     def from_extra_config(cls, extra: Mapping[str, Any] | None) -> ConnectorSettings:
@@ -173,6 +181,10 @@ class ConnectorSettings:
                 out[name] = _int(_EXTRA, name, extra[name], 1)
         if "host" in extra:
             out["host"] = _str(_EXTRA, "host", extra["host"])
+        if "in_place" in extra:
+            if not isinstance(extra["in_place"], bool):
+                raise ConfigError(f"{_EXTRA}.in_place: expected true or false, got {extra['in_place']!r}")
+            out["in_place"] = extra["in_place"]
         if "checksums" in extra:
             value = extra["checksums"]
             if value is not None and not isinstance(value, str):

@@ -93,6 +93,11 @@ class SaveJob:
     #: the window of the prompt's next token: groups.freed_at_finish): the step ends only once
     #: the save is out (``wait_for_save``).
     hold_step: bool = False
+    #: The request ends in the step its prefill completes (it generates one token, as the
+    #: prefill half of a P/D pair does): vLLM then keeps its blocks until the save says it is
+    #: sent, and no later step writes or frees them, so its pages may be read in place
+    #: (ConnectorSettings.in_place). A request that runs on could be preempted meanwhile.
+    ends_now: bool = False
 
 
 @attrs.frozen

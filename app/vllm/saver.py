@@ -34,7 +34,7 @@ from kvferry.app.vllm.records import SaveJob
 from kvferry.app.vllm.state_pages import StateSpec, StateWriter
 from kvferry.core.errors import KVFerryError, PoolFullError, TransferError
 from kvferry.core.policy import PUT_FAILURES, RetryPolicy
-from kvferry.core.ports import FailureRecords, Implements, Reservable
+from kvferry.core.ports import FailureRecords, Implements, PiecesPut, Reservable
 from kvferry.core.scales import KV_SCALES_KEY, scales_record
 from kvferry.core.tombstones import failure_record
 
@@ -52,6 +52,9 @@ class _SaveState:
     failed: str | None = None
     queued: set[int] = attrs.field(factory=set)
     told: bool = False  #: its failure records were published
+    #: Keys of its payloads read in place that the connector has not freed yet: the request's
+    #: blocks are held until this is empty.
+    pinned: set[str] = attrs.field(factory=set)
 
     @property
     def done(self) -> bool:
@@ -90,6 +93,10 @@ class PageSaver:
     _thread: threading.Thread | None = attrs.field(init=False, default=None)
     _is_reservable: Implements = attrs.field(init=False, factory=lambda: Implements(Reservable))
     _records_failures: Implements = attrs.field(init=False, factory=lambda: Implements(FailureRecords))
+    #: Set by :meth:`read_in_place`: a registered zero-filled buffer (padding between pages
+    #: read in place) as ``(address, length)``; None: every payload is gathered into the pool.
+    _zeros: tuple[int, int] | None = attrs.field(init=False, default=None)
+    _zeros_buffer: torch.Tensor | None = attrs.field(init=False, default=None)
 
     def attach(self, layers: list[torch.Tensor], index: Mapping[str, int], geometry: PageGeometry) -> None:
         """The registered caches (layer order), their names' indexes and geometry."""
@@ -100,6 +107,27 @@ class PageSaver:
         self.sender = sender
         self._thread = threading.Thread(target=self._save_loop, name="kvferry-save", daemon=True)
         self._thread.start()
+
+    def read_in_place(self) -> str | None:
+        """Let decodes read this rank's pages where the cache keeps them (ConnectorSettings.
+        in_place): the sender must read payloads in pieces (PiecesPut) and the cache be vLLM's
+        contiguous host layout; then every page layer is registered with the sender. None when
+        enabled, else why not (logged by the caller)."""
+        conn, geometry = self.sender, self.geometry
+        if conn is None or geometry is None or not Implements(PiecesPut)(conn):
+            return f"the {type(conn).__name__} connector reads payloads from its pool only"
+        pages = [t for i, t in enumerate(self._layers) if not self._is_state(i)]
+        if geometry.nhd or any(t.device.type != "cpu" or not t.is_contiguous() for t in pages):
+            return "the cache is not vLLM's contiguous host layout [num_blocks, heads, block_size, 2 * head_size]"
+        zeros = torch.zeros(4096, dtype=torch.uint8)
+        conn.register_memory(zeros)
+        for t in pages:
+            conn.register_memory(t)
+        self._zeros_buffer, self._zeros = zeros, (zeros.data_ptr(), zeros.numel())
+        return None
+
+    def _is_state(self, layer_idx: int) -> bool:
+        return layer_idx < len(self.layer_states) and self.layer_states[layer_idx] is not None
 
     # ------------------------------------------------------------------------------ a step
     def begin_step(self, saves: Sequence[SaveJob]) -> None:
@@ -165,7 +193,7 @@ class PageSaver:
             state, layer_idx, layer = item
             try:
                 if state.failed is None:
-                    state.nbytes += self._save_one(state.job, layer_idx, layer)
+                    state.nbytes += self._save_one(state, layer_idx, layer)
             except Exception as exc:  # a failed layer fails the request's transfer, not the engine
                 kind = "put" if isinstance(exc, (PoolFullError, KVFerryError)) else "error"
                 state.failed = f"{kind}: {exc}"
@@ -237,7 +265,8 @@ class PageSaver:
         key = layer_key(job.transfer_id, ctx.settings.from_stage, layer_idx, ctx.tp_rank, ctx.tp_rank)
         return self._put(key, layout, lambda dest: writer.gather(view, index, dest, layout))
 
-    def _save_one(self, job: SaveJob, layer_idx: int, layer: torch.Tensor) -> int:
+    def _save_one(self, state: _SaveState, layer_idx: int, layer: torch.Tensor) -> int:
+        job = state.job
         spec = self.layer_states[layer_idx] if layer_idx < len(self.layer_states) else None
         if spec is not None:
             return self._save_state(job, layer_idx, spec)
@@ -283,10 +312,67 @@ class PageSaver:
                 meta[FP8_FORMAT_KEY], meta[KV_SCALES_KEY] = self.fp8, scales
             layout = writer.layout(job.transfer_id, block_ids, sl.num_heads, meta)
             key = layer_key(job.transfer_id, stage, layer_idx, self.context.tp_rank, sl.target_rank)
+            in_place = self._in_place(state, layer_idx, layer, block_ids, sl.head_start, sl.head_stop, layout)
+            if in_place is not None:
+                nbytes += self._put_in_place(state, key, *in_place)
+                continue
             nbytes += self._put(
                 key, layout, lambda dest: writer.gather(layer, index, sl.head_start, sl.head_stop, dest, layout)
             )
         return nbytes
+
+    def _in_place(
+        self,
+        state: _SaveState,
+        layer_idx: int,
+        layer: torch.Tensor,
+        block_ids: Sequence[int],
+        head_start: int,
+        head_stop: int,
+        layout: Any,
+    ) -> tuple[bytes, list[tuple[int, int]]] | None:
+        """The header and page ranges of a payload read in place, or None: gather it (in place
+        is off, the request runs on after this step, its pages are in more places than a reply
+        lists, or this is not the registered cache tensor)."""
+        job, writer = state.job, self.writer
+        if self._zeros is None or not job.ends_now or job.hold_step or job.groups or writer is None:
+            return None
+        if layer.data_ptr() != self._layers[layer_idx].data_ptr():
+            return None
+        got = writer.pieces(layer, block_ids, head_start, head_stop, layout, self._zeros)
+        if got is None or len(got[1]) > int(getattr(self.sender, "max_pieces", 0)):
+            return None
+        return got
+
+    def _put_in_place(self, state: _SaveState, key: str, head: bytes, pieces: list[tuple[int, int]]) -> int:
+        """Publish one payload read in place (PiecesPut) under the one put rule; the request's
+        blocks stay held until the connector frees it (:meth:`_unpin`). Raises as :meth:`_put`."""
+        conn = self.sender
+        stages = str(self.context.settings.from_stage), str(self.context.settings.to_stage)
+        with self.context.lock:
+            state.pinned.add(key)  # before the put: a fast reader may free it before put returns
+        done = put_with_retry(
+            lambda: conn.put_pieces(*stages, key, head, pieces, lambda: self._unpin(state, key)),
+            self.retry,
+            self.sleep,
+        )
+        if done.ok:
+            if done.attempts > 1:
+                self.context.stats.add(put_waits=1)
+            self.context.stats.add(bytes_in_place=done.size - len(head))
+            return done.size
+        self._unpin(state, key)
+        message = f"put of {key!r} (in place) failed after {done.attempts} attempts ({done.reason}): {done.detail}"
+        if done.reason in PUT_FAILURES:
+            raise PoolFullError(message, reason=done.reason, detail=done.detail)
+        raise TransferError(message)
+
+    def _unpin(self, state: _SaveState, key: str) -> None:
+        """The connector freed a payload read in place: its pages may change again."""
+        with self.context.lock:
+            state.pinned.discard(key)
+            if not state.pinned:
+                self.context.progress.notify_all()
 
     def _put(self, key: str, layout: Any, fill: Callable[[torch.Tensor], None]) -> int:
         """Publish one page payload under the one put rule (:func:`kvferry.app.put.put_with_retry`);
@@ -319,17 +405,17 @@ class PageSaver:
 
     # ------------------------------------------------------------------------ completions
     def in_flight(self) -> int:
-        """Saves not ended yet (call with ``lock`` held)."""
-        return sum(1 for s in self.saves.values() if not s.done)
+        """Saves not ended yet, or with pages still read in place (call with ``lock`` held)."""
+        return sum(1 for s in self.saves.values() if not s.done or s.pinned)
 
     def take_sent(self, finished_req_ids: Iterable[str]) -> set[str]:
-        """Requests vLLM finished whose every layer is out: their blocks may be freed now
-        (call with ``lock`` held). A request vLLM finished before its save ended is kept
-        until a later call finds it done."""
+        """Requests vLLM finished whose every layer is out, and none of whose payloads is still
+        read in place: their blocks may be freed now (call with ``lock`` held). A request vLLM
+        finished before then is kept until a later call finds it so."""
         sent: set[str] = set()
         self._engine_finished.update(r for r in finished_req_ids if r in self.saves)
         for rid in list(self._engine_finished):
-            if self.saves[rid].done:
+            if self.saves[rid].done and not self.saves[rid].pinned:
                 sent.add(rid)
                 self._engine_finished.discard(rid)
                 del self.saves[rid]

@@ -197,7 +197,8 @@ class PageScheduler:
             tid = pending.ask.transfer_id or rid
             n_tokens = req.num_prompt_tokens
             hold = any(freed_at_finish(spec, n_tokens, decode_bs) for spec in self.groups) if groups else False
-            saves.append(SaveJob(rid, tid, blocks, req.num_prompt_tokens, decode_tp, groups, hold))
+            ends_now = getattr(req, "max_tokens", None) == 1
+            saves.append(SaveJob(rid, tid, blocks, req.num_prompt_tokens, decode_tp, groups, hold, ends_now))
         loads, self._loads = tuple(self._loads), []
         return StepPlan(tuple(saves), loads, idle=not any(scheduled.values()))
 

@@ -201,6 +201,12 @@ class PageWorker:
         self._saver.state_writer = StateWriter(checksums=sending_checksum(self.settings.checksums))
         if self.producer:
             self._saver.start(self.connector_factory(self.settings.sender_config(self.tp_rank, self.tp_size)))
+            if self.settings.in_place:
+                why_not = self._saver.read_in_place()
+                if why_not is None:
+                    logger.info("kvferry rank %d: decodes read this prefill's pages in place", self.tp_rank)
+                else:
+                    logger.info("kvferry rank %d: pages are gathered into the pool: %s", self.tp_rank, why_not)
         if self.consumer:
             self._loader.start(self.connector_factory(self.settings.receiver_config()))
 

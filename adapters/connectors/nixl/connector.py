@@ -24,10 +24,11 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any
+from typing import Any, ClassVar
 
 import attrs
 
+from kvferry.adapters.connectors.mooncake import wire
 from kvferry.adapters.connectors.mooncake.connector import MooncakeConnector, _as_clock
 from kvferry.adapters.connectors.nixl.agent import AgentPool, apply_ucx_env, load_nixl
 from kvferry.adapters.connectors.nixl.config import NixlConfig
@@ -108,6 +109,9 @@ class NixlConnector(MooncakeConnector):
         return conn
 
     # -- in place (the PiecesPut ability) -------------------------------------------------
+
+    #: Most spans of registered memory one put_pieces takes (a reply lists them all).
+    max_pieces: ClassVar[int] = wire.MAX_SPANS - 1
 
     def register_memory(self, tensor: Any) -> None:
         """Sender: make ``tensor``'s bytes (a host tensor: the engine's KV cache) readable by

@@ -342,7 +342,14 @@ def test_prefill_scheduler_saves_when_the_prefill_completes_and_keeps_blocks() -
     req.num_computed_tokens = 40
     [job] = s.build_plan({"a": 30}).saves
     assert (job.req_id, job.transfer_id, job.block_ids, job.num_tokens) == ("a", "a", (5, 6, 7), 70)
+    assert not job.ends_now  # it may run on after this step: its pages are not read in place
     assert s.build_plan({"a": 1}).saves == ()  # saved once
+    # the prefill half of a P/D pair generates one token: it ends in the step its prefill completes
+    one = _request("c", 70, {"do_remote_decode": True})
+    one.max_tokens = 1
+    s.track(one)
+    [job] = s.build_plan({"c": 70}).saves
+    assert job.ends_now
     keep, params = s.request_finished(req)
     assert keep and params["remote_num_tokens"] == 70 and params["remote_port"] == 50151
     assert s.pending_sends

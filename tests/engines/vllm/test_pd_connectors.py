@@ -1,6 +1,6 @@
 """The same hand-off over kvferry's zmq connector (TCP on loopback) and over its nixl connector
-(one-sided NIXL READs of the prefill's registered pool, UCX over TCP on loopback), chosen by
-extra config. The nixl case needs nixl in the vLLM venv (``.ci/venv-vllm`` installs it); without
+(one-sided NIXL READs, UCX over TCP on loopback, of the prefill's registered KV cache itself:
+pages read in place, only headers in its pool), chosen by extra config. The nixl case needs nixl in the vLLM venv (``.ci/venv-vllm`` installs it); without
 it the case skips, naming the install, unless ``KVFERRY_REQUIRE_NIXL=1`` (as ``.ci/run`` sets)."""
 
 from __future__ import annotations
@@ -71,8 +71,16 @@ def test_decode_tokens_equal_a_single_instance(pair: Any) -> None:
     m = d.metrics()
     assert m["vllm:kvferry_requests_loaded"] == len(ps), d.kv_log()
     assert failures(m) == 0, d.kv_log()  # no load failed (a recompute would hide it)
-    assert m["vllm:kvferry_bytes_loaded"] == sum(-(-n // 32) for n in LENGTHS) * 4 * 2 * 32 * 64 * 2
-    assert p.settled_metrics()["vllm:kvferry_requests_sent"] == len(ps)
+    page_bytes = sum(-(-n // 32) for n in LENGTHS) * 4 * 2 * 32 * 64 * 2
+    assert m["vllm:kvferry_bytes_loaded"] == page_bytes
+    pm = p.settled_metrics()
+    assert pm["vllm:kvferry_requests_sent"] == len(ps)
+    # nixl: the decode read every page straight from the prefill's KV cache (in_place, on by
+    # default; only each payload's header went through the pool); zmq gathers into its pool.
+    # Every entry was read and freed: the prefill's pool holds nothing.
+    assert pm.get("vllm:kvferry_bytes_in_place", 0) == (page_bytes if kind == "nixl" else 0), p.kv_log()
+    if kind == "nixl":
+        assert pm.get("vllm:kvferry_pool_entries_held", -1) == 0, pm
 
 
 def test_pages_are_consumed_once(pair: Any) -> None:
