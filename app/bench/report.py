@@ -214,6 +214,43 @@ def _ratio_rows(report: dict[str, Any]) -> list[str]:
     return [*_rows([*header, "from"], rows), summary, _noise_line(report)]
 
 
+def connector_pair_lines(report: dict[str, Any]) -> list[str]:
+    """The table of optional connectors against their own limits (interleaved pairs): with
+    several runs every run's value, spread and verdict; else the one run's quartiles too."""
+    out: list[str] = []
+    pair_runs = report.get("connector_pair_runs") or {}
+    pairs = report.get("connector_pairs") or {}
+    if len(report.get("runs") or ()) > 1 and pair_runs:
+        out.append("")
+        header = ["connector vs its limit (interleaved pairs)", "target"]
+        header += [f"run {k}" for k in range(1, len(report["runs"]) + 1)]
+
+        def cell(v: dict[str, Any] | None) -> str:
+            return f"{_value(v['value'])} (spread {_value(v['spread'])}, {v['verdict']})" if v else "-"
+
+        rows = [
+            [k, next((v["target"] for v in per_run if v), ""), *map(cell, per_run)] for k, per_run in pair_runs.items()
+        ]
+        out += _rows(header, rows)
+    elif pairs:
+        out.append("")
+        out += _rows(
+            ["connector vs its limit (interleaved pairs)", "value", "quartiles", "spread", "target", "verdict"],
+            [
+                [
+                    k,
+                    _value(v["value"]),
+                    f"{_value(v['low'])}-{_value(v['high'])}",
+                    _value(v["spread"]),
+                    v["target"],
+                    v["verdict"],
+                ]  # fmt: skip
+                for k, v in pairs.items()
+            ],
+        )
+    return out
+
+
 def render_table(report: dict[str, Any]) -> str:
     """Every figure (median, min, max, GB/s) and every ratio with its target."""
     settings, machine = report["settings"], report["machine"]
@@ -288,6 +325,7 @@ def render_table(report: dict[str, Any]) -> str:
     if extra:
         lines.append("")
         lines += _rows(["more ratios", "value"], [[k, _value(v)] for k, v in extra.items()])
+    lines += connector_pair_lines(report)
     notes = report.get("notes", {})
     worst = [f"{k.removesuffix('_path')}: {v}" for k, v in notes.items() if k.endswith("_path")]
     if worst:

@@ -46,6 +46,7 @@ from kvferry.app.bench.model import (
     TARGETS,
     BenchSettings,
     Stat,
+    Target,
     compute_ratios,
     ratio_of,
 )
@@ -419,6 +420,31 @@ def _pairs(run: RunState, ratios: dict[str, float]) -> dict[str, Any]:
     }
 
 
+#: Optional connectors' ratios against their own limit, measured as interleaved pairs:
+#: ``name -> (limit figure, subject figure, target)`` (reported when both figures were taken).
+CONNECTOR_PAIRS: dict[str, tuple[str, str, Target]] = {
+    "nixl_get_vs_raw_read": ("nixl_raw_read", "nixl_pair_get", Target(">=", 0.8)),
+}
+
+
+def _connector_pairs(run: RunState) -> dict[str, Any]:
+    """Each :data:`CONNECTOR_PAIRS` ratio measured in this run: the pairs' median, quartiles,
+    spread, target and verdict."""
+    out: dict[str, Any] = {}
+    for name, (limit_name, subject_name, target) in CONNECTOR_PAIRS.items():
+        limit, subject = run.stats.get(limit_name), run.stats.get(subject_name)
+        if limit is None or subject is None or len(limit.samples) != len(subject.samples):
+            continue
+        paired = paired_ratio(limit.samples, subject.samples)
+        out[name] = {
+            **paired.to_json(),
+            "limit": limit_name,
+            "target": str(target),
+            "verdict": verdict(paired.value, target, paired.spread),
+        }
+    return out
+
+
 def _finite(value: float) -> float | None:
     return value if isinstance(value, (int, float)) and math.isfinite(value) else None
 
@@ -463,6 +489,7 @@ def _report(run: RunState, machine: dict[str, Any], seconds: float) -> dict[str,
         "kvferry_bench": 1,
         "ratios": {name: _finite(ratios[name]) for name in RATIO_NAMES},
         "extra_ratios": {name: _finite(value) for name, value in extra.items()},
+        "connector_pairs": _connector_pairs(run),
         "targets": {name: str(TARGETS[name]) for name in RATIO_NAMES},
         "meets_target": {name: TARGETS[name].met(ratios[name]) for name in RATIO_NAMES},
         **steadiness,

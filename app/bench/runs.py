@@ -94,6 +94,7 @@ def combine_reports(reports: Sequence[dict[str, Any]], *, seconds: float | None 
             "spreads": dict(report.get("spreads", {})),
             "noise": dict(report.get("noise", {})),
             "extra_ratios": dict(report.get("extra_ratios", {})),
+            "connector_pairs": dict(report.get("connector_pairs", {})),
             "failures": dict(report.get("failures", {})),
             "data_checks": dict(report.get("data_checks", {})),
             "load_avg_at_start": report.get("machine", {}).get("load_avg_at_start"),
@@ -114,6 +115,10 @@ def combine_reports(reports: Sequence[dict[str, Any]], *, seconds: float | None 
         },
         "verdict_runs": {name: [r.get("verdicts", {}).get(name, "none") for r in reports] for name in RATIO_NAMES},
         "runs": runs,
+        "connector_pair_runs": {
+            name: [r.get("connector_pairs", {}).get(name) for r in reports]
+            for name in dict.fromkeys(n for r in reports for n in r.get("connector_pairs", {}))
+        },
         "extra_ratios": extra,
         "figures": _figures(reports),
         "failures": failures,

@@ -181,3 +181,43 @@ def test_tiny_two_runs_report_each_run_and_the_medians(tiny_run: tuple[int, str,
         assert report["extra_ratios"][name] > 0, name
     assert "cpu s" in table and "CPU time: memcpy" in table
     assert report["figures"]["memcpy_cpu"]["median"] > 0 and report["figures"]["extraction_cpu"]["median"] > 0
+
+
+def test_a_connector_against_its_own_limit_is_reported_per_run_as_interleaved_pairs() -> None:
+    """nixl's get against the raw NIXL READ of the same bytes (issue: >= 0.8 in every run):
+    each run's value is the median of the per-pair ratios (limit / subject, pair by pair, not
+    a ratio of medians), with its quartiles, spread and verdict; the combined report keeps
+    every run's, and the table prints them."""
+    from kvferry.app.bench.model import BenchSettings, Geometry
+    from kvferry.app.bench.paths import RunState
+    from kvferry.app.bench.report import connector_pair_lines
+    from kvferry.app.bench.runner import _connector_pairs
+
+    def run_with(raw: list[float], get: list[float]) -> dict:
+        run = RunState(BenchSettings(Geometry(1, 16, 1, 8)), 1, lambda _m: None)
+        run.record("nixl_raw_read", Stat.of(raw), 10**8)
+        run.record("nixl_pair_get", Stat.of(get), 10**8)
+        return _connector_pairs(run)["nixl_get_vs_raw_read"]
+
+    # pair ratios 0.5, 0.9, 0.952, 0.96, 1.0: the median pair's 0.1 / 0.105 (the medians' ratio
+    # would be 0.096 / 0.1)
+    one = run_with([0.05, 0.09, 0.1, 0.096, 0.2], [0.1, 0.1, 0.105, 0.1, 0.2])
+    assert one["value"] == pytest.approx(0.1 / 0.105) and one["target"] == ">= 0.8"
+    assert one["limit"] == "nixl_raw_read"
+    assert one["low"] == pytest.approx(0.9) and one["high"] == pytest.approx(0.96) and one["n"] == 5
+    assert one["verdict"] == "met"
+    slow = run_with([0.07, 0.07, 0.07], [0.1, 0.1, 0.1])
+    assert slow["value"] == pytest.approx(0.7) and slow["verdict"] == "missed"
+    unmeasured = RunState(BenchSettings(Geometry(1, 16, 1, 8)), 1, lambda _m: None)
+    assert _connector_pairs(unmeasured) == {}  # not measured: nothing
+    reports = [_report(1, {}), _report(2, {})]
+    reports[0]["connector_pairs"] = {"nixl_get_vs_raw_read": one}
+    reports[1]["connector_pairs"] = {"nixl_get_vs_raw_read": slow}
+    doc = combine_reports(reports)
+    assert doc["connector_pair_runs"]["nixl_get_vs_raw_read"] == [one, slow]
+    assert [r["connector_pairs"]["nixl_get_vs_raw_read"]["verdict"] for r in doc["runs"]] == ["met", "missed"]
+    line = next(x for x in connector_pair_lines(doc) if x.startswith("nixl_get_vs_raw_read"))
+    assert ">= 0.8" in line and "met" in line and "missed" in line and "0.952" in line
+    single = {**reports[0], "runs": [doc["runs"][0]]}
+    line = next(x for x in connector_pair_lines(single) if x.startswith("nixl_get_vs_raw_read"))
+    assert "0.9-0.96" in line and line.rstrip().endswith("met")

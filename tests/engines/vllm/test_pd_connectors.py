@@ -1,7 +1,8 @@
 """The same hand-off over kvferry's zmq connector (TCP on loopback) and over its nixl connector
 (one-sided NIXL READs, UCX over TCP on loopback, of the prefill's registered KV cache itself:
-pages read in place, only headers in its pool), chosen by extra config. The nixl case needs nixl in the vLLM venv (``.ci/venv-vllm`` installs it); without
-it the case skips, naming the install, unless ``KVFERRY_REQUIRE_NIXL=1`` (as ``.ci/run`` sets)."""
+pages read in place, only headers in its pool), chosen by extra config. The nixl case needs nixl
+in the vLLM venv (``.ci/venv-vllm`` installs it); without it the case skips, naming the install,
+unless ``KVFERRY_REQUIRE_NIXL=1`` (as ``.ci/run`` sets)."""
 
 from __future__ import annotations
 
