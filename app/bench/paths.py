@@ -153,15 +153,22 @@ def mooncake_raw(run: RunState) -> None:
     run.record("mooncake_raw", Stat.of(raw["seconds"]), g.nbytes)
 
 
+#: Pairs of the nixl connector against the raw READ, at least (one pair of the bench's payload
+#: takes about 0.1 s; UCX over TCP on a small host varies a READ's time 3-5x from one to the
+#: next, and the median of 5 pairs moved by 0.35 between runs, of 15 it moves less).
+NIXL_PAIRS = 15
+
+
 def nixl_pair(run: RunState) -> None:
     """A raw NIXL READ against the nixl connector's get of the same bytes on the same agent pair,
-    repetitions interleaved (figures ``nixl_raw_read`` and ``nixl_pair_get``)."""
+    repetitions interleaved (figures ``nixl_raw_read`` and ``nixl_pair_get``; ``reps`` pairs,
+    at least :data:`NIXL_PAIRS`)."""
     g, s = run.settings.geometry, run.settings
     run.progress("raw NIXL READ vs nixl connector, interleaved ...")
     try:
         from kvferry.adapters.connectors.nixl.bench import bench_pair
 
-        pair = bench_pair(g.nbytes, reps=s.reps)
+        pair = bench_pair(g.nbytes, reps=max(s.reps, NIXL_PAIRS))
     except (ImportError, KVFerryError) as exc:
         run.failures["raw nixl"] = " ".join(str(exc).split())[:800]
         return

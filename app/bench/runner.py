@@ -323,6 +323,10 @@ def _worst(run: RunState) -> None:
         run.extra[f"rss_ratio_receiver{suffix}_path"] = worst_label
 
 
+#: An optional connector's raw limit figure, where it is not ``{name}_raw``.
+RAW_FIGURES = {"nixl": "nixl_raw_read"}
+
+
 def _extra_ratios(run: RunState) -> dict[str, float]:
     """Ratios beyond the required set: what the manager adds over the primitives, the other
     readiness figures, and optional connectors against their own raw limits."""
@@ -352,8 +356,9 @@ def _extra_ratios(run: RunState) -> dict[str, float]:
     }
     out.update(_cpu_ratios(run))
     for name in run.settings.extra_connectors:
-        out[f"{name}_1req_vs_raw"] = ratio_of(get(f"{name}_raw"), get(f"{name}_e2e_1"))
-        out[f"{name}_{n}req_vs_raw"] = ratio_of(n * get(f"{name}_raw"), get(f"{name}_e2e_n"))
+        raw = get(RAW_FIGURES.get(name, f"{name}_raw"))
+        out[f"{name}_1req_vs_raw"] = ratio_of(raw, get(f"{name}_e2e_1"))
+        out[f"{name}_{n}req_vs_raw"] = ratio_of(n * raw, get(f"{name}_e2e_n"))
         out[f"readiness_{name}_p50_ms"] = get(f"readiness_{name}") * 1e3
     return out
 

@@ -27,6 +27,23 @@ def vllm_python() -> str:
     return engine_python(VLLM)
 
 
+#: kvferry's nixl connector over UCX's TCP transport on loopback (what the engine tests run)
+NIXL_LOOPBACK = {"type": "nixl", "ucx_tls": "tcp,self", "ucx_net_devices": "lo"}
+
+
+def nixl_or_skip(py: str) -> None:
+    """Skip a nixl case when nixl is not installed in ``py`` (the vLLM venv), naming the
+    install, unless ``KVFERRY_REQUIRE_NIXL=1`` (as ``.ci/run`` sets: then the case runs and
+    fails)."""
+    code = "import importlib.util, sys; sys.exit(importlib.util.find_spec('nixl') is None)"
+    if subprocess.run([py, "-c", code], timeout=120, check=False).returncode == 0:
+        return
+    if os.environ.get("KVFERRY_REQUIRE_NIXL") != "1":
+        import pytest
+
+        pytest.skip(f"nixl is not installed in {py}: pip install --no-deps nixl-cu12==1.5.1 nixl==1.5.1")
+
+
 def run_json(script: str, out: Path, timeout_s: float = 500) -> Any:
     """Run ``script`` (a file beside this one) in the vLLM venv with ``out`` as its argument and
     return the JSON it wrote there; the test fails with its stderr when it fails."""

@@ -6,13 +6,11 @@ unless ``KVFERRY_REQUIRE_NIXL=1`` (as ``.ci/run`` sets)."""
 
 from __future__ import annotations
 
-import os
-import subprocess
 import time
 from typing import Any
 
 import pytest
-from harness import Instance, failures, free_base_port, make_model, prompts, vllm_python
+from harness import NIXL_LOOPBACK, Instance, failures, free_base_port, make_model, nixl_or_skip, prompts, vllm_python
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(1200)]
 
@@ -21,23 +19,15 @@ TOKENS = 12
 
 
 #: kvferry's connector configs of the two cases: zmq, and nixl with UCX over TCP on loopback
-CONNECTORS = {
-    "zmq": {"type": "zmq"},
-    "nixl": {"type": "nixl", "ucx_tls": "tcp,self", "ucx_net_devices": "lo"},
-}
-
-
-def _has_nixl(py: str) -> bool:
-    code = "import importlib.util, sys; sys.exit(importlib.util.find_spec('nixl') is None)"
-    return subprocess.run([py, "-c", code], timeout=120, check=False).returncode == 0
+CONNECTORS = {"zmq": {"type": "zmq"}, "nixl": NIXL_LOOPBACK}
 
 
 @pytest.fixture(scope="module", params=sorted(CONNECTORS, reverse=True))
 def pair(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Any:
     py = vllm_python()
     kind = request.param
-    if kind == "nixl" and not _has_nixl(py) and os.environ.get("KVFERRY_REQUIRE_NIXL") != "1":
-        pytest.skip(f"nixl is not installed in {py}: pip install --no-deps nixl-cu12==1.5.1 nixl==1.5.1")
+    if kind == "nixl":
+        nixl_or_skip(py)
     root = tmp_path_factory.mktemp(f"vllm_{kind}")
     model = make_model(py, root / "model", 1)
     extra = {"connector": CONNECTORS[kind], "base_port": free_base_port(), "load_timeout_s": 20}
