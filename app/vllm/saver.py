@@ -356,16 +356,11 @@ class PageSaver:
             self.retry,
             self.sleep,
         )
-        if done.ok:
-            if done.attempts > 1:
-                self.context.stats.add(put_waits=1)
-            self.context.stats.add(bytes_in_place=done.size - len(head))
-            return done.size
-        self._unpin(state, key)
-        message = f"put of {key!r} (in place) failed after {done.attempts} attempts ({done.reason}): {done.detail}"
-        if done.reason in PUT_FAILURES:
-            raise PoolFullError(message, reason=done.reason, detail=done.detail)
-        raise TransferError(message)
+        if not done.ok:
+            self._unpin(state, key)  # nothing was published: on_free never comes
+        size = self._settle(key, done, " (in place)")
+        self.context.stats.add(bytes_in_place=size - len(head))
+        return size
 
     def _unpin(self, state: _SaveState, key: str) -> None:
         """The connector freed a payload read in place: its pages may change again."""
@@ -393,12 +388,16 @@ class PageSaver:
             fill(buf)
             return conn.put(from_stage=stages[0], to_stage=stages[1], put_key=key, data=buf)
 
-        done = put_with_retry(attempt, self.retry, self.sleep)
+        return self._settle(key, put_with_retry(attempt, self.retry, self.sleep))
+
+    def _settle(self, key: str, done: Any, what: str = "") -> int:
+        """The size of a put that succeeded (one that waited for room counted ``put_waits``);
+        PoolFullError (with its reason) or TransferError for one that failed."""
         if done.ok:
             if done.attempts > 1:  # the pool was full: it waited for reads to free room
                 self.context.stats.add(put_waits=1)
-            return done.size
-        message = f"put of {key!r} failed after {done.attempts} attempts ({done.reason}): {done.detail}"
+            return int(done.size)
+        message = f"put of {key!r}{what} failed after {done.attempts} attempts ({done.reason}): {done.detail}"
         if done.reason in PUT_FAILURES:
             raise PoolFullError(message, reason=done.reason, detail=done.detail)
         raise TransferError(message)

@@ -12,6 +12,7 @@ import threading
 from collections.abc import Sequence
 from typing import Any
 
+import attrs
 import pytest
 import torch
 from hypothesis import given, settings
@@ -220,5 +221,29 @@ def test_in_place_is_on_by_default_and_off_gathers_every_payload() -> None:
         worker.end_step()
         wait_for(lambda: worker.finished({"r"})[0] == {"r"})
         assert sender.gathered == [layer_key("t", 0, 0, 0, 0)] and not sender.puts
+    finally:
+        worker.close()
+
+
+def test_a_failed_put_in_place_fails_the_save_and_holds_nothing() -> None:
+    class _Refusing(_InPlaceSender):
+        def put_pieces(self, from_stage, to_stage, put_key, head, spans, on_free):  # noqa: ANN001, ANN201
+            return False, 0, {"reason": "error", "detail": "refused by the test"}
+
+    sender = _Refusing()
+    fast = {"connector": {"type": "memory"}, "load_timeout_s": 1.0}
+    worker = PageWorker(ConnectorSettings.from_extra_config(fast), tp_rank=0, tp_size=1, total_kv_heads=2,
+                        producer=True, consumer=False, connector_factory=lambda cfg: sender)  # fmt: skip
+    worker._saver.retry = attrs.evolve(worker._saver.retry, attempts=1)
+    caches = {"layer.0": torch.randn(6, 2, 4, 16).to(torch.bfloat16)}
+    try:
+        worker.register(caches)
+        worker.begin_step([SaveJob("r", "t", (4, 1), 7, 1, ends_now=True)])
+        worker.save_layer("layer.0", caches["layer.0"])
+        worker.end_step()
+        # the save ends (failed): vLLM gets the blocks back, nothing is left pinned
+        wait_for(lambda: worker.finished({"r"})[0] == {"r"})
+        stats = worker.take_stats()
+        assert stats.get("failures_put") == 1 and "bytes_in_place" not in stats and not sender.gathered
     finally:
         worker.close()
