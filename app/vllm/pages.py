@@ -263,6 +263,11 @@ class PageWriter:
     _templates: dict[tuple[int, int], LayoutTemplate] = attrs.field(init=False, factory=dict)
     #: Pinned host staging for a device cache's pages (created on the first device gather).
     _staging: PinnedStaging | None = attrs.field(init=False, default=None)
+    #: :meth:`pieces`' ranges in the layer (offsets, the same for every layer of a request and
+    #: head slice), by what decides them; cleared when it grows past 64 entries.
+    _ranges: dict[tuple[Any, ...], tuple[list[list[tuple[int, int]]], list[tuple[int, int]] | None]] = attrs.field(
+        init=False, factory=dict
+    )
 
     def template(self, num_blocks: int, heads: int) -> LayoutTemplate:
         key = (num_blocks, heads)
@@ -321,11 +326,20 @@ class PageWriter:
         if g.nhd or layer.device.type != "cpu" or not layer.is_contiguous():
             return None
         itemsize = layer.element_size()
-        spans = page_spans(g.page_places(itemsize), g.region * itemsize, block_ids, head_start, head_stop)
-        present = [sp for sp in layout.spans if sp is not None and sp[1]]
-        if len(present) != len(spans):
-            return None
-        pieces = payload_pieces(layout.data_start, layout.total_nbytes, present, spans, zeros[1])
+        present = tuple(sp for sp in layout.spans if sp is not None and sp[1])
+        key: tuple[Any, ...] = (tuple(block_ids), head_start, head_stop, itemsize, zeros[1])
+        key += (layout.data_start, layout.total_nbytes, present)
+        known = self._ranges.get(key)
+        if known is None:  # the first layer of this request and slice: the rest reuse them
+            spans = page_spans(g.page_places(itemsize), g.region * itemsize, block_ids, head_start, head_stop)
+            pieces = None
+            if len(present) == len(spans):
+                pieces = payload_pieces(layout.data_start, layout.total_nbytes, present, spans, zeros[1])
+            known = spans, pieces
+            if len(self._ranges) >= 64:
+                self._ranges.clear()
+            self._ranges[key] = known
+        spans, pieces = known
         if pieces is None:
             return None
         if layout.checksums_pending:

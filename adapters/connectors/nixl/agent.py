@@ -233,10 +233,11 @@ class AgentPool(TensorPool):
     def _covered(self, addr: int, length: int) -> bool:
         return any(a <= addr and addr + length <= a + n for a, n, _ in self._extra)
 
-    def registered(self, addr: int, length: int) -> bool:
-        """Whether ``[addr, addr + length)`` lies in one registered range besides the pool."""
+    def unregistered(self, spans: Sequence[tuple[int, int]]) -> list[tuple[int, int]]:
+        """The ``(addr, length)`` spans (of positive length) that do not lie inside one range
+        registered besides the pool (one look under the lock for all of them)."""
         with self._lock:
-            return self._covered(addr, length)
+            return [(a, n) for a, n in spans if n and not self._covered(int(a), int(n))]
 
     @property
     def name(self) -> str:

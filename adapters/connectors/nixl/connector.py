@@ -142,7 +142,7 @@ class NixlConnector(MooncakeConnector):
         key dropped). Fails like :meth:`put` (never calling ``on_free``), also ``error`` for a
         span outside the registered memory."""
         pool: AgentPool = self._pool  # type: ignore[assignment]
-        outside = [(a, n) for a, n in spans if n and not pool.registered(int(a), int(n))]
+        outside = pool.unregistered(spans)
         if outside:
             return self._put_failed("error", f"{len(outside)} spans lie outside registered memory, first {outside[0]}")
         return self._put_pieces(put_key, head, spans, on_free)
