@@ -12,6 +12,8 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import threading
+import time
 
 import attrs
 import pytest
@@ -440,3 +442,49 @@ def test_split_gather_refuses_destinations_that_are_not_whole_copies():
     plan = plan_extraction([make_layer("dim0", cache, cache)], [3, 1], 10, BLOCK, cache_dtype="bfloat16")
     with pytest.raises(ConfigError, match="copies"):
         gather_slices([plan], [_dests(plan)] * 3, 2)
+
+
+# ------------------------------------------------------------------------- the GIL during a copy
+def _ticks_inside(call, margin_s=0.001):
+    """Run ``call`` in this thread while another Python thread stamps the clock as fast as it
+    can; the stamps strictly inside ``call``'s window (``margin_s`` from either end, more than
+    the GIL's switch interval, set to 0.1 ms here) and the window's length in seconds."""
+    stamps: list[float] = []
+    running, stop = threading.Event(), threading.Event()
+
+    def spin():
+        running.set()
+        while not stop.is_set():
+            stamps.append(time.perf_counter())
+
+    old = sys.getswitchinterval()
+    sys.setswitchinterval(1e-4)
+    thread = threading.Thread(target=spin, daemon=True)
+    thread.start()
+    try:
+        assert running.wait(10)
+        start = time.perf_counter()
+        call()
+        end = time.perf_counter()
+    finally:
+        stop.set()
+        thread.join(10)
+        sys.setswitchinterval(old)
+    return sum(start + margin_s < s < end - margin_s for s in stamps), end - start
+
+
+@needs_native
+def test_a_large_gather_lets_other_python_threads_run():
+    """A native copy of 128 MiB runs without the GIL (an engine's other threads keep running
+    while its KV is extracted): the other thread's stamps fall inside the copy. Control: a copy
+    of the same size that holds the GIL (``bytes()`` of a bytearray) has none inside."""
+    cache = torch.zeros((2, 8200, 16, 4, 128), dtype=torch.bfloat16)
+    ids = torch.randperm(8200, generator=torch.Generator().manual_seed(5))[:8192].tolist()
+    plan = plan_extraction([cache], ids, 8192 * 16, 16, cache_dtype="bfloat16")
+    out = torch.empty(plan.keys[0].shape, dtype=torch.bfloat16)
+    plan.keys[0].gather_into(out, method="native")  # warm: pages touched
+    inside, window = _ticks_inside(lambda: plan.keys[0].gather_into(out, method="native"))
+    assert window > 0.004 and inside > 0, (inside, window)
+    held, kept = bytearray(out.numel() * 2), []  # kept: the copy is freed outside the window
+    inside, window = _ticks_inside(lambda: kept.append(bytes(held)))
+    assert window > 0.004 and inside == 0, (inside, window)
