@@ -28,9 +28,12 @@ import attrs
 
 from kvferry.core.errors import ConfigError, TransferError, TransferTimeout
 
-__all__ = ["Peer", "read_lines", "set_launcher"]
+__all__ = ["PARENT_ENV", "Peer", "read_lines", "set_launcher"]
 
 _MAX_LINE = 64 << 20
+#: The environment variable naming the bench process that drives a worker: the worker ends
+#: when that process does (:func:`kvferry.app.bench.worker.end_with_parent`).
+PARENT_ENV = "KVFERRY_BENCH_PARENT"
 
 #: Starts a peer process: ``launcher(argv, **Popen keywords)`` returns a Popen-like object
 #: (``stdin``, ``stdout``, ``pid``, ``poll``, ``wait``, ``kill``, ``returncode``).
@@ -81,7 +84,7 @@ class Peer:
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
             stderr=errors,
-            env={**os.environ, **(env or {})},
+            env={**os.environ, PARENT_ENV: str(os.getpid()), **(env or {})},
             close_fds=True,
         )
         return cls(name, proc, errors)

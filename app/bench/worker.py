@@ -23,9 +23,10 @@ from typing import Any
 
 import attrs
 
+from kvferry.app.bench.proc import PARENT_ENV
 from kvferry.app.bench.worker_kv import KvCommands, cpu_s, faults, memory_kb, reset_peak_rss
 
-__all__ = ["Worker", "main", "faults", "memory_kb", "reset_peak_rss"]
+__all__ = ["Worker", "main", "end_with_parent", "faults", "memory_kb", "reset_peak_rss"]
 
 logger = logging.getLogger(__name__)
 
@@ -258,11 +259,57 @@ def _serve(channel_in: Any, channel_out: Any) -> int:
     return 0
 
 
+#: Seconds a worker whose bench died gets to close its connectors before it exits regardless.
+GRACE_S = 10.0
+
+
+def end_with_parent(parent: int) -> bool:
+    """End this worker when process ``parent`` (the bench driving it) exits, even in the middle
+    of a command that blocks: a killed bench would otherwise leave its workers running until the
+    command's own timeout. A thread waits on a pidfd of ``parent``; when it exits, SIGTERM goes
+    to this process, whose handler raises SystemExit in the main thread (``_serve`` then closes
+    the worker's connectors), and after :data:`GRACE_S` the process exits regardless.
+    Returns False when nothing can be watched (no ``os.pidfd_open``: not Linux 5.3+); the end of
+    stdin still stops the worker after its current command."""
+    import select
+    import signal
+    import threading
+
+    if not hasattr(os, "pidfd_open"):
+        return False
+    try:
+        fd = os.pidfd_open(parent)
+    except ProcessLookupError:  # the bench is gone already
+        os._exit(1)
+    except OSError:
+        return False
+
+    def on_term(signum: int, frame: Any) -> None:
+        raise SystemExit(128 + signum)
+
+    signal.signal(signal.SIGTERM, on_term)
+
+    def watch() -> None:
+        poller = select.poll()
+        poller.register(fd, select.POLLIN)
+        poller.poll()  # no timeout: readable exactly when the parent has exited
+        logger.error("bench worker %s: the bench (pid %s) exited; stopping", os.getpid(), parent)
+        os.kill(os.getpid(), signal.SIGTERM)
+        threading.Event().wait(GRACE_S)
+        os._exit(1)
+
+    threading.Thread(target=watch, name="kvferry-bench-parent", daemon=True).start()
+    return True
+
+
 def main() -> int:
     """Reserve the real stdout for the channel; anything else printed goes to stderr."""
     channel_out = os.fdopen(os.dup(sys.stdout.fileno()), "wb", buffering=0)
     os.dup2(sys.stderr.fileno(), sys.stdout.fileno())
     logging.basicConfig(level=logging.WARNING, stream=sys.stderr)
+    parent = os.environ.get(PARENT_ENV, "")
+    if parent.isdigit():
+        end_with_parent(int(parent))
     threads = os.environ.get("KVFERRY_BENCH_THREADS", "")
     if threads.isdigit() and int(threads) > 0:
         import torch

@@ -8,8 +8,12 @@ arrived intact.
 from __future__ import annotations
 
 import math
+import os
 import pathlib
+import select
 import struct
+import subprocess
+import sys
 import zlib
 
 import pytest
@@ -187,6 +191,40 @@ def test_peer_reports_failures_as_values() -> None:
         with pytest.raises(TransferError, match="TypeError"):
             peer.call("rss_peak", 30, unexpected=1)
         assert peer.call("rss_reset", 30)["rss_kb"] > 0  # the channel is still in step
+
+
+#: A bench in miniature: one worker, blocked in a command (accept, 120 s), its pid printed.
+_ORPHANING_BENCH = """
+import sys
+from kvferry.app.bench.proc import Peer
+peer = Peer.start("orphan")
+peer.call("tcp_listen", 120, nbytes=16)
+peer.begin("tcp_accept", timeout_s=120)
+print(peer.pid, flush=True)
+sys.stdin.read()
+"""
+
+
+@pytest.mark.skipif(not hasattr(os, "pidfd_open"), reason="needs os.pidfd_open (Linux 5.3+)")
+def test_a_worker_ends_when_its_bench_is_killed_in_the_middle_of_a_command() -> None:
+    """A bench killed outright while its worker blocks in a 120 s command: the worker exits
+    within seconds instead of living on until the command's timeout."""
+    bench = subprocess.Popen([sys.executable, "-c", _ORPHANING_BENCH], stdin=subprocess.PIPE, stdout=subprocess.PIPE)
+    try:
+        assert bench.stdout is not None
+        assert select.select([bench.stdout], [], [], 120)[0], "the bench did not start its worker"
+        worker = int(bench.stdout.readline())
+        exited = os.pidfd_open(worker)
+        try:
+            assert not select.select([exited], [], [], 0)[0]  # alive, blocked in accept
+            bench.kill()
+            bench.wait(30)
+            assert select.select([exited], [], [], 60)[0], f"worker {worker} outlived its bench by 60 s"
+        finally:
+            os.close(exited)
+    finally:
+        bench.kill()
+        bench.wait(30)
 
 
 def _png_chunks(data: bytes) -> dict[bytes, bytes]:
