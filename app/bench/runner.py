@@ -50,7 +50,7 @@ from kvferry.app.bench.model import (
     compute_ratios,
     ratio_of,
 )
-from kvferry.app.bench.pairs import MAX_SPREAD, paired_ratio, relative_spread, verdict
+from kvferry.app.bench.pairs import MAX_SPREAD, PairedRatio, paired_ratio, relative_spread, verdict
 from kvferry.app.bench.paths import COPYING, PAIR_LIMITS, RunState, connector_paths, mooncake_raw, nixl_pair
 from kvferry.app.bench.proc import Peer
 from kvferry.app.bench.scenarios import Scenario, one_repetition
@@ -395,6 +395,15 @@ def _cpu_ratios(run: RunState) -> dict[str, float]:
     return out
 
 
+def _paired(run: RunState, limit: str, subject: str, scale: float = 1.0) -> PairedRatio | None:
+    """The ratio of figure ``limit`` over figure ``subject`` from their repetitions taken in
+    pairs (``scale`` times each pair's ratio); None unless both were measured, pair for pair."""
+    a, b = run.stats.get(limit), run.stats.get(subject)
+    if a is None or b is None or len(a.samples) != len(b.samples):
+        return None
+    return paired_ratio(a.samples, b.samples, scale)
+
+
 def _pairs(run: RunState, ratios: dict[str, float]) -> dict[str, Any]:
     """The interleaved ratios (replacing ``ratios``' values by the median of their pairs), every
     ratio's spread and verdict, and the run's noise figure per limit."""
@@ -402,13 +411,11 @@ def _pairs(run: RunState, ratios: dict[str, float]) -> dict[str, Any]:
     spreads: dict[str, float] = {}
     limit_samples: dict[str, list[float]] = {}
     for name, (figure, per_request) in PAIRED_RATIOS.items():
-        subject, limit = run.stats.get(figure), run.stats.get(f"{figure}_limit")
-        if subject is None or limit is None or len(subject.samples) != len(limit.samples):
+        paired = _paired(run, f"{figure}_limit", figure, run.settings.requests if per_request else 1)
+        if paired is None:
             continue
-        scale = run.settings.requests if per_request else 1
-        paired = paired_ratio(limit.samples, subject.samples, scale)
         limit_name = PAIR_LIMITS.get(figure, "memcpy")
-        limit_samples.setdefault(limit_name, []).extend(limit.samples)
+        limit_samples.setdefault(limit_name, []).extend(run.stats[f"{figure}_limit"].samples)
         pairs[name] = {**paired.to_json(), "limit": limit_name}
         ratios[name] = paired.value
         spreads[name] = paired.spread
@@ -437,10 +444,9 @@ def _connector_pairs(run: RunState) -> dict[str, Any]:
     spread, target and verdict."""
     out: dict[str, Any] = {}
     for name, (limit_name, subject_name, target) in CONNECTOR_PAIRS.items():
-        limit, subject = run.stats.get(limit_name), run.stats.get(subject_name)
-        if limit is None or subject is None or len(limit.samples) != len(subject.samples):
+        paired = _paired(run, limit_name, subject_name)
+        if paired is None:
             continue
-        paired = paired_ratio(limit.samples, subject.samples)
         out[name] = {
             **paired.to_json(),
             "limit": limit_name,
