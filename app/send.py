@@ -387,14 +387,13 @@ class SendPath:
         same_as = [None if first[slot] == i else first[slot] for i, slot in enumerate(slots)]
         if all(k is None for k in same_as) and any(j.num_slices < 2 for j in jobs):
             return {}  # nothing shared: the one-pass gather needs slices
+        sliced: dict[tuple[int, int], ExtractionPlan] = {}  # each head slice planned once
         try:
+            for slot in slots:
+                if slot not in sliced:
+                    sliced[slot] = slice_plan_heads(plan, *slot)
             filled = self._fill_reserved(
-                connector,
-                [
-                    (slice_plan_heads(plan, j.offset_in_shard, j.num_slices), j.key, self._metadata(plan, j))
-                    for j in jobs
-                ],
-                same_as,
+                connector, [(sliced[slot], j.key, self._metadata(plan, j)) for slot, j in zip(slots, jobs)], same_as
             )
         except KVFerryError:  # a full pool, a local fault: each key takes the single path
             return {}

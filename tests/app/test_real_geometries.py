@@ -177,6 +177,16 @@ def test_replicated_heads_through_the_native_one_pass_gather(
 
     monkeypatch.setattr(paged_gather, "_native", Counting())
     monkeypatch.setattr(paged_gather, "STREAM_MIN_BYTES", 0)
+    from kvferry.app import send as send_module
+
+    planned: list[tuple[int, int]] = []
+    slice_heads = send_module.slice_plan_heads
+
+    def counted(plan: Any, offset: int, slices: int) -> Any:
+        planned.append((offset, slices))
+        return slice_heads(plan, offset, slices)
+
+    monkeypatch.setattr(send_module, "slice_plan_heads", counted)
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
@@ -187,6 +197,8 @@ def test_replicated_heads_through_the_native_one_pass_gather(
         torch.set_num_threads(threads)
     # every whole-block tensor of a sender rank: one split call writing all its receivers
     assert calls and set(calls) == {t // s}, calls
+    # each head slice planned once per request, not once per receiver that holds it
+    assert len(planned) == len(REQUESTS) * heads, planned
     assert len(_receive_every_rank(conn, full, s, t, heads, fake_time)) == t * len(REQUESTS)
     assert kit.pool_is_empty(conn)
 
