@@ -18,7 +18,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import socket
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from typing import Any
 
 import attrs
@@ -30,6 +30,11 @@ __all__ = [
     "free_port",
     "free_base_port",
     "tune_host_allocator",
+    "HUGE_PAGE",
+    "THP_ENABLED",
+    "HugePages",
+    "huge_page_span",
+    "advise_huge_pages",
     "MemoryInfo",
     "PROC_MEMINFO",
     "cuda_available",
@@ -199,6 +204,115 @@ def tune_host_allocator(mmap_threshold: int = 32 << 20, trim_threshold: int = 4 
     ):
         ok = bool(mallopt(param, min(int(value), 2**31 - 1))) and ok
     return ok
+
+
+#: The transparent huge page size this module advises for (x86-64 and most arm64 kernels).
+HUGE_PAGE = 2 << 20
+#: Where Linux says whether transparent huge pages are used: ``always [madvise] never``.
+THP_ENABLED = "/sys/kernel/mm/transparent_hugepage/enabled"
+_MADV_HUGEPAGE, _MADV_COLLAPSE = 14, 25  # asm-generic/mman-common.h
+
+
+def huge_page_span(address: int, nbytes: int, page: int = HUGE_PAGE) -> tuple[int, int] | None:
+    """``(start, length)`` of the whole ``page``-aligned pages inside ``[address, address +
+    nbytes)``: the part of a buffer that can sit on huge pages. None when not one fits."""
+    if address < 0 or nbytes < 0 or page < 1:
+        raise ValueError(f"need address >= 0, nbytes >= 0 and page >= 1, got {address}, {nbytes}, {page}")
+    start = -(-address // page) * page
+    end = (address + nbytes) // page * page
+    return (start, end - start) if end > start else None
+
+
+@attrs.frozen
+class HugePages:
+    """What :func:`advise_huge_pages` did. ``total``: bytes of the distinct host storages it was
+    given; ``advised``: bytes of them (their whole 2 MiB pages) advised to huge pages;
+    ``collapsed``: bytes of those the kernel moved onto huge pages at once (when asked to);
+    ``reason``: why less than asked was done (empty when all of it was)."""
+
+    total: int = 0
+    advised: int = 0
+    collapsed: int = 0
+    reason: str = ""
+
+    def describe(self) -> str:
+        """One line for a log or a report."""
+        mb = 1 << 20
+        text = f"{self.collapsed // mb} MB on huge pages, {self.advised // mb} MB advised, of {self.total // mb} MB"
+        return f"{text} ({self.reason})" if self.reason else text
+
+
+def _thp_mode(path: str = THP_ENABLED) -> str | None:
+    """The bracketed word of ``path`` (``always``, ``madvise`` or ``never``); None if unreadable."""
+    try:
+        with open(path) as f:
+            text = f.read()
+    except OSError:
+        return None
+    start, end = text.find("["), text.find("]")
+    return text[start + 1 : end] if 0 <= start < end else None
+
+
+def advise_huge_pages(tensors: Iterable[Any], *, collapse: bool = False, thp_path: str = THP_ENABLED) -> HugePages:
+    """Advise the host memory under ``tensors`` to transparent huge pages (``MADV_HUGEPAGE``
+    over each distinct storage's whole 2 MiB pages) and, with ``collapse``, ask the kernel to
+    move what is already there onto them now (``MADV_COLLAPSE``, Linux 6.1+; synchronous, about
+    1-4 s per 2 GB measured here). Extraction reads a request's blocks scattered over the cache:
+    on 4 KiB pages every block starts with page-table walks, and a gather from a 1.9 GB cache
+    measured 0.71-0.92x memcpy from one process to the next against 0.99x on huge pages.
+
+    Never raises for what the kernel refuses: the result says what was done and why not the
+    rest (not Linux, huge pages off, an errno). Device tensors and non-tensors are skipped.
+    The bytes are unchanged; the memory stays the caller's (nothing is allocated or freed)."""
+    import ctypes
+    import ctypes.util
+    import os
+    import sys
+
+    storages: dict[int, int] = {}
+    for t in tensors:
+        if getattr(t, "device", None) is None or t.device.type != "cpu":
+            continue
+        storage = t.untyped_storage()
+        storages.setdefault(storage.data_ptr(), storage.nbytes())
+    total = sum(storages.values())
+    if not storages:
+        return HugePages(reason="no host memory among the tensors")
+    if not sys.platform.startswith("linux"):
+        return HugePages(total, reason=f"transparent huge pages are a Linux feature ({sys.platform})")
+    mode = _thp_mode(thp_path)
+    if mode is None or mode == "never":
+        return HugePages(total, reason=f"transparent huge pages are off ({thp_path}: {mode or 'unreadable'})")
+    try:
+        madvise = ctypes.CDLL(ctypes.util.find_library("c"), use_errno=True).madvise
+    except (OSError, AttributeError, TypeError) as exc:
+        return HugePages(total, reason=f"no madvise: {exc}")
+    madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+    madvise.restype = ctypes.c_int
+    advised = collapsed = 0
+    reasons: list[str] = []
+    for address, nbytes in sorted(storages.items()):
+        span = huge_page_span(address, nbytes)
+        if span is None:
+            continue
+        start, length = span
+        if madvise(start, length, _MADV_HUGEPAGE) != 0:
+            reasons.append(f"MADV_HUGEPAGE: {os.strerror(ctypes.get_errno())}")
+            continue
+        advised += length
+        if collapse:
+            if madvise(start, length, _MADV_COLLAPSE) == 0:
+                collapsed += length
+            else:
+                errno = ctypes.get_errno()
+                reasons.append(
+                    "MADV_COLLAPSE needs Linux 6.1+; the kernel's khugepaged collapses advised memory in the background"
+                    if errno == 22  # EINVAL: an older kernel
+                    else f"MADV_COLLAPSE: {os.strerror(errno)}"
+                )
+    if advised < total and not reasons:
+        reasons.append("the rest is not whole 2 MiB pages")
+    return HugePages(total, advised, collapsed, "; ".join(dict.fromkeys(reasons)))
 
 
 def free_port(host: str = "127.0.0.1") -> int:

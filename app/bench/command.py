@@ -53,6 +53,13 @@ def configure(parser: argparse.ArgumentParser) -> Callable[[argparse.Namespace],
     add("--block-size", type=int, default=None, help="tokens per cache block (default 16)")
     add("--readiness-reps", type=int, default=None, help="samples of the small request's latency")
     add("--threads", type=int, default=1, help="torch intra-op threads in every process (default 1)")
+    add(
+        "--no-huge-pages",
+        dest="huge_pages",
+        action="store_false",
+        help="leave the caches and the memcpy buffers on 4 KiB pages (default: moved onto transparent huge "
+        "pages, as kvferry's vLLM connector does with vLLM's CPU cache)",
+    )
     add("--timeout", type=float, default=None, help="seconds to wait for a peer process (default 120)")
     add("--seed", type=int, default=0, help="seed of the synthetic cache (default 0)")
     add("--quiet", action="store_true", help="no progress lines on stderr")
@@ -172,6 +179,7 @@ def settings_from_args(args: argparse.Namespace) -> BenchSettings:
             "extra_connectors": tuple(extras),
             "seed": args.seed,
             "runs": 1 if args.runs is None else args.runs,
+            "huge_pages": args.huge_pages,
         },
     )
 

@@ -17,6 +17,7 @@ from typing import Any
 import torch
 
 from kvferry.adapters.checksums import DEFAULT_CHECKSUM
+from kvferry.adapters.platform import advise_huge_pages
 from kvferry.adapters.torch_frames import decode_payload, encode_frames
 from kvferry.app.bench.model import Stat
 from kvferry.app.bench.payload import (
@@ -64,11 +65,20 @@ def timed_pairs(limit: Callable[[], float], fn: Callable[[], Any], reps: int, wa
     return Stat.of(limits), Stat.of(samples)
 
 
-def memcpy_step(nbytes: int) -> Callable[[], float]:
-    """One repetition of the memcpy limit per call (the buffers of :func:`measure_memcpy`,
-    allocated and touched once): returns its seconds."""
+def _memcpy_buffers(nbytes: int, huge_pages: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """The limit's source and destination, touched; with ``huge_pages`` on huge pages as the
+    caches it is compared with (:func:`kvferry.adapters.platform.advise_huge_pages`)."""
     src = torch.full((nbytes,), 3, dtype=torch.uint8)
     dst = torch.zeros(nbytes, dtype=torch.uint8)
+    if huge_pages:
+        advise_huge_pages([src, dst], collapse=True)
+    return src, dst
+
+
+def memcpy_step(nbytes: int, huge_pages: bool = False) -> Callable[[], float]:
+    """One repetition of the memcpy limit per call (the buffers of :func:`measure_memcpy`,
+    allocated and touched once): returns its seconds."""
+    src, dst = _memcpy_buffers(nbytes, huge_pages)
     s, d = src.data_ptr(), dst.data_ptr()
 
     def step(buffers: tuple[torch.Tensor, torch.Tensor] = (src, dst)) -> float:  # keeps both alive
@@ -82,11 +92,12 @@ def memcpy_step(nbytes: int) -> Callable[[], float]:
     return step
 
 
-def measure_memcpy(nbytes: int, reps: int, warmup: int, clock: Callable[[], float] = time.perf_counter) -> Stat:
+def measure_memcpy(
+    nbytes: int, reps: int, warmup: int, clock: Callable[[], float] = time.perf_counter, huge_pages: bool = False
+) -> Stat:
     """Single-thread ``memcpy`` (``ctypes.memmove``) of ``nbytes`` into a reused, touched buffer
-    (timed by ``clock``, see :func:`timed`)."""
-    src = torch.full((nbytes,), 3, dtype=torch.uint8)
-    dst = torch.zeros(nbytes, dtype=torch.uint8)
+    (timed by ``clock``, see :func:`timed`; ``huge_pages``: both buffers on huge pages)."""
+    src, dst = _memcpy_buffers(nbytes, huge_pages)
     s, d = src.data_ptr(), dst.data_ptr()
     stat = timed(lambda: ctypes.memmove(d, s, nbytes), reps, warmup, clock)
     if not torch.equal(src[-4096:], dst[-4096:]):

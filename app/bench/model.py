@@ -185,7 +185,10 @@ class BenchSettings:
     ``requests``: requests of the many-request cases; ``readiness_reps``: samples of the small
     request's latency; ``extra_connectors``: optional connectors measured beside shm and zmq;
     ``timeout_s``: the bound on every wait for a peer process; ``runs``: how many times the
-    whole measurement repeats in one invocation (fresh peer processes each time).
+    whole measurement repeats in one invocation (fresh peer processes each time);
+    ``huge_pages``: the caches and the memcpy limit's buffers are moved onto transparent huge
+    pages (:func:`kvferry.adapters.platform.advise_huge_pages`), as kvferry's vLLM connector
+    does with vLLM's CPU cache; False: 4 KiB pages, an engine's cache without that advice.
     """
 
     geometry: Geometry
@@ -197,6 +200,7 @@ class BenchSettings:
     seed: int = 0
     timeout_s: float = 120.0
     runs: int = 1
+    huge_pages: bool = True
 
     def __attrs_post_init__(self) -> None:
         for name, low in (("reps", 1), ("warmup", 0), ("requests", 1), ("readiness_reps", 1), ("runs", 1)):
@@ -224,6 +228,7 @@ class BenchSettings:
             "extra_connectors": list(self.extra_connectors),
             "seed": self.seed,
             "runs": self.runs,
+            "huge_pages": self.huge_pages,
         }
 
 

@@ -449,7 +449,10 @@ def tp_paths(run: RunState, sender: Peer, name: str, send_cfg: dict, recv_cfg: d
             # each sender rank holds g.heads/2 of the model's g.heads KV heads (a cache of its own,
             # contiguous as an engine's), so at TP 8 every head is on two receivers
             half = attrs.evolve(g, heads=g.heads // 2)
-            sender.call("setup", t + 60, name="half", geometry=half.to_json(), requests=2, seed=run.settings.seed + 2)
+            sender.call(
+                "setup", t + 60, name="half", geometry=half.to_json(), requests=2, seed=run.settings.seed + 2,
+                huge_pages=run.settings.huge_pages,
+            )  # fmt: skip
             rows.append((f"replicated TP 2->8 at {g.heads} KV heads", "replicated_2_8", 8, g.heads, "half", "flash"))
         # an MLA latent: each layer's K half read as [blocks, block_size, heads*head_dim]
         rows.append(("MLA latent TP 2->4", "mla_2_4", 4, 1, "main:latent", "mla"))

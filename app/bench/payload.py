@@ -26,6 +26,7 @@ import attrs
 import torch
 
 from kvferry.adapters.paged_cache import ExtractionPlan, ExtractionSkipped, plan_extraction
+from kvferry.adapters.platform import HugePages, advise_huge_pages
 from kvferry.adapters.torch_frames import (
     DecodedKV,
     dest_views,
@@ -77,17 +78,23 @@ class PagedCache:
     geometry: Geometry
     layers: tuple[torch.Tensor, ...] = attrs.field(repr=False)
     block_ids: tuple[tuple[int, ...], ...]
+    #: What moving the layers onto huge pages did (None: not asked).
+    huge_pages: HugePages | None = None
 
     @property
     def num_blocks(self) -> int:
         return int(self.layers[0].shape[1])
 
 
-def make_paged_cache(geometry: Geometry, requests: int, *, seed: int, spare_blocks: int = 8) -> PagedCache:
+def make_paged_cache(
+    geometry: Geometry, requests: int, *, seed: int, spare_blocks: int = 8, huge_pages: bool = False
+) -> PagedCache:
     """A cache holding ``requests`` requests of ``geometry`` plus ``spare_blocks`` unused blocks.
 
     Every byte is written (no lazily mapped zero pages) with a seeded pattern that differs from
-    block to block, so a transfer that moves the wrong block is caught by a checksum.
+    block to block, so a transfer that moves the wrong block is caught by a checksum. With
+    ``huge_pages`` the written layers are then moved onto transparent huge pages (as kvferry's
+    vLLM connector does with an engine's cache; :func:`~kvferry.adapters.platform.advise_huge_pages`).
     """
     if requests < 1 or spare_blocks < 0:
         raise ConfigError("need requests >= 1 and spare_blocks >= 0")
@@ -109,7 +116,8 @@ def make_paged_cache(geometry: Geometry, requests: int, *, seed: int, spare_bloc
     order = list(range(num_blocks))
     random.Random(seed).shuffle(order)
     ids = tuple(tuple(order[r * per_request : (r + 1) * per_request]) for r in range(requests))
-    return PagedCache(g, tuple(layers), ids)
+    huge = advise_huge_pages(layers, collapse=True) if huge_pages else None
+    return PagedCache(g, tuple(layers), ids, huge)
 
 
 #: Views of a bench cache other rows send: ``latent`` (each layer's K half read as an MLA latent

@@ -265,8 +265,11 @@ def render_table(report: dict[str, Any]) -> str:
         f"machine: {machine['cpu_model']}, {machine['cores']} cores, {machine['memory_gb']} GB, "
         f"load {machine['load_avg_at_start']}; torch {machine['torch']} ({machine['torch_threads']} "
         f"thread(s)), pyzmq {machine['pyzmq']} / libzmq {machine['libzmq']}",
-        "",
     ]
+    huge = (report.get("notes") or {}).get("cache_huge_pages")
+    if huge:
+        lines.append(f"sender's cache: {huge}")
+    lines.append("")
     figures = report["figures"]
     rows = []
     for name, label in _FIGURE_LABELS:

@@ -208,15 +208,20 @@ def _measure(run: RunState) -> None:
     receiver = run.peer("receiver")
     small = attrs.evolve(g, **SMALL)
     # a sender cache for `requests` requests (>= 2: the TP cases read one request per rank)
-    sender.call("setup", t + 120, name="main", geometry=g.to_json(), requests=max(s.requests, 2), seed=s.seed)
-    sender.call("setup", t, name="small", geometry=small.to_json(), requests=1, seed=s.seed + 1)
+    huge = s.huge_pages
+    main = sender.call(
+        "setup", t + 120, name="main", geometry=g.to_json(), requests=max(s.requests, 2), seed=s.seed, huge_pages=huge
+    )
+    run.extra["cache_huge_pages"] = main.get("huge_pages") or "not asked (--no-huge-pages): 4 KiB pages"
+    sender.call("setup", t, name="small", geometry=small.to_json(), requests=1, seed=s.seed + 1, huge_pages=huge)
     receiver.call("rss_peak", t)
 
     run.progress("memcpy and in-process paths ...")
-    run.record("memcpy", measure_memcpy(g.nbytes, s.reps, s.warmup), g.nbytes)
-    run.record("memcpy_cpu", measure_memcpy(g.nbytes, s.reps, s.warmup, time.process_time), g.nbytes)
-    run.limits["memcpy"] = memcpy_step(g.nbytes)  # alternates with the paths of PAIR_LIMITS
-    local = measure_local(make_paged_cache(g, 1, seed=s.seed), s.reps, s.warmup, limit=run.limits["memcpy"])
+    run.record("memcpy", measure_memcpy(g.nbytes, s.reps, s.warmup, huge_pages=huge), g.nbytes)
+    run.record("memcpy_cpu", measure_memcpy(g.nbytes, s.reps, s.warmup, time.process_time, huge), g.nbytes)
+    run.limits["memcpy"] = memcpy_step(g.nbytes, huge)  # alternates with the paths of PAIR_LIMITS
+    local_cache = make_paged_cache(g, 1, seed=s.seed, huge_pages=huge)
+    local = measure_local(local_cache, s.reps, s.warmup, limit=run.limits["memcpy"])
     for name, stat in local["stats"].items():
         run.record(name, stat, g.nbytes)
     run.checks.update({f"local_{k}": v for k, v in local["checks"].items()})

@@ -49,14 +49,19 @@ class Worker(KvCommands):
     tcp_buffer: Any = None
 
     # ------------------------------------------------------------------ setup and memory
-    def cmd_setup(self, name: str, geometry: dict, requests: int, seed: int) -> dict[str, Any]:
+    def cmd_setup(
+        self, name: str, geometry: dict, requests: int, seed: int, huge_pages: bool = False
+    ) -> dict[str, Any]:
+        """Build cache ``name``; with ``huge_pages`` moved onto huge pages (``huge_pages`` in the
+        answer: what was done)."""
         from kvferry.app.bench.model import Geometry
         from kvferry.app.bench.payload import make_paged_cache
 
         fields = {k: geometry[k] for k in ("layers", "tokens", "heads", "head_dim", "dtype", "block_size")}
-        cache = make_paged_cache(Geometry(**fields), requests, seed=seed)
+        cache = make_paged_cache(Geometry(**fields), requests, seed=seed, huge_pages=huge_pages)
         self.caches[name] = cache
-        return {"blocks": cache.num_blocks, **memory_kb()}
+        huge = None if cache.huge_pages is None else cache.huge_pages.describe()
+        return {"blocks": cache.num_blocks, "huge_pages": huge, **memory_kb()}
 
     def cmd_rss_reset(self) -> dict[str, Any]:
         return {"reset": reset_peak_rss(), **memory_kb()}

@@ -111,6 +111,7 @@ def test_targets_compare_in_their_direction(value: float) -> None:
 
 def test_settings_validate() -> None:
     assert BenchSettings.full().geometry.nbytes == 28 * 2 * 4096 * 4 * 128 * 2
+    assert BenchSettings.full().huge_pages and BenchSettings.full().to_json()["huge_pages"] is True
     with pytest.raises(ConfigError):
         BenchSettings.quick(reps=0)
     with pytest.raises(ConfigError):
@@ -191,6 +192,29 @@ def test_peer_reports_failures_as_values() -> None:
         with pytest.raises(TransferError, match="TypeError"):
             peer.call("rss_peak", 30, unexpected=1)
         assert peer.call("rss_reset", 30)["rss_kb"] > 0  # the channel is still in step
+
+
+def test_no_huge_pages_leaves_the_caches_on_small_pages() -> None:
+    import argparse
+
+    from kvferry.app.bench.command import configure, settings_from_args
+
+    parser = argparse.ArgumentParser()
+    configure(parser)
+    assert settings_from_args(parser.parse_args(["--quick"])).huge_pages is True
+    assert settings_from_args(parser.parse_args(["--quick", "--no-huge-pages"])).huge_pages is False
+
+
+def test_a_cache_on_huge_pages_holds_the_same_bytes() -> None:
+    """The bench's cache moved onto huge pages is the same cache (same seed, same bytes, same
+    block ids) with what was done attached; without the option nothing is attached."""
+    g = Geometry(2, 2048, 4, 128)  # 4.3 MB a layer: whole 2 MiB pages fit
+    plain = make_paged_cache(g, 2, seed=4)
+    huge = make_paged_cache(g, 2, seed=4, huge_pages=True)
+    assert plain.huge_pages is None and huge.huge_pages is not None
+    assert huge.huge_pages.total == sum(t.nbytes for t in huge.layers)
+    assert huge.block_ids == plain.block_ids
+    assert all(torch.equal(a.view(torch.int16), b.view(torch.int16)) for a, b in zip(plain.layers, huge.layers))
 
 
 #: A bench in miniature: one worker, blocked in a command (accept, 120 s), its pid printed.
@@ -289,6 +313,11 @@ def test_tiny_run_reports_every_ratio_as_a_finite_number(tiny_run: tuple[int, st
     assert report["notes"]["rss_ratio_receiver_path"].startswith("kvferry")
     assert report["notes"]["rss_ratio_receiver_copying_path"].startswith("copying receive:")
     assert report["settings"]["geometry"]["nbytes"] == 2 * 2 * 256 * 4 * 128 * 2
+    # the sender's cache was put on huge pages where whole 2 MiB pages fit (here none: 1.3 MB a
+    # layer), and the report says what was done
+    assert report["settings"]["huge_pages"] is True
+    assert "MB on huge pages" in report["notes"]["cache_huge_pages"]
+    assert "sender's cache: " in table
     for key in ("cpu_model", "cores", "memory_gb", "torch", "pyzmq"):
         assert report["machine"][key]
     assert all(name in table for name in RATIO_NAMES)
