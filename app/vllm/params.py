@@ -28,6 +28,7 @@ from kvferry.core.validate import check_int
 __all__ = [
     "PARAMS_VERSION",
     "LOAD_MODES",
+    "HUGE_PAGE_MODES",
     "RECOMPUTE_THRESHOLD",
     "ConnectorSettings",
     "PrefillRequest",
@@ -42,6 +43,9 @@ __all__ = [
 PARAMS_VERSION = 1
 _FIELD = "kv_transfer_params"
 _EXTRA = "kv_connector_extra_config"
+#: ``huge_pages`` settings: collapse the host cache onto huge pages at registration, advise
+#: the kernel to (khugepaged in the background), or leave it alone.
+HUGE_PAGE_MODES = ("collapse", "advise", "off")
 
 
 def _int(where: str, name: str, value: Any, minimum: int, maximum: int | None = None) -> int:
@@ -119,6 +123,11 @@ class ConnectorSettings:
     pages can be read so (a host cache in vLLM's CPU layout, one KV cache group, a request
     that ends in the step its prefill completes); a gather into the pool otherwise. False:
     always the gather.
+    ``huge_pages``: a host KV cache is moved onto transparent huge pages when the connector
+    registers it (:func:`kvferry.adapters.platform.advise_huge_pages`): ``"collapse"`` at once
+    (seconds per GB at engine start), ``"advise"`` by the kernel in the background, ``"off"``
+    not at all. Extraction and loads touch a request's blocks scattered over the cache; on
+    4 KiB pages each block starts with page-table walks. A device cache is left alone.
     """
 
     connector: Mapping[str, Any] = attrs.field(factory=lambda: {"type": "shm"})
@@ -138,6 +147,7 @@ class ConnectorSettings:
     idle_wait_s: float = 0.002
     kv_recompute_threshold: int = RECOMPUTE_THRESHOLD
     in_place: bool = True
+    huge_pages: str = "collapse"
 
     @classmethod
     def from_extra_config(cls, extra: Mapping[str, Any] | None) -> ConnectorSettings:
@@ -185,6 +195,12 @@ class ConnectorSettings:
             if not isinstance(extra["in_place"], bool):
                 raise ConfigError(f"{_EXTRA}.in_place: expected true or false, got {extra['in_place']!r}")
             out["in_place"] = extra["in_place"]
+        if "huge_pages" in extra:
+            if extra["huge_pages"] not in HUGE_PAGE_MODES:
+                raise ConfigError(
+                    f"{_EXTRA}.huge_pages: expected one of {', '.join(HUGE_PAGE_MODES)}, got {extra['huge_pages']!r}"
+                )
+            out["huge_pages"] = extra["huge_pages"]
         if "checksums" in extra:
             value = extra["checksums"]
             if value is not None and not isinstance(value, str):

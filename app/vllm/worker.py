@@ -39,6 +39,7 @@ import attrs
 import torch
 
 from kvferry.adapters.checksums import sending_checksum
+from kvferry.adapters.platform import THP_ENABLED, HugePages, advise_huge_pages
 from kvferry.app.registry import create_connector
 from kvferry.app.vllm.context import WorkerContext
 from kvferry.app.vllm.loader import PageLoader
@@ -123,6 +124,8 @@ class PageWorker:
     #: and load (vLLM may compute them on its first forward). Needed for an FP8 cache.
     kv_scales: Callable[[], tuple[Sequence[float], Sequence[float | None] | None]] | None = None
     geometry: PageGeometry | None = attrs.field(init=False, default=None)
+    #: What moving the cache onto huge pages did at registration (None: ``huge_pages: off``).
+    huge_pages: HugePages | None = attrs.field(init=False, default=None)
     stats: TransferStats = attrs.field(init=False, factory=TransferStats)
     #: The last loads of this rank, oldest first (for a driver that wants per-request figures).
     recent_loads: collections.deque[LoadRecord] = attrs.field(init=False, factory=lambda: collections.deque(maxlen=256))
@@ -192,6 +195,7 @@ class PageWorker:
                 raise ConfigError(f"kv_scales: {len(k)} k_scale entries for {len(layers)} layers")
         for part in (self._saver, self._loader):
             part.fp8, part.kv_scales = fp8, self.kv_scales
+        self._huge_pages(layers)
         self._saver.attach(layers, index, geometry)
         self._loader.attach(layers, geometry, list(kv_caches))
         self._saver.state_views = self._loader.state_views = views
@@ -209,6 +213,28 @@ class PageWorker:
                     logger.info("kvferry rank %d: pages are gathered into the pool: %s", self.tp_rank, why_not)
         if self.consumer:
             self._loader.start(self.connector_factory(self.settings.receiver_config()))
+
+    def _huge_pages(self, layers: Sequence[torch.Tensor]) -> None:
+        """Move a host cache onto huge pages as ``huge_pages`` says (kept in ``huge_pages``); a
+        host cache that gets none is logged with why and what to change."""
+        mode = self.settings.huge_pages
+        if mode == "off":
+            return
+        done = self.huge_pages = advise_huge_pages(layers, collapse=mode == "collapse")
+        if not done.total:
+            return  # a device cache: nothing on the host to advise
+        if done.advised:
+            logger.info("kvferry rank %d: KV cache: %s", self.tp_rank, done.describe())
+        else:
+            logger.warning(
+                "kvferry rank %d: the KV cache stays on 4 KiB pages (%s); extraction and loads run slower. "
+                "Let the kernel use transparent huge pages (echo madvise > %s) or set %s.huge_pages: off "
+                "to keep this quiet",
+                self.tp_rank,
+                done.describe(),
+                THP_ENABLED,
+                "kv_connector_extra_config",
+            )
 
     def _check_heads(self, geometry: PageGeometry) -> None:
         try:

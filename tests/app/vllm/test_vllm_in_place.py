@@ -247,3 +247,48 @@ def test_a_failed_put_in_place_fails_the_save_and_holds_nothing() -> None:
         assert stats.get("failures_put") == 1 and "bytes_in_place" not in stats and not sender.gathered
     finally:
         worker.close()
+
+
+def _registered(extra: dict[str, Any], blocks: int) -> PageWorker:
+    worker = PageWorker(
+        ConnectorSettings.from_extra_config({"connector": {"type": "memory"}, **extra}),
+        tp_rank=0,
+        tp_size=1,
+        total_kv_heads=2,
+        producer=True,
+        consumer=False,
+        connector_factory=lambda cfg: _InPlaceSender(),
+    )
+    worker.register({f"layer.{i}": torch.zeros(blocks, 2, 4, 16, dtype=torch.bfloat16) for i in range(2)})
+    return worker
+
+
+def test_a_host_cache_is_moved_onto_huge_pages_at_registration() -> None:
+    """By default a host cache of whole 2 MiB pages is collapsed onto huge pages when vLLM
+    registers it; ``advise`` leaves the moving to the kernel, ``off`` does nothing; a bad value
+    fails at start naming the key."""
+    from kvferry.adapters.platform import _thp_mode
+
+    if _thp_mode() in (None, "never"):
+        pytest.skip(f"transparent huge pages are off or unknown here ({_thp_mode()})")
+    blocks = 16384  # 4 MiB a layer
+    worker = _registered({}, blocks)
+    try:
+        done = worker.huge_pages
+        assert done is not None and done.total == 2 * blocks * 256 and done.advised > 0
+        if "Linux 6.1" not in done.reason:
+            assert done.collapsed == done.advised
+    finally:
+        worker.close()
+    worker = _registered({"huge_pages": "advise"}, blocks)
+    try:
+        assert worker.huge_pages is not None and worker.huge_pages.advised > 0 and worker.huge_pages.collapsed == 0
+    finally:
+        worker.close()
+    worker = _registered({"huge_pages": "off"}, blocks)
+    try:
+        assert worker.huge_pages is None
+    finally:
+        worker.close()
+    with pytest.raises(ConfigError, match="huge_pages"):
+        ConnectorSettings.from_extra_config({"huge_pages": "always"})
