@@ -118,6 +118,28 @@ class Instance(InstanceProcess):
         return "\n".join(line for line in self.tail(1_000_000).splitlines() if any(k in line for k in keep))[-4000:]
 
 
+def huge_page_mb(pid: int) -> float:
+    """MB of anonymous memory on transparent huge pages in process ``pid`` and every process
+    under it (a vLLM instance keeps its KV cache in its engine-core child)."""
+    children: dict[int, list[int]] = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue  # gone meanwhile
+        children.setdefault(int(fields[1]), []).append(int(stat.parent.name))
+    total_kb, todo = 0, [pid]
+    while todo:
+        current = todo.pop()
+        todo += children.get(current, [])
+        try:
+            rollup = Path(f"/proc/{current}/smaps_rollup").read_text()
+        except OSError:
+            continue
+        total_kb += sum(int(line.split()[1]) for line in rollup.splitlines() if line.startswith("AnonHugePages:"))
+    return total_kb / 1024
+
+
 def failures(metrics: dict[str, float]) -> float:
     """All of kvferry's failure counters together."""
     return sum(v for k, v in metrics.items() if k.startswith("vllm:kvferry_failures{"))

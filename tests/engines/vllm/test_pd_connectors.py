@@ -10,7 +10,19 @@ import time
 from typing import Any
 
 import pytest
-from harness import NIXL_LOOPBACK, Instance, failures, free_base_port, make_model, nixl_or_skip, prompts, vllm_python
+from harness import (
+    NIXL_LOOPBACK,
+    Instance,
+    failures,
+    free_base_port,
+    huge_page_mb,
+    make_model,
+    nixl_or_skip,
+    prompts,
+    vllm_python,
+)
+
+from kvferry.adapters.platform import THP_ENABLED, _thp_mode
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(1200)]
 
@@ -89,3 +101,15 @@ def test_pages_are_consumed_once(pair: Any) -> None:
     after = d.metrics()
     assert after["vllm:kvferry_requests_loaded"] == before["vllm:kvferry_requests_loaded"]
     assert failures(after) == failures(before) + 1
+
+
+def test_each_instance_holds_its_kv_cache_on_huge_pages(pair: Any) -> None:
+    """kvferry's connector collapsed each instance's 1 GiB host KV cache onto huge pages when
+    vLLM registered it (``huge_pages`` defaults to collapse). Where the kernel uses huge pages
+    only when asked (``madvise``, as here), nothing else in the instance asks for 512 MB of them."""
+    if _thp_mode() != "madvise":
+        pytest.skip(f"{THP_ENABLED} is {_thp_mode()!r}: only 'madvise' tells kvferry's huge pages from the kernel's")
+    d, p, _, _ = pair
+    for instance, name in ((d, "decode"), (p, "prefill")):
+        mb = huge_page_mb(instance.proc.pid)
+        assert mb >= 512, f"{name}: {mb:.0f} MB on huge pages (its KV cache: 1 GiB)"
