@@ -259,7 +259,7 @@ def advise_huge_pages(tensors: Iterable[Any], *, collapse: bool = False, thp_pat
     move what is already there onto them now (``MADV_COLLAPSE``, Linux 6.1+; synchronous, about
     1-4 s per 2 GB measured here). Extraction reads a request's blocks scattered over the cache:
     on 4 KiB pages every block starts with page-table walks, and a gather from a 1.9 GB cache
-    measured 0.71-0.92x memcpy from one process to the next against 0.99x on huge pages.
+    measured 0.62-0.99x memcpy from one process to the next against 0.99-1.10x on huge pages.
 
     Never raises for what the kernel refuses: the result says what was done and why not the
     rest (not Linux, huge pages off, an errno). Device tensors and non-tensors are skipped.
