@@ -220,11 +220,18 @@ class PageWorker:
         mode = self.settings.huge_pages
         if mode == "off":
             return
+        started = time.monotonic()
         done = self.huge_pages = advise_huge_pages(layers, collapse=mode == "collapse")
         if not done.total:
             return  # a device cache: nothing on the host to advise
         if done.advised:
-            logger.info("kvferry rank %d: KV cache: %s", self.tp_rank, done.describe())
+            logger.info(
+                "kvferry rank %d: KV cache: %s, in %.1f s (huge_pages: %s)",
+                self.tp_rank,
+                done.describe(),
+                time.monotonic() - started,
+                mode,
+            )
         else:
             logger.warning(
                 "kvferry rank %d: the KV cache stays on 4 KiB pages (%s); extraction and loads run slower. "
