@@ -3,6 +3,7 @@ pages for a host cache."""
 
 from __future__ import annotations
 
+import mmap
 import pathlib
 
 import pytest
@@ -129,41 +130,57 @@ def test_huge_page_span_is_every_whole_aligned_page_inside(address: int, nbytes:
     assert start + length + page > address + nbytes  # no further whole page fits
 
 
-def _huge_kb() -> int:
-    """This process's anonymous memory on transparent huge pages, KiB."""
-    for line in pathlib.Path("/proc/self/smaps_rollup").read_text().splitlines():
-        if line.startswith("AnonHugePages:"):
+def _huge_kb(address: int) -> int:
+    """KiB on transparent huge pages in the mapping of this process that holds ``address``."""
+    inside = False
+    for line in pathlib.Path("/proc/self/smaps").read_text().splitlines():
+        first = line.split(" ", 1)[0]
+        if "-" in first and ":" not in first:  # a mapping's header line: start-end perms ...
+            low, high = (int(x, 16) for x in first.split("-"))
+            inside = low <= address < high
+        elif inside and line.startswith("AnonHugePages:"):
             return int(line.split()[1])
-    raise AssertionError("no AnonHugePages in smaps_rollup")
+    raise AssertionError(f"no mapping holds {address:#x}")
 
 
-def _collapse_or_skip() -> None:
-    if not pathlib.Path("/proc/self/smaps_rollup").exists() or _thp_mode() in (None, "never"):
-        pytest.skip(f"transparent huge pages are off or unknown here ({THP_ENABLED}: {_thp_mode()})")
+def _private_buffer(nbytes: int) -> tuple[mmap.mmap, torch.Tensor]:
+    """A private anonymous mapping of its own (so its huge pages can be read off /proc) and a
+    uint8 tensor on it, every byte written."""
+    buffer = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    tensor = torch.frombuffer(buffer, dtype=torch.uint8)
+    tensor.copy_(torch.randint(0, 256, (nbytes,), dtype=torch.uint8, generator=torch.Generator().manual_seed(3)))
+    return buffer, tensor
 
 
 def test_a_touched_cache_is_moved_onto_huge_pages_with_its_bytes() -> None:
     """A cache already written on 4 KiB pages (an engine allocates and zeroes it at start):
-    collapsed, the process's huge-page memory grows by what the result says, and every byte is
-    unchanged. Control: the same cache without the call stays on small pages."""
-    _collapse_or_skip()
-    gen = torch.Generator().manual_seed(3)
-    cache = torch.randint(0, 256, (2, 64, 256 << 10), dtype=torch.uint8, generator=gen)  # 32 MiB
+    collapsed, its mapping holds as many bytes on huge pages as the result says, and every byte
+    is unchanged. Control: a mapping written the same way and not advised holds none (where the
+    kernel uses huge pages only when asked)."""
+    mode = _thp_mode()
+    if not pathlib.Path("/proc/self/smaps").exists() or mode in (None, "never"):
+        pytest.skip(f"transparent huge pages are off or unknown here ({THP_ENABLED}: {mode})")
+    buffer, flat = _private_buffer(34 << 20)
+    control_buffer, control = _private_buffer(34 << 20)
+    cache = flat.view(2, -1)
     expected = cache.clone()
-    control = torch.randint(0, 256, (32 << 20,), dtype=torch.uint8, generator=gen)
-    before = _huge_kb()
-    done = advise_huge_pages([cache[0], cache[1]], collapse=True)
-    assert done.total == cache.nbytes  # two views of one storage count once
-    assert 0 < done.advised <= cache.nbytes and done.advised % HUGE_PAGE == 0
-    if "Linux 6.1" in done.reason:
-        pytest.skip(f"MADV_COLLAPSE unsupported here: {done.reason}")
-    assert done.collapsed == done.advised, done
-    assert _huge_kb() - before >= done.collapsed // 1024
-    assert torch.equal(cache, expected)
-    assert "MB on huge pages" in done.describe()
-    before = _huge_kb()
-    control.add_(1)  # written again, never advised: no huge page appears
-    assert _huge_kb() == before
+    try:
+        done = advise_huge_pages([cache[0], cache[1]], collapse=True)
+        assert done.total == flat.nbytes  # two views of one storage count once
+        span = huge_page_span(flat.data_ptr(), flat.nbytes)
+        assert span is not None and done.advised == span[1]
+        if "Linux 6.1" in done.reason:
+            pytest.skip(f"MADV_COLLAPSE unsupported here: {done.reason}")
+        assert done.collapsed == done.advised, done
+        assert _huge_kb(span[0]) * 1024 >= done.collapsed
+        assert torch.equal(cache, expected)
+        assert "MB on huge pages" in done.describe()
+        if mode == "madvise":
+            assert _huge_kb(control.data_ptr()) == 0
+    finally:
+        del cache, flat, control, expected
+        buffer.close()
+        control_buffer.close()
 
 
 def test_huge_pages_say_why_not_rather_than_raise(tmp_path: pathlib.Path) -> None:
