@@ -124,6 +124,11 @@ def test_allocation_of_a_mutated_sample_is_bounded_by_the_input(seeds: list[byte
             # a header is copied up to three times (joined from frames, bytes, str for the JSON
             # parser); a tensor input is copied once into a bytearray by the harness itself
             allowed = len(data) * 5 + OVERHEAD
+            if peak > allowed:
+                # tracemalloc counts every thread's allocations, so another thread running in the
+                # window can push the peak over (seen once in a whole run, 83,637 B against 68,561,
+                # and not in four reruns). A second decode of the same bytes allocates the same.
+                peak = min(peak, _peak_alloc(run))
             assert peak <= allowed, (peak, len(data), data[:200])
             if len(data) >= 4096:
                 worst = max(worst, peak / len(data))
