@@ -32,6 +32,7 @@ __all__ = [
     "tune_host_allocator",
     "HUGE_PAGE",
     "THP_ENABLED",
+    "thp_mode",
     "HugePages",
     "huge_page_span",
     "advise_huge_pages",
@@ -169,6 +170,20 @@ def synchronize(stream: Any = None, device: Any = None) -> None:
         torch.cuda.synchronize(dev)
 
 
+def _libc() -> Any:
+    """The C library through ctypes (errno kept for each call), or None where there is none."""
+    import ctypes
+    import ctypes.util
+
+    name = ctypes.util.find_library("c")
+    if not name:
+        return None
+    try:
+        return ctypes.CDLL(name, use_errno=True)
+    except OSError:
+        return None
+
+
 #: glibc ``mallopt`` parameters (malloc.h).
 _M_TRIM_THRESHOLD, _M_TOP_PAD, _M_MMAP_THRESHOLD = -1, -2, -3
 
@@ -185,15 +200,10 @@ def tune_host_allocator(mmap_threshold: int = 32 << 20, trim_threshold: int = 4 
     ``mallopt`` is unavailable.
     """
     import ctypes
-    import ctypes.util
 
-    name = ctypes.util.find_library("c")
-    if not name:
-        return False
-    try:
-        libc = ctypes.CDLL(name)
-        mallopt = libc.mallopt
-    except (OSError, AttributeError):
+    libc = _libc()
+    mallopt = getattr(libc, "mallopt", None)
+    if mallopt is None:
         return False
     mallopt.argtypes = [ctypes.c_int, ctypes.c_int]
     ok = True
@@ -242,7 +252,7 @@ class HugePages:
         return f"{text} ({self.reason})" if self.reason else text
 
 
-def _thp_mode(path: str = THP_ENABLED) -> str | None:
+def thp_mode(path: str = THP_ENABLED) -> str | None:
     """The bracketed word of ``path`` (``always``, ``madvise`` or ``never``); None if unreadable."""
     try:
         with open(path) as f:
@@ -265,7 +275,6 @@ def advise_huge_pages(tensors: Iterable[Any], *, collapse: bool = False, thp_pat
     rest (not Linux, huge pages off, an errno). Device tensors and non-tensors are skipped.
     The bytes are unchanged; the memory stays the caller's (nothing is allocated or freed)."""
     import ctypes
-    import ctypes.util
     import os
     import sys
 
@@ -280,13 +289,12 @@ def advise_huge_pages(tensors: Iterable[Any], *, collapse: bool = False, thp_pat
         return HugePages(reason="no host memory among the tensors")
     if not sys.platform.startswith("linux"):
         return HugePages(total, reason=f"transparent huge pages are a Linux feature ({sys.platform})")
-    mode = _thp_mode(thp_path)
+    mode = thp_mode(thp_path)
     if mode is None or mode == "never":
         return HugePages(total, reason=f"transparent huge pages are off ({thp_path}: {mode or 'unreadable'})")
-    try:
-        madvise = ctypes.CDLL(ctypes.util.find_library("c"), use_errno=True).madvise
-    except (OSError, AttributeError, TypeError) as exc:
-        return HugePages(total, reason=f"no madvise: {exc}")
+    madvise = getattr(_libc(), "madvise", None)
+    if madvise is None:
+        return HugePages(total, reason="the C library has no madvise")
     madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
     madvise.restype = ctypes.c_int
     advised = collapsed = 0

@@ -15,7 +15,6 @@ from kvferry.adapters.platform import (
     HUGE_PAGE,
     THP_ENABLED,
     MemoryInfo,
-    _thp_mode,
     advise_huge_pages,
     as_device,
     default_device,
@@ -24,6 +23,7 @@ from kvferry.adapters.platform import (
     memory_info,
     new_stream,
     synchronize,
+    thp_mode,
     use_stream,
 )
 
@@ -157,7 +157,7 @@ def test_a_touched_cache_is_moved_onto_huge_pages_with_its_bytes() -> None:
     collapsed, its mapping holds as many bytes on huge pages as the result says, and every byte
     is unchanged. Control: a mapping written the same way and not advised holds none (where the
     kernel uses huge pages only when asked)."""
-    mode = _thp_mode()
+    mode = thp_mode()
     if not pathlib.Path("/proc/self/smaps").exists() or mode in (None, "never"):
         pytest.skip(f"transparent huge pages are off or unknown here ({THP_ENABLED}: {mode})")
     buffer, flat = _private_buffer(34 << 20)

@@ -267,10 +267,10 @@ def test_a_host_cache_is_moved_onto_huge_pages_at_registration() -> None:
     """By default a host cache of whole 2 MiB pages is collapsed onto huge pages when vLLM
     registers it; ``advise`` leaves the moving to the kernel, ``off`` does nothing; a bad value
     fails at start naming the key."""
-    from kvferry.adapters.platform import _thp_mode
+    from kvferry.adapters.platform import thp_mode
 
-    if _thp_mode() in (None, "never"):
-        pytest.skip(f"transparent huge pages are off or unknown here ({_thp_mode()})")
+    if thp_mode() in (None, "never"):
+        pytest.skip(f"transparent huge pages are off or unknown here ({thp_mode()})")
     blocks = 16384  # 4 MiB a layer
     worker = _registered({}, blocks)
     try:

@@ -22,7 +22,7 @@ from harness import (
     vllm_python,
 )
 
-from kvferry.adapters.platform import THP_ENABLED, _thp_mode
+from kvferry.adapters.platform import THP_ENABLED, thp_mode
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(1200)]
 
@@ -107,8 +107,8 @@ def test_each_instance_holds_its_kv_cache_on_huge_pages(pair: Any) -> None:
     """kvferry's connector collapsed each instance's 1 GiB host KV cache onto huge pages when
     vLLM registered it (``huge_pages`` defaults to collapse). Where the kernel uses huge pages
     only when asked (``madvise``, as here), nothing else in the instance asks for 512 MB of them."""
-    if _thp_mode() != "madvise":
-        pytest.skip(f"{THP_ENABLED} is {_thp_mode()!r}: only 'madvise' tells kvferry's huge pages from the kernel's")
+    if thp_mode() != "madvise":
+        pytest.skip(f"{THP_ENABLED} is {thp_mode()!r}: only 'madvise' tells kvferry's huge pages from the kernel's")
     d, p, _, _ = pair
     for instance, name in ((d, "decode"), (p, "prefill")):
         mb = huge_page_mb(instance.proc.pid)
