@@ -224,7 +224,15 @@ class PageWorker:
         done = self.huge_pages = advise_huge_pages(layers, collapse=mode == "collapse")
         if not done.total:
             return  # a device cache: nothing on the host to advise
-        if done.advised:
+        if mode == "collapse" and done.advised and done.collapsed < done.advised:
+            logger.warning(
+                "kvferry rank %d: the kernel moved only part of the KV cache onto huge pages (%s); the rest "
+                "follows in the background. Free memory for the kernel to compact, or set "
+                "kv_connector_extra_config.huge_pages: advise to leave it to the kernel from the start",
+                self.tp_rank,
+                done.describe(),
+            )
+        elif done.advised:
             logger.info(
                 "kvferry rank %d: KV cache: %s, in %.1f s (huge_pages: %s)",
                 self.tp_rank,
@@ -235,12 +243,11 @@ class PageWorker:
         else:
             logger.warning(
                 "kvferry rank %d: the KV cache stays on 4 KiB pages (%s); extraction and loads run slower. "
-                "Let the kernel use transparent huge pages (echo madvise > %s) or set %s.huge_pages: off "
-                "to keep this quiet",
+                "Let the kernel use transparent huge pages (echo madvise > %s) or set "
+                "kv_connector_extra_config.huge_pages: off to keep this quiet",
                 self.tp_rank,
                 done.describe(),
                 THP_ENABLED,
-                "kv_connector_extra_config",
             )
 
     def _check_heads(self, geometry: PageGeometry) -> None:
