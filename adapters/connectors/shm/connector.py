@@ -43,7 +43,7 @@ from kvferry.adapters.connectors.shm.config import (
     ShmConfig,
     start_sender,
 )
-from kvferry.adapters.connectors.shm.control import MAX_MANY_KEYS, ControlClient, check_grant
+from kvferry.adapters.connectors.shm.control import MAX_MANY_KEYS, ControlClient, check_grant, granted_tickets
 from kvferry.adapters.connectors.shm.segment import (
     Segment,
     control_endpoint,
@@ -199,11 +199,29 @@ class ShmConnector:
 
     def _on_stale(self, endpoint: str) -> Any:
         def release_stale(reply: dict[str, Any]) -> None:
-            if reply.get("ok") and isinstance(reply.get("ticket"), int):
-                self._count("stale_grants_released")
-                client = self._clients.get(endpoint)
-                if client is not None:
-                    client.notify(_release_message(reply))
+            """A reply that came after its caller gave up (a get or a get_many past its
+            deadline: a stopped or overloaded process): release every ticket it grants, or
+            the sender keeps those regions for as long as this process lives."""
+            tickets = granted_tickets(reply)
+            client = self._clients.get(endpoint)
+            if not tickets or client is None:
+                return
+            by_segment: dict[str | None, list[int]] = {}
+            for ticket, segment in tickets:
+                by_segment.setdefault(segment, []).append(ticket)
+            for segment, some in by_segment.items():
+                self.counters["stale_grants_released"] = self.counters.get("stale_grants_released", 0) + len(some)
+                if segment is not None:
+                    sent = client.send_releases(some, segment, self.config.rpc_timeout_s)
+                else:
+                    sent = all([client.notify({"op": "release", "ticket": t}) for t in some])
+                if not sent:
+                    self._count("release_unsent")
+                    logger.warning(
+                        "shm release of %d late-granted tickets could not be sent; the sender reclaims "
+                        "them once this process is gone",
+                        len(some),
+                    )
 
         return release_stale
 

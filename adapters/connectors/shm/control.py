@@ -69,6 +69,7 @@ __all__ = [
     "ReleaseRequest",
     "Request",
     "check_grant",
+    "granted_tickets",
     "ControlClient",
 ]
 
@@ -208,6 +209,22 @@ def check_grant(message: dict[str, Any]) -> str | None:
     return None
 
 
+def granted_tickets(reply: dict[str, Any]) -> list[tuple[int, str | None]]:
+    """Every ticket a reply grants, with its segment (None when the grant names none): one
+    for a granted "get", one per granted key of a "get_many", none for a miss or anything
+    else. What a receiver must release when the reply came after its caller gave up."""
+    if not reply.get("ok"):
+        return []
+    grants = reply.get("grants")
+    entries = grants if isinstance(grants, list) else [reply]
+    out: list[tuple[int, str | None]] = []
+    for entry in entries:
+        if isinstance(entry, dict) and entry.get("ok") and _is_int(entry.get("ticket")):
+            segment = entry.get("seg")
+            out.append((entry["ticket"], segment if isinstance(segment, str) else None))
+    return out
+
+
 @attrs.define(eq=False)
 class ControlClient:
     """Requests to one sender's control endpoint from any number of threads.
@@ -269,12 +286,12 @@ class ControlClient:
         poller.register(self._wake[0], zmq.POLLIN)
         while not self._closed:
             remaining = deadline - time.monotonic()
-            if remaining <= 0:
-                return False
-            ready = dict(poller.poll(int(remaining * 1000) + 1))
+            # past the deadline, one look without waiting: a reply that is there already (this
+            # process was stopped or starved until after it) is taken, not left granted to no one
+            ready = dict(poller.poll(int(remaining * 1000) + 1 if remaining > 0 else 0))
             if ready.get(sock, 0) & event:
                 return True
-            if self._wake[0] in ready:
+            if self._wake[0] in ready or remaining <= 0:
                 return False
         return False
 

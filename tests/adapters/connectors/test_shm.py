@@ -10,6 +10,7 @@ import stat
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 
 import msgpack
@@ -31,6 +32,7 @@ from kvferry.adapters.connectors.shm.control import (
     decode,
     decode_request,
     encode,
+    granted_tickets,
 )
 from kvferry.adapters.connectors.shm.segment import (
     SHM_DIR,
@@ -238,6 +240,58 @@ def test_get_many_and_batched_releases_split_at_the_message_limit(space) -> None
                 g[0].release_soon()
         assert receiver.flush_releases(5.0) and sender.health()["used_bytes"] == 0
         assert sender.health()["releases"] == n
+
+
+class _GatedPool:
+    """The sender's pool as its control thread sees it, with ``take`` held at ``gate`` (a
+    sender too busy to answer in time, or a receiver stopped past its deadline)."""
+
+    def __init__(self, pool, gate: threading.Event) -> None:
+        self._pool, self._gate = pool, gate
+
+    def take(self, *args, **kwargs):
+        assert self._gate.wait(30)
+        return self._pool.take(*args, **kwargs)
+
+    def __getattr__(self, name):
+        return getattr(self._pool, name)
+
+
+@pytest.mark.parametrize("many", [True, False], ids=["get_many", "get"])
+def test_grants_that_come_after_the_receiver_gave_up_are_released(space, many) -> None:
+    """A reply past the receiver's deadline still grants tickets at the sender: the receiver
+    releases every one of them when it reads that reply (its next request on the socket), or
+    the sender would keep those regions for as long as the receiver's process lives."""
+    keys = [f"k{i}" for i in range(4)]
+    with (
+        make(space, "sender") as sender,
+        make(space, "receiver", sender_port=PORT, rpc_timeout_s=0.2) as receiver,
+    ):
+        for key in keys:
+            assert sender.put("0", "1", key, os.urandom(4096))[0]
+        server = sender._sender.server
+        gate = threading.Event()
+        server.pool = _GatedPool(server.pool, gate)
+        if many:
+            assert receiver.get_many("0", "1", keys) == [None] * 4  # gave up after rpc_timeout_s
+        else:
+            assert receiver.get("0", "1", keys[0]) is None
+        assert receiver.counters["miss_no_reply"] == 1
+        gate.set()  # the sender answers now: every asked key granted, to nobody waiting
+        granted = len(keys) if many else 1
+        deadline = time.monotonic() + 10
+        while sender.health().get("grants", 0) < granted:
+            assert time.monotonic() < deadline, sender.health()
+            time.sleep(0.01)
+        assert sender.health()["used_bytes"] > 0 and sender.health()["entries"] == len(keys)
+        assert receiver.get("0", "1", "absent") is None  # the same socket: reads the late reply first
+        assert receiver.counters["stale_grants_released"] == granted
+        assert receiver.flush_releases(5.0)
+        health = sender.health()
+        assert health["releases"] == granted
+        assert health["entries"] == len(keys) - granted  # the late grants' regions are free again
+        if not many:
+            assert receiver.get("0", "1", keys[1]) is not None  # the keys nobody took are still there
 
 
 def test_absent_sender_is_a_fast_miss(space) -> None:
@@ -467,6 +521,47 @@ def test_requests_decode_to_typed_values_and_bad_ones_to_rejections() -> None:
     assert bad == Rejection("bad_request", "wait_s must be a number of seconds >= 0", 8)
     assert decode_request(b"not msgpack") == Rejection("bad_request", "not a control message")
     assert decode_request(encode({"op": "exec", "id": 2})).corr_id == 2
+
+
+def test_a_reply_already_there_is_taken_even_past_the_deadline(space) -> None:
+    """A process stopped past its deadline (SIGSTOP, a long pause) takes the reply that came
+    meanwhile instead of leaving its grant to no one; with nothing there it gives up at once."""
+    from kvferry.adapters.connectors.shm.control import ControlClient
+
+    namespace, base = space
+    endpoint = f"ipc://{base}/t.sock"
+    context = zmq.Context()
+    router = context.socket(zmq.ROUTER)
+    router.bind(endpoint)
+    client = ControlClient(context, endpoint, lambda reply: None)
+    sock = client._checkout()
+    assert sock is not None
+    try:
+        past = time.monotonic() - 1.0
+        assert not client._wait(sock, zmq.POLLIN, past)  # nothing there: no wait
+        sock.send(b"hello")
+        identity, _ = router.recv_multipart()
+        router.send_multipart([identity, b"reply"])
+        assert sock.poll(5000) == zmq.POLLIN  # it arrived
+        assert client._wait(sock, zmq.POLLIN, past)  # taken although the deadline is behind
+    finally:
+        client._checkin(sock)
+        client.close()
+        router.close(0)
+        context.term()
+        os.unlink(f"{base}/t.sock")
+
+
+def test_granted_tickets_are_read_off_either_kind_of_reply() -> None:
+    grant = {"ok": True, "seg": "s", "seg_bytes": 64, "off": 0, "size": 8, "ticket": 7}
+    assert granted_tickets({"id": 1, **grant}) == [(7, "s")]
+    miss = {"ok": False, "reason": "not_found"}
+    many = {"id": 2, "ok": True, "grants": [grant, miss, {**grant, "ticket": 9, "seg": None}, "junk"]}
+    assert granted_tickets(many) == [(7, "s"), (9, None)]
+    assert granted_tickets({"id": 3, **miss}) == []
+    assert granted_tickets({"id": 4, "ok": True, "health": {}}) == []  # a ping's answer grants nothing
+    assert granted_tickets({"id": 5, "ok": True, "ticket": True}) == []  # not an integer ticket
+    assert granted_tickets({"id": 6, "ok": False, "grants": [grant]}) == []
 
 
 def test_control_rejects_bad_requests_and_keeps_serving(space) -> None:
