@@ -41,8 +41,10 @@ from kvferry.adapters.paged_gather import (
     MAX_SPLIT,
     STRIDED_MAX_RUNS,
     GatherMethod,
+    NativeCall,
     TensorGather,
-    gather_split,
+    run_native,
+    split_calls,
     split_stride,
 )
 from kvferry.core.errors import ConfigError
@@ -298,9 +300,15 @@ class ExtractionPlan:
                 if gather is not None and view is not None:
                     gather.check_out(view)
                     pairs.append((gather, view, gather.choose_method(view.device, method)))
+        calls: list[NativeCall] = []  # the native copies, prepared first, then run back to back
+        for gather, view, chosen in pairs:
+            if chosen == "native":
+                calls.extend(gather.native_calls(view))
         with torch.no_grad():
+            run_native(calls)
             for gather, view, chosen in pairs:
-                gather.write_unchecked(view, chosen)
+                if chosen != "native":
+                    gather.write_unchecked(view, chosen)
 
     def materialize(
         self, *, method: GatherMethod = "auto"
@@ -357,15 +365,24 @@ def gather_slices(
                     outs.extend(present)
                     methods.append(gather.choose_method(present[0].device))
             jobs.append((gathers, outs, methods))
+    calls: list[NativeCall] = []  # the native copies, prepared first, then run back to back
+    others: list[tuple[TensorGather, torch.Tensor, str]] = []
+    for gathers, outs, methods in jobs:
+        native = len(gathers) == len(plans) and len(outs) <= MAX_SPLIT and all(m == "native" for m in methods)
+        stride = split_stride(gathers) if native and len(gathers) > 1 else (0 if native and copies > 1 else None)
+        if stride is not None:
+            calls.extend(split_calls(gathers, outs, stride, copies))
+            continue
+        for d, out in enumerate(outs):
+            gather, method = gathers[d // copies], methods[d // copies]
+            if method == "native":
+                calls.extend(gather.native_calls(out))
+            else:
+                others.append((gather, out, method))
     with torch.no_grad():
-        for gathers, outs, methods in jobs:
-            native = len(gathers) == len(plans) and len(outs) <= MAX_SPLIT and all(m == "native" for m in methods)
-            stride = split_stride(gathers) if native and len(gathers) > 1 else (0 if native and copies > 1 else None)
-            if stride is not None:
-                gather_split(gathers, outs, stride, copies)
-                continue
-            for d, out in enumerate(outs):
-                gathers[d // copies].write_unchecked(out, methods[d // copies])
+        run_native(calls)
+        for gather, out, method in others:
+            gather.write_unchecked(out, method)
 
 
 @attrs.frozen(eq=False)

@@ -45,6 +45,9 @@ __all__ = [
     "MAX_SPLIT",
     "split_stride",
     "gather_split",
+    "split_calls",
+    "NativeCall",
+    "run_native",
 ]
 
 #: ``"index"``: one ``index_select(out=...)`` over byte rows of whole blocks (element-wise when a
@@ -54,6 +57,8 @@ __all__ = [
 #: ``"native"``: the C extension (CPU to CPU; :data:`NATIVE_GATHER`); ``"auto"``: chosen per
 #: tensor by :meth:`TensorGather.choose_method`.
 GatherMethod = Literal["auto", "index", "runs", "staged", "native"]
+#: One prepared native copy: the extension's function and its arguments (:func:`run_native`).
+NativeCall = tuple[Any, tuple[Any, ...]]
 METHODS = ("auto", "index", "runs", "staged", "native")
 #: True when the native gather is built and loaded. ``KVFERRY_NATIVE_GATHER=0`` in the environment
 #: (read at import) leaves it unloaded, as if it were not built.
@@ -347,22 +352,24 @@ class TensorGather:
     def _write_native(self, out: torch.Tensor) -> None:
         """The ``"native"`` copy: whole blocks in one call, the partial last block in another.
         IndexError, before any byte moves, if a block id is outside ``blocks``."""
+        run_native(self.native_calls(out))
+
+    def native_calls(self, out: torch.Tensor) -> list[NativeCall]:
+        """The native copies that write this tensor into ``out`` (already passed by
+        :meth:`check_out`): the whole blocks, then the partial last block; nothing moves until
+        :func:`run_native` runs them. IndexError now if a block id is outside ``blocks``."""
         layout, native = self._layout, _native
         if layout is None or native is None:
             raise ConfigError(f"{self.name}: the native gather cannot read these blocks")
         self._check_tail_id()
+        calls: list[NativeCall] = []
         if self.full_blocks:
-            native.gather(
-                out.data_ptr(),
-                self.blocks.data_ptr(),
-                self.index.data_ptr(),
-                self.full_blocks,
-                self.blocks.shape[0],
-                layout.block_stride,
-                *layout.full,
-                self._stream,
-            )
-        self._write_native_tail(out)
+            where = (out.data_ptr(), self.blocks.data_ptr(), self.index.data_ptr(), self.full_blocks)
+            walk = (self.blocks.shape[0], layout.block_stride, *layout.full, self._stream)
+            calls.append((native.gather, (*where, *walk)))
+        if self.tail_tokens:
+            calls.append(self._tail_call(out))
+        return calls
 
     @property
     def _stream(self) -> bool:
@@ -373,21 +380,22 @@ class TensorGather:
         if not 0 <= last < self.blocks.shape[0]:
             raise IndexError(f"{self.name}: block {last} outside [0, {self.blocks.shape[0]})")
 
-    def _write_native_tail(self, out: torch.Tensor) -> None:
-        """The partial last block's tokens (native; after :meth:`_check_tail_id`)."""
-        if not self.tail_tokens:
-            return
+    def _tail_call(self, out: torch.Tensor) -> NativeCall:
+        """The native copy of the partial last block's tokens (after :meth:`_check_tail_id`)."""
         layout, last = self._layout, self.block_ids[self.full_blocks]
         assert layout is not None  # the native path runs only on blocks with a native layout
-        _native.gather(
-            out.data_ptr() + self.full_blocks * layout.block_bytes,
-            self.blocks.data_ptr() + last * layout.block_stride,
-            0,
-            1,
-            1,
-            layout.block_stride,
-            *layout.tail,
-            self._stream,
+        return (
+            _native.gather,
+            (
+                out.data_ptr() + self.full_blocks * layout.block_bytes,
+                self.blocks.data_ptr() + last * layout.block_stride,
+                0,
+                1,
+                1,
+                layout.block_stride,
+                *layout.tail,
+                self._stream,
+            ),
         )
 
 
@@ -429,25 +437,49 @@ def gather_split(gathers: Sequence[TensorGather], outs: Sequence[torch.Tensor], 
     gather for the whole blocks (every copy of a slice written from one read), then each
     partial last block. ``stride``: :func:`split_stride` of ``gathers`` (not None; any value
     for one gather)."""
+    run_native(split_calls(gathers, outs, stride, replicas))
+
+
+def split_calls(
+    gathers: Sequence[TensorGather], outs: Sequence[torch.Tensor], stride: int, replicas: int = 1
+) -> list[NativeCall]:
+    """:func:`gather_split`'s native copies, to run with :func:`run_native`; nothing moves
+    before then (a bad destination count raises ConfigError, a block id out of range
+    IndexError, here)."""
     first = gathers[0]
     layout = first._layout
     if replicas < 1 or len(outs) != len(gathers) * replicas or len(outs) > MAX_SPLIT:
         raise ConfigError(f"{len(outs)} destinations for {len(gathers)} slices of {replicas} copies each")
     for g in gathers:
         g._check_tail_id()
+    calls: list[NativeCall] = []
     if first.full_blocks:
         assert layout is not None  # split_stride gave a stride: the gathers have a native layout
-        _native.gather_split(
-            tuple(o.data_ptr() for o in outs),
-            stride,
-            first.blocks.data_ptr(),
-            first.index.data_ptr(),
-            first.full_blocks,
-            first.blocks.shape[0],
-            layout.block_stride,
-            *layout.full,
-            first._stream,
-            replicas,
+        calls.append(
+            (
+                _native.gather_split,
+                (
+                    tuple(o.data_ptr() for o in outs),
+                    stride,
+                    first.blocks.data_ptr(),
+                    first.index.data_ptr(),
+                    first.full_blocks,
+                    first.blocks.shape[0],
+                    layout.block_stride,
+                    *layout.full,
+                    first._stream,
+                    replicas,
+                ),
+            )
         )
-    for j, out in enumerate(outs):
-        gathers[j // replicas]._write_native_tail(out)
+    if first.tail_tokens:
+        calls.extend(gathers[j // replicas]._tail_call(out) for j, out in enumerate(outs))
+    return calls
+
+
+def run_native(calls: Sequence[NativeCall]) -> None:
+    """Run prepared native copies in order. A request's copies are prepared first and run
+    back to back: the Python between two copies runs on caches the last copy just swept
+    (measured ~25 us a tensor when interleaved, against ~8 us prepared apart)."""
+    for fn, args in calls:
+        fn(*args)

@@ -22,7 +22,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvferry.adapters import paged_gather
-from kvferry.adapters.paged_cache import plan_extraction
+from kvferry.adapters.paged_cache import gather_slices, plan_extraction
 from kvferry.core.errors import ConfigError
 
 needs_native = pytest.mark.skipif(
@@ -179,6 +179,44 @@ def test_ids_outside_the_blocks_raise_before_any_byte_moves(ids):
     with pytest.raises(IndexError):
         short.gather_into(out, method="native")
     assert bool((out == -1).all())
+
+
+@needs_native
+@pytest.mark.parametrize("sliced", [False, True], ids=["whole-request", "head-slices"])
+def test_a_bad_id_in_a_later_layer_raises_before_any_layer_is_written(sliced):
+    """A request's native copies are all prepared (every id checked) before the first runs:
+    a block id out of range in its last layer leaves every destination as it was."""
+    caches = [torch.arange(2 * 8 * 2 * 2 * 64, dtype=torch.float32).view(2, 8, 2, 2, 64) + i for i in range(3)]
+    plan = plan_extraction(caches, [5, 1, 7], 5, 2, cache_dtype="float32")
+    last = plan.values[2]
+    short = attrs.evolve(last, blocks=last.blocks.narrow(0, 0, 6))  # block 7 (the partial one) is gone
+    plan = attrs.evolve(plan, values=(*plan.values[:2], short))
+    if sliced:
+        from kvferry.app.send import slice_plan_heads
+
+        plans = [slice_plan_heads(plan, j, 2) for j in range(2)]
+    else:
+        plans = [plan]
+    dests = [tuple([torch.full(g.shape, -1.0) for g in gathers] for gathers in (p.keys, p.values)) for p in plans]
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # where "auto" takes the native copies (torch's would move bytes first)
+    try:
+        with pytest.raises(IndexError):
+            if sliced:
+                gather_slices(plans, dests)
+            else:
+                plan.gather_all(dests[0])
+    finally:
+        torch.set_num_threads(threads)
+    assert all(bool((view == -1).all()) for d in dests for views in d for view in views)
+    # control: with the last layer whole, the same call writes every destination
+    good = plan_extraction(caches, [5, 1, 7], 5, 2, cache_dtype="float32")
+    gplans = [slice_plan_heads(good, j, 2) for j in range(2)] if sliced else [good]
+    if sliced:
+        gather_slices(gplans, dests)
+    else:
+        good.gather_all(dests[0])
+    assert not any(bool((view == -1).any()) for d in dests for views in d for view in views)
 
 
 def test_the_extension_checks_every_id_before_copying():
