@@ -59,6 +59,7 @@ __all__ = [
     "VERSION",
     "MAX_MESSAGE_BYTES",
     "MAX_MANY_KEYS",
+    "OWED_FORGET_S",
     "encode",
     "decode",
     "check_request",
@@ -77,6 +78,9 @@ VERSION = 1
 MAX_MESSAGE_BYTES = 64 * 1024
 #: Keys of one "get_many", tickets of one "release" (its reply stays well under the limit).
 MAX_MANY_KEYS = 256
+#: Seconds a receiver keeps looking for a reply it gave up on (a sender answers a parked get by
+#: its wait_s; one that has not answered by then is gone, or was restarted).
+OWED_FORGET_S = 300.0
 _MAX_KEY = 4096
 
 
@@ -251,6 +255,8 @@ class ControlClient:
     _wake: tuple[int, int] = attrs.field(init=False, factory=os.pipe)
     _release_sock: zmq.Socket | None = attrs.field(init=False, default=None)
     _release_lock: threading.Lock = attrs.field(init=False, factory=threading.Lock)
+    #: Sockets whose caller gave up on a reply (by ``id()``): the request ids and when.
+    _owing: dict[int, dict[int, float]] = attrs.field(init=False, factory=dict)
 
     def _checkout(self) -> zmq.Socket | None:
         with self._cond:
@@ -258,6 +264,11 @@ class ControlClient:
                 return None
             self._busy += 1
             if self._idle:
+                # a socket that owes a reply goes first: the next request reads that late reply
+                # (on_stale releases what it grants) instead of leaving it queued on an idle socket
+                for at in range(len(self._idle) - 1, -1, -1):
+                    if id(self._idle[at]) in self._owing:
+                        return self._idle.pop(at)
                 return self._idle.pop()
         try:
             sock = self.context.socket(zmq.DEALER)
@@ -321,12 +332,32 @@ class ControlClient:
                     continue
                 if reply.get("id") == request_id:
                     return reply
+                self._settle(sock, reply.get("id"))
                 self.on_stale(reply)
+            self._owe(sock, request_id)
             return None
         except zmq.ZMQError:
             return None
         finally:
             self._checkin(sock)
+
+    def _owe(self, sock: zmq.Socket, request_id: int) -> None:
+        """``sock``'s caller gave up on ``request_id``: its reply may still come."""
+        now = time.monotonic()
+        with self._cond:
+            pending = self._owing.setdefault(id(sock), {})
+            pending[request_id] = now
+            for old in [r for r, when in pending.items() if now - when > OWED_FORGET_S]:
+                del pending[old]  # never answered (the sender is gone): stop looking for it
+
+    def _settle(self, sock: zmq.Socket, request_id: Any) -> None:
+        """A late reply to ``request_id`` was read on ``sock``."""
+        with self._cond:
+            pending = self._owing.get(id(sock))
+            if pending is not None:
+                pending.pop(request_id, None)
+                if not pending:
+                    del self._owing[id(sock)]
 
     def notify(self, message: dict[str, Any], timeout_s: float = 1.0) -> bool:
         """Send a message that has no reply (``release``). False when it could not be sent."""

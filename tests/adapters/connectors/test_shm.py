@@ -523,6 +523,45 @@ def test_requests_decode_to_typed_values_and_bad_ones_to_rejections() -> None:
     assert decode_request(encode({"op": "exec", "id": 2})).corr_id == 2
 
 
+def test_late_grants_on_several_idle_sockets_are_all_released_by_later_requests(space) -> None:
+    """Two gets that gave up together leave late replies on two sockets; the sockets that owe a
+    reply are used first, so two later requests, one after the other, read and release both
+    (taking the most recent idle socket every time would read one of them, twice asked)."""
+    keys = ["a", "b"]
+    with (
+        make(space, "sender") as sender,
+        make(space, "receiver", sender_port=PORT, rpc_timeout_s=0.3) as receiver,
+    ):
+        for key in keys:
+            assert sender.put("0", "1", key, os.urandom(4096))[0]
+        server = sender._sender.server
+        gate = threading.Event()
+        server.pool = _GatedPool(server.pool, gate)
+        both = threading.Barrier(2, timeout=10)
+        got: list = []
+
+        def get(key: str) -> None:
+            both.wait()  # both requests out together: each on a socket of its own
+            got.append(receiver.get("0", "1", key))
+
+        threads = [threading.Thread(target=get, args=(k,)) for k in keys]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(timeout=10)
+        assert got == [None, None]  # both gave up
+        gate.set()
+        deadline = time.monotonic() + 10
+        while sender.health().get("grants", 0) < 2:
+            assert time.monotonic() < deadline, sender.health()
+            time.sleep(0.01)
+        for _ in keys:
+            assert receiver.get("0", "1", "absent") is None
+        assert receiver.counters["stale_grants_released"] == 2
+        assert receiver.flush_releases(5.0)
+        assert sender.health()["entries"] == 0 and sender.health()["used_bytes"] == 0
+
+
 def test_a_reply_already_there_is_taken_even_past_the_deadline(space) -> None:
     """A process stopped past its deadline (SIGSTOP, a long pause) takes the reply that came
     meanwhile instead of leaving its grant to no one; with nothing there it gives up at once."""
