@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import itertools
 import os
@@ -257,21 +258,38 @@ class _GatedPool:
         return getattr(self._pool, name)
 
 
-@pytest.mark.parametrize("many", [True, False], ids=["get_many", "get"])
-def test_grants_that_come_after_the_receiver_gave_up_are_released(space, many) -> None:
-    """A reply past the receiver's deadline still grants tickets at the sender: the receiver
-    releases every one of them when it reads that reply (its next request on the socket), or
-    the sender would keep those regions for as long as the receiver's process lives."""
-    keys = [f"k{i}" for i in range(4)]
+@contextlib.contextmanager
+def _answering_late(space, keys: list[str], rpc_timeout_s: float):
+    """A sender holding ``keys`` whose control thread answers once ``gate`` is set, and a
+    receiver that gives up on a reply after ``rpc_timeout_s``: ``(sender, receiver, gate)``."""
     with (
         make(space, "sender") as sender,
-        make(space, "receiver", sender_port=PORT, rpc_timeout_s=0.2) as receiver,
+        make(space, "receiver", sender_port=PORT, rpc_timeout_s=rpc_timeout_s) as receiver,
     ):
         for key in keys:
             assert sender.put("0", "1", key, os.urandom(4096))[0]
         server = sender._sender.server
         gate = threading.Event()
         server.pool = _GatedPool(server.pool, gate)
+        yield sender, receiver, gate
+
+
+def _until_granted(sender: ShmConnector, grants: int) -> None:
+    """Poll the sender's health (10 s at most) until it counts ``grants`` grants: its answers
+    to the requests the receiver gave up on have left."""
+    deadline = time.monotonic() + 10
+    while sender.health().get("grants", 0) < grants:
+        assert time.monotonic() < deadline, sender.health()
+        time.sleep(0.01)
+
+
+@pytest.mark.parametrize("many", [True, False], ids=["get_many", "get"])
+def test_grants_that_come_after_the_receiver_gave_up_are_released(space, many) -> None:
+    """A reply past the receiver's deadline still grants tickets at the sender: the receiver
+    releases every one of them when it reads that reply (its next request on the socket), or
+    the sender would keep those regions for as long as the receiver's process lives."""
+    keys = [f"k{i}" for i in range(4)]
+    with _answering_late(space, keys, 0.2) as (sender, receiver, gate):
         if many:
             assert receiver.get_many("0", "1", keys) == [None] * 4  # gave up after rpc_timeout_s
         else:
@@ -279,10 +297,7 @@ def test_grants_that_come_after_the_receiver_gave_up_are_released(space, many) -
         assert receiver.counters["miss_no_reply"] == 1
         gate.set()  # the sender answers now: every asked key granted, to nobody waiting
         granted = len(keys) if many else 1
-        deadline = time.monotonic() + 10
-        while sender.health().get("grants", 0) < granted:
-            assert time.monotonic() < deadline, sender.health()
-            time.sleep(0.01)
+        _until_granted(sender, granted)
         assert sender.health()["used_bytes"] > 0 and sender.health()["entries"] == len(keys)
         assert receiver.get("0", "1", "absent") is None  # the same socket: reads the late reply first
         assert receiver.counters["stale_grants_released"] == granted
@@ -528,15 +543,7 @@ def test_late_grants_on_several_idle_sockets_are_all_released_by_later_requests(
     reply are used first, so two later requests, one after the other, read and release both
     (taking the most recent idle socket every time would read one of them, twice asked)."""
     keys = ["a", "b"]
-    with (
-        make(space, "sender") as sender,
-        make(space, "receiver", sender_port=PORT, rpc_timeout_s=0.3) as receiver,
-    ):
-        for key in keys:
-            assert sender.put("0", "1", key, os.urandom(4096))[0]
-        server = sender._sender.server
-        gate = threading.Event()
-        server.pool = _GatedPool(server.pool, gate)
+    with _answering_late(space, keys, 0.3) as (sender, receiver, gate):
         both = threading.Barrier(2, timeout=10)
         got: list = []
 
@@ -551,10 +558,7 @@ def test_late_grants_on_several_idle_sockets_are_all_released_by_later_requests(
             t.join(timeout=10)
         assert got == [None, None]  # both gave up
         gate.set()
-        deadline = time.monotonic() + 10
-        while sender.health().get("grants", 0) < 2:
-            assert time.monotonic() < deadline, sender.health()
-            time.sleep(0.01)
+        _until_granted(sender, 2)
         for _ in keys:
             assert receiver.get("0", "1", "absent") is None
         assert receiver.counters["stale_grants_released"] == 2
