@@ -43,9 +43,9 @@ from kvferry.adapters.paged_gather import (
     GatherMethod,
     NativeCall,
     TensorGather,
-    run_native,
     split_calls,
     split_stride,
+    write_all,
 )
 from kvferry.core.errors import ConfigError
 from kvferry.core.layouts import KV_LATENT_KEY, LayoutSpec, layout_spec
@@ -300,15 +300,7 @@ class ExtractionPlan:
                 if gather is not None and view is not None:
                     gather.check_out(view)
                     pairs.append((gather, view, gather.choose_method(view.device, method)))
-        calls: list[NativeCall] = []  # the native copies, prepared first, then run back to back
-        for gather, view, chosen in pairs:
-            if chosen == "native":
-                calls.extend(gather.native_calls(view))
-        with torch.no_grad():
-            run_native(calls)
-            for gather, view, chosen in pairs:
-                if chosen != "native":
-                    gather.write_unchecked(view, chosen)
+        write_all(pairs)
 
     def materialize(
         self, *, method: GatherMethod = "auto"
@@ -365,24 +357,16 @@ def gather_slices(
                     outs.extend(present)
                     methods.append(gather.choose_method(present[0].device))
             jobs.append((gathers, outs, methods))
-    calls: list[NativeCall] = []  # the native copies, prepared first, then run back to back
-    others: list[tuple[TensorGather, torch.Tensor, str]] = []
+    splits: list[NativeCall] = []  # a split read once for all its slices
+    each: list[tuple[TensorGather, torch.Tensor, str]] = []  # every other destination on its own
     for gathers, outs, methods in jobs:
         native = len(gathers) == len(plans) and len(outs) <= MAX_SPLIT and all(m == "native" for m in methods)
         stride = split_stride(gathers) if native and len(gathers) > 1 else (0 if native and copies > 1 else None)
         if stride is not None:
-            calls.extend(split_calls(gathers, outs, stride, copies))
-            continue
-        for d, out in enumerate(outs):
-            gather, method = gathers[d // copies], methods[d // copies]
-            if method == "native":
-                calls.extend(gather.native_calls(out))
-            else:
-                others.append((gather, out, method))
-    with torch.no_grad():
-        run_native(calls)
-        for gather, out, method in others:
-            gather.write_unchecked(out, method)
+            splits.extend(split_calls(gathers, outs, stride, copies))
+        else:
+            each.extend((gathers[d // copies], out, methods[d // copies]) for d, out in enumerate(outs))
+    write_all(each, splits)
 
 
 @attrs.frozen(eq=False)

@@ -16,7 +16,7 @@ from __future__ import annotations
 import functools
 import math
 import os
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from typing import Any, Literal
 
 import attrs
@@ -47,7 +47,7 @@ __all__ = [
     "gather_split",
     "split_calls",
     "NativeCall",
-    "run_native",
+    "write_all",
 ]
 
 #: ``"index"``: one ``index_select(out=...)`` over byte rows of whole blocks (element-wise when a
@@ -57,7 +57,7 @@ __all__ = [
 #: ``"native"``: the C extension (CPU to CPU; :data:`NATIVE_GATHER`); ``"auto"``: chosen per
 #: tensor by :meth:`TensorGather.choose_method`.
 GatherMethod = Literal["auto", "index", "runs", "staged", "native"]
-#: One prepared native copy: the extension's function and its arguments (:func:`run_native`).
+#: One prepared native copy: the extension's function and its arguments (run by :func:`write_all`).
 NativeCall = tuple[Any, tuple[Any, ...]]
 METHODS = ("auto", "index", "runs", "staged", "native")
 #: True when the native gather is built and loaded. ``KVFERRY_NATIVE_GATHER=0`` in the environment
@@ -352,12 +352,12 @@ class TensorGather:
     def _write_native(self, out: torch.Tensor) -> None:
         """The ``"native"`` copy: whole blocks in one call, the partial last block in another.
         IndexError, before any byte moves, if a block id is outside ``blocks``."""
-        run_native(self.native_calls(out))
+        _run_native(self.native_calls(out))
 
     def native_calls(self, out: torch.Tensor) -> list[NativeCall]:
         """The native copies that write this tensor into ``out`` (already passed by
         :meth:`check_out`): the whole blocks, then the partial last block; nothing moves until
-        :func:`run_native` runs them. IndexError now if a block id is outside ``blocks``."""
+        :func:`write_all` runs them. IndexError now if a block id is outside ``blocks``."""
         layout, native = self._layout, _native
         if layout is None or native is None:
             raise ConfigError(f"{self.name}: the native gather cannot read these blocks")
@@ -437,13 +437,13 @@ def gather_split(gathers: Sequence[TensorGather], outs: Sequence[torch.Tensor], 
     gather for the whole blocks (every copy of a slice written from one read), then each
     partial last block. ``stride``: :func:`split_stride` of ``gathers`` (not None; any value
     for one gather)."""
-    run_native(split_calls(gathers, outs, stride, replicas))
+    _run_native(split_calls(gathers, outs, stride, replicas))
 
 
 def split_calls(
     gathers: Sequence[TensorGather], outs: Sequence[torch.Tensor], stride: int, replicas: int = 1
 ) -> list[NativeCall]:
-    """:func:`gather_split`'s native copies, to run with :func:`run_native`; nothing moves
+    """:func:`gather_split`'s native copies, to run with :func:`write_all`; nothing moves
     before then (a bad destination count raises ConfigError, a block id out of range
     IndexError, here)."""
     first = gathers[0]
@@ -477,7 +477,25 @@ def split_calls(
     return calls
 
 
-def run_native(calls: Sequence[NativeCall]) -> None:
+def write_all(items: Iterable[tuple[TensorGather, torch.Tensor, str]], calls: Sequence[NativeCall] = ()) -> None:
+    """Write each ``(gather, destination, method)`` (the destination passed by
+    :meth:`TensorGather.check_out`, the method by :meth:`TensorGather.choose_method`): every
+    native copy, with ``calls`` prepared by the caller, is prepared first (every id checked
+    before a byte moves) and run back to back (:func:`_run_native`); the torch methods after."""
+    prepared = list(calls)
+    others: list[tuple[TensorGather, torch.Tensor, str]] = []
+    for gather, out, method in items:
+        if method == "native":
+            prepared.extend(gather.native_calls(out))
+        else:
+            others.append((gather, out, method))
+    with torch.no_grad():
+        _run_native(prepared)
+        for gather, out, method in others:
+            gather.write_unchecked(out, method)
+
+
+def _run_native(calls: Sequence[NativeCall]) -> None:
     """Run prepared native copies in order. A request's copies are prepared first and run
     back to back: the Python between two copies runs on caches the last copy just swept
     (measured ~25 us a tensor when interleaved, against ~8 us prepared apart)."""

@@ -112,8 +112,8 @@ class ShmConnector:
         """This sender's control endpoint (None for a receiver)."""
         return self._sender.server.endpoint if self._sender is not None else None
 
-    def _count(self, name: str) -> None:
-        self.counters[name] = self.counters.get(name, 0) + 1
+    def _count(self, name: str, n: int = 1) -> None:
+        self.counters[name] = self.counters.get(name, 0) + n
 
     def update_sender_info(self, host: str, port: int) -> None:
         """Set the default sender: the one bound with ``port`` in this namespace."""
@@ -210,12 +210,8 @@ class ShmConnector:
             for ticket, segment in tickets:
                 by_segment.setdefault(segment, []).append(ticket)
             for segment, some in by_segment.items():
-                self.counters["stale_grants_released"] = self.counters.get("stale_grants_released", 0) + len(some)
-                if segment is not None:
-                    sent = client.send_releases(some, segment, self.config.rpc_timeout_s)
-                else:
-                    sent = all([client.notify({"op": "release", "ticket": t}) for t in some])
-                if not sent:
+                self._count("stale_grants_released", len(some))
+                if not client.send_releases(some, segment, self.config.rpc_timeout_s):
                     self._count("release_unsent")
                     logger.warning(
                         "shm release of %d late-granted tickets could not be sent; the sender reclaims "

@@ -398,14 +398,15 @@ class ControlClient:
         not be sent (the sender is gone or stuck, or the client closed)."""
         return self.send_releases([ticket], segment, timeout_s)
 
-    def send_releases(self, tickets: list[int], segment: str, timeout_s: float) -> bool:
-        """:meth:`send_release` of several tickets of one segment, in one message each
-        ``MAX_MANY_KEYS``."""
+    def send_releases(self, tickets: list[int], segment: str | None, timeout_s: float) -> bool:
+        """:meth:`send_release` of several tickets of one segment (None: a grant that named
+        none; the message then names none either), in one message each ``MAX_MANY_KEYS``."""
         ok = True
+        named = {} if segment is None else {"seg": segment}
         for at in range(0, len(tickets), MAX_MANY_KEYS):
             part = tickets[at : at + MAX_MANY_KEYS]
             one = {"ticket": part[0]} if len(part) == 1 else {"tickets": part}
-            ok = self._send_release_frame(encode({"op": "release", **one, "seg": segment}), timeout_s) and ok
+            ok = self._send_release_frame(encode({"op": "release", **one, **named}), timeout_s) and ok
         return ok
 
     def _send_release_frame(self, frame: bytes, timeout_s: float) -> bool:
