@@ -96,10 +96,10 @@ def test_sender_killed_mid_request_then_restarted(connector: str, workers: Any, 
         dead = stage.kill(1)
         result, seconds = stage.receive("crash-b", MISS_S)
         stage.assert_timed_out(result, seconds, "crash-b")
-        if connector == "shm":  # the dead owner's segment outlives it until the next start
-            assert [n for n in itkit.shm_entries(shm_namespace) if f"-{dead}-" in n]
         stage.senders[1] = stage.start(1)  # same rank, same port
-        assert [n for n in itkit.shm_entries(shm_namespace) if f"-{dead}-" in n] == []  # reaped at start
+        # the dead owner's segment is gone by then: its resource tracker unlinked it, or the
+        # restart reaped it (test_shm_processes.py shows each way on its own)
+        assert [n for n in itkit.shm_entries(shm_namespace) if f"-{dead}-" in n] == []
         stage.send("crash-c")
         stage.assert_received("crash-c")
 

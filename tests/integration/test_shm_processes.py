@@ -13,6 +13,8 @@ import shutil
 import signal
 import subprocess
 import tempfile
+import threading
+import time
 
 import pytest
 import warm_spawn
@@ -73,12 +75,13 @@ conn.close()
 """
 
 
-def spawn(script: str, *args: object) -> subprocess.Popen:
+def spawn(script: str, *args: object, stderr: int | None = None) -> subprocess.Popen:
     """A child running ``script``; its JSON lines are read through ``proc.channel``."""
     proc = warm_spawn.popen(
         ["-c", script, *map(str, args)],
         stdin=subprocess.PIPE,
         stdout=subprocess.PIPE,
+        stderr=stderr,
         text=True,
     )
     proc.channel = Channel(proc, f"child {proc.pid}")  # type: ignore[union-attr]
@@ -119,12 +122,41 @@ def segments(namespace: str) -> list[str]:
     return [n for n in os.listdir(SHM_DIR) if n.startswith(f"kvferry-{namespace}-")]
 
 
+def trackers_of(pid: int) -> list[int]:
+    """The resource tracker processes that ``pid`` started (its children running one)."""
+    found = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat", "rb") as f:
+                ppid = int(f.read().rsplit(b")", 1)[1].split()[1])
+            with open(f"/proc/{entry}/cmdline", "rb") as f:
+                cmdline = f.read()
+        except (OSError, IndexError, ValueError):
+            continue
+        if ppid == pid and b"resource_tracker" in cmdline:
+            found.append(int(entry))
+    return found
+
+
+def gone(path: str, timeout_s: float) -> bool:
+    """Whether ``path`` is gone within ``timeout_s`` (looked at every 10 ms)."""
+    deadline = time.monotonic() + timeout_s
+    pause = threading.Event()
+    while os.path.exists(path):
+        if time.monotonic() > deadline:
+            return False
+        pause.wait(0.01)
+    return True
+
+
 def test_sender_and_receiver_processes_exchange_bit_exact(space) -> None:
     namespace, base, procs = space
     count = 12
     # the receiver starts first and blocks until each key is published
     receiver = spawn(RECEIVER, namespace, base, PORT, count, "release")
-    sender = spawn(SENDER, namespace, base, PORT, count)
+    sender = spawn(SENDER, namespace, base, PORT, count, stderr=subprocess.PIPE)
     procs += [receiver, sender]
     assert "ready" in line(sender)
     assert line(sender) == {"sent": count}
@@ -138,17 +170,40 @@ def test_sender_and_receiver_processes_exchange_bit_exact(space) -> None:
     assert line(sender) == {"closed": True}
     assert sender.wait(timeout=30) == 0
     assert segments(namespace) == [] and os.listdir(base) == []
+    # the close took the segment back from the resource tracker: at its exit (after the
+    # sender's, stderr ends with it) the tracker has nothing left to unlink and says nothing
+    # (a registered name it found gone would be "leaked shared_memory objects" and an error)
+    assert sender.stderr is not None
+    said = sender.stderr.read()
+    assert "resource_tracker" not in said, said
 
 
-def test_killed_writer_leaves_nothing_after_the_reaper(space) -> None:
+def test_killed_writer_s_segment_is_unlinked_by_its_resource_tracker(space) -> None:
     namespace, base, procs = space
     sender = spawn(SENDER, namespace, base, PORT, 3)
     procs.append(sender)
     segment = line(sender)["ready"]
     assert line(sender) == {"sent": 3}
+    assert len(trackers_of(sender.pid)) == 1  # it started one (the test process is not its parent)
+    os.kill(sender.pid, signal.SIGKILL)  # no cleanup of its own runs
+    sender.wait(timeout=30)
+    # its tracker sees the last process of its tree end and unlinks what is still registered,
+    # with no kvferry start in the namespace (the next test is the control: no tracker, no unlink)
+    assert gone(os.path.join(SHM_DIR, segment), 30), segments(namespace)
+
+
+def test_killed_writer_and_its_tracker_leave_nothing_after_the_reaper(space) -> None:
+    namespace, base, procs = space
+    sender = spawn(SENDER, namespace, base, PORT, 3)
+    procs.append(sender)
+    segment = line(sender)["ready"]
+    assert line(sender) == {"sent": 3}
+    # the whole tree killed at once (a SIGKILL of its process group): the tracker first
+    (tracker,) = trackers_of(sender.pid)
+    os.kill(tracker, signal.SIGKILL)
     os.kill(sender.pid, signal.SIGKILL)
     sender.wait(timeout=30)
-    assert segments(namespace) == [segment]  # a crash cannot clean up after itself...
+    assert segments(namespace) == [segment]  # nothing of the tree could clean up after it...
     # ...the next start in the namespace does: here a receiver (reaper at start)
     with create_connector(
         {"type": "shm", "role": "receiver", "namespace": namespace, "runtime_dir": base, "sender_port": PORT}

@@ -23,6 +23,7 @@ from kvferry.adapters.connectors.shm.segment import (
     claim_control,
     create_segment,
     default_namespace,
+    discard_segment,
     remove_quietly,
     runtime_dir,
 )
@@ -98,7 +99,7 @@ class SenderSide:
         if self.closed or os.getpid() != self.owner_pid:  # a forked child owns nothing
             return
         self.closed = True
-        remove_quietly(self.segment.path)  # names first: nothing may leak, whatever follows
+        discard_segment(self.segment)  # names first: nothing may leak, whatever follows
         remove_quietly(self.socket_path)
         remove_quietly(self.owner_file)
         try:
@@ -117,7 +118,7 @@ def start_sender(config: ShmConfig) -> SenderSide:
         tag = str(cfg.port) if cfg.port is not None else f"x{os.getpid()}{segment.name[-8:]}"
         sock, owner = claim_control(cfg.namespace, tag, segment.name, cfg.runtime_base)
     except BaseException:
-        remove_quietly(segment.path)
+        discard_segment(segment)
         segment.unmap()
         raise
     pool = LocalPool.create(cfg.pool, storage=segment.tensor[: cfg.pool.pool_bytes], name="shm")

@@ -17,6 +17,17 @@ Naming (one function each, used by both sides):
 Reaping: :func:`reap_namespace` removes segments, sockets and owner files of a namespace whose
 owner process is gone (no such pid, or a zombie). Both roles run it when they start, so a
 crashed writer's segment does not outlive the next start in its namespace.
+
+Watching: a segment in /dev/shm is also handed to Python's resource tracker when it is created
+(``multiprocessing.resource_tracker``, type ``shared_memory``) and taken back from it when its
+owner discards it (:func:`discard_segment`). The tracker is a process of its own, shared by the
+process tree that started it (a spawned or forked child uses its parent's), that ignores SIGINT
+and SIGTERM; once every process of the tree has exited, it unlinks what is still registered. So
+a segment whose owner is killed without running its cleanup (an engine's shutdown that
+force-kills its workers, a SIGKILL) is gone when that tree has ended, without waiting for the
+next start in the namespace. A SIGKILL of the whole tree (its process group) kills the tracker
+too: then the reaper is what removes it. Unlinking never unmaps: a receiver still reading keeps
+its pages.
 """
 
 from __future__ import annotations
@@ -49,6 +60,7 @@ __all__ = [
     "pid_alive",
     "Segment",
     "create_segment",
+    "discard_segment",
     "open_segment",
     "claim_control",
     "remove_quietly",
@@ -143,6 +155,8 @@ class Segment:
     nbytes: int
     mapping: mmap.mmap
     tensor: torch.Tensor
+    #: handed to the resource tracker (see the module's doc): taken back by discard_segment
+    tracked: bool = False
 
     @property
     def address_range(self) -> tuple[int, int]:
@@ -186,7 +200,51 @@ def create_segment(namespace: str, port: int | None, nbytes: int, shm_dir: str =
         remove_quietly(path)
         raise
     os.close(fd)
-    return Segment(name, path, nbytes, mapping, tensor)
+    return Segment(name, path, nbytes, mapping, tensor, tracked=_track(name, shm_dir))
+
+
+def _tracker_name(name: str) -> str:
+    """The name the resource tracker unlinks with ``shm_unlink`` (a POSIX shm name)."""
+    return "/" + name
+
+
+def _track(name: str, shm_dir: str) -> bool:
+    """Register segment ``name`` with this process tree's resource tracker (starting it if
+    there is none); False for a segment outside /dev/shm (the tracker unlinks by POSIX shm
+    name) or when no tracker can run here (a warning: the reaper is then the only way out)."""
+    if os.path.realpath(shm_dir) != os.path.realpath(SHM_DIR):
+        return False
+    try:
+        from multiprocessing import resource_tracker
+
+        resource_tracker.register(_tracker_name(name), "shared_memory")
+    except Exception as exc:  # any failure to start or reach the tracker
+        logger.warning(
+            "shm segment %s is not watched by a resource tracker (%s: %s): if this process is killed, "
+            "it stays in %s until the next kvferry start in its namespace",
+            name,
+            type(exc).__name__,
+            exc,
+            SHM_DIR,
+        )
+        return False
+    return True
+
+
+def discard_segment(segment: Segment) -> bool:
+    """Unlink the owner's ``segment`` and take it back from the resource tracker (in this
+    order: a process killed between the two leaves the tracker a name that is gone, never a
+    file nobody watches). The mapping stays. True if the file was there."""
+    removed = remove_quietly(segment.path)
+    if segment.tracked:
+        segment.tracked = False
+        try:
+            from multiprocessing import resource_tracker
+
+            resource_tracker.unregister(_tracker_name(segment.name), "shared_memory")
+        except Exception as exc:  # the tracker is gone: nothing of ours is left with it
+            logger.debug("resource tracker unreachable while discarding %s: %s", segment.name, exc)
+    return removed
 
 
 def open_segment(name: str, shm_dir: str = SHM_DIR) -> Segment:

@@ -39,6 +39,8 @@ from kvferry.adapters.connectors.shm.segment import (
     SHM_DIR,
     check_namespace,
     control_endpoint,
+    create_segment,
+    discard_segment,
     parse_segment_name,
     pid_alive,
     reap_namespace,
@@ -700,6 +702,27 @@ def test_a_peer_reaping_as_the_owner_file_appears_leaves_the_claim(space, monkey
         with open(pidfile, encoding="ascii") as owner:
             assert owner.readline().strip() == str(os.getpid())
         assert sender.put("0", "1", "k", b"v")[0]
+
+
+def test_a_segment_in_dev_shm_is_watched_until_discarded_and_one_elsewhere_is_not(space) -> None:
+    namespace, _ = space
+    watched = create_segment(namespace, None, 1 << 16)
+    try:
+        assert watched.tracked and os.path.exists(watched.path)
+    finally:
+        assert discard_segment(watched)
+        watched.unmap()
+    assert not watched.tracked and not os.path.exists(watched.path)
+    assert not discard_segment(watched)  # twice: nothing left to remove, nothing to take back
+    # the tracker unlinks by POSIX shm name, which only names files in /dev/shm
+    elsewhere = tempfile.mkdtemp(prefix="kvft-shm-", dir="/tmp")
+    try:
+        plain = create_segment(namespace, None, 1 << 16, shm_dir=elsewhere)
+        assert not plain.tracked and os.path.dirname(plain.path) == elsewhere
+        assert discard_segment(plain)
+        plain.unmap()
+    finally:
+        shutil.rmtree(elsewhere)
 
 
 def test_reaper_removes_only_dead_owners_files(space) -> None:

@@ -276,8 +276,13 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
                 s.close()
         print("timings:", json.dumps(c.timings))
     # every server closed: no segment of this module is left but a SIGKILLed one's not reaped
-    # yet (a test that failed before its restart); those go as a starting sender would reap them
-    left = {n for n in _segments() if int(n.split("-")[2]) not in c.killed}
+    # yet (a test that failed before its restart); those go as a starting sender would reap them.
+    # A worker that vLLM's shutdown force-killed leaves its segment to its resource tracker,
+    # which unlinks it once the server's last process is gone: a moment after close()
+    deadline = time.monotonic() + 30
+    pause = threading.Event()
+    while (left := {n for n in _segments() if int(n.split("-")[2]) not in c.killed}) and time.monotonic() < deadline:
+        pause.wait(0.05)
     reap_namespace(NS)
     assert not left, left
 
