@@ -168,7 +168,7 @@ def run_demo(
         from kvferry.app.manager import StageGroups
         from kvferry.app.registry import create_connector
 
-        shared = create_connector({"type": "memory", "pool_bytes": spec.pool_bytes})
+        shared = create_connector({"type": "memory", "pool_bytes": spec.pool_size()})
         worlds = {"sender": InProcessWorld(spec.from_tp), "receiver": InProcessWorld(spec.to_tp)}
         for role, size in (("sender", spec.from_tp), ("receiver", spec.to_tp)):
             for rank in range(size):

@@ -65,6 +65,14 @@ class DemoRequest:
     block_ids: tuple[int, ...]
 
 
+#: A sender's pool when the demo sizes it (DemoSpec.pool_size): requests of the longest kind it
+#: holds room for when requests do not overlap, bytes on top for headers, and the bounds.
+POOL_REQUESTS = 4
+POOL_SLACK = 8 << 20
+POOL_FLOOR = 32 << 20
+POOL_CAP = 1 << 30
+
+
 @attrs.frozen
 class DemoSpec:
     """Everything a demo worker needs; plain values so it crosses process boundaries."""
@@ -85,7 +93,9 @@ class DemoSpec:
     base_port: int = 50051
     store_ports: tuple[int, int] = (0, 0)
     timeout_s: float = 60.0
-    pool_bytes: int = 1 << 30
+    #: Each sender rank's pool (a memory connector's shared one); 0: sized from the requests
+    #: (:meth:`pool_size`)
+    pool_bytes: int = 0
     namespace: str = "demo"
     done_file: str = ""
     dump_dir: str | None = None
@@ -127,17 +137,34 @@ class DemoSpec:
         return rank_heads(self.to_tp, self.routed_heads, receiver_rank)
 
     def request_bytes(self, req: DemoRequest) -> int:
+        return self.kv_bytes(req.seq_len)
+
+    def kv_bytes(self, tokens: int) -> int:
+        """A request's KV bytes at ``tokens`` tokens, every layer and KV head of the model."""
         itemsize = 4 if self.dtype == "float32" else 2
         if self.is_mla:
-            return self.layers * req.seq_len * self.latent_dim * itemsize
-        return self.layers * 2 * req.seq_len * self.kv_heads * self.head_dim * itemsize
+            return self.layers * tokens * self.latent_dim * itemsize
+        return self.layers * 2 * tokens * self.kv_heads * self.head_dim * itemsize
+
+    def pool_size(self) -> int:
+        """``pool_bytes``, or when that is 0 the pool a sender rank needs: room for
+        :data:`POOL_REQUESTS` of the longest request whole (more than any one rank writes of
+        it, a latent sent to two receivers included) or every request when they overlap, plus
+        :data:`POOL_SLACK` for headers, between :data:`POOL_FLOOR` and :data:`POOL_CAP`. A
+        shm sender reserves its whole pool in /dev/shm at start: a TP 8 demo of small
+        requests no longer takes 8 GiB of it. Over the cap only when one request needs more."""
+        if self.pool_bytes:
+            return self.pool_bytes
+        held = self.requests if self.overlap else POOL_REQUESTS
+        longest = self.kv_bytes(self.max_tokens)
+        return max(longest + POOL_SLACK, min(POOL_CAP, max(POOL_FLOOR, held * longest + POOL_SLACK)))
 
     def omni_kv_config(self, role: str) -> dict[str, Any]:
         """The ``omni_kv_config`` dict an engine would hand kvferry for this rank's stage."""
         connector = dict(CONNECTOR_CHOICES[self.connector])
         connector["zmq_port"] = self.base_port
         if connector["type"] in ("shm", "zmq", "mooncake", "nixl"):
-            connector["pool_bytes"] = self.pool_bytes
+            connector["pool_bytes"] = self.pool_size()
         if connector["type"] == "shm":
             connector["namespace"] = self.namespace
         common = {
