@@ -178,13 +178,21 @@ def test_sender_and_receiver_processes_exchange_bit_exact(space) -> None:
     assert "resource_tracker" not in said, said
 
 
-def test_killed_writer_s_segment_is_unlinked_by_its_resource_tracker(space) -> None:
+def writer_with_three_keys(space) -> tuple[subprocess.Popen, str, int]:
+    """A sender process that published three keys: it, its segment and its resource tracker
+    (one it started: the test process is not its parent)."""
     namespace, base, procs = space
     sender = spawn(SENDER, namespace, base, PORT, 3)
     procs.append(sender)
     segment = line(sender)["ready"]
     assert line(sender) == {"sent": 3}
-    assert len(trackers_of(sender.pid)) == 1  # it started one (the test process is not its parent)
+    (tracker,) = trackers_of(sender.pid)
+    return sender, segment, tracker
+
+
+def test_killed_writer_s_segment_is_unlinked_by_its_resource_tracker(space) -> None:
+    namespace, _, _ = space
+    sender, segment, _ = writer_with_three_keys(space)
     os.kill(sender.pid, signal.SIGKILL)  # no cleanup of its own runs
     sender.wait(timeout=30)
     # its tracker sees the last process of its tree end and unlinks what is still registered,
@@ -193,13 +201,9 @@ def test_killed_writer_s_segment_is_unlinked_by_its_resource_tracker(space) -> N
 
 
 def test_killed_writer_and_its_tracker_leave_nothing_after_the_reaper(space) -> None:
-    namespace, base, procs = space
-    sender = spawn(SENDER, namespace, base, PORT, 3)
-    procs.append(sender)
-    segment = line(sender)["ready"]
-    assert line(sender) == {"sent": 3}
+    namespace, base, _ = space
+    sender, segment, tracker = writer_with_three_keys(space)
     # the whole tree killed at once (a SIGKILL of its process group): the tracker first
-    (tracker,) = trackers_of(sender.pid)
     os.kill(tracker, signal.SIGKILL)
     os.kill(sender.pid, signal.SIGKILL)
     sender.wait(timeout=30)
