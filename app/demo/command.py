@@ -138,7 +138,7 @@ def run_demo(
 
     reqs = request_plan(spec)
     total = len(reqs)
-    memcpy_gbps = _memcpy_gbps(sum(spec.request_bytes(r) for r in reqs) // total)
+    memcpy_gbps = _memcpy_gbps(sum(spec.kv_bytes(r.seq_len) for r in reqs) // total)
     launch = time.monotonic()
     threads = spec.connector == "memory"
     ctx = mp_context if mp_context is not None else mp.get_context("spawn")

@@ -136,9 +136,6 @@ class DemoSpec:
         route_heads(self.from_tp, self.to_tp, self.routed_heads)  # errors name the sizes and heads
         return rank_heads(self.to_tp, self.routed_heads, receiver_rank)
 
-    def request_bytes(self, req: DemoRequest) -> int:
-        return self.kv_bytes(req.seq_len)
-
     def kv_bytes(self, tokens: int) -> int:
         """A request's KV bytes at ``tokens`` tokens, every layer and KV head of the model."""
         itemsize = 4 if self.dtype == "float32" else 2

@@ -13,12 +13,11 @@ import shutil
 import signal
 import subprocess
 import tempfile
-import threading
-import time
 
 import pytest
 import warm_spawn
 from jsonlines import Channel
+from waits import eventually
 
 from kvferry.adapters.connectors.shm.segment import SHM_DIR, reap_namespace, runtime_dir
 from kvferry.app.registry import create_connector
@@ -140,17 +139,6 @@ def trackers_of(pid: int) -> list[int]:
     return found
 
 
-def gone(path: str, timeout_s: float) -> bool:
-    """Whether ``path`` is gone within ``timeout_s`` (looked at every 10 ms)."""
-    deadline = time.monotonic() + timeout_s
-    pause = threading.Event()
-    while os.path.exists(path):
-        if time.monotonic() > deadline:
-            return False
-        pause.wait(0.01)
-    return True
-
-
 def test_sender_and_receiver_processes_exchange_bit_exact(space) -> None:
     namespace, base, procs = space
     count = 12
@@ -197,7 +185,8 @@ def test_killed_writer_s_segment_is_unlinked_by_its_resource_tracker(space) -> N
     sender.wait(timeout=30)
     # its tracker sees the last process of its tree end and unlinks what is still registered,
     # with no kvferry start in the namespace (the next test is the control: no tracker, no unlink)
-    assert gone(os.path.join(SHM_DIR, segment), 30), segments(namespace)
+    path = os.path.join(SHM_DIR, segment)
+    eventually(lambda: not os.path.exists(path), f"{segment} unlinked by the tracker", 30, pause_s=0.01)
 
 
 def test_killed_writer_and_its_tracker_leave_nothing_after_the_reaper(space) -> None:

@@ -8,31 +8,16 @@ import itertools
 import os
 import subprocess
 import tempfile
-import threading
-import time
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
+
+from waits import WAIT_S, eventually  # noqa: F401 (re-exported to the tests)
 
 from kvferry.adapters.platform import free_base_port, free_port  # noqa: F401 (re-exported to the tests)
 
 HERE = Path(__file__).resolve().parent
 SHM_DIR = "/dev/shm"
-#: Generous bound for things that should happen at once (the machine is shared and loaded).
-WAIT_S = 20.0
 _COUNTER = itertools.count()
-
-
-def eventually(predicate: Callable[[], Any], timeout_s: float = WAIT_S, what: str = "condition") -> Any:
-    """Wait (bounded) until ``predicate()`` is truthy and return it; fail the test otherwise."""
-    deadline = time.monotonic() + timeout_s
-    pause = threading.Event()
-    while True:
-        value = predicate()
-        if value:
-            return value
-        assert time.monotonic() < deadline, f"{what} not reached within {timeout_s} s"
-        pause.wait(0.005)
 
 
 def shm_entries(namespace: str) -> list[str]:

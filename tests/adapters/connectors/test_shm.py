@@ -20,6 +20,7 @@ import torch
 import zmq
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from waits import eventually
 
 from kvferry.adapters.connectors.pool_buffer import wait_for_gc_releases
 from kvferry.adapters.connectors.shm.connector import ShmConnector
@@ -346,16 +347,6 @@ def test_receiver_follows_a_restarted_sender(space) -> None:
                 buffer.release()
                 # one mapping per sender: the restarted sender's segment replaced the old one
                 assert receiver.health()["mapped_segments"] == 1
-
-
-def eventually(check, what: str, timeout_s: float = 10.0):
-    """Poll ``check()`` (each call does real work: a round trip) until truthy or time is up."""
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        value = check()
-        if value:
-            return value
-    raise AssertionError(f"not within {timeout_s} s: {what}")
 
 
 def test_a_live_reader_keeps_its_bytes_past_hold(space) -> None:

@@ -14,6 +14,7 @@ from typing import Any
 import msgpack
 import pytest
 import torch
+import waits
 import zmq
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -53,13 +54,9 @@ PROPS = settings(max_examples=60, deadline=None, suppress_health_check=[HealthCh
 WAIT = 10.0  # generous deadline for things that should happen at once
 
 
-def eventually(predicate, timeout_s: float = WAIT) -> None:
-    """Wait (bounded) until an observable condition holds; fails the test otherwise."""
-    deadline = time.monotonic() + timeout_s
-    pause = threading.Event()
-    while not predicate():
-        assert time.monotonic() < deadline, "condition not reached in time"
-        pause.wait(0.002)
+def eventually(predicate) -> None:
+    """:func:`waits.eventually` with this file's deadline."""
+    waits.eventually(predicate, "condition not reached in time", WAIT, pause_s=0.002)
 
 
 def joined(frames) -> bytes:

@@ -37,6 +37,7 @@ from typing import Any
 import pytest
 from harness import free_base_port, prompts, vllm_python
 from serve_harness import Served, free_gib, make_serve_model, ready, serve_kv, start_proxy, start_server
+from waits import eventually
 
 from kvferry.adapters.connectors.shm.segment import reap_namespace
 from kvferry.app.bench.engine.served import greedy_request
@@ -275,16 +276,20 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
             if s is not None:
                 s.close()
         print("timings:", json.dumps(c.timings))
+
     # every server closed: no segment of this module is left but a SIGKILLed one's not reaped
     # yet (a test that failed before its restart); those go as a starting sender would reap them.
     # A worker that vLLM's shutdown force-killed leaves its segment to its resource tracker,
     # which unlinks it once the server's last process is gone: a moment after close()
-    deadline = time.monotonic() + 30
-    pause = threading.Event()
-    while (left := {n for n in _segments() if int(n.split("-")[2]) not in c.killed}) and time.monotonic() < deadline:
-        pause.wait(0.05)
-    reap_namespace(NS)
-    assert not left, left
+    def left() -> set[str]:
+        return {n for n in _segments() if int(n.split("-")[2]) not in c.killed}
+
+    try:
+        eventually(lambda: not left(), "no segment of a closed server left", 30, pause_s=0.05)
+    except AssertionError as exc:
+        raise AssertionError(f"{exc}: {sorted(left())}") from None
+    finally:
+        reap_namespace(NS)
 
 
 def _report(c: Cluster, name: str, **values: Any) -> None:
