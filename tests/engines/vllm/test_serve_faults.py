@@ -429,6 +429,15 @@ def test_a_prefill_killed_under_load(cluster: Cluster) -> None:
     made: list[dict[str, Any]] = []
     mine = prompts([700, 500], seed=33)
     kill_now, over = threading.Event(), threading.Event()
+    # two requests of the test's own published at the victim before the load, never asked for:
+    # whether any of the load's published KV is still unread at the victim when it dies depends
+    # on how far the proxy and the decode got (in one CI run the decode had read all of it, in
+    # another the proxy had handed none of it on: timeouts 0). These two are sent to the decode
+    # after the kill for certain. Published during the load, they would queue behind the
+    # victim's share of it, and in one CI run the load was over before they were: no kill under
+    # load. Past the lease they expire at the victim; a get to a dead prefill times out anyway
+    made.extend(victim.complete(p, 1, kv_transfer_params={"do_remote_decode": True}) for p in mine)
+    _until(victim, lambda m: _unread(m) >= len(mine) * LAYERS, 30)
 
     def on_done(n: int) -> None:
         if n == 4:  # in the middle: 4 of 64 streams done, the rest in flight or queued
@@ -438,19 +447,13 @@ def test_a_prefill_killed_under_load(cluster: Cluster) -> None:
         kill_now.wait(600)
         if over.is_set():
             return
-        # two requests of the test's own published at the victim and never asked for: whether
-        # any of the load's published KV is still unread at the victim when it dies depends on
-        # how far the proxy and the decode got (in one CI run the decode had read all of it, in
-        # another the proxy had handed none of it on: timeouts 0), these two are sent to the
-        # decode after the kill for certain
-        made.extend(victim.complete(p, 1, kv_transfer_params={"do_remote_decode": True}) for p in mine)
-        # the decode falls behind (its engine stopped): KV the prefills publish meanwhile waits there
+        # the decode's engine stopped for the moment of the kill: it asks for nothing meanwhile,
+        # so KV the victim published and the decode had not asked for yet stays unread
         core = decode.engine_core()
         os.kill(core, signal.SIGSTOP)
         try:
-            m, _ = _until(victim, lambda m: _unread(m) >= len(mine) * LAYERS, 60, poke=False)
-            held.append(_unread(m))
-            killed.append(c.kill("prefill2"))  # with KV of 2 or more requests published, not asked for
+            held.append(_unread(_metrics(victim, poke=False)))
+            killed.append(c.kill("prefill2"))  # under load, with the test's own two unread
         finally:
             os.kill(core, signal.SIGCONT)
 
