@@ -453,7 +453,7 @@ def test_a_prefill_killed_under_load(cluster: Cluster) -> None:
         os.kill(core, signal.SIGSTOP)
         try:
             held.append(_unread(_metrics(victim, poke=False)))
-            killed.append(c.kill("prefill2"))  # under load, with the test's own two unread
+            killed.append(c.kill("prefill2"))  # under load; the test's own two never asked for
         finally:
             os.kill(core, signal.SIGCONT)
 
