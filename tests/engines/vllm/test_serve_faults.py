@@ -156,15 +156,18 @@ def _until(
 ) -> tuple[dict[str, float], float]:
     """Read ``server``'s metrics until ``pred`` holds (at most ``timeout_s``): the metrics and
     when they first did (``time.monotonic()``)."""
-    deadline = time.monotonic() + timeout_s
-    pause = threading.Event()
-    while True:
+    last: list[dict[str, float]] = []
+
+    def look() -> tuple[dict[str, float], float] | None:
         m = _metrics(server, poke)
         now = time.monotonic()
-        if pred(m):
-            return m, now
-        assert now < deadline, f"{server.url}: not within {timeout_s} s: {m}"
-        pause.wait(0.25)
+        last[:] = [m]
+        return (m, now) if pred(m) else None
+
+    try:
+        return eventually(look, f"{server.url}: the metrics' condition", timeout_s, pause_s=0.25)
+    except AssertionError as exc:
+        raise AssertionError(f"{exc}: {last[0] if last else {}}") from None
 
 
 def _held(m: dict[str, float]) -> tuple[float, float, float]:
