@@ -19,6 +19,7 @@ import contextlib
 import functools
 import os
 import pathlib
+import signal
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -33,6 +34,7 @@ if str(HERE) not in sys.path:
 import netns_enter  # noqa: E402
 import warm_spawn  # noqa: E402
 from jsonlines import READ_S, Channel  # noqa: E402
+from waits import eventually  # noqa: E402
 
 from kvferry.app.bench.netns import Net, unavailable_reason  # noqa: E402
 
@@ -100,6 +102,19 @@ class HostWorker:
 
     def alive(self) -> bool:
         return self.proc.poll() is None
+
+    def stacks(self, timeout_s: float = 5.0) -> str:
+        """The worker's log ending with every thread's Python stack (SIGUSR1: the worker's
+        faulthandler writes them there), for a failure message; the log as it is when the
+        worker is gone or wrote none within ``timeout_s``."""
+        marker = "most recent call first"
+        before = self.log_tail(1 << 20).count(marker)
+        if self.alive():
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(self.pid, signal.SIGUSR1)
+            with contextlib.suppress(AssertionError):
+                eventually(lambda: self.log_tail(1 << 20).count(marker) > before, "a stack dump", timeout_s)
+        return self.log_tail(6000)
 
     def wait_gone(self, timeout_s: float = READ_S) -> bool:
         """True once the process has ended (within ``timeout_s``)."""

@@ -25,9 +25,11 @@ synchronised by a message, never by a sleep:
 
 from __future__ import annotations
 
+import faulthandler
 import json
 import os
 import pathlib
+import signal
 import sys
 import time
 import types
@@ -261,6 +263,9 @@ def bind_check(config: dict[str, Any]) -> None:
 
 
 def main(argv: list[str]) -> None:
+    # SIGUSR1 writes every thread's Python stack to stderr (the worker's log): a test whose
+    # worker fell silent shows where it waits (HostWorker.stacks)
+    faulthandler.register(signal.SIGUSR1, all_threads=True)
     kind = argv[0]
     if kind == "sender":
         sender_main(int(argv[1]), json.loads(argv[2]), json.loads(argv[3]))

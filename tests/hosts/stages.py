@@ -21,6 +21,7 @@ for path in (HERE, HERE.parent / "integration"):
         sys.path.insert(0, str(path))
 
 from conftest import HostWorker  # noqa: E402
+from jsonlines import ChannelSilent  # noqa: E402
 from stage_worker import expected_digest, make_spec, sender_caches, spec_to_json  # noqa: E402
 
 #: Seconds past a receive deadline within which every rank must have answered: the receive,
@@ -115,7 +116,13 @@ class TwoHostStage:
         replies = []
         for w in self.receivers:
             left = max(0.1, started + timeout_s + SLACK_S - time.monotonic())
-            replies.append(w.read(left))
+            try:
+                replies.append(w.read(left))
+            except ChannelSilent as exc:  # where every rank waits: the silent one or a peer
+                stacks = "\n".join(
+                    f"--- worker {x.pid} (receiver {r}):\n{x.stacks()}" for r, x in enumerate(self.receivers)
+                )
+                raise ChannelSilent(f"{exc}\n{stacks}") from None
         for rank, reply in enumerate(replies):
             assert "error" not in reply, reply
             assert reply["rank"] == rank, reply

@@ -41,6 +41,7 @@ __all__ = [
     "IB_SYSFS",
     "has_rdma_device",
     "default_ucx_modules",
+    "UCX_TCP_CONNECT",
     "apply_ucx_env",
     "new_agent",
     "AgentPool",
@@ -94,6 +95,14 @@ def default_ucx_modules(configured: str | None, rdma: bool) -> str | None:
     return None if rdma else "^ib"
 
 
+#: UCX's TCP transport connects without blocking. Its default is a blocking ``connect()`` inside
+#: the agent's ``add_remote_agent``, under the agent's lock: a sender whose wire went down while
+#: the SYN was out held a receiver there for ~20 s (measured), past any request deadline, and
+#: every other read of that agent with it. Non-blocking, the call returns at once and the READ
+#: fails within ``transfer_timeout_s``.
+UCX_TCP_CONNECT = ("UCX_TCP_CONN_NB", "y")
+
+
 def apply_ucx_env(
     tls: str | None,
     net_devices: str | None,
@@ -106,8 +115,10 @@ def apply_ucx_env(
     when the first agent starts): the first two when given, the modules as
     :func:`default_ucx_modules` says unless the environment already sets them. A given value
     that differs from one already set is a ConfigError naming the key: the process has one UCX
-    configuration."""
+    configuration. Also ``UCX_TCP_CONN_NB`` (:data:`UCX_TCP_CONNECT`) unless the environment
+    sets it."""
     env = os.environ if environ is None else environ
+    env.setdefault(*UCX_TCP_CONNECT)
     wanted = default_ucx_modules(modules, has_rdma_device() if rdma is None else rdma)
     if wanted is not None and modules is None and "UCX_MODULES" in env:
         wanted = None  # the operator's environment wins over the default

@@ -60,12 +60,21 @@ def test_missing_nixl_is_a_config_error_naming_the_extra_and_the_cpu_install(mon
 def test_ucx_env_is_set_once_and_a_different_value_is_refused() -> None:
     env: dict[str, str] = {}
     apply_ucx_env("tcp,self", "lo", env, rdma=True)
-    assert env == {"UCX_TLS": "tcp,self", "UCX_NET_DEVICES": "lo"}
+    assert env == {"UCX_TLS": "tcp,self", "UCX_NET_DEVICES": "lo", "UCX_TCP_CONN_NB": "y"}
     apply_ucx_env("tcp,self", None, env, rdma=True)  # the same value again, or none: fine
     with pytest.raises(ConfigError, match="ucx_tls"):
         apply_ucx_env("rc,self", None, env, rdma=True)
     apply_ucx_env(None, None, env, rdma=True)
-    assert env == {"UCX_TLS": "tcp,self", "UCX_NET_DEVICES": "lo"}
+    assert env == {"UCX_TLS": "tcp,self", "UCX_NET_DEVICES": "lo", "UCX_TCP_CONN_NB": "y"}
+
+
+def test_ucx_tcp_connects_without_blocking_unless_the_environment_says_otherwise() -> None:
+    env: dict[str, str] = {}
+    apply_ucx_env(None, None, env, rdma=True)
+    assert env == {"UCX_TCP_CONN_NB": "y"}
+    mine = {"UCX_TCP_CONN_NB": "n"}
+    apply_ucx_env(None, None, mine, rdma=True)  # the operator's choice wins
+    assert mine == {"UCX_TCP_CONN_NB": "n"}
 
 
 def test_ucx_ib_module_is_left_out_only_without_rdma_devices_and_without_a_choice() -> None:
@@ -75,10 +84,10 @@ def test_ucx_ib_module_is_left_out_only_without_rdma_devices_and_without_a_choic
     assert default_ucx_modules("^cuda", rdma=False) == "^cuda"
     env: dict[str, str] = {}
     apply_ucx_env(None, None, env, rdma=False)
-    assert env == {"UCX_MODULES": "^ib"}
+    assert env == {"UCX_MODULES": "^ib", "UCX_TCP_CONN_NB": "y"}
     mine = {"UCX_MODULES": "^cma"}
     apply_ucx_env(None, None, mine, rdma=False)  # the environment's choice wins over the default
-    assert mine == {"UCX_MODULES": "^cma"}
+    assert mine == {"UCX_MODULES": "^cma", "UCX_TCP_CONN_NB": "y"}
     with pytest.raises(ConfigError, match="ucx_modules"):
         apply_ucx_env(None, None, mine, modules="^ib", rdma=False)
 
