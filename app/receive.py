@@ -38,7 +38,7 @@ from kvferry.adapters.connectors.pool_buffer import PooledBuffer, release_soon
 from kvferry.adapters.torch_decode import host_byte_view
 from kvferry.adapters.torch_frames import DecodedKV, decode_payload, merge_layers, slice_layers
 from kvferry.core.addressing import get_metadata
-from kvferry.core.errors import KVFerryError, LeaseExpired, PayloadError
+from kvferry.core.errors import KVFerryError, LeaseExpired, PayloadError, SenderUnavailable
 from kvferry.core.head_slices import applied_head_slice, fan_out_slice, tp_head_slice_record
 from kvferry.core.header import DecodeLimits
 from kvferry.core.ids import is_dummy_request, recv_keys
@@ -332,10 +332,11 @@ class ReceivePath:
         deadline = Deadline(start, self.timeout_s if timeout_s is None else timeout_s)
         got: list[Any] = []
         expired: list[str] = []
+        gone: list[str] = []
         refused: list[Refusal] = []
         handed: list[Any] = []  # pool buffers a zero-copy result took over
         try:
-            missing = self._wait_all(connector, keys, metas, deadline, got, expired, refused)
+            missing = self._wait_all(connector, keys, metas, deadline, got, expired, refused, gone)
             names = tuple(k for k, _ in keys)
             if refused:
                 logger.error("request %s: the sender refused: %s", request_id, refused[0].describe())
@@ -344,6 +345,18 @@ class ReceivePath:
                         request_id,
                         ReceiveKind.REFUSED,
                         refused[0].describe(),
+                        keys=names,
+                        missing_keys=missing,
+                        seconds=self._since(start),
+                    )
+                )
+            if gone:
+                logger.warning("request %s: %s", request_id, gone[0])
+                return ReceiveResult(
+                    ReceiveOutcome.failed(
+                        request_id,
+                        ReceiveKind.SENDER_GONE,
+                        gone[0],
                         keys=names,
                         missing_keys=missing,
                         seconds=self._since(start),
@@ -394,12 +407,15 @@ class ReceivePath:
         got: list,
         expired: list,
         refused: list | None = None,
+        gone: list | None = None,
     ) -> tuple[str, ...]:
         """Fill ``got`` with ``(data, size)`` per key in order; return the keys still missing.
 
         A key whose lease expired at the sender ends the wait at once (its reason goes to
         ``expired``): the request cannot complete. So does a refusal marker (the sender could
-        not send; its :class:`~kvferry.core.refusal.Refusal` goes to ``refused``)."""
+        not send; its :class:`~kvferry.core.refusal.Refusal` goes to ``refused``), and a sender
+        the connector found dead (SenderUnavailable from a blocking get; its reason goes to
+        ``gone``)."""
         blocking = self._is_blocking(connector)
         pending = list(range(len(keys)))
         results: dict[int, Any] = {}
@@ -412,6 +428,11 @@ class ReceivePath:
                 except LeaseExpired as exc:
                     expired.append(f"{keys[i][0]}: {exc}")
                     break
+                except SenderUnavailable as exc:  # the sender died: the key cannot come
+                    if gone is None:
+                        raise
+                    gone.append(f"{keys[i][0]}: {exc}")
+                    break
                 if result is not None:
                     results[i] = result
                     pending.remove(i)
@@ -421,7 +442,7 @@ class ReceivePath:
                         break
                 elif blocking:
                     break  # the deadline passed while blocked on this key
-            if not pending or expired or refused:
+            if not pending or expired or refused or gone:
                 break
             remaining = deadline.remaining(self.clock.monotonic())
             if remaining <= 0.0:

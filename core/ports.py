@@ -130,7 +130,9 @@ class BlockingGet(Protocol):
 
         Raises :class:`~kvferry.core.errors.LeaseExpired` (at once, not at the deadline) when
         the sender reports that the key was dropped unread because its lease passed: waiting
-        longer cannot help. ``get`` keeps answering None ("not found") for such a key.
+        longer cannot help. ``get`` keeps answering None ("not found") for such a key. May
+        raise :class:`~kvferry.core.errors.SenderUnavailable` (also at once) when the sender is
+        known to have died: the key died with it.
         """
         ...
 

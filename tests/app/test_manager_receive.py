@@ -15,7 +15,7 @@ import torch
 
 from kvferry.adapters.torch_frames import encode_bytes, encode_frames
 from kvferry.app.manager import KVTransferManager
-from kvferry.core.errors import ConnectorUnavailable
+from kvferry.core.errors import ConnectorUnavailable, SenderUnavailable
 from kvferry.core.outcomes import ReceiveKind, SkipReason
 
 BLOCK_SETS = ([3, 1, 5], [0], [7, 8, 9, 10, 11], [2, 4], [11, 0, 6], [1, 2, 3, 4])
@@ -149,6 +149,24 @@ def test_spec7_blocking_get_is_preferred_over_polling(kit, memory_connector, mak
     spy = kit.BlockingSpyConnector(memory_connector)
     assert make_receiver(spy).receive("a").ok
     assert fake_time.sleeps == [] and len(spy.gets) == 1
+
+
+def test_a_sender_found_dead_ends_the_receive_at_once_as_sender_gone(
+    kit, memory_connector, make_receiver, fake_time
+) -> None:
+    class DeadSender(kit.BlockingSpyConnector):
+        def get_blocking(self, *args: Any, **kwargs: Any) -> Any:
+            super().get_blocking(*args, **kwargs)  # recorded; the key is not there
+            raise SenderUnavailable("the sender at ipc://x is gone (its process ended)")
+
+    spy = DeadSender(memory_connector)
+    receiver = make_receiver(spy, config=kit.receiver_config(recv_timeout=30.0))
+    result = receiver.receive("lost")
+    assert result.outcome.kind is ReceiveKind.SENDER_GONE and not result.ok and result.payload is None
+    assert "gone" in result.outcome.detail and result.outcome.missing_keys == ("omni_0_to_1_kv_cache_lost",)
+    assert fake_time.elapsed == 0.0 and fake_time.sleeps == [] and len(spy.gets) == 1  # no wait, no retry
+    snap = receiver.counters.snapshot()
+    assert snap["recv.sender_gone"] == 1 and snap["errors"] == 1 and snap.get("timeouts", 0) == 0
 
 
 # ------------------------------------------------------------------------------ sender info

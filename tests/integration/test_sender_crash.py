@@ -3,9 +3,11 @@
 A sending stage of 2 processes (``stage_worker.py sender``) feeds one receiver (this process,
 TP 2 -> 1: every request needs a key from each sender rank). Sender rank 1 is SIGKILLed at two
 points of a request: after it put its key (the payload dies with it), and while the receiver is
-parked on it waiting for a key it never put. Each time the receiver returns a TIMED_OUT outcome
-naming rank 1's key by its deadline, a sender restarted on the same port serves the next request
-bit-exact, and nothing is left in /dev/shm once everything is closed.
+parked on it waiting for a key it never put. Each time the receiver returns an outcome naming
+rank 1's key: over zmq TIMED_OUT by its deadline; over shm SENDER_GONE at once, far before its
+deadline (the receiver sees the sender's process dead and nothing on its socket). A sender
+restarted on the same port serves the next request bit-exact, and nothing is left in /dev/shm
+once everything is closed.
 """
 
 from __future__ import annotations
@@ -21,7 +23,9 @@ from stage_worker import expected_digest, kv_digest, make_spec, sender_caches, s
 from kvferry.app.wiring import build_manager
 from kvferry.core.outcomes import ReceiveKind
 
-MISS_S = 2.0  # receive deadline of a request whose sender rank dies
+MISS_S = 2.0  # receive deadline of a request whose sender rank dies (zmq: it waits it out)
+#: shm: the deadline of such a request, which it must end far before (within SLACK_S)
+GONE_S = 30.0
 #: Slack over a deadline for a loaded machine; far below the 30 s a hang would take.
 SLACK_S = 10.0
 CONNECTORS = ["zmq-tcp", "shm"]  # zmq-ipc: same connector as tcp; its stale socket file is
@@ -61,12 +65,21 @@ class Stage:
         got = kv_digest(blocks["key_cache"], blocks["value_cache"])
         assert got == expected_digest(self.spec, self.caches, rid, (0, self.spec.kv_heads)), f"{rid} differs"
 
-    def assert_timed_out(self, result: Any, seconds: float, rid: str) -> None:
+    @property
+    def lost_s(self) -> float:
+        """The deadline of a receive whose sender rank dies."""
+        return GONE_S if self.spec.connector == "shm" else MISS_S
+
+    def assert_lost(self, result: Any, seconds: float, rid: str) -> None:
         outcome = result.outcome
-        assert outcome.kind is ReceiveKind.TIMED_OUT, outcome
         assert outcome.missing_keys == (f"{rid}_0_0_1_0",), outcome  # rank 1's key, not rank 0's
         assert result.payload is None
-        assert MISS_S * 0.9 <= seconds < MISS_S + SLACK_S, f"returned after {seconds:.2f} s"
+        if self.spec.connector == "shm":
+            assert outcome.kind is ReceiveKind.SENDER_GONE and "gone" in outcome.detail, outcome
+            assert seconds < SLACK_S, f"returned after {seconds:.2f} s, deadline {GONE_S} s"
+        else:
+            assert outcome.kind is ReceiveKind.TIMED_OUT, outcome
+            assert MISS_S * 0.9 <= seconds < MISS_S + SLACK_S, f"returned after {seconds:.2f} s"
 
     def kill(self, rank: int) -> int:
         pid = self.senders[rank].pid
@@ -94,8 +107,8 @@ def test_sender_killed_mid_request_then_restarted(connector: str, workers: Any, 
         # 1. rank 1 put its key, then dies before the receiver pulls it
         stage.send("crash-b")
         dead = stage.kill(1)
-        result, seconds = stage.receive("crash-b", MISS_S)
-        stage.assert_timed_out(result, seconds, "crash-b")
+        result, seconds = stage.receive("crash-b", stage.lost_s)
+        stage.assert_lost(result, seconds, "crash-b")
         stage.senders[1] = stage.start(1)  # same rank, same port
         # the dead owner's segment is gone by then: its resource tracker unlinked it, or the
         # restart reaped it (test_shm_processes.py shows each way on its own)
@@ -106,22 +119,27 @@ def test_sender_killed_mid_request_then_restarted(connector: str, workers: Any, 
         # 2. the receiver is parked on rank 1 (rank 0's key already taken) when rank 1 dies
         stage.send("crash-d", ranks=(0,))
         box: dict[str, Any] = {}
-        waiter = threading.Thread(target=lambda: box.update(r=stage.receive("crash-d", MISS_S)), daemon=True)
+        waiter = threading.Thread(target=lambda: box.update(r=stage.receive("crash-d", stage.lost_s)), daemon=True)
         waiter.start()
         parked = stage.senders[1].ask({"op": "wait_parked", "n": 1})
         assert parked["reached"], parked
         dead = stage.kill(1)
-        waiter.join(MISS_S + SLACK_S + 30)
+        waiter.join(stage.lost_s + SLACK_S + 30)
         assert not waiter.is_alive(), "the receiver hung after its sender died"
-        stage.assert_timed_out(*box["r"], "crash-d")
+        stage.assert_lost(*box["r"], "crash-d")
         stage.senders[1] = stage.start(1)
         assert [n for n in itkit.shm_entries(shm_namespace) if f"-{dead}-" in n] == []
         stage.send("crash-e")
         stage.assert_received("crash-e")
 
         counts = stage.receiver.counters.snapshot()
-        assert counts.get("recv.received") == 3 and counts.get("timeouts") == 2, counts
-        assert counts.get("errors", 0) == 0, counts  # timeouts are not counted as errors
+        assert counts.get("recv.received") == 3, counts
+        if connector == "shm":  # a sender gone is an error, not a timeout
+            assert counts.get("recv.sender_gone") == 2 == counts.get("errors"), counts
+            assert counts.get("timeouts", 0) == 0, counts
+        else:
+            assert counts.get("timeouts") == 2, counts
+            assert counts.get("errors", 0) == 0, counts  # timeouts are not counted as errors
         for worker in stage.senders:
             assert worker.finish() == 0, worker.log_tail()
     finally:

@@ -13,6 +13,8 @@ import shutil
 import signal
 import subprocess
 import tempfile
+import threading
+import time
 
 import pytest
 import warm_spawn
@@ -21,6 +23,7 @@ from waits import eventually
 
 from kvferry.adapters.connectors.shm.segment import SHM_DIR, reap_namespace, runtime_dir
 from kvferry.app.registry import create_connector
+from kvferry.core.errors import SenderUnavailable
 
 pytestmark = [pytest.mark.timeout(120), pytest.mark.slow]
 
@@ -204,6 +207,63 @@ def test_killed_writer_and_its_tracker_leave_nothing_after_the_reaper(space) -> 
         assert segments(namespace) == []
         assert not os.path.exists(runtime_dir(namespace, base))
         assert receiver.get("0", "1", "req0_0_0_0_0") is None
+
+
+PARKING_SENDER = """
+import json, sys
+from kvferry.app.registry import create_connector
+ns, base, port = sys.argv[1], sys.argv[2], int(sys.argv[3])
+conn = create_connector({"type": "shm", "role": "sender", "namespace": ns, "runtime_dir": base,
+                         "port": port, "pool_bytes": 1 << 20})
+print(json.dumps({"ready": True}), flush=True)
+for _ in sys.stdin:  # each line: how many gets are parked here now
+    print(json.dumps({"parked": conn.health()["parked"]}), flush=True)
+"""
+
+
+def test_a_get_to_a_sender_that_died_ends_at_once_not_at_its_deadline(space) -> None:
+    namespace, base, procs = space
+    sender = spawn(PARKING_SENDER, namespace, base, PORT)
+    procs.append(sender)
+    assert line(sender) == {"ready": True}
+
+    def parked() -> int:
+        sender.stdin.write("\n")
+        sender.stdin.flush()
+        return int(line(sender)["parked"])
+
+    config = {"type": "shm", "role": "receiver", "namespace": namespace, "runtime_dir": base, "sender_port": PORT}
+    with create_connector(config) as receiver:
+        # the control: a live sender that never publishes the key is waited for, to the deadline
+        start = time.monotonic()
+        assert receiver.get_blocking("0", "1", "never_0_0_0_0", timeout_s=0.6) is None
+        assert time.monotonic() - start >= 0.6 and receiver.health().get("miss_sender_gone", 0) == 0
+        ended: dict = {}
+
+        def wait_at_sender() -> None:
+            try:
+                ended["got"] = receiver.get_blocking("0", "1", "never_0_0_0_0", timeout_s=60.0)
+            except SenderUnavailable as exc:
+                ended["error"] = str(exc)
+            ended["at"] = time.monotonic()
+
+        waiter = threading.Thread(target=wait_at_sender)
+        waiter.start()
+        eventually(lambda: parked() == 1, "the get parked at the sender", READ_S)
+        os.kill(sender.pid, signal.SIGKILL)
+        killed_at = time.monotonic()
+        sender.wait(timeout=30)
+        waiter.join(READ_S)
+        assert not waiter.is_alive()
+        # typed, and within seconds of the death, not at the 60 s deadline
+        assert "gone" in ended["error"] and ended["at"] - killed_at < 5.0, ended
+        # a get that starts after the death ends at once too; a non-blocking one misses
+        start = time.monotonic()
+        with pytest.raises(SenderUnavailable, match="gone"):
+            receiver.get_blocking("0", "1", "never_0_0_0_0", timeout_s=60.0)
+        assert receiver.get("0", "1", "never_0_0_0_0") is None
+        assert time.monotonic() - start < 5.0
+        assert receiver.health()["miss_sender_gone"] == 3
 
 
 def test_killed_reader_does_not_pin_the_pool(space) -> None:

@@ -13,7 +13,11 @@ segment once and returns a tied :class:`~.pool_buffer.PooledBuffer` whose tensor
 into it. ``release()`` tells the sender and waits for its acknowledgement; ``release_soon()``
 (and dropping the buffer with every view of it) sends the release without waiting. The sender
 frees the region when every reader released it; a reader holding it past ``hold_s`` loses it
-only once its process is gone (see :mod:`.server`).
+only once its process is gone (see :mod:`.server`). A get whose sender dies (its owner file
+names a dead process and nothing listens on its socket,
+:func:`~.segment.sender_gone`) ends within ``LIVENESS_S`` of that, not at its deadline:
+``get_blocking`` raises SenderUnavailable, ``get`` and ``get_many`` miss (counted
+``miss_sender_gone``).
 
 Endpoints: ``put`` metadata carries ``endpoint``; partial metadata ``{"source_host",
 "source_port"}``, ``update_sender_info(host, port)`` and config ``sender_port`` map to the
@@ -25,6 +29,7 @@ Configuration and the sender's parts: :mod:`.config`; names and cleanup rules:
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import os
 import threading
@@ -49,9 +54,10 @@ from kvferry.adapters.connectors.shm.segment import (
     control_endpoint,
     open_segment,
     reap_namespace,
+    sender_gone,
 )
 from kvferry.core.addressing import resolve_get_source
-from kvferry.core.errors import ConfigError, LeaseExpired, PayloadError
+from kvferry.core.errors import ConfigError, LeaseExpired, PayloadError, SenderUnavailable
 from kvferry.core.ports import PutResult
 from kvferry.core.tombstones import FAILED_REASON, FAILURE_FIELD, decode_failure, failed_error
 from kvferry.core.validate import check_port
@@ -193,7 +199,10 @@ class ShmConnector:
             if client is None:
                 if self._context is None:
                     self._context = zmq.Context()
-                client = ControlClient(self._context, endpoint, self._on_stale(endpoint))
+                path = endpoint[len("ipc://") :]
+                client = ControlClient(
+                    self._context, endpoint, self._on_stale(endpoint), gone=functools.partial(sender_gone, path)
+                )
                 self._clients[endpoint] = client
             return client
 
@@ -264,7 +273,14 @@ class ShmConnector:
         if client is None:
             return None
         margin = self.config.rpc_timeout_s if wait_s <= 0 else min(self.config.rpc_timeout_s, 0.25)
-        reply = client.request({"op": "get", "key": key, "wait_s": wait_s, "pid": os.getpid()}, wait_s + margin)
+        try:
+            reply = client.request({"op": "get", "key": key, "wait_s": wait_s, "pid": os.getpid()}, wait_s + margin)
+        except SenderUnavailable as exc:
+            self._count("miss_sender_gone")
+            if wait_s > 0:
+                logger.warning("shm get %r: %s", key, exc)
+                raise
+            return None
         if reply is None:
             self._count("miss_no_reply")
             return None
@@ -351,7 +367,11 @@ class ShmConnector:
         out: list[tuple[Any, int] | None] = []
         for at in range(0, len(keys), MAX_MANY_KEYS):
             part = keys[at : at + MAX_MANY_KEYS]
-            reply = client.request({"op": "get_many", "keys": part, "pid": os.getpid()}, self.config.rpc_timeout_s)
+            try:
+                reply = client.request({"op": "get_many", "keys": part, "pid": os.getpid()}, self.config.rpc_timeout_s)
+            except SenderUnavailable:
+                self._count("miss_sender_gone")
+                reply = None
             entries = reply.get("grants") if reply is not None and reply.get("ok") else None
             if not isinstance(entries, list) or len(entries) != len(part):
                 self._count("miss_no_reply" if reply is None else "bad_grants")
@@ -396,8 +416,9 @@ class ShmConnector:
         timeout_s: float,
     ) -> tuple[Any, int] | None:
         """Wait up to ``timeout_s`` seconds; the sender answers when the key is published.
-        Raises LeaseExpired at once when the sender says the key expired unread, and
-        FailedAtSender at once when it recorded a failure for the key (also while waiting)."""
+        Raises LeaseExpired at once when the sender says the key expired unread,
+        FailedAtSender at once when it recorded a failure for the key (also while waiting), and
+        SenderUnavailable when the sender's process is found dead (see the module doc)."""
         return self._fetch(metadata, get_key, max(0.0, float(timeout_s)))
 
     def mapped_range(self, segment_name: str) -> tuple[int, int] | None:

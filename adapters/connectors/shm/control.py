@@ -54,12 +54,14 @@ import msgpack
 import zmq
 
 from kvferry.core.control import Rejection
+from kvferry.core.errors import SenderUnavailable
 
 __all__ = [
     "VERSION",
     "MAX_MESSAGE_BYTES",
     "MAX_MANY_KEYS",
     "OWED_FORGET_S",
+    "LIVENESS_S",
     "encode",
     "decode",
     "check_request",
@@ -82,6 +84,9 @@ MAX_MANY_KEYS = 256
 #: its wait_s; one that has not answered by then is gone, or was restarted).
 OWED_FORGET_S = 300.0
 _MAX_KEY = 4096
+#: Seconds a request waits on the sender before it asks ``gone()`` whether the sender died
+#: (then again each as long): a get to a dead sender ends this soon, not at its deadline.
+LIVENESS_S = 0.2
 
 
 def encode(message: dict[str, Any]) -> bytes:
@@ -229,6 +234,10 @@ def granted_tickets(reply: dict[str, Any]) -> list[tuple[int, str | None]]:
     return out
 
 
+class _SenderGone(Exception):
+    """Raised inside :class:`ControlClient` when ``gone()`` said the sender died."""
+
+
 @attrs.define(eq=False)
 class ControlClient:
     """Requests to one sender's control endpoint from any number of threads.
@@ -237,7 +246,9 @@ class ControlClient:
     concurrent calls never share one. A reply that arrives after its caller gave up is handed
     to ``on_stale`` (the caller releases a stale grant so the sender can free its region).
     ``close()`` wakes every waiting call (it returns None) through a pipe, then closes all
-    sockets; no socket is ever used by two threads or closed while in use.
+    sockets; no socket is ever used by two threads or closed while in use. ``gone()`` (when
+    given) says whether the sender is known to be dead: a request that waited
+    :data:`LIVENESS_S` asks it, and raises SenderUnavailable when it says so.
 
     Fire-and-forget releases (:meth:`send_release`) leave on one dedicated socket, in call
     order, so :meth:`flush_releases` (a ping on that socket) returns once the sender processed
@@ -247,6 +258,7 @@ class ControlClient:
     context: zmq.Context
     endpoint: str
     on_stale: Callable[[dict[str, Any]], None]
+    gone: Callable[[], bool] | None = None
     _idle: list[zmq.Socket] = attrs.field(init=False, factory=list)
     _busy: int = attrs.field(init=False, default=0)
     _cond: threading.Condition = attrs.field(init=False, factory=threading.Condition)
@@ -290,43 +302,52 @@ class ControlClient:
                     self._idle.append(sock)
             self._cond.notify_all()
 
-    def _wait(self, sock: zmq.Socket, event: int, deadline: float) -> bool:
-        """Wait for ``event`` on ``sock`` until ``deadline``; False on timeout or close."""
+    def _wait(self, sock: zmq.Socket, event: int, deadline: float, watch: bool = False) -> bool:
+        """Wait for ``event`` on ``sock`` until ``deadline``; False on timeout or close.
+        ``watch``: every :data:`LIVENESS_S` without the event, ask ``gone()``; _SenderGone
+        when it says the sender died."""
         poller = zmq.Poller()
         poller.register(sock, event)
         poller.register(self._wake[0], zmq.POLLIN)
+        watch = watch and self.gone is not None
         while not self._closed:
             remaining = deadline - time.monotonic()
             # past the deadline, one look without waiting: a reply that is there already (this
             # process was stopped or starved until after it) is taken, not left granted to no one
-            ready = dict(poller.poll(int(remaining * 1000) + 1 if remaining > 0 else 0))
+            wait = min(remaining, LIVENESS_S) if watch else remaining
+            ready = dict(poller.poll(int(wait * 1000) + 1 if remaining > 0 else 0))
             if ready.get(sock, 0) & event:
                 return True
             if self._wake[0] in ready or remaining <= 0:
                 return False
+            if watch and self.gone is not None and self.gone():
+                raise _SenderGone
         return False
 
-    def _send(self, sock: zmq.Socket, frame: bytes, deadline: float) -> bool:
+    def _send(self, sock: zmq.Socket, frame: bytes, deadline: float, watch: bool = False) -> bool:
         while True:
             try:
                 sock.send(frame, zmq.NOBLOCK)
                 return True
             except zmq.Again:
-                if not self._wait(sock, zmq.POLLOUT, deadline):
+                if not self._wait(sock, zmq.POLLOUT, deadline, watch):
                     return False
 
     def request(self, message: dict[str, Any], timeout_s: float) -> dict[str, Any] | None:
         """Send ``message`` (an ``id`` is added) and wait up to ``timeout_s`` seconds for its
-        reply. None when the sender is unreachable or silent, or the client closes."""
+        reply. None when the sender is unreachable or silent, or the client closes;
+        SenderUnavailable as soon as ``gone()`` says the sender died (see the class doc)."""
         sock = self._checkout()
         if sock is None:
             return None
         request_id = next(self._ids)
         deadline = time.monotonic() + timeout_s
+        sent = False
         try:
-            if not self._send(sock, encode({**message, "id": request_id}), deadline):
+            if not self._send(sock, encode({**message, "id": request_id}), deadline, watch=True):
                 return None
-            while self._wait(sock, zmq.POLLIN, deadline):
+            sent = True
+            while self._wait(sock, zmq.POLLIN, deadline, watch=True):
                 reply = decode(sock.recv())
                 if reply is None:
                     continue
@@ -336,6 +357,10 @@ class ControlClient:
                 self.on_stale(reply)
             self._owe(sock, request_id)
             return None
+        except _SenderGone:
+            if sent:
+                self._owe(sock, request_id)
+            raise SenderUnavailable(f"the sender at {self.endpoint} is gone (its process ended)") from None
         except zmq.ZMQError:
             return None
         finally:

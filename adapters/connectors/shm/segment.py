@@ -38,6 +38,7 @@ import mmap
 import os
 import re
 import secrets
+import socket
 import stat
 import threading
 from typing import Any
@@ -58,6 +59,7 @@ __all__ = [
     "control_endpoint",
     "control_paths",
     "pid_alive",
+    "sender_gone",
     "Segment",
     "create_segment",
     "discard_segment",
@@ -135,6 +137,28 @@ def pid_alive(pid: int) -> bool:
         return state not in (b"Z", b"X")
     except (OSError, IndexError):
         return True  # no /proc: the kill probe said it exists
+
+
+def sender_gone(socket_path: str) -> bool:
+    """True when the sender behind control socket ``socket_path`` is known to be gone: its
+    owner file names a process that is not running AND nothing accepts a connection on the
+    socket (a dead pid alone could be a pid of another pid namespace). False while it may live
+    or may not have started yet (no owner file, a live owner, a listener)."""
+    pidfile = socket_path[: -len(".sock")] + ".pid" if socket_path.endswith(".sock") else None
+    owner = None if pidfile is None else _owner_pid(pidfile)
+    if owner is None or pid_alive(owner):
+        return False
+    probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        probe.settimeout(0.5)
+        probe.connect(socket_path)
+    except (ConnectionRefusedError, FileNotFoundError):
+        return True  # no listener: its owner took it down with it
+    except OSError:
+        return False
+    finally:
+        probe.close()
+    return False  # someone listens there: a sender of another pid namespace, or a new one
 
 
 def remove_quietly(path: str) -> bool:

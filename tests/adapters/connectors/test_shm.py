@@ -47,6 +47,7 @@ from kvferry.adapters.connectors.shm.segment import (
     reap_namespace,
     runtime_dir,
     segment_name,
+    sender_gone,
 )
 from kvferry.adapters.connectors.shm.server import Reader, ReaderRegistry
 from kvferry.app.registry import create_connector
@@ -641,6 +642,37 @@ def _dead_pid() -> int:
     child.wait(timeout=30)
     assert not pid_alive(child.pid)
     return child.pid
+
+
+def test_a_sender_is_gone_only_with_a_dead_owner_and_nobody_listening(space) -> None:
+    namespace, base = space
+    with make(space, "sender") as sender:
+        path = sender.endpoint[len("ipc://") :]
+        assert not sender_gone(path)  # a live owner
+        pidfile = path[: -len(".sock")] + ".pid"
+        live = open(pidfile).read()
+    assert not sender_gone(path)  # closed cleanly: no owner file (a sender not started yet looks so)
+    directory = os.path.dirname(path)
+    os.makedirs(directory, mode=0o700, exist_ok=True)
+    try:
+        with open(pidfile, "w") as handle:  # the owner file a SIGKILLed sender leaves
+            handle.write(live.replace(live.split()[0], str(_dead_pid()), 1))
+        assert sender_gone(path)  # no socket file either
+        import socket as socket_module
+
+        listener = socket_module.socket(socket_module.AF_UNIX, socket_module.SOCK_STREAM)
+        listener.bind(path)
+        listener.listen(1)
+        # a dead pid but someone listens there (a pid of another pid namespace): not gone
+        assert not sender_gone(path)
+        listener.close()  # the socket file stays, nobody accepts on it: gone
+        assert sender_gone(path)
+    finally:
+        for leftover in (path, pidfile):
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(leftover)
+        with contextlib.suppress(OSError):
+            os.rmdir(directory)
 
 
 def test_sender_start_survives_a_peer_removing_the_empty_directory(space, monkeypatch) -> None:
