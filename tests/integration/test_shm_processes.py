@@ -215,6 +215,7 @@ from kvferry.app.registry import create_connector
 ns, base, port = sys.argv[1], sys.argv[2], int(sys.argv[3])
 conn = create_connector({"type": "shm", "role": "sender", "namespace": ns, "runtime_dir": base,
                          "port": port, "pool_bytes": 1 << 20})
+assert conn.put("0", "1", "held_0_0_0_0", b"h" * 1000)[0]
 print(json.dumps({"ready": True}), flush=True)
 for _ in sys.stdin:  # each line: how many gets are parked here now
     print(json.dumps({"parked": conn.health()["parked"]}), flush=True)
@@ -234,6 +235,8 @@ def test_a_get_to_a_sender_that_died_ends_at_once_not_at_its_deadline(space) -> 
 
     config = {"type": "shm", "role": "receiver", "namespace": namespace, "runtime_dir": base, "sender_port": PORT}
     with create_connector(config) as receiver:
+        held, _ = receiver.get_blocking("0", "1", "held_0_0_0_0", timeout_s=READ_S)  # read before the death
+        assert bytes(held.tensor.numpy()) == b"h" * 1000
         # the control: a live sender that never publishes the key is waited for, to the deadline
         start = time.monotonic()
         assert receiver.get_blocking("0", "1", "never_0_0_0_0", timeout_s=0.6) is None
@@ -264,6 +267,9 @@ def test_a_get_to_a_sender_that_died_ends_at_once_not_at_its_deadline(space) -> 
         assert receiver.get("0", "1", "never_0_0_0_0") is None
         assert time.monotonic() - start < 5.0
         assert receiver.health()["miss_sender_gone"] == 3
+        # a buffer read before the death is released without error: its region went with the sender
+        held.release()
+        assert receiver.health()["release_sender_gone"] == 1
 
 
 def test_killed_reader_does_not_pin_the_pool(space) -> None:

@@ -318,7 +318,12 @@ class ShmConnector:
         rpc = self.config.rpc_timeout_s
 
         def release() -> None:  # synchronous: once it returns, the sender may reuse the region
-            if client.request(message, rpc) is None:
+            try:
+                acked = client.request(message, rpc)
+            except SenderUnavailable:  # the region went with its sender: nothing to give back
+                self._count("release_sender_gone")
+                return
+            if acked is None:
                 self._count("release_unacknowledged")
                 logger.warning(
                     "shm release of ticket %s not acknowledged; the sender reclaims it once this process is gone",
