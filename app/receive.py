@@ -338,52 +338,23 @@ class ReceivePath:
         try:
             missing = self._wait_all(connector, keys, metas, deadline, got, expired, refused, gone)
             names = tuple(k for k, _ in keys)
+
+            def failed(kind: ReceiveKind, detail: str) -> ReceiveResult:
+                outcome = ReceiveOutcome.failed(
+                    request_id, kind, detail, keys=names, missing_keys=missing, seconds=self._since(start)
+                )
+                return ReceiveResult(outcome)
+
             if refused:
                 logger.error("request %s: the sender refused: %s", request_id, refused[0].describe())
-                return ReceiveResult(
-                    ReceiveOutcome.failed(
-                        request_id,
-                        ReceiveKind.REFUSED,
-                        refused[0].describe(),
-                        keys=names,
-                        missing_keys=missing,
-                        seconds=self._since(start),
-                    )
-                )
+                return failed(ReceiveKind.REFUSED, refused[0].describe())
             if gone:
                 logger.warning("request %s: %s", request_id, gone[0])
-                return ReceiveResult(
-                    ReceiveOutcome.failed(
-                        request_id,
-                        ReceiveKind.SENDER_GONE,
-                        gone[0],
-                        keys=names,
-                        missing_keys=missing,
-                        seconds=self._since(start),
-                    )
-                )
+                return failed(ReceiveKind.SENDER_GONE, gone[0])
             if expired:
-                return ReceiveResult(
-                    ReceiveOutcome.failed(
-                        request_id,
-                        ReceiveKind.EXPIRED,
-                        expired[0],
-                        keys=names,
-                        missing_keys=missing,
-                        seconds=self._since(start),
-                    )
-                )
+                return failed(ReceiveKind.EXPIRED, expired[0])
             if missing:
-                return ReceiveResult(
-                    ReceiveOutcome.failed(
-                        request_id,
-                        ReceiveKind.TIMED_OUT,
-                        f"{len(missing)} of {len(keys)} keys missing",
-                        keys=names,
-                        missing_keys=missing,
-                        seconds=self._since(start),
-                    )
-                )
+                return failed(ReceiveKind.TIMED_OUT, f"{len(missing)} of {len(keys)} keys missing")
             return self._assemble(request_id, keys, got, target_device, start, handed if zero_copy else None)
         finally:
             taken = {id(x) for x in handed}
