@@ -377,8 +377,8 @@ class ReceivePath:
         deadline: Deadline,
         got: list,
         expired: list,
-        refused: list | None = None,
-        gone: list | None = None,
+        refused: list,
+        gone: list,
     ) -> tuple[str, ...]:
         """Fill ``got`` with ``(data, size)`` per key in order; return the keys still missing.
 
@@ -400,15 +400,13 @@ class ReceivePath:
                     expired.append(f"{keys[i][0]}: {exc}")
                     break
                 except SenderUnavailable as exc:  # the sender died: the key cannot come
-                    if gone is None:
-                        raise
                     gone.append(f"{keys[i][0]}: {exc}")
                     break
                 if result is not None:
                     results[i] = result
                     pending.remove(i)
                     refusal = self.refusal_of(result[0])
-                    if refusal is not None and refused is not None:
+                    if refusal is not None:
                         refused.append(refusal)
                         break
                 elif blocking:

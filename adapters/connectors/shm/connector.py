@@ -275,10 +275,9 @@ class ShmConnector:
         margin = self.config.rpc_timeout_s if wait_s <= 0 else min(self.config.rpc_timeout_s, 0.25)
         try:
             reply = client.request({"op": "get", "key": key, "wait_s": wait_s, "pid": os.getpid()}, wait_s + margin)
-        except SenderUnavailable as exc:
+        except SenderUnavailable:  # the caller reports it (a typed outcome, logged there)
             self._count("miss_sender_gone")
             if wait_s > 0:
-                logger.warning("shm get %r: %s", key, exc)
                 raise
             return None
         if reply is None:

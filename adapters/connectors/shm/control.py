@@ -309,18 +309,18 @@ class ControlClient:
         poller = zmq.Poller()
         poller.register(sock, event)
         poller.register(self._wake[0], zmq.POLLIN)
-        watch = watch and self.gone is not None
+        gone = self.gone if watch else None
         while not self._closed:
             remaining = deadline - time.monotonic()
             # past the deadline, one look without waiting: a reply that is there already (this
             # process was stopped or starved until after it) is taken, not left granted to no one
-            wait = min(remaining, LIVENESS_S) if watch else remaining
+            wait = min(remaining, LIVENESS_S) if gone is not None else remaining
             ready = dict(poller.poll(int(wait * 1000) + 1 if remaining > 0 else 0))
             if ready.get(sock, 0) & event:
                 return True
             if self._wake[0] in ready or remaining <= 0:
                 return False
-            if watch and self.gone is not None and self.gone():
+            if gone is not None and gone():
                 raise _SenderGone
         return False
 

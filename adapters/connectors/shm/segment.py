@@ -58,6 +58,7 @@ __all__ = [
     "runtime_dir",
     "control_endpoint",
     "control_paths",
+    "owner_file_of",
     "pid_alive",
     "sender_gone",
     "Segment",
@@ -121,6 +122,12 @@ def control_endpoint(namespace: str, port: int, base: str | None = None) -> str:
     return "ipc://" + control_paths(namespace, str(port), base)[0]
 
 
+def owner_file_of(socket_path: str) -> str | None:
+    """The owner file beside control socket ``socket_path`` (``ctl-{tag}.sock`` ->
+    ``ctl-{tag}.pid``, :func:`control_paths`' pair); None for a path that is not one."""
+    return socket_path[: -len(".sock")] + ".pid" if socket_path.endswith(".sock") else None
+
+
 def pid_alive(pid: int) -> bool:
     """True when ``pid`` names a running (non-zombie) process."""
     if pid <= 0:
@@ -144,7 +151,7 @@ def sender_gone(socket_path: str) -> bool:
     owner file names a process that is not running AND nothing accepts a connection on the
     socket (a dead pid alone could be a pid of another pid namespace). False while it may live
     or may not have started yet (no owner file, a live owner, a listener)."""
-    pidfile = socket_path[: -len(".sock")] + ".pid" if socket_path.endswith(".sock") else None
+    pidfile = owner_file_of(socket_path)
     owner = None if pidfile is None else _owner_pid(pidfile)
     if owner is None or pid_alive(owner):
         return False
@@ -397,8 +404,9 @@ def reap_namespace(namespace: str, base: str | None = None, shm_dir: str = SHM_D
         sock = os.path.join(directory, f"ctl-{match['tag']}.sock")
         removed.extend(p for p in (sock, pidfile) if remove_quietly(p))
     for entry in os.listdir(directory):
-        if entry.endswith(".sock") and not os.path.exists(os.path.join(directory, entry[:-5] + ".pid")):
-            path = os.path.join(directory, entry)
+        path = os.path.join(directory, entry)
+        owner_file = owner_file_of(path)
+        if owner_file is not None and not os.path.exists(owner_file):
             if remove_quietly(path):  # a socket whose owner file is gone: its owner is gone
                 removed.append(path)
     if removed:

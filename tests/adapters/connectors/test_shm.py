@@ -7,6 +7,7 @@ import gc
 import itertools
 import os
 import shutil
+import socket
 import stat
 import subprocess
 import sys
@@ -40,6 +41,7 @@ from kvferry.adapters.connectors.shm.segment import (
     SHM_DIR,
     check_namespace,
     control_endpoint,
+    control_paths,
     create_segment,
     discard_segment,
     parse_segment_name,
@@ -646,10 +648,10 @@ def _dead_pid() -> int:
 
 def test_a_sender_is_gone_only_with_a_dead_owner_and_nobody_listening(space) -> None:
     namespace, base = space
+    path, pidfile = control_paths(namespace, str(PORT), base)
     with make(space, "sender") as sender:
-        path = sender.endpoint[len("ipc://") :]
+        assert sender.endpoint == f"ipc://{path}"
         assert not sender_gone(path)  # a live owner
-        pidfile = path[: -len(".sock")] + ".pid"
         live = open(pidfile).read()
     assert not sender_gone(path)  # closed cleanly: no owner file (a sender not started yet looks so)
     directory = os.path.dirname(path)
@@ -658,9 +660,7 @@ def test_a_sender_is_gone_only_with_a_dead_owner_and_nobody_listening(space) -> 
         with open(pidfile, "w") as handle:  # the owner file a SIGKILLed sender leaves
             handle.write(live.replace(live.split()[0], str(_dead_pid()), 1))
         assert sender_gone(path)  # no socket file either
-        import socket as socket_module
-
-        listener = socket_module.socket(socket_module.AF_UNIX, socket_module.SOCK_STREAM)
+        listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         listener.bind(path)
         listener.listen(1)
         # a dead pid but someone listens there (a pid of another pid namespace): not gone
