@@ -25,6 +25,7 @@ Every name here is also importable from :mod:`kvferry.core.pool`.
 
 from __future__ import annotations
 
+import heapq
 from collections.abc import Callable, Iterable
 from typing import Any
 
@@ -176,14 +177,24 @@ class LeaseTable:
     :meth:`status` (oldest forgotten).
     """
 
-    hold_s: float | None = attrs.field(default=None, validator=_hold_validator)
+    hold_s: float | None = attrs.field(
+        default=None, validator=_hold_validator, on_setattr=attrs.setters.frozen
+    )  # fixed: the deadlines of tickets already taken were computed with it
     history: int = attrs.field(default=4096)
     _by_key: dict[str, _Record] = attrs.field(init=False, factory=dict)
+    #: request id -> its readable keys, in publication order (what ``drop_request`` drops)
+    _by_request: dict[str, dict[str, None]] = attrs.field(init=False, factory=dict)
     _held: dict[int, _Record] = attrs.field(init=False, factory=dict)  # entry_id -> not freed
     _tickets: dict[int, _Record] = attrs.field(init=False, factory=dict)
     _gone: dict[str, str] = attrs.field(init=False, factory=dict)
     _failures: dict[str, Any] = attrs.field(init=False, factory=dict)
     _next_id: int = attrs.field(init=False, default=1)
+    #: ``(time, entry_id, ticket_id)``: when an unread lease (ticket 0) or a ticket's hold runs
+    #: out. Stale items (released, drained, already handled) stay until they reach the top or
+    #: the heap is rebuilt; :meth:`_deadline_live` tells them apart.
+    _deadlines: list[tuple[float, int, int]] = attrs.field(init=False, factory=list)
+    #: Entries holding a ticket reported overdue (asked about again at every :meth:`expire`).
+    _overdue: dict[int, None] = attrs.field(init=False, factory=dict)
 
     def __len__(self) -> int:
         """Entries not yet freed (readable or waiting for releases)."""
@@ -207,8 +218,20 @@ class LeaseTable:
         """Stop new takes of ``record`` (it leaves the key map); remember why."""
         if self._by_key.get(record.key) is record:
             del self._by_key[record.key]
+            self._unindex(record)
             self._forget_later(record.key, state)
         record.state = state
+
+    def _index(self, record: _Record) -> None:
+        self._by_key[record.key] = record
+        self._by_request.setdefault(record.request_id, {})[record.key] = None
+
+    def _unindex(self, record: _Record) -> None:
+        keys = self._by_request.get(record.request_id)
+        if keys is not None:
+            keys.pop(record.key, None)
+            if not keys:
+                del self._by_request[record.request_id]
 
     def _free_if_done(self, record: _Record) -> bool:
         if record.tickets or record.state == EntryState.PUBLISHED:
@@ -219,6 +242,38 @@ class LeaseTable:
 
     def _hold_of(self, record: _Record) -> float:
         return self.hold_s if self.hold_s is not None else record.lease_s
+
+    # Deadlines: expiry visits only the entries something is due on (a heap of lease and hold
+    # ends) and those with overdue tickets, so a reserve costs the same with 10 payloads
+    # waiting for their readers as with 10 000.
+    def _add_deadline(self, at_s: float, entry_id: int, ticket_id: int = 0) -> None:
+        heap = self._deadlines
+        heapq.heappush(heap, (at_s, entry_id, ticket_id))
+        if len(heap) > 64 + 2 * (len(self._held) + len(self._tickets)):  # mostly stale: rebuild
+            self._deadlines = [d for d in heap if self._deadline_live(d)]
+            heapq.heapify(self._deadlines)
+
+    def _deadline_live(self, deadline: tuple[float, int, int]) -> bool:
+        """Whether ``deadline`` still stands: its entry is held, and it is the entry's unread
+        lease while the entry is readable, or a ticket not yet released nor reported overdue."""
+        at_s, entry_id, ticket_id = deadline
+        record = self._held.get(entry_id)
+        if record is None:
+            return False
+        if not ticket_id:
+            return record.state == EntryState.PUBLISHED and record.created_s + record.lease_s == at_s
+        held = record.tickets.get(ticket_id)
+        return held is not None and not held.overdue and held.taken_s + self._hold_of(record) == at_s
+
+    def _due(self, now_s: float) -> list[_Record]:
+        """The entries :meth:`expire` must look at: a deadline passed, or an overdue ticket;
+        in publication order (the order a scan of every entry gives)."""
+        heap, due = self._deadlines, dict.fromkeys(self._overdue)
+        while heap and heap[0][0] <= now_s:
+            deadline = heapq.heappop(heap)
+            if self._deadline_live(deadline):
+                due[deadline[1]] = None
+        return [self._held[i] for i in sorted(due) if i in self._held]
 
     def publish(
         self,
@@ -245,8 +300,9 @@ class LeaseTable:
             raise ConfigError(f"key {key!r} is already published")
         rid = request_id if request_id is not None else request_id_of_key(key)
         record = _Record(self._serial(), key, rid, handle, size, readers, readers, float(now_s), lease)
-        self._by_key[key] = record
+        self._index(record)
         self._held[record.entry_id] = record
+        self._add_deadline(record.created_s + lease, record.entry_id)
         self._gone.pop(key, None)
         self._failures.pop(key, None)
         return record.snapshot()
@@ -265,6 +321,7 @@ class LeaseTable:
         ticket = Ticket(self._serial(), record.entry_id, key, record.handle, record.size, now_s, holder)
         record.tickets[ticket.ticket_id] = _Hold(float(now_s), holder)
         self._tickets[ticket.ticket_id] = record
+        self._add_deadline(float(now_s) + self._hold_of(record), record.entry_id, ticket.ticket_id)
         if record.readers_left == 0:
             self._unlist(record, EntryState.DRAINED)
         return ticket
@@ -294,8 +351,9 @@ class LeaseTable:
         elif readable and record.state == EntryState.DRAINED and record.key not in self._by_key:
             record.readers_left += 1
             record.state = EntryState.PUBLISHED
-            self._by_key[record.key] = record
+            self._index(record)
             self._gone.pop(record.key, None)
+            self._add_deadline(record.created_s + record.lease_s, record.entry_id)
         if self._free_if_done(record):
             return record.snapshot()
         return None
@@ -317,7 +375,7 @@ class LeaseTable:
                 asked[key] = bool(holder_alive(holder))  # type: ignore[misc]
             return asked[key]
 
-        for record in list(self._held.values()):
+        for record in self._due(now_s):
             kind = ""
             if record.state == EntryState.PUBLISHED and now_s >= record.created_s + record.lease_s:
                 self._unlist(record, EntryState.EXPIRED)
@@ -345,11 +403,16 @@ class LeaseTable:
                 out.append(Expiry(record.snapshot(), kind, freed, gone))
             if overdue:
                 out.append(Expiry(record.snapshot(), ExpiryKind.OVERDUE, False, tuple(overdue)))
+            if record.state != EntryState.FREED and any(h.overdue for h in record.tickets.values()):
+                self._overdue[record.entry_id] = None
+            else:
+                self._overdue.pop(record.entry_id, None)
         return tuple(out)
 
     def overdue_count(self) -> int:
         """Tickets kept past ``hold_s`` because their holder lives (reported ``overdue``)."""
-        return sum(h.overdue for r in self._held.values() for h in r.tickets.values())
+        held = (self._held.get(i) for i in self._overdue)
+        return sum(h.overdue for r in held if r is not None for h in r.tickets.values())
 
     def _drop(self, records: Iterable[_Record]) -> tuple[LeaseEntry, ...]:
         freed = []
@@ -368,7 +431,7 @@ class LeaseTable:
 
     def drop_request(self, request_id: str) -> tuple[LeaseEntry, ...]:
         """Make every readable key of ``request_id`` unreadable; returns entries freed now."""
-        return self._drop([r for r in self._by_key.values() if r.request_id == request_id])
+        return self._drop([self._by_key[k] for k in self._by_request.get(request_id, ())])
 
     def fail(self, key: str, failure: Any) -> bool:
         """Record that ``key`` will never be published (``failure``: the sender's record, a
@@ -412,10 +475,7 @@ class LeaseTable:
 
         Tickets already reported ``overdue`` add no deadline: whoever holds them is asked
         about again at every :meth:`expire`, on the caller's own schedule."""
-        times = []
-        for record in self._held.values():
-            if record.state == EntryState.PUBLISHED:
-                times.append(record.created_s + record.lease_s)
-            hold = self._hold_of(record)
-            times.extend(h.taken_s + hold for h in record.tickets.values() if not h.overdue)
-        return min(times, default=None)
+        heap = self._deadlines
+        while heap and not self._deadline_live(heap[0]):
+            heapq.heappop(heap)
+        return heap[0][0] if heap else None

@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
+import attrs
 import pytest
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from kvferry.core.errors import ConfigError
@@ -484,3 +485,138 @@ def test_failed_reads_never_cost_a_reader_its_turn(readers: int, failures: int) 
     for ticket in good:
         ledger.release(ticket.ticket_id)
     assert ledger.allocator.used_bytes == 0 and len(ledger.leases) == 0
+
+
+# ------------------------------------------------------------- expiry visits only what is due
+class ScanEveryEntry(LeaseTable):
+    """The oracle: expiry looks at every held entry, the next deadline is the least over all of
+    them, a request's keys are found by looking at every key (what the table did before it kept
+    a heap of deadlines and an index by request)."""
+
+    def drop_request(self, request_id: str) -> tuple:
+        return self._drop([r for r in self._by_key.values() if r.request_id == request_id])
+
+    def _due(self, now_s: float) -> list:
+        return list(self._held.values())
+
+    def next_deadline(self) -> float | None:
+        times = []
+        for record in self._held.values():
+            if record.state == EntryState.PUBLISHED:
+                times.append(record.created_s + record.lease_s)
+            times.extend(h.taken_s + self._hold_of(record) for h in record.tickets.values() if not h.overdue)
+        return min(times, default=None)
+
+
+expiry_ops = st.lists(
+    st.one_of(
+        st.tuples(st.just("put"), st.integers(0, 5), st.integers(1, 3), st.sampled_from([0.5, 2.0, 5.0])),
+        st.tuples(st.just("put_rank"), st.integers(0, 5), st.integers(0, 2)),
+        st.tuples(st.just("take"), st.integers(0, 5), st.sampled_from([None, "p1", "p2"])),
+        st.tuples(st.just("release"), st.integers(0, 60)),
+        st.tuples(st.just("give_back"), st.integers(0, 60)),
+        st.tuples(st.just("drop"), st.integers(0, 5)),
+        st.tuples(st.just("tick"), st.sampled_from([0.0, 0.25, 0.5, 1.0, 2.0, 3.5]), st.booleans()),
+        st.tuples(st.just("kill"), st.sampled_from(["p1", "p2"])),
+    ),
+    max_size=120,
+)
+
+
+@given(ops=expiry_ops, hold_s=st.sampled_from([None, 0.5, 1.0, 3.0]))
+@example(  # a read fails after the drained entry's lease deadline was dropped as stale
+    ops=[("put", 0, 1, 2.0), ("take", 0, None), ("give_back", 0), ("tick", 2.0, False)], hold_s=3.0
+)
+@example(  # a live holder's ticket goes overdue, then its holder dies
+    ops=[("put", 0, 1, 5.0), ("take", 0, "p1"), ("tick", 1.0, True), ("kill", "p1"), ("tick", 0.25, True)],
+    hold_s=0.5,
+)
+@settings(max_examples=200, deadline=None)
+def test_expiry_reports_what_a_scan_of_every_entry_reports(ops, hold_s) -> None:
+    """Same operations, same clock: the table that visits only due entries reports exactly
+    what a scan of every entry reports (kinds, freed, holders, order), and gives the same next
+    deadline, after every operation. Deadlines fall on the same instants on purpose (ties)."""
+    fast, full = LeaseTable(hold_s=hold_s), ScanEveryEntry(hold_s=hold_s)
+    alive = {"p1", "p2"}
+    now = 0.0
+    tickets: list[int] = []
+
+    def view(report) -> list:
+        return [(x.entry.entry_id, x.entry.state, x.kind, x.freed, x.holders) for x in report]
+
+    for op in ops:
+        if op[0] == "put":
+            key = f"r{op[1]}_0_0_0_0"
+            for table in (fast, full):
+                table.drop_key(key)
+                table.publish(key, key, 8, readers=op[2], now_s=now, lease_s=op[3])
+        elif op[0] == "put_rank":  # another key of the same request (another rank's payload)
+            key = f"r{op[1]}_0_0_{op[2]}_1"
+            for table in (fast, full):
+                table.drop_key(key)
+                table.publish(key, key, 8, now_s=now, lease_s=2.0)
+        elif op[0] == "take":
+            got = [t.take(f"r{op[1]}_0_0_0_0", now, holder=op[2]) for t in (fast, full)]
+            assert (got[0] is None) == (got[1] is None)
+            if got[0] is not None:
+                assert got[0].ticket_id == got[1].ticket_id
+                tickets.append(got[0].ticket_id)
+        elif op[0] in ("release", "give_back") and tickets:
+            ticket = tickets[op[1] % len(tickets)]
+            if op[0] == "release":
+                freed = [t.release(ticket) for t in (fast, full)]
+            else:
+                freed = [t.give_back(ticket, now) for t in (fast, full)]
+            assert freed[0] == freed[1]
+        elif op[0] == "drop":
+            assert fast.drop_request(f"r{op[1]}") == full.drop_request(f"r{op[1]}")
+        elif op[0] == "tick":
+            now += op[1]
+            liveness = alive.__contains__ if op[2] else None
+            assert view(fast.expire(now, liveness)) == view(full.expire(now, liveness))
+        elif op[0] == "kill":
+            alive.discard(op[1])
+        assert fast.next_deadline() == full.next_deadline()
+        assert fast.overdue_count() == full.overdue_count()
+        assert fast.entries() == full.entries()
+    alive.clear()
+    assert view(fast.expire(now + 100.0, alive.__contains__)) == view(full.expire(now + 100.0, alive.__contains__))
+    assert len(fast) == len(full) == 0 and fast.next_deadline() is None
+
+
+def test_expiry_with_many_waiting_payloads_visits_only_the_due_ones() -> None:
+    """10 000 payloads waiting for their readers: an expire that nothing is due for looks at no
+    entry (the scan oracle looks at all of them), one that a single lease ran out for looks at
+    that one, and the rest stay readable."""
+    table = LeaseTable(hold_s=5.0)
+    table.publish("early", "E", 8, now_s=0.0, lease_s=1.0)
+    for i in range(10_000):
+        table.publish(f"k{i}", i, 8, now_s=0.0, lease_s=30.0)
+    assert table._due(0.5) == [] and len(ScanEveryEntry()._due(0.5)) == 0
+    oracle = ScanEveryEntry()
+    oracle.publish("k", 0, 8, now_s=0.0, lease_s=30.0)
+    assert table._due(0.5) == [] and len(oracle._due(0.5)) == 1  # the scan looks at every entry
+    report = table.expire(1.0)
+    assert [(x.entry.key, x.kind) for x in report] == [("early", ExpiryKind.UNREAD)]
+    assert len(table.readable_keys()) == 10_000 and table.next_deadline() == 30.0
+
+
+def test_deadlines_of_payloads_read_and_released_do_not_pile_up() -> None:
+    """A busy sender: 5 000 payloads published, read and released long before their leases end.
+    The deadlines kept stay within a bound of what is held (stale ones are dropped), and a
+    payload left unread still expires on time."""
+    table = LeaseTable(hold_s=60.0)
+    table.publish("unread", "U", 8, now_s=0.0, lease_s=120.0)
+    for i in range(5_000):
+        table.publish(f"k{i}", i, 8, now_s=i * 0.001, lease_s=120.0)
+        table.release(table.take(f"k{i}", i * 0.001).ticket_id)
+        assert len(table._deadlines) <= 64 + 2 * (len(table) + 1) + 1
+    assert len(table) == 1 and table.next_deadline() == 120.0
+    assert [(x.entry.key, x.kind, x.freed) for x in table.expire(120.0)] == [("unread", ExpiryKind.UNREAD, True)]
+    assert table.next_deadline() is None
+
+
+def test_the_hold_cannot_change_under_tickets_already_taken() -> None:
+    table = LeaseTable(hold_s=1.0)
+    with pytest.raises(attrs.exceptions.FrozenAttributeError):
+        table.hold_s = 5.0
