@@ -336,6 +336,8 @@ class ShmConnector:
                 return
             if not client.send_release(grant["ticket"], grant["seg"], rpc):
                 self._count("release_unsent")
+                if client.closed:  # dropped after close (at exit): counted, not a line per buffer
+                    return
                 logger.warning(
                     "shm release of ticket %s could not be sent; the sender reclaims it once this process is gone",
                     ticket,

@@ -416,6 +416,10 @@ class ControlClient:
         with self._release_lock:
             self._release_socket()
 
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
     def send_release(self, ticket: int, segment: str, timeout_s: float) -> bool:
         """Send a release of ``ticket`` (granted in ``segment``) without waiting for the
         sender (fire-and-forget). zmq queues it, bounded by the socket's high-water mark: a

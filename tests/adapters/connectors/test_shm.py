@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import gc
 import itertools
+import logging
 import os
 import shutil
 import socket
@@ -459,6 +460,26 @@ def test_release_soon_and_dropped_buffers_reach_the_sender(space) -> None:
         assert wait_for_gc_releases(10.0) and receiver.flush_releases(5.0)
         assert sender.health()["used_bytes"] == 0
         assert sender.health()["releases"] == 2
+
+
+def test_buffers_dropped_after_the_receiver_closed_are_counted_not_logged_each(space, caplog) -> None:
+    """A receiver closed while it still holds buffers (a process exiting): each buffer dropped
+    afterwards cannot reach the sender. That is counted (``release_unsent``), with no warning
+    line per buffer; a buffer dropped while the receiver is open still reaches the sender."""
+    with make(space, "sender") as sender:
+        receiver = make(space, "receiver", sender_port=PORT)
+        for i in range(20):
+            assert sender.put("0", "1", f"k{i}", b"x" * 100)[0]
+        held = [receiver.get("0", "1", f"k{i}")[0] for i in range(20)]
+        held.pop().release_soon()  # the control: open, so it reaches the sender
+        assert receiver.flush_releases(5.0) and sender.health()["releases"] == 1
+        receiver.close()
+        with caplog.at_level(logging.WARNING, logger="kvferry"):
+            for buffer in held:
+                buffer.release_soon()
+        assert receiver.health()["release_unsent"] == 19
+        assert [r for r in caplog.records if "could not be sent" in r.getMessage()] == []
+        assert sender.health()["releases"] == 1
 
 
 def test_a_release_for_another_segment_is_ignored(space) -> None:
