@@ -132,7 +132,7 @@ class ReceiveKind(enum.Enum):
     DROPPED_BY_CONSENSUS = "dropped_by_consensus"  # received, but a TP peer did not: all drop
     ERROR = "error"  # an unexpected fault (detail has it)
     REFUSED = "refused"  # the sender could not send and said so (a refusal marker): ended at once
-    SENDER_GONE = "sender_gone"  # the sender's process died (the KV with it): ended at once
+    SENDER_GONE = "sender_gone"  # the sender died or its connection dropped (the KV with it): ended at once
 
 
 class SkipReason(enum.Enum):

@@ -143,7 +143,7 @@ class TwoHostStage:
         self,
         replies: list[dict[str, Any]],
         timeout_s: float,
-        kinds: tuple[str, ...] = ("timed_out", "dropped_by_consensus"),
+        kinds: tuple[str, ...] = ("timed_out", "dropped_by_consensus", "sender_gone"),
     ) -> None:
         """Every rank ended without KV (the group agreed), each in a typed outcome, by the
         deadline (plus slack)."""

@@ -12,7 +12,16 @@ otherwise it is kept in a bounded stash (``late_stash_bytes``, ``late_stash_s``)
 the next get of that key from that endpoint. It never answers any other key.
 
 DEALERs use ``IMMEDIATE``: a request is queued only to a live connection, so a request made
-while the sender is away is never delivered later to a restarted sender; it just times out.
+while the sender is away is never delivered later to a restarted sender.
+
+A lost connection ends the requests it would have answered at once, not at their deadlines. The
+I/O thread watches each DEALER's connection (a zmq socket monitor). When one that was up drops
+(the sender's process ended, its host went silent past the heartbeat timeout, the network
+broke), every request already sent on it gets ``Outcome("error", reason="disconnected")``:
+its reply can no longer come. A request for an endpoint that was up and is down gets the same
+once it has waited :data:`DOWN_GRACE_S` with the endpoint down (zmq reconnects on its own; a
+sender back within the grace is asked as usual). An endpoint never connected yet is waited
+for until the request's deadline, as a receiver started before its sender must.
 
 Every request accepts a streamed reply (:mod:`.stream`): the I/O thread receives each chunk
 into a region of the reused receive pool (:class:`.buffers.RecvPool`, ``recv_pool_bytes``)
@@ -33,6 +42,7 @@ from collections.abc import Callable
 
 import attrs
 import zmq
+from zmq.utils.monitor import recv_monitor_message
 
 from kvferry.adapters.connectors.wake import Waker
 from kvferry.adapters.connectors.zmq.buffers import RecvPool
@@ -45,6 +55,14 @@ __all__ = ["ZmqClient", "Outcome"]
 
 logger = logging.getLogger(__name__)
 _MAX_ENDPOINTS = 256
+#: Seconds a request waits to be sent to an endpoint that was connected and is not now, before
+#: it fails as ``disconnected`` (zmq retries the connection every 0.1-0.5 s meanwhile, so a
+#: sender back within the grace is reconnected and asked).
+DOWN_GRACE_S = 1.5
+_RECONNECT_IVL_MAX_MS = 500
+#: A link is up once its ZMTP handshake succeeded (a TCP connection the sender refuses, e.g. a
+#: CURVE key it does not know, never is: requests to it wait for their deadlines as before).
+_LINK_EVENTS = zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_DISCONNECTED
 COUNTERS = (
     "requests",
     "hits",
@@ -65,6 +83,9 @@ COUNTERS = (
     "loop_failures",
     "streams",
     "stream_aborts",
+    "disconnects",
+    "lost_in_flight",
+    "failed_sender_down",
 )
 
 
@@ -75,6 +96,7 @@ class _Slot:
     key: str
     event: threading.Event = attrs.Factory(threading.Event)
     outcome: Outcome | None = None
+    sent: bool = False  # handed to a live connection (set by the I/O thread)
 
 
 @attrs.define(eq=False)
@@ -82,6 +104,34 @@ class _Outgoing:
     endpoint: str
     body: bytes
     deadline: float
+    corr_id: int
+    queued_s: float  # clock s: when the caller asked
+
+
+@attrs.define(eq=False)
+class _Link:
+    """One sender endpoint's DEALER, the monitor of its connection, and that connection's
+    state: ``up`` None until a handshake first succeeds, then True / False; ``down_since``
+    (clock s) when it last dropped."""
+
+    sock: zmq.Socket
+    monitor: zmq.Socket
+    up: bool | None = None
+    down_since: float = 0.0
+
+    def close(self) -> None:
+        try:
+            self.sock.disable_monitor()
+        except zmq.ZMQError:
+            pass
+        self.monitor.close(linger=0)
+        self.sock.close(linger=0)
+
+
+def _gives_up_s(link: _Link, item: _Outgoing) -> float:
+    """When ``item``, waiting to be sent over ``link`` (down), fails: a full grace after the
+    later of its request and the drop."""
+    return max(link.down_since, item.queued_s) + DOWN_GRACE_S
 
 
 @attrs.define(eq=False)
@@ -132,7 +182,8 @@ class ZmqClient:
             self._next_id += 1
             slot = _Slot(corr_id, endpoint, key)
             self._pending[corr_id] = slot
-            self._submits.append(_Outgoing(endpoint, body, self.clock() + timeout_s))
+            now = self.clock()
+            self._submits.append(_Outgoing(endpoint, body, now + timeout_s, corr_id, now))
         waker.poke()
         slot.event.wait(max(0.0, timeout_s))
         with self._lock:
@@ -230,14 +281,14 @@ class ZmqClient:
 
     # ---------------------------------------------------------------- I/O thread
 
-    def _connect(self, endpoint: str) -> zmq.Socket | None:
+    def _connect(self, endpoint: str) -> _Link | None:
         cfg = self.config
         sock = self.context.socket(zmq.DEALER)
         sock.linger = 0
         sock.setsockopt(zmq.IMMEDIATE, 1)
         sock.setsockopt(zmq.RCVHWM, cfg.recv_hwm)
         sock.setsockopt(zmq.RECONNECT_IVL, 100)
-        sock.setsockopt(zmq.RECONNECT_IVL_MAX, 1000)
+        sock.setsockopt(zmq.RECONNECT_IVL_MAX, _RECONNECT_IVL_MAX_MS)
         sock.setsockopt(zmq.HEARTBEAT_IVL, 1000)
         sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, 5000)
         if cfg.max_frame_bytes > 0:
@@ -250,28 +301,71 @@ class ZmqClient:
         if endpoint.startswith("tcp://["):
             sock.ipv6 = True
         try:
+            monitor = sock.get_monitor_socket(_LINK_EVENTS)
+        except zmq.ZMQError as exc:
+            logger.warning("zmq receiver cannot watch its connection to %s: %s", endpoint, exc)
+            sock.close(linger=0)
+            return None
+        link = _Link(sock, monitor)
+        try:
             sock.connect(endpoint)
         except zmq.ZMQError as exc:
             logger.warning("zmq receiver cannot connect to %s: %s", endpoint, exc)
-            sock.close(linger=0)
+            link.close()
             return None
-        return sock
+        return link
+
+    def _watch(self, endpoint: str, link: _Link) -> None:
+        """Read ``link``'s connection events; a connection that drops ends the requests sent
+        on it (their replies cannot come) and any stream in progress from it."""
+        while True:
+            try:
+                event = recv_monitor_message(link.monitor, zmq.NOBLOCK)["event"]
+            except zmq.Again:
+                return
+            if event == zmq.EVENT_HANDSHAKE_SUCCEEDED:
+                link.up = True
+            elif event == zmq.EVENT_DISCONNECTED and link.up:
+                link.up, link.down_since = False, self.clock()
+                self._reader.abandon(endpoint)
+                with self._lock:
+                    self._counters["disconnects"] += 1
+                    lost = [
+                        s for s in self._pending.values() if s.endpoint == endpoint and s.sent and s.outcome is None
+                    ]
+                    self._fail_locked(lost, "lost_in_flight")
+                logger.warning(
+                    "zmq receiver lost its connection to %s; %d request(s) in flight on it failed at once "
+                    "(the sender ended or the network broke)",
+                    endpoint,
+                    len(lost),
+                )
+
+    def _fail_locked(self, slots: list[_Slot], counter: str) -> None:
+        """End ``slots`` still waiting as ``disconnected``, counting them under ``counter``."""
+        for slot in slots:
+            if slot.outcome is None:
+                slot.outcome = Outcome("error", reason="disconnected")
+                slot.event.set()
+                self._counters[counter] += 1
 
     def _run(self, waker: Waker) -> None:
-        sockets: collections.OrderedDict[str, zmq.Socket] = collections.OrderedDict()
+        sockets: collections.OrderedDict[str, _Link] = collections.OrderedDict()
         outbox: dict[str, collections.deque] = {}
         poller = zmq.Poller()
         poller.register(waker.fileno, zmq.POLLIN)
         try:
             while not self._closed:
-                events = dict(poller.poll(self._timeout_ms(outbox)))
+                events = dict(poller.poll(self._timeout_ms(sockets, outbox)))
                 waker.drain()
                 if self._closed:
                     break
                 self._route_submits(sockets, outbox, poller)
-                for endpoint, sock in list(sockets.items()):
-                    if events.get(sock, 0) & zmq.POLLIN:
-                        self._reader.read(endpoint, sock)
+                for endpoint, link in list(sockets.items()):
+                    if events.get(link.sock, 0) & zmq.POLLIN:  # replies first: they came before a drop
+                        self._reader.read(endpoint, link.sock)
+                    if events.get(link.monitor, 0) & zmq.POLLIN:
+                        self._watch(endpoint, link)
                 self._reader.expire()
                 self._flush(sockets, outbox, poller)
         except Exception:  # a bug or a zmq fault: fail the waiting callers, not silently
@@ -279,8 +373,8 @@ class ZmqClient:
             with self._lock:
                 self._counters["loop_failures"] += 1
         finally:
-            for sock in sockets.values():
-                sock.close(linger=0)
+            for link in sockets.values():
+                link.close()
             self._reader.close()
             with self._lock:
                 self._endpoints = 0
@@ -292,9 +386,12 @@ class ZmqClient:
                     self._submits.clear()
                     self._thread = None
 
-    def _timeout_ms(self, outbox: dict[str, collections.deque]) -> int | None:
+    def _timeout_ms(self, sockets: dict[str, _Link], outbox: dict[str, collections.deque]) -> int | None:
         deadlines = [q[0].deadline for q in outbox.values() if q]
         deadlines += self._reader.deadlines()
+        deadlines += [
+            _gives_up_s(link, outbox[e][0]) for e, link in sockets.items() if link.up is False and outbox.get(e)
+        ]
         if not deadlines:
             return None
         return max(0, int((min(deadlines) - self.clock()) * 1000) + 1)
@@ -307,17 +404,19 @@ class ZmqClient:
             if item.endpoint not in sockets:
                 while len(sockets) >= _MAX_ENDPOINTS:
                     old_endpoint, old = sockets.popitem(last=False)
-                    poller.unregister(old)
-                    old.close(linger=0)
+                    poller.unregister(old.sock)
+                    poller.unregister(old.monitor)
+                    old.close()
                     outbox.pop(old_endpoint, None)
                     self._reader.drop(old_endpoint, "connection closed (too many senders)")
-                sock = self._connect(item.endpoint)
-                if sock is None:
+                link = self._connect(item.endpoint)
+                if link is None:
                     with self._lock:
                         self._counters["connect_failures"] += 1
                     continue  # its caller times out; the endpoint text was unusable
-                sockets[item.endpoint] = sock
-                poller.register(sock, zmq.POLLIN)
+                sockets[item.endpoint] = link
+                poller.register(link.sock, zmq.POLLIN)
+                poller.register(link.monitor, zmq.POLLIN)
                 with self._lock:
                     self._endpoints = len(sockets)
             sockets.move_to_end(item.endpoint)
@@ -326,16 +425,27 @@ class ZmqClient:
     def _flush(self, sockets, outbox, poller) -> None:
         now = self.clock()
         for endpoint, queue in outbox.items():
-            sock = sockets.get(endpoint)
-            while queue and sock is not None:
+            link = sockets.get(endpoint)
+            given_up = []  # waited the grace for an endpoint that was up and is down
+            while link is not None and link.up is False and queue and now >= _gives_up_s(link, queue[0]):
+                given_up.append(queue.popleft())
+            if given_up:
+                with self._lock:
+                    slots = [s for i in given_up if (s := self._pending.get(i.corr_id)) is not None]
+                    self._fail_locked(slots, "failed_sender_down")
+            while queue and link is not None:
                 item = queue[0]
                 if item.deadline <= now:
                     queue.popleft()  # its caller has given up; never deliver it later
                     continue
                 try:
-                    sock.send(item.body, flags=zmq.NOBLOCK)
+                    link.sock.send(item.body, flags=zmq.NOBLOCK)
                 except zmq.Again:
                     break  # no live connection yet: wait for POLLOUT (or the deadline)
                 queue.popleft()
-            if sock is not None:
-                poller.modify(sock, zmq.POLLIN | (zmq.POLLOUT if queue else 0))
+                with self._lock:
+                    slot = self._pending.get(item.corr_id)
+                    if slot is not None:
+                        slot.sent = True
+            if link is not None:
+                poller.modify(link.sock, zmq.POLLIN | (zmq.POLLOUT if queue else 0))

@@ -41,7 +41,7 @@ from kvferry.adapters.connectors.zmq.config import ZmqConfig
 from kvferry.adapters.connectors.zmq.protocol import resolve_endpoint
 from kvferry.adapters.connectors.zmq.server import ZmqServer
 from kvferry.adapters.connectors.zmq.store import PublishFailure, ZmqReservation
-from kvferry.core.errors import ConfigError, LeaseExpired, PoolFullError, TransferError
+from kvferry.core.errors import ConfigError, LeaseExpired, PoolFullError, SenderUnavailable, TransferError
 from kvferry.core.tombstones import failed_error
 from kvferry.core.validate import check_int, check_seconds
 
@@ -294,8 +294,10 @@ class ZmqConnector:
         timeout_s: float,
     ) -> tuple[Any, int] | None:
         """Wait up to ``timeout_s`` seconds for ``get_key``; the sender answers on arrival.
-        Raises LeaseExpired at once when the sender says the key expired unread, and
-        FailedAtSender at once when it recorded a failure for the key (also while waiting)."""
+        Raises LeaseExpired at once when the sender says the key expired unread,
+        FailedAtSender at once when it recorded a failure for the key (also while waiting), and
+        SenderUnavailable at once when the connection to the sender drops while the get waits
+        (or stays down :data:`~.client.DOWN_GRACE_S` after it was up)."""
         if isinstance(timeout_s, bool) or not isinstance(timeout_s, (int, float)) or timeout_s < 0:
             raise ConfigError(f"timeout_s must be a number of seconds >= 0, got {timeout_s!r}")
         if timeout_s == 0:
@@ -320,6 +322,11 @@ class ZmqConnector:
             raise LeaseExpired(f"the sender at {endpoint} dropped {key!r} unread when its lease passed")
         if outcome.kind == "miss" and outcome.failure is not None and mode == "wait":
             raise failed_error(key, outcome.failure, endpoint)
+        if outcome.kind == "error" and outcome.reason == "disconnected" and mode == "wait":
+            raise SenderUnavailable(
+                f"the connection to the sender at {endpoint} dropped while {key!r} was asked for "
+                "(the sender ended, or the network broke)"
+            )
         if outcome.kind != "data":
             return None
         return outcome.frames, outcome.size

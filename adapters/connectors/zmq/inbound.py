@@ -108,6 +108,14 @@ class ReplyReader:
         self.count("stream_aborts")
         self._bad(endpoint, stream.reply.corr_id, f"incomplete stream dropped: {why}")
 
+    def abandon(self, endpoint: str) -> None:
+        """Forget ``endpoint``'s stream in progress, if any, without answering its request
+        (the connection it came on is gone; the caller answers every request sent on it)."""
+        stream = self._streams.pop(endpoint, None)
+        if stream is not None:
+            stream.abort()
+            self.count("stream_aborts")
+
     def close(self) -> None:
         for stream in self._streams.values():
             stream.abort()

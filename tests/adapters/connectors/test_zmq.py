@@ -52,6 +52,7 @@ from kvferry.core.ports import BlockingGet, Connector, SenderAware
 
 PROPS = settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 WAIT = 10.0  # generous deadline for things that should happen at once
+DOWN_GRACE_PLUS = 2.0  # past the client's DOWN_GRACE_S (1.5 s)
 
 
 def eventually(predicate) -> None:
@@ -739,6 +740,79 @@ def test_a_late_reply_goes_to_a_newer_get_of_the_same_key_still_waiting(fake_sen
         assert receiver.get("0", "1", "a", meta) is None  # nothing kept: the payload went to one get
         identity, body = sock.recv_multipart()
         assert decode_request(body).key == "a"
+
+
+def test_a_dropped_connection_ends_its_gets_at_once_and_a_sender_back_is_asked_again():
+    """A get whose request reached the sender ends the moment the connection drops (its reply
+    can no longer come): SenderUnavailable, not None at its deadline. The control: the same
+    sender open but silent answers nothing and the get returns None at its deadline. A get for
+    the endpoint while it stays down fails after DOWN_GRACE_S; once a sender listens there
+    again, gets are answered as before."""
+    from kvferry.adapters.connectors.zmq.client import DOWN_GRACE_S
+    from kvferry.core.errors import SenderUnavailable
+
+    ctx = zmq.Context()
+    router = ctx.socket(zmq.ROUTER)
+    router.linger = 0
+    router.rcvtimeo = int(WAIT * 1000)
+    port = router.bind_to_random_port("tcp://127.0.0.1")
+    meta = {"source_host": "127.0.0.1", "source_port": port}
+    try:
+        with ZmqConnector({"role": "receiver"}) as receiver:
+            started = time.monotonic()  # the control: connected, asked, never answered
+            assert receiver.get_blocking("0", "1", "silent", meta, timeout_s=0.5) is None
+            assert 0.4 <= time.monotonic() - started < 3.0
+            assert decode_request(router.recv_multipart()[1]).key == "silent"
+            box: dict[str, Any] = {}
+
+            def wait_for(key: str) -> None:
+                begun = time.monotonic()
+                try:
+                    box["got"] = receiver.get_blocking("0", "1", key, meta, timeout_s=60.0)
+                except SenderUnavailable as exc:
+                    box["gone"] = exc
+                box["s"] = time.monotonic() - begun
+
+            waiter = threading.Thread(target=wait_for, args=("parked",), daemon=True)
+            waiter.start()
+            assert decode_request(router.recv_multipart()[1]).key == "parked"  # in flight
+            router.close(linger=0)  # the sender's process ends: its socket closes
+            waiter.join(WAIT)
+            assert not waiter.is_alive() and "got" not in box, box
+            assert "dropped" in str(box["gone"]) and box["s"] < WAIT / 2, box
+            health = receiver.health()["receiver"]
+            assert health["disconnects"] == 1 and health["lost_in_flight"] == 1, health
+            box.clear()
+            wait_for("while-down")  # the endpoint was up and stays down
+            assert "gone" in box and DOWN_GRACE_S * 0.9 <= box["s"] < DOWN_GRACE_S + 3.0, box
+            assert receiver.health()["receiver"]["failed_sender_down"] == 1
+            with ZmqConnector({"role": "sender", "port": port}) as back:
+                back.put("0", "1", "again", b"2")
+                assert joined(receiver.get_blocking("0", "1", "again", meta, timeout_s=WAIT)[0]) == b"2"
+                assert back.health()["sender"]["requests"] == 1  # nothing stale reached it
+            assert receiver.health()["receiver"]["timeouts"] == 1  # the control's, only
+    finally:
+        ctx.destroy(linger=0)
+
+
+def test_a_get_waits_for_a_sender_that_never_connected_yet(make):
+    """Before an endpoint was ever connected, a get waits (a receiver may start before its
+    sender): a sender that binds during the wait answers it."""
+    port = free_port()
+    meta = {"source_host": "127.0.0.1", "source_port": port}
+    receiver = make("receiver")
+    box: dict[str, Any] = {}
+    waiter = threading.Thread(
+        target=lambda: box.update(got=receiver.get_blocking("0", "1", "k", meta, timeout_s=60.0)), daemon=True
+    )
+    waiter.start()
+    eventually(lambda: receiver.health()["receiver"]["in_flight"] == 1)
+    waiter.join(DOWN_GRACE_PLUS)
+    assert waiter.is_alive()  # still waiting past the grace: this endpoint was never up
+    sender = make("sender", port=port)
+    sender.put("0", "1", "k", b"late start")
+    waiter.join(WAIT)
+    assert not waiter.is_alive() and joined(box["got"][0]) == b"late start"
 
 
 def test_sender_gone_then_back():
