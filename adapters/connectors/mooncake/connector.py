@@ -162,6 +162,7 @@ class MooncakeConnector:
             self.config.control_timeout_s,
             self.clock,
             MooncakePoolBuffer,
+            self.config.WHAT,
         )
 
     @classmethod
@@ -348,7 +349,7 @@ class MooncakeConnector:
 
     def _put_failed(self, reason: str, detail: str) -> tuple[bool, int, Any]:
         self._count("put_failed")
-        logger.warning("mooncake put failed (%s): %s", reason, detail)
+        logger.warning("%s put failed (%s): %s", self.config.WHAT, reason, detail)
         return False, 0, {"reason": reason, "detail": detail}
 
     # -- receiver ---------------------------------------------------------------------------

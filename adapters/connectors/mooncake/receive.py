@@ -115,6 +115,8 @@ class ReceiveSide:
     control_timeout_s: float
     clock: Callable[[], float]
     make_buffer: Callable[[Any, Callable[[], None]], Any]
+    #: the connector's name in log lines ("mooncake", "nixl": both receive through this class)
+    name: str = "mooncake"
     _idle: dict[tuple[str, int], list[PeerChannel]] = attrs.field(init=False, factory=dict)
     _busy: set[PeerChannel] = attrs.field(init=False, factory=set)
     _lock: threading.Lock = attrs.field(init=False, factory=threading.Lock)
@@ -149,7 +151,7 @@ class ReceiveSide:
         ack = peer.done(key, claim, ok, self.control_timeout_s)
         if isinstance(ack, Failure):
             logger.warning(
-                "mooncake get %r: sender did not confirm the claim end: %s (%s)", key, ack.reason, ack.detail
+                "%s get %r: sender did not confirm the claim end: %s (%s)", self.name, key, ack.reason, ack.detail
             )
             self._drop_peer(peer)
 
@@ -170,7 +172,7 @@ class ReceiveSide:
         reply = peer.lookup(key, self.space.room(), wait_s, self.control_timeout_s)
         if isinstance(reply, Failure):
             logger.warning(
-                "mooncake get %r from %s:%d: %s (%s)", key, where.host, where.port, reply.reason, reply.detail
+                "%s get %r from %s:%d: %s (%s)", self.name, key, where.host, where.port, reply.reason, reply.detail
             )
             self._drop_peer(peer)
             return reply.reason
@@ -179,7 +181,7 @@ class ReceiveSide:
         got_at = self.clock()
         size = reply.size
         if where.size is not None and where.size != size:
-            logger.warning("mooncake get %r: sender announces %d bytes, put said %d", key, size, where.size)
+            logger.warning("%s get %r: sender announces %d bytes, put said %d", self.name, key, size, where.size)
             self._finish(peer, key, reply.claim, False)
             return "size_mismatch"
         region = self.space.take(size)
@@ -194,7 +196,7 @@ class ReceiveSide:
         self._finish(peer, key, reply.claim, not failure)
         if failure:
             self.space.give(region)
-            logger.warning("mooncake get %r of %d bytes from %s: %s", key, size, where.host, failure)
+            logger.warning("%s get %r of %d bytes from %s: %s", self.name, key, size, where.host, failure)
             return failure
         view = self.pool.tensor[region.offset : region.offset + size]
         return self.make_buffer(view, lambda: self.space.give(region)), size
@@ -238,7 +240,7 @@ class ReceiveSide:
                 continue
             claimed.append((i, reply, region))
         if broken:
-            logger.warning("mooncake get_many from %s:%d: %s", where.host, where.port, next(iter(set(out))))
+            logger.warning("%s get_many from %s:%d: %s", self.name, where.host, where.port, next(iter(set(out))))
         ok = True
         if claimed:
             by_peer: dict[str, list[tuple[int, int, int]]] = {}
@@ -255,7 +257,8 @@ class ReceiveSide:
             lost = [a for a in acks if isinstance(a, Failure)]
             if lost:
                 logger.warning(
-                    "mooncake get_many from %s:%d: sender did not confirm %d claim ends: %s (%s)",
+                    "%s get_many from %s:%d: sender did not confirm %d claim ends: %s (%s)",
+                    self.name,
                     where.host,
                     where.port,
                     len(lost),
@@ -273,7 +276,7 @@ class ReceiveSide:
             view = self.pool.tensor[region.offset : region.offset + reply.size]
             out[i] = (self.make_buffer(view, functools.partial(self.space.give, region)), reply.size)
         if failure:
-            logger.warning("mooncake get_many of %d payloads from %s: %s", len(claimed), where.host, failure)
+            logger.warning("%s get_many of %d payloads from %s: %s", self.name, len(claimed), where.host, failure)
         return out
 
     def close(self) -> None:

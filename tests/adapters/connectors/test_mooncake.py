@@ -5,6 +5,7 @@ The connector contract itself is run by tests/contract (factory ``mooncake``).""
 
 from __future__ import annotations
 
+import logging
 import socket
 import sys
 import threading
@@ -488,13 +489,17 @@ def test_a_payload_larger_than_the_receivers_room_is_not_consumed(make) -> None:
     got[0].release()
 
 
-def test_announced_size_must_match_the_senders(make) -> None:
+def test_announced_size_must_match_the_senders(make, caplog) -> None:
     sender = make(role="sender")
     receiver = make(role="receiver")
     ok, _, meta = sender.put("0", "1", "sized", b"1234")
     assert ok
-    assert receiver.get("0", "1", "sized", {**meta, "size": 5}) is None
+    with caplog.at_level(logging.WARNING, logger="kvferry"):
+        assert receiver.get("0", "1", "sized", {**meta, "size": 5}) is None
     assert receiver.last_failure("sized") == "size_mismatch"
+    assert [r.getMessage() for r in caplog.records if "announces" in r.getMessage()] == [
+        "mooncake get 'sized': sender announces 4 bytes, put said 5"
+    ]
     assert receiver.health()["room"] == 1 << 20  # nothing kept for the refused payload
     # the refused claim gave its reader slot back: a get that names the right size still reads it
     got = receiver.get("0", "1", "sized", meta)

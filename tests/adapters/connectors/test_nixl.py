@@ -3,6 +3,8 @@ the UCX environment rule and the agent exchange's codec (decoding never raises).
 
 from __future__ import annotations
 
+import logging
+
 import msgpack
 import pytest
 from hypothesis import given
@@ -138,6 +140,32 @@ def test_get_many_reads_every_claimed_payload_in_one_nixl_read() -> None:
             assert one is not None and bytes(one[0].tensor.numpy()) == blobs[key], key
             one[0].release()
         assert sender.health()["delivered"] == len(blobs) and sender.health()["used_bytes"] == 0
+    finally:
+        receiver.close()
+        sender.close()
+
+
+def test_its_receive_logs_name_nixl(caplog: pytest.LogCaptureFixture) -> None:
+    """The nixl connector receives through the code it shares with mooncake; its log lines name
+    nixl, so an operator reading a nixl receiver's log is not sent to mooncake."""
+    from nixl_support import NIXL_TEST_CONFIG, nixl_missing
+
+    missing = nixl_missing()
+    if missing:
+        pytest.skip(missing)
+    from kvferry.adapters.connectors.nixl.connector import NixlConnector
+
+    cfg = {"pool_bytes": 1 << 20, **NIXL_TEST_CONFIG}
+    sender = NixlConnector.from_config({"role": "sender", "port": 0, **cfg})
+    receiver = NixlConnector.from_config({"role": "receiver", **cfg})
+    try:
+        ok, _, meta = sender.put("0", "1", "sized", b"1234")
+        assert ok
+        with caplog.at_level(logging.WARNING, logger="kvferry"):
+            assert receiver.get("0", "1", "sized", {**meta, "size": 5}) is None
+        assert receiver.last_failure("sized") == "size_mismatch"
+        lines = [r.getMessage() for r in caplog.records if "announces" in r.getMessage()]
+        assert lines == ["nixl get 'sized': sender announces 4 bytes, put said 5"], lines
     finally:
         receiver.close()
         sender.close()
