@@ -13,6 +13,7 @@ import pytest
 from harness import (
     NIXL_LOOPBACK,
     Instance,
+    assert_loaded_without_failures,
     failures,
     free_base_port,
     huge_page_mb,
@@ -113,3 +114,35 @@ def test_each_instance_holds_its_kv_cache_on_huge_pages(pair: Any) -> None:
     for instance, name in ((d, "decode"), (p, "prefill")):
         mb = huge_page_mb(instance.proc.pid)
         assert mb >= 512, f"{name}: {mb:.0f} MB on huge pages (its KV cache: 1 GiB)"
+
+
+def test_a_prefill_killed_after_loads_from_it_fails_the_next_loads_at_once(pair: Any) -> None:
+    """zmq: the decode has loaded from this prefill before (its connection to it is up). The
+    prefill is SIGKILLed with two requests' KV published: the decode's loads of them fail as
+    ``unavailable`` within seconds (the connection dropped; what waits for that sender ends
+    after the client's 1.5 s grace), not at ``load_timeout_s`` (20 s), and both requests
+    recompute to the single instance's tokens. Last in the module: the prefill is gone after."""
+    d, p, timings, kind = pair
+    if kind != "zmq":
+        pytest.skip("the dropped-connection rule is the zmq connector's (docs/zmq.md)")
+    ps = prompts(LENGTHS, seed=13)
+    reference = [r["tokens"] for r in d.generate(ps, max_tokens=TOKENS)]
+    params = [r["kv_transfer_params"] for r in p.generate(ps, [{"do_remote_decode": True} for _ in ps], max_tokens=1)]
+    before = d.metrics()  # one load from this prefill first: the decode's connection to it is up
+    assert d.generate(ps[:1], params[:1], max_tokens=TOKENS)[0]["tokens"] == reference[0]
+    assert_loaded_without_failures(d, before, 1)
+    ps, params, reference = ps[1:], params[1:], reference[1:]
+    p.kill()
+    before = d.metrics()
+    t = time.monotonic()
+    out = d.generate(ps, params, max_tokens=TOKENS)
+    seconds = time.monotonic() - t
+    timings["killed_prefill_loads_s"] = round(seconds, 1)
+    assert [r["tokens"] for r in out] == reference
+    after = d.metrics()
+    failed = {
+        k: after.get(f"vllm:kvferry_failures{{{k}}}", 0) - before.get(f"vllm:kvferry_failures{{{k}}}", 0)
+        for k in ("unavailable", "timeout")
+    }
+    assert failed == {"unavailable": 2, "timeout": 0}, (failed, d.kv_log())
+    assert seconds < 20, seconds  # the loads did not wait out load_timeout_s
