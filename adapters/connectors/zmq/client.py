@@ -60,6 +60,9 @@ _MAX_ENDPOINTS = 256
 #: sender back within the grace is reconnected and asked).
 DOWN_GRACE_S = 1.5
 _RECONNECT_IVL_MAX_MS = 500
+#: A connection that carries nothing, not even heartbeats (sent every second), this long is
+#: dropped: a sender whose host went silent (a cut wire, a frozen machine) ends its requests then.
+HEARTBEAT_TIMEOUT_S = 5.0
 #: A link is up once its ZMTP handshake succeeded (a TCP connection the sender refuses, e.g. a
 #: CURVE key it does not know, never is: requests to it wait for their deadlines as before).
 _LINK_EVENTS = zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_DISCONNECTED
@@ -290,7 +293,7 @@ class ZmqClient:
         sock.setsockopt(zmq.RECONNECT_IVL, 100)
         sock.setsockopt(zmq.RECONNECT_IVL_MAX, _RECONNECT_IVL_MAX_MS)
         sock.setsockopt(zmq.HEARTBEAT_IVL, 1000)
-        sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, 5000)
+        sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, int(HEARTBEAT_TIMEOUT_S * 1000))
         if cfg.max_frame_bytes > 0:
             sock.setsockopt(zmq.MAXMSGSIZE, cfg.max_frame_bytes)
         if cfg.curve is not None:

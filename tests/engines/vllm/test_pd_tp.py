@@ -58,10 +58,11 @@ def test_each_decode_rank_gets_the_prefill_pages_of_its_heads(pair: Any) -> None
     for prompt, res in zip(ps, out_p):
         params = res["kv_transfer_params"]
         assert params["decode_tp_size"] == 2 and params["remote_tp_size"] == 1
-        before = d.metrics().get("vllm:kvferry_requests_loaded", 0)
+        before = d.settled_metrics().get("vllm:kvferry_requests_loaded", 0)
         d.generate([prompt], [params], max_tokens=1)
-        # both ranks loaded (the engine counts the request once per rank)
-        assert d.metrics()["vllm:kvferry_requests_loaded"] - before == 2
+        # both ranks loaded (the engine counts the request once per rank; a rank's stats can
+        # reach the metrics a step later, so read them after one more step)
+        assert d.settled_metrics()["vllm:kvferry_requests_loaded"] - before == 2
         full = (len(prompt) - 1) // 32
         d.send({"op": "pages", "blocks": full})
         ranks = d.reply(120)["ranks"]
