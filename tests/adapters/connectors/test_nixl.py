@@ -4,6 +4,7 @@ the UCX environment rule and the agent exchange's codec (decoding never raises).
 from __future__ import annotations
 
 import logging
+from typing import Any
 
 import msgpack
 import pytest
@@ -111,64 +112,62 @@ def test_decoding_random_bytes_never_raises(raw: bytes) -> None:
     assert isinstance(decode_reply(raw), (AgentReply, Rejection))
 
 
-def test_get_many_reads_every_claimed_payload_in_one_nixl_read() -> None:
+@pytest.fixture
+def nixl_pair() -> Any:
+    """``make(pool_bytes)``: a nixl sender and receiver on loopback, closed after the test; the
+    test skips naming what is missing when nixl is not installed here."""
+    from nixl_support import NIXL_TEST_CONFIG, nixl_missing
+
+    missing = nixl_missing()
+    if missing:
+        pytest.skip(missing)
+    from kvferry.adapters.connectors.nixl.connector import NixlConnector
+
+    made: list[Any] = []
+
+    def make(pool_bytes: int) -> tuple[Any, Any]:
+        cfg = {"pool_bytes": pool_bytes, **NIXL_TEST_CONFIG}
+        made.append(NixlConnector.from_config({"role": "sender", "port": 0, **cfg}))
+        made.append(NixlConnector.from_config({"role": "receiver", **cfg}))
+        return made[-2], made[-1]
+
+    yield make
+    for connector in reversed(made):
+        connector.close()
+
+
+def test_get_many_reads_every_claimed_payload_in_one_nixl_read(nixl_pair: Any) -> None:
     """The nixl connector's get_many (shared with mooncake): the lookups together, ONE NIXL READ
     request for every claimed payload (the agent's ``reads`` counter), the claims ended together;
     each payload bit-exact, a missing key None, and a get of one key is one READ of its own."""
-    from nixl_support import NIXL_TEST_CONFIG, nixl_missing
-
-    missing = nixl_missing()
-    if missing:
-        pytest.skip(missing)
-    from kvferry.adapters.connectors.nixl.connector import NixlConnector
-
-    cfg = {"pool_bytes": 4 << 20, **NIXL_TEST_CONFIG}
-    sender = NixlConnector.from_config({"role": "sender", "port": 0, **cfg})
-    receiver = NixlConnector.from_config({"role": "receiver", **cfg})
-    try:
-        blobs = {f"layer_{i}": bytes([7 * i + 1]) * (4096 + 512 * i) for i in range(8)}
-        metas = [sender.put("0", "1", key, blob)[2] for key, blob in blobs.items()]
-        warm = receiver.get("0", "1", "layer_0", metas[0])  # the agents meet on the first read
-        assert warm is not None and bytes(warm[0].tensor.numpy()) == blobs["layer_0"]
-        warm[0].release()
-        before = receiver.health()["agent_reads"]
-        keys = [*list(blobs)[1:], "absent"]
-        got = receiver.get_many("0", "1", keys, metas[0])
-        assert receiver.health()["agent_reads"] == before + 1
-        assert got[-1] is None and receiver.last_failure("absent") == "not_found"
-        for key, one in zip(keys[:-1], got[:-1]):
-            assert one is not None and bytes(one[0].tensor.numpy()) == blobs[key], key
-            one[0].release()
-        assert sender.health()["delivered"] == len(blobs) and sender.health()["used_bytes"] == 0
-    finally:
-        receiver.close()
-        sender.close()
+    sender, receiver = nixl_pair(4 << 20)
+    blobs = {f"layer_{i}": bytes([7 * i + 1]) * (4096 + 512 * i) for i in range(8)}
+    metas = [sender.put("0", "1", key, blob)[2] for key, blob in blobs.items()]
+    warm = receiver.get("0", "1", "layer_0", metas[0])  # the agents meet on the first read
+    assert warm is not None and bytes(warm[0].tensor.numpy()) == blobs["layer_0"]
+    warm[0].release()
+    before = receiver.health()["agent_reads"]
+    keys = [*list(blobs)[1:], "absent"]
+    got = receiver.get_many("0", "1", keys, metas[0])
+    assert receiver.health()["agent_reads"] == before + 1
+    assert got[-1] is None and receiver.last_failure("absent") == "not_found"
+    for key, one in zip(keys[:-1], got[:-1]):
+        assert one is not None and bytes(one[0].tensor.numpy()) == blobs[key], key
+        one[0].release()
+    assert sender.health()["delivered"] == len(blobs) and sender.health()["used_bytes"] == 0
 
 
-def test_its_receive_logs_name_nixl(caplog: pytest.LogCaptureFixture) -> None:
+def test_its_receive_logs_name_nixl(nixl_pair: Any, caplog: pytest.LogCaptureFixture) -> None:
     """The nixl connector receives through the code it shares with mooncake; its log lines name
     nixl, so an operator reading a nixl receiver's log is not sent to mooncake."""
-    from nixl_support import NIXL_TEST_CONFIG, nixl_missing
-
-    missing = nixl_missing()
-    if missing:
-        pytest.skip(missing)
-    from kvferry.adapters.connectors.nixl.connector import NixlConnector
-
-    cfg = {"pool_bytes": 1 << 20, **NIXL_TEST_CONFIG}
-    sender = NixlConnector.from_config({"role": "sender", "port": 0, **cfg})
-    receiver = NixlConnector.from_config({"role": "receiver", **cfg})
-    try:
-        ok, _, meta = sender.put("0", "1", "sized", b"1234")
-        assert ok
-        with caplog.at_level(logging.WARNING, logger="kvferry"):
-            assert receiver.get("0", "1", "sized", {**meta, "size": 5}) is None
-        assert receiver.last_failure("sized") == "size_mismatch"
-        lines = [r.getMessage() for r in caplog.records if "announces" in r.getMessage()]
-        assert lines == ["nixl get 'sized': sender announces 4 bytes, put said 5"], lines
-    finally:
-        receiver.close()
-        sender.close()
+    sender, receiver = nixl_pair(1 << 20)
+    ok, _, meta = sender.put("0", "1", "sized", b"1234")
+    assert ok
+    with caplog.at_level(logging.WARNING, logger="kvferry"):
+        assert receiver.get("0", "1", "sized", {**meta, "size": 5}) is None
+    assert receiver.last_failure("sized") == "size_mismatch"
+    lines = [r.getMessage() for r in caplog.records if "announces" in r.getMessage()]
+    assert lines == ["nixl get 'sized': sender announces 4 bytes, put said 5"], lines
 
 
 def test_a_payload_put_in_pieces_is_read_in_place_and_freed_once() -> None:
