@@ -116,12 +116,19 @@ class RegionAllocator:
 
     def __attrs_post_init__(self) -> None:
         if self.usable_bytes > 0:
-            self._hole_offsets.append(0)
-            self._hole_sizes.append(self.usable_bytes)
-            self._by_size.append((self.usable_bytes, 0))
+            self._insert_hole(0, 0, self.usable_bytes)
 
-    def _unsize(self, size: int, offset: int) -> None:
+    def _insert_hole(self, index: int, offset: int, size: int) -> None:
+        """Add a hole at position ``index`` of the offset-ordered lists, and to the size index."""
+        self._hole_offsets.insert(index, offset)
+        self._hole_sizes.insert(index, size)
+        bisect.insort(self._by_size, (size, offset))
+
+    def _remove_hole(self, index: int) -> tuple[int, int]:
+        """Remove the hole at position ``index`` everywhere; its ``(offset, size)``."""
+        offset, size = self._hole_offsets.pop(index), self._hole_sizes.pop(index)
         del self._by_size[bisect.bisect_left(self._by_size, (size, offset))]
+        return offset, size
 
     @property
     def usable_bytes(self) -> int:
@@ -171,16 +178,10 @@ class RegionAllocator:
         fit = bisect.bisect_left(self._by_size, (span, -1))  # smallest hole >= span, lowest offset
         if fit == len(self._by_size):
             return None
-        size, offset = self._by_size.pop(fit)
-        best = bisect.bisect_left(self._hole_offsets, offset)
-        remaining = size - span
-        if remaining:
-            self._hole_offsets[best] = offset + span
-            self._hole_sizes[best] = remaining
-            bisect.insort(self._by_size, (remaining, offset + span))
-        else:
-            del self._hole_offsets[best]
-            del self._hole_sizes[best]
+        index = bisect.bisect_left(self._hole_offsets, self._by_size[fit][1])
+        offset, size = self._remove_hole(index)
+        if size > span:
+            self._insert_hole(index, offset + span, size - span)
         region = Region(offset, nbytes, span)
         self._live[offset] = region
         self._used += span
@@ -195,15 +196,9 @@ class RegionAllocator:
         index = bisect.bisect_left(self._hole_offsets, region.offset)
         offset, size = region.offset, region.span
         if index < len(self._hole_offsets) and self._hole_offsets[index] == region.end:
-            self._unsize(self._hole_sizes[index], region.end)
-            size += self._hole_sizes[index]
-            del self._hole_offsets[index]
-            del self._hole_sizes[index]
+            size += self._remove_hole(index)[1]  # merge the hole after it
         if index > 0 and self._hole_offsets[index - 1] + self._hole_sizes[index - 1] == offset:
-            self._unsize(self._hole_sizes[index - 1], self._hole_offsets[index - 1])
-            self._hole_sizes[index - 1] += size
-            bisect.insort(self._by_size, (self._hole_sizes[index - 1], self._hole_offsets[index - 1]))
-        else:
-            self._hole_offsets.insert(index, offset)
-            self._hole_sizes.insert(index, size)
-            bisect.insort(self._by_size, (size, offset))
+            index -= 1  # merge the hole before it
+            offset, before = self._remove_hole(index)
+            size += before
+        self._insert_hole(index, offset, size)

@@ -333,24 +333,26 @@ class ZmqClient:
                 self._reader.abandon(endpoint)
                 with self._lock:
                     self._counters["disconnects"] += 1
-                    lost = [
-                        s for s in self._pending.values() if s.endpoint == endpoint and s.sent and s.outcome is None
-                    ]
-                    self._fail_locked(lost, "lost_in_flight")
+                    sent = [s for s in self._pending.values() if s.endpoint == endpoint and s.sent]
+                    lost = self._fail_locked(sent, "lost_in_flight")
                 logger.warning(
                     "zmq receiver lost its connection to %s; %d request(s) in flight on it failed at once "
                     "(the sender ended or the network broke)",
                     endpoint,
-                    len(lost),
+                    lost,
                 )
 
-    def _fail_locked(self, slots: list[_Slot], counter: str) -> None:
-        """End ``slots`` still waiting as ``disconnected``, counting them under ``counter``."""
+    def _fail_locked(self, slots: list[_Slot], counter: str) -> int:
+        """End ``slots`` still waiting as ``disconnected``, counting them under ``counter``;
+        returns how many were still waiting."""
+        failed = 0
         for slot in slots:
             if slot.outcome is None:
                 slot.outcome = Outcome("error", reason="disconnected")
                 slot.event.set()
-                self._counters[counter] += 1
+                failed += 1
+        self._counters[counter] += failed
+        return failed
 
     def _run(self, waker: Waker) -> None:
         sockets: collections.OrderedDict[str, _Link] = collections.OrderedDict()

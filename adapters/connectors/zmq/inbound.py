@@ -101,20 +101,20 @@ class ReplyReader:
 
     def drop(self, endpoint: str, why: str) -> None:
         """Abandon ``endpoint``'s stream in progress, if any; its request gets an error."""
+        corr_id = self.abandon(endpoint)
+        if corr_id is not None:
+            self._bad(endpoint, corr_id, f"incomplete stream dropped: {why}")
+
+    def abandon(self, endpoint: str) -> int | None:
+        """Forget ``endpoint``'s stream in progress, if any, without answering its request;
+        returns that request's id. (:meth:`drop` answers it; a dropped connection's requests are
+        all answered by the client.)"""
         stream = self._streams.pop(endpoint, None)
         if stream is None:
-            return
+            return None
         stream.abort()
         self.count("stream_aborts")
-        self._bad(endpoint, stream.reply.corr_id, f"incomplete stream dropped: {why}")
-
-    def abandon(self, endpoint: str) -> None:
-        """Forget ``endpoint``'s stream in progress, if any, without answering its request
-        (the connection it came on is gone; the caller answers every request sent on it)."""
-        stream = self._streams.pop(endpoint, None)
-        if stream is not None:
-            stream.abort()
-            self.count("stream_aborts")
+        return stream.reply.corr_id
 
     def close(self) -> None:
         for stream in self._streams.values():
