@@ -1,10 +1,19 @@
 """The shm sender's control thread: answers receivers' gets from its pool, frees on release.
 
-One thread owns one ROUTER socket bound at the sender's ``ipc://`` endpoint. It sleeps in
-``poll`` on that socket and on a wake pipe; ``put`` (any thread) writes to the pipe after
-publishing, so a parked "get" is answered the moment its key arrives, and the only timer is
-the earliest deadline of a parked get. Grants carry a ticket; the receiver's ``release``
-returns it and the pool frees the region when the last ticket of an entry is back.
+One thread serves one ROUTER socket bound at the sender's ``ipc://`` endpoint. It sleeps in
+``poll`` on the socket's file descriptor and on a wake pipe, and the only timer is the earliest
+deadline of a parked get. The socket, the parked gets and the counters are used under one lock,
+never across a wait: a ``put`` (any thread) answers the gets parked on its key itself, right
+after publishing, so a waiting receiver's grant leaves before the put returns, without waiting
+for this thread to be scheduled and to get the GIL from a busy caller (``grants_direct`` counts
+them). Grants carry a ticket; the receiver's ``release`` returns it and the pool frees the
+region when the last ticket of an entry is back.
+
+The socket is shared the way libzmq allows: one thread at a time, under the lock (a full memory
+barrier). The thread waits on ``zmq.FD`` outside the lock, which says only that the socket's
+state may have changed, so every pass reads ``zmq.EVENTS`` until nothing is left to receive;
+and any send from another thread may consume that signal, so such a sender checks ``zmq.EVENTS``
+after it and wakes the thread when a request is waiting.
 
 A receiver reads granted bytes in place (it may keep tensors viewing them as long as it
 likes), so a ticket held past ``hold_s`` is revoked only when the reader's process is gone:
@@ -131,6 +140,14 @@ class ReaderRegistry:
             reader.close()
 
 
+def _poll_ms(wait_s: float | None) -> int | None:
+    """A poll timeout in milliseconds for ``wait_s`` seconds (None: no timer): 0 for none left,
+    else rounded up, so a deadline is never polled for before it has passed."""
+    if wait_s is None:
+        return None
+    return 0 if wait_s <= 0 else int(wait_s * 1000) + 1
+
+
 @attrs.frozen
 class _Waiter:
     """Where a parked get's answer goes, and which reader process will hold the grant."""
@@ -156,6 +173,9 @@ class ControlServer:
     _stopping: bool = attrs.field(init=False, default=False)
     _thread: threading.Thread | None = attrs.field(init=False, default=None)
     readers: ReaderRegistry = attrs.field(init=False, factory=ReaderRegistry)
+    #: Held while the socket, the parked gets or the counters are used (never across a wait);
+    #: reentrant, so a publish made while it is held (none is today) cannot deadlock.
+    _lock: threading.RLock = attrs.field(init=False, factory=threading.RLock)
 
     def start(self) -> None:
         """Bind (in the caller's thread, so a failure is raised here) and start serving."""
@@ -174,9 +194,20 @@ class ControlServer:
         self._thread.start()
 
     def notify_published(self, key: str) -> None:
-        """Called (any thread) after ``key`` was published in the pool."""
-        if self._bell is not None:
-            self._bell.ring(key)
+        """Called (any thread) after ``key`` was published in the pool, or failed: the gets
+        parked on it are answered here and now."""
+        bell = self._bell
+        if bell is None:
+            return
+        with self._lock:
+            if self._router is None or self._stopping:  # closed, or closing: the thread answers
+                bell.ring(key)
+                return
+            before = self.counters["grants"]
+            self._serve_published([key])
+            self.counters["grants_direct"] += self.counters["grants"] - before
+            if self._router.getsockopt(zmq.EVENTS) & zmq.POLLIN:
+                bell.ring()  # the sends above may have taken the thread's signal of a request
 
     def stop(self, timeout_s: float = 5.0) -> None:
         """Answer parked gets with "closing", stop the thread, close the socket. Idempotent."""
@@ -309,33 +340,46 @@ class ControlServer:
         return self._table.seconds_to_next(now)
 
     def _run(self) -> None:
-        poller = zmq.Poller()
-        poller.register(self._router, zmq.POLLIN)
         bell = self._bell
         assert bell is not None  # made by start() before the thread
-        poller.register(bell.fileno, zmq.POLLIN)
+        poller = select.poll()
+        poller.register(self._router.getsockopt(zmq.FD), select.POLLIN)
+        poller.register(bell.fileno, select.POLLIN)
         try:
             while not self._stopping:
-                wait = self._expire_waiters()
-                ready = dict(poller.poll(None if wait is None else max(1, int(wait * 1000) + 1)))
-                if bell.fileno in ready:
-                    self._serve_published(bell.take())
-                if self._router in ready:
-                    for _ in range(256):  # bounded batch, then look at the pipe again
-                        try:
-                            identity, frame = self._router.recv_multipart(zmq.NOBLOCK)
-                        except zmq.Again:
-                            break
-                        except ValueError:  # not [identity, frame]
-                            self.counters["bad_requests"] += 1
-                            continue
-                        self._handle(identity, frame)
-            self._answer(self._table.drain(), MissReason.CLOSING)
+                with self._lock:
+                    keys = bell.take()
+                    if keys:
+                        self._serve_published(keys)
+                    wait = self._expire_waiters()
+                    if self._receive_batch():
+                        wait = 0.0  # more requests are queued: look again before sleeping
+                poller.poll(_poll_ms(wait))
+            with self._lock:
+                self._answer(self._table.drain(), MissReason.CLOSING)
         except Exception:  # the thread must never die silently: log, count, stop serving
             self.counters["thread_errors"] += 1
             logger.exception("shm control thread of %s failed; receivers will time out", self.endpoint)
         finally:
-            self._router.close(0)
+            with self._lock:
+                self._router.close(0)
+                self._router = None
+
+    def _receive_batch(self) -> bool:
+        """Handle the requests queued on the socket, at most 256 (lock held); True when more
+        are left."""
+        for _ in range(256):
+            if not self._router.getsockopt(zmq.EVENTS) & zmq.POLLIN:
+                return False
+            try:
+                identity, frame = self._router.recv_multipart(zmq.NOBLOCK)
+            except zmq.Again:
+                return False
+            except ValueError:  # not [identity, frame]
+                self.counters["bad_requests"] += 1
+                continue
+            self._handle(identity, frame)
+        return bool(self._router.getsockopt(zmq.EVENTS) & zmq.POLLIN)
 
     @property
     def alive(self) -> bool:

@@ -316,6 +316,63 @@ def test_grants_that_come_after_the_receiver_gave_up_are_released(space, many) -
             assert receiver.get("0", "1", keys[1]) is not None  # the keys nobody took are still there
 
 
+def test_a_put_answers_the_get_parked_on_its_key_itself(space) -> None:
+    """A receiver already waiting for a key has its grant sent by the put itself, before the put
+    returns: the control thread need not be scheduled, nor get the GIL from a busy caller, first.
+    A get that comes after the put is answered by the control thread, as before (the control)."""
+    with make(space, "sender") as sender, make(space, "receiver", sender_port=PORT) as receiver:
+        got: dict[str, object] = {}
+        waiter = threading.Thread(target=lambda: got.update(v=receiver.get_blocking("0", "1", "k", timeout_s=20)))
+        waiter.start()
+        eventually(lambda: sender.health()["parked"] == 1, "the get parked at the sender")
+        assert sender.put("0", "1", "k", b"parked")[0]
+        health = sender.health()  # read as the put returns, without waiting for anything
+        assert (health["grants"], health["grants_direct"], health["parked"]) == (1, 1, 0)
+        waiter.join(20)
+        buffer, size = got["v"]
+        assert bytes(buffer.tensor.numpy()) == b"parked" and size == 6
+        buffer.release()
+        assert sender.put("0", "1", "later", b"asked after")[0]
+        buffer, _ = receiver.get_blocking("0", "1", "later", timeout_s=20)
+        assert bytes(buffer.tensor.numpy()) == b"asked after"
+        buffer.release()
+        health = sender.health()
+        assert (health["grants"], health["grants_direct"]) == (2, 1)
+
+
+def test_puts_and_gets_racing_on_one_socket_lose_no_request(space) -> None:
+    """Puts from several threads answer parked gets on the control socket while the control
+    thread receives others' requests on it: every get is answered. A send from a put's thread
+    can take the signal the control thread sleeps on while a request is queued; the put then
+    wakes it. Without that wake-up this test failed one run in two (a get left unanswered until
+    its deadline). Each receiver thread asks for its keys in an order of its own, some before
+    their put and some after."""
+    keys = [f"k{i}" for i in range(1200)]
+    with make(space, "sender", pool_bytes=8 << 20) as sender, make(space, "receiver", sender_port=PORT) as receiver:
+        results: dict[str, bytes | None] = {}
+
+        def read(mine: list[str]) -> None:
+            for key in mine:
+                got = receiver.get_blocking("0", "1", key, timeout_s=10)
+                results[key] = None if got is None else bytes(got[0].tensor.numpy())
+                if got is not None:
+                    got[0].release()
+
+        def put(mine: list[str]) -> None:
+            for key in mine:
+                assert sender.put("0", "1", key, key.encode() * 64)[0]
+
+        readers = [threading.Thread(target=read, args=(keys[i::3][::-1] if i % 2 else keys[i::3],)) for i in range(3)]
+        writers = [threading.Thread(target=put, args=(keys[i::2],)) for i in range(2)]
+        for t in readers + writers:
+            t.start()
+        for t in readers + writers:
+            t.join(60)
+        assert results == {key: key.encode() * 64 for key in keys}
+        health = sender.health()
+        assert health["grants"] == len(keys) and health.get("thread_errors", 0) == 0
+
+
 def test_absent_sender_is_a_fast_miss(space) -> None:
     with make(space, "receiver", sender_port=PORT) as receiver:
         start = time.monotonic()
