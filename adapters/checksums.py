@@ -24,7 +24,10 @@ from collections.abc import Callable, Mapping, Sequence
 from types import MappingProxyType
 from typing import Any
 
-from kvferry.core.header import PayloadHeader, TensorDescriptor
+import attrs
+
+from kvferry.core.errors import PayloadError
+from kvferry.core.header import PayloadHeader, TensorDescriptor, decode_header
 from kvferry.core.header import compute_checksum as _compute
 from kvferry.core.header import verify_checksum as _verify
 from kvferry.core.header.checksums import crc32c as _pure_crc32c
@@ -39,6 +42,9 @@ __all__ = [
     "verify_checksum",
     "FUSED_COPY",
     "copy_crc32c",
+    "ArrivingChecksums",
+    "ArrivedFrames",
+    "arrived_checksums",
 ]
 
 _log = logging.getLogger(__name__)
@@ -121,3 +127,80 @@ def copy_crc32c(dst: Any, src: Any, chunk: int, spans: Sequence[tuple[int, int, 
     if _native is None:
         raise RuntimeError("copy_crc32c needs the native kvferry.adapters._crc32c")
     return int(_native.copy_crc32c(dst, src, chunk, spans, value))
+
+
+@attrs.define(eq=False)
+class ArrivingChecksums:
+    """The checksums of a payload's tensors, computed while its bytes arrive in order (a
+    streamed receive), each stretch right after it was written, still in the cache: the decode
+    then compares them with the header's instead of reading the whole payload again
+    (``kvferry.app.receive``; the decode's own check stays the judge of any difference).
+
+    Start it from the payload's first bytes (:meth:`start`: None when they do not hold the whole
+    header, the header does not decode or names no checksum; the decode then checks as usual),
+    then :meth:`feed` every stretch of the payload in order. :attr:`values` maps each tensor's
+    name to its checksum once all its bytes were fed."""
+
+    algorithm: str
+    #: ``(start, stop, name)`` of every tensor with bytes, by position in the payload
+    spans: tuple[tuple[int, int, str], ...]
+    values: dict[str, int] = attrs.Factory(dict)
+    _running: int = 0
+    _at: int = 0  # bytes fed so far
+    _next: int = 0  # the first span not finished
+
+    @classmethod
+    def start(cls, head: Any, total: int) -> ArrivingChecksums | None:
+        try:
+            decoded = decode_header(head, total_len=total)
+        except PayloadError:
+            return None
+        algorithm = decoded.header.checksum_algorithm
+        if algorithm not in CHECKSUMS:
+            return None
+        spans = sorted(
+            (span[0], span[0] + span[1], desc.name)
+            for desc, span in zip(decoded.header.tensors, decoded.spans)
+            if span is not None and span[1] and isinstance(desc, TensorDescriptor)
+        )
+        return cls(str(algorithm), tuple(spans))
+
+    @property
+    def complete(self) -> bool:
+        """Whether every tensor's checksum is in :attr:`values`."""
+        return self._next == len(self.spans)
+
+    def feed(self, payload: memoryview, stop: int) -> None:
+        """The payload's bytes ``[bytes fed so far, stop)`` are now in ``payload`` (a view of
+        the whole payload): add them to the tensors they belong to."""
+        fn, start = CHECKSUMS[self.algorithm], self._at
+        while self._next < len(self.spans):
+            a, b, name = self.spans[self._next]
+            if a >= stop:
+                break
+            lo, hi = max(a, start), min(b, stop)
+            if hi > lo:
+                self._running = fn(payload[lo:hi], self._running)
+            if b > stop:
+                break
+            self.values[name] = self._running
+            self._running = 0
+            self._next += 1
+        self._at = max(self._at, stop)
+
+
+class ArrivedFrames(tuple):  # type: ignore[type-arg]  # frames, as any tuple of them
+    """A received payload's frames with the checksums computed as they arrived (``arrived``:
+    tensor name -> value, :class:`ArrivingChecksums`); decodes as any tuple of frames."""
+
+    arrived: Mapping[str, int]
+
+    def __new__(cls, frames: Sequence[Any], arrived: Mapping[str, int]) -> ArrivedFrames:
+        self = super().__new__(cls, frames)
+        self.arrived = arrived
+        return self
+
+
+def arrived_checksums(data: Any) -> Mapping[str, int] | None:
+    """The checksums computed as ``data`` arrived (:class:`ArrivedFrames`), else None."""
+    return data.arrived if isinstance(data, ArrivedFrames) else None

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import bisect
 import warnings
+from collections.abc import Mapping
 from typing import Any
 
 import attrs
@@ -42,6 +43,7 @@ __all__ = [
     "DecodedKV",
     "decode_payload",
     "verify_deferred",
+    "verify_arrived",
     "checksum_mismatch",
 ]
 
@@ -384,3 +386,14 @@ def verify_deferred(decoded: DecodedKV, which: tuple[bool, int] | None = None) -
         if actual != entry[1]:
             raise checksum_mismatch(decoded.checksum_algorithm, entry[0], entry[1], actual)
         del decoded.unverified[key]
+
+
+def verify_arrived(decoded: DecodedKV, arrived: Mapping[str, int]) -> None:
+    """:func:`verify_deferred` of every tensor, taking the checksum the transport computed as
+    the bytes arrived (:class:`~kvferry.adapters.checksums.ArrivingChecksums`, by tensor name)
+    where it equals the header's: those tensors are not read again. Any other is checked by
+    reading it, so a difference raises the usual PayloadError naming the tensor."""
+    for key, (name, expected) in list(decoded.unverified.items()):
+        if arrived.get(name) == expected:
+            del decoded.unverified[key]
+    verify_deferred(decoded)

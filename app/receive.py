@@ -34,8 +34,9 @@ from typing import Any, cast
 import attrs
 import torch
 
+from kvferry.adapters.checksums import arrived_checksums
 from kvferry.adapters.connectors.pool_buffer import PooledBuffer, release_soon
-from kvferry.adapters.torch_decode import host_byte_view
+from kvferry.adapters.torch_decode import host_byte_view, verify_arrived
 from kvferry.adapters.torch_frames import DecodedKV, decode_payload, merge_layers, slice_layers
 from kvferry.core.addressing import get_metadata
 from kvferry.core.errors import KVFerryError, LeaseExpired, PayloadError, SenderUnavailable
@@ -468,7 +469,7 @@ class ReceivePath:
         decoded: list[DecodedKV | dict[str, Any]] = []
         try:
             for source, key in zip(sources, names):
-                decoded.append(_already_decoded(source, key) or decode_payload(source, limits=self.limits))
+                decoded.append(_already_decoded(source, key) or self._decode(source))
             if self.key_builder is None:  # kvferry's keys carry the id the sender wrote inside
                 for d, key in zip(decoded, names):
                     rid = d.get("request_id") if isinstance(d, dict) else d.request_id
@@ -526,6 +527,16 @@ class ReceivePath:
             if not getattr(hold, "tied_to_views", False):  # cannot follow its views: follow the result
                 weakref.finalize(result, release_soon, hold).atexit = False
         return result
+
+    def _decode(self, source: Any) -> DecodedKV:
+        """Decode and verify one payload; checksums the transport computed as the bytes arrived
+        (a streamed zmq receive) are compared instead of reading those tensors again."""
+        arrived = arrived_checksums(source)
+        if arrived is None:
+            return decode_payload(source, limits=self.limits)
+        decoded = decode_payload(source, defer_verify=True, limits=self.limits)
+        verify_arrived(decoded, arrived)
+        return decoded
 
     def _combine(self, payloads: list[dict[str, Any]]) -> dict[str, Any]:
         """Merge fan-in shards (source-rank order) and slice an untagged fan-out payload. A

@@ -71,6 +71,58 @@ def test_a_tensor_buffer_is_checksummed_in_place() -> None:
     assert checksums.compute_checksum("crc32c", view) == pure_crc32c(view.tobytes())
 
 
+@st.composite
+def _payloads(draw):
+    """An encoded payload with checksums (either algorithm), layers of random sizes, some
+    absent, and random alignment; with its header's checksums by tensor name."""
+    algorithm = draw(st.sampled_from(["crc32c", "crc32"]))
+    layers = draw(st.integers(1, 5))
+    rng = random.Random(draw(st.integers(0, 2**32)))
+
+    def tensor():
+        if draw(st.booleans()) and layers > 1 and draw(st.integers(0, 3)) == 0:
+            return None
+        return torch.tensor([rng.randrange(256) for _ in range(draw(st.integers(0, 3000)))], dtype=torch.uint8)
+
+    keys = [tensor() for _ in range(layers)]
+    values = [tensor() if k is not None else None for k in keys]
+    if all(k is None for k in keys):
+        keys[0] = torch.ones(7, dtype=torch.uint8)
+    raw = encode_bytes("r", keys, values, [0], {}, checksums=algorithm, align=draw(st.sampled_from([1, 64])))
+    decoded = decode_header(raw)
+    return raw, {d.name: d.checksum for d in decoded.header.tensors if getattr(d, "nbytes", 0)}
+
+
+@settings(max_examples=150, deadline=None)
+@given(_payloads(), st.lists(st.integers(1, 2000), max_size=40))
+def test_checksums_fed_stretch_by_stretch_are_the_headers(payload, steps) -> None:
+    """Fed in stretches of any sizes, in order, the arriving checksums are the header's for every
+    tensor with bytes, whichever stretches the tensors straddle."""
+    raw, expected = payload
+    head = decode_header(raw).data_start
+    check = checksums.ArrivingChecksums.start(raw[: head + (steps[0] if steps else 0)], len(raw))
+    assert check is not None
+    view, at = memoryview(raw), head
+    for step in [*steps, len(raw)]:
+        at = min(len(raw), at + step)
+        check.feed(view, at)
+        assert check.complete == (at == len(raw) or not any(stop > at for _, stop, _ in check.spans))
+    assert check.complete and check.values == expected
+
+
+def test_arriving_checksums_start_only_from_a_whole_header_that_names_an_algorithm() -> None:
+    keys = [torch.arange(100, dtype=torch.uint8)]
+    raw = encode_bytes("r", keys, keys, [0], {}, checksums="crc32c")
+    head = decode_header(raw).data_start
+    assert checksums.ArrivingChecksums.start(raw[: head - 1], len(raw)) is None  # the header is cut
+    assert checksums.ArrivingChecksums.start(raw[:head], len(raw)) is not None
+    plain = encode_bytes("r", keys, keys, [0], {})
+    assert checksums.ArrivingChecksums.start(plain, len(plain)) is None  # no checksums to compute
+    frames = checksums.ArrivedFrames((memoryview(raw),), {"key_cache_0": 1})
+    assert isinstance(frames, tuple) and len(frames) == 1 and checksums.arrived_checksums(frames) == {"key_cache_0": 1}
+    assert checksums.arrived_checksums((memoryview(raw),)) is None
+
+
 _FALLBACK = r"""
 import json, logging, sys, torch
 logging.basicConfig(level=logging.WARNING, stream=sys.stderr)

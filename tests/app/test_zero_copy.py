@@ -317,3 +317,75 @@ def test_shm_copying_receive_releases_without_waiting(kit, shm_pair, make_receiv
     assert result.ok and result.buffers == ()
     assert receiver_conn.flush_releases(5.0) and sender.health()["used_bytes"] == 0
     kit.assert_kv_equal(result.payload, *model.expected([1, 2], 8))
+
+
+# ------------------------------------------------------------------------------- zmq streams
+
+
+class _FlipAfterEncoding:
+    """A sender connector whose reservations get one tensor byte flipped after the payload was
+    encoded (its checksums written) and before it is published: corruption at the sender."""
+
+    def __init__(self, inner: Any, at: int) -> None:
+        self._inner, self._at = inner, at
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._inner, name)
+
+    def reserve(self, from_stage: Any, to_stage: Any, put_key: str, nbytes: int) -> Any:
+        return _Flipped(self._inner.reserve(from_stage, to_stage, put_key, nbytes), nbytes - self._at)
+
+
+class _Flipped:
+    def __init__(self, inner: Any, at: int) -> None:
+        self._inner, self._at = inner, at
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._inner, name)
+
+    def commit(self) -> Any:
+        self._inner.buffer[self._at] ^= 0xFF
+        return self._inner.commit()
+
+
+@pytest.mark.parametrize("corrupt", [False, True], ids=["intact", "flipped_at_the_sender"])
+def test_a_streamed_zmq_receive_checks_tensors_as_they_arrive_and_reads_none_again(kit, monkeypatch, corrupt) -> None:
+    """Over a zmq stream (a payload of many chunks) the receiver computes each tensor's checksum
+    as its chunks land, so with checksums on, the decode reads no tensor again to verify it.
+    The control: a byte flipped at the sender after encoding makes the checksum computed on
+    arrival differ from the header's; the decode then reads that tensor and the receive fails
+    ``decode_failed`` naming it (never delivered)."""
+    import kvferry.adapters.torch_decode as torch_decode
+
+    reads: list[str] = []  # the tensors the decode read to verify them, either way
+    compute, verify = torch_decode.compute_checksum, torch_decode.verify_checksum
+    monkeypatch.setattr(torch_decode, "compute_checksum", lambda a, data: reads.append("deferred") or compute(a, data))
+    monkeypatch.setattr(torch_decode, "verify_checksum", lambda h, d, data: reads.append(d.name) or verify(h, d, data))
+    sender_conn = create_connector(
+        {"type": "zmq", "role": "sender", "port": 0, "pool_bytes": 16 << 20, "chunk_bytes": 64 << 10}
+    )
+    receiver_conn = create_connector(
+        {"type": "zmq", "role": "receiver", "sender_host": "127.0.0.1", "sender_port": sender_conn.port}
+    )
+    try:
+        model = kit.PagedModel(num_layers=3, num_blocks=48, block_size=16, heads=4, head_dim=64, dtype=torch.bfloat16)
+        spec = {"block_ids": list(range(1, 48, 2)), "seq_len": 370}
+        put_through = _FlipAfterEncoding(sender_conn, 1000) if corrupt else sender_conn
+        sender = KVTransferManager(kit.sender_config(), connector=put_through, checksums="crc32c")
+        (sent,) = sender.send_requests({"a": spec}, model.rank_cache(), model.block_size, model.dtype)
+        assert sent.ok and sent.nbytes > 8 * (64 << 10)  # many chunks
+        receiver = KVTransferManager(kit.receiver_config(), connector=receiver_conn)
+        result = receiver.receive("a", zero_copy=True)
+        assert receiver_conn.health()["receiver"]["streams"] == 1
+        if corrupt:
+            assert result.outcome.kind is ReceiveKind.DECODE_FAILED, result.outcome
+            assert "value_cache_2" in result.outcome.detail and "mismatch" in result.outcome.detail
+            assert reads  # the decode read the tensor whose arrival checksum differed
+        else:
+            assert result.ok, result.outcome
+            kit.assert_kv_equal(result.payload, *model.expected(spec["block_ids"], spec["seq_len"]))
+            assert reads == []  # every tensor was checked as it arrived
+            result.release()
+    finally:
+        receiver_conn.close()
+        sender_conn.close()

@@ -27,6 +27,7 @@ import attrs
 import msgpack
 import zmq
 
+from kvferry.adapters.checksums import ArrivedFrames, ArrivingChecksums
 from kvferry.adapters.connectors.zmq.protocol import (
     PROTOCOL_VERSION,
     Rejection,
@@ -180,7 +181,10 @@ class InboundStream:
     With a view lent by the receive pool (``target``) every chunk is received straight into it
     (``recv_into``: libzmq's transient chunk buffer, then one copy into the pool); without one
     (no pool, or no room) the chunks' own zmq frames are kept (``frames``), so a size claimed
-    in a header never drives an allocation.
+    in a header never drives an allocation. Into a target, the tensors' checksums are computed
+    chunk by chunk as they land, while the chunk is still in the cache (``check``, from the
+    header in the first chunk): the delivered frames carry them (``ArrivedFrames``), so the
+    decode need not read the payload again after its last chunk.
     """
 
     reply: Reply
@@ -190,6 +194,7 @@ class InboundStream:
     target: memoryview | None = None
     frames: list[memoryview] = attrs.Factory(list)
     next_seq: int = 0
+    check: ArrivingChecksums | None = None
 
     @classmethod
     def start(cls, reply: Reply, lend: Any, now_s: float) -> InboundStream:
@@ -214,6 +219,11 @@ class InboundStream:
         offset, nbytes = chunk_span(self.total, self.reply.chunk, self.next_seq)
         if self.target is not None:
             got = sock.recv_into(self.target[offset : offset + nbytes], flags=zmq.NOBLOCK)
+            if got == nbytes:
+                if self.next_seq == 0:
+                    self.check = ArrivingChecksums.start(self.target[:nbytes], self.total)
+                if self.check is not None:
+                    self.check.feed(self.target, offset + nbytes)
         else:
             frame = sock.recv(flags=zmq.NOBLOCK, copy=False)
             got = len(frame.buffer)
@@ -226,8 +236,13 @@ class InboundStream:
         return None
 
     def result(self) -> tuple[memoryview, ...]:
-        """The received payload as frames: the one lent view, or the chunks' zmq frames."""
-        frames = (self.target,) if self.target is not None else tuple(self.frames)
+        """The received payload as frames: the one lent view (with the checksums computed as it
+        arrived, when there are any), or the chunks' zmq frames."""
+        frames: tuple[memoryview, ...]
+        if self.target is not None and self.check is not None and self.check.complete:
+            frames = ArrivedFrames((self.target,), self.check.values)
+        else:
+            frames = (self.target,) if self.target is not None else tuple(self.frames)
         self.abort()
         return frames
 
@@ -235,3 +250,4 @@ class InboundStream:
         """Drop this stream's references (a lent region goes back once nothing else holds it)."""
         self.target = None
         self.frames = []
+        self.check = None
