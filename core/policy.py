@@ -23,6 +23,8 @@ __all__ = [
     "put_failure_reason",
     "retry_may_help",
     "PollBackoff",
+    "SENDER_DOWN_GRACE_S",
+    "SenderLiveness",
     "Deadline",
     "lease_expired",
     "PREFETCH_OK",
@@ -81,6 +83,42 @@ def put_failure_reason(reason: object) -> str:
 def retry_may_help(reason: str) -> bool:
     """Whether another attempt of a put that failed for ``reason`` can succeed (the one rule)."""
     return put_failure_reason(reason) not in UNRETRIED_PUT_FAILURES
+
+
+#: Seconds a sender endpoint that was reached before may stay unreachable before the gets asking
+#: it give up on it (a sender restarted on its port within this is asked as usual; zmq itself
+#: retries the connection every 0.1-0.5 s meanwhile).
+SENDER_DOWN_GRACE_S = 1.5
+
+
+@attrs.define
+class SenderLiveness:
+    """Whether the gets asking one sender endpoint should give up on it (the sender died) or
+    keep waiting for it (it has not started yet, or it is back). Fed by the caller:
+
+    - :meth:`reached` when a connection to it came up or a reply came from it;
+    - :meth:`failed` when a request to it could not connect or lost its connection; True means
+      give up now: the connection dropped while a request was out on it (its reply can no
+      longer come), or the endpoint was reached before and has been unreachable for
+      ``grace_s`` since. An endpoint never reached is never given up on: a receiver may start
+      before its sender, and its deadline bounds that wait.
+    """
+
+    grace_s: float = SENDER_DOWN_GRACE_S
+    was_reached: bool = False
+    down_since: float | None = None
+
+    def reached(self) -> None:
+        self.was_reached, self.down_since = True, None
+
+    def failed(self, now_s: float, *, dropped: bool = False) -> bool:
+        if dropped:
+            self.was_reached = True  # it was up: a drop is the end of a connection that was made
+        if not self.was_reached:
+            return False
+        if self.down_since is None:
+            self.down_since = now_s
+        return dropped or now_s - self.down_since >= self.grace_s
 
 
 @attrs.frozen

@@ -87,12 +87,23 @@ def workers(script: str, missing: str | None) -> Iterator[Callable[..., Worker]]
 
 def check_sender_killed_while_waiting(sender: Worker, receiver: Any, endpoint: dict) -> None:
     """``receiver`` waits (60 s) for a key ``sender`` never puts; once the sender holds the
-    long-poll it is killed: the get ends within 5 s as ``sender_unavailable``."""
+    long-poll it is killed: the get raises SenderUnavailable within 5 s (its connection dropped
+    while it was out; ``sender_gone``). A get asked afterwards, of an endpoint this receiver
+    reached before, raises too once the endpoint has been unreachable for the grace
+    (``SENDER_DOWN_GRACE_S``), not at its 60 s deadline. The control: another receiver, which
+    never reached that endpoint, keeps waiting for it (a receiver may start before its sender)
+    and gets None at its own short deadline."""
+    from kvferry.core.errors import SenderUnavailable
+    from kvferry.core.policy import SENDER_DOWN_GRACE_S
+
     out: dict[str, Any] = {}
 
     def wait() -> None:
         start = time.monotonic()
-        out["got"] = receiver.get_blocking("0", "1", "never_0_0_0_0", endpoint, timeout_s=60.0)
+        try:
+            out["got"] = receiver.get_blocking("0", "1", "never_0_0_0_0", endpoint, timeout_s=60.0)
+        except SenderUnavailable as exc:
+            out["gone"] = str(exc)
         out["elapsed"] = time.monotonic() - start
 
     thread = threading.Thread(target=wait)
@@ -104,9 +115,27 @@ def check_sender_killed_while_waiting(sender: Worker, receiver: Any, endpoint: d
     sender.kill()
     thread.join(30.0)
     assert not thread.is_alive()
-    assert out["got"] is None
+    assert "gone" in out, out
     assert time.monotonic() - killed_at < 5.0  # not the 60 s deadline
-    assert receiver.last_failure("never_0_0_0_0") == "sender_unavailable"
+    assert receiver.last_failure("never_0_0_0_0") == "sender_gone"
+
+    start = time.monotonic()
+    with pytest.raises(SenderUnavailable):
+        while time.monotonic() - start < 30.0:  # the caller asks again while it gets None
+            assert receiver.get_blocking("0", "1", "later_0_0_0_0", endpoint, timeout_s=60.0) is None
+    # down since the kill: given up on once the grace has passed since then, not before
+    assert SENDER_DOWN_GRACE_S <= time.monotonic() - killed_at < SENDER_DOWN_GRACE_S + 5.0
+
+    fresh = type(receiver).from_config({"role": "receiver", "pool_bytes": 1 << 20})
+    try:
+        start = time.monotonic()
+        got = None
+        while time.monotonic() - start < 3.0:  # asked again and again: never given up on
+            got = fresh.get_blocking("0", "1", "later_0_0_0_0", endpoint, timeout_s=0.5)
+            assert got is None
+        assert fresh.last_failure("later_0_0_0_0") == "sender_unavailable"
+    finally:
+        fresh.close()
 
 
 def worker_main(mains: dict[str, Callable[..., None]]) -> None:

@@ -11,9 +11,11 @@ from hypothesis import strategies as st
 from kvferry.core.errors import ConfigError
 from kvferry.core.policy import (
     PREFETCH_OK,
+    SENDER_DOWN_GRACE_S,
     Deadline,
     PollBackoff,
     RetryPolicy,
+    SenderLiveness,
     lease_expired,
     prefetch_allowed,
 )
@@ -159,3 +161,40 @@ def test_prefetch_gate_rejects_bad_values() -> None:
         prefetch_allowed(**{**GATE_OK, "min_free_ratio": -0.1})
     with pytest.raises(ConfigError, match="role"):
         prefetch_allowed(**{**GATE_OK, "role": "local"})
+
+
+_EVENTS = st.lists(
+    st.tuples(st.sampled_from(["reached", "failed", "dropped"]), st.floats(0, 5, allow_nan=False)), max_size=30
+)
+
+
+@settings(max_examples=300)
+@given(_EVENTS)
+def test_a_sender_is_given_up_on_only_after_it_was_reached(events) -> None:
+    """Against a model: an endpoint is given up on when a connection to it drops while a request
+    is out, or when it was reached (a connection or a reply) and then failed for ``grace_s``
+    without being reached again; never when it has not been reached at all."""
+    live, now, reached, down_since = SenderLiveness(), 0.0, False, None
+    for kind, step in events:
+        now += step
+        if kind == "reached":
+            live.reached()
+            reached, down_since = True, None
+            continue
+        dropped = kind == "dropped"
+        reached = reached or dropped
+        if reached and down_since is None:
+            down_since = now
+        expected = reached and (dropped or now - down_since >= SENDER_DOWN_GRACE_S)
+        assert live.failed(now, dropped=dropped) is expected
+        assert reached or not expected  # never reached: never given up on
+
+
+def test_a_restarted_sender_within_the_grace_is_waited_for_again() -> None:
+    live = SenderLiveness(grace_s=1.5)
+    assert live.failed(0.0) is False and live.failed(10.0) is False  # never reached: wait on
+    live.reached()
+    assert live.failed(20.0) is False and live.failed(21.4) is False  # down 1.4 s: within the grace
+    live.reached()  # back
+    assert live.failed(22.0) is False and live.failed(23.5) is True  # down 1.5 s since 22.0
+    assert SenderLiveness().failed(0.0, dropped=True) is True  # a connection dropped under a request

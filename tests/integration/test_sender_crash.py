@@ -5,8 +5,8 @@ TP 2 -> 1: every request needs a key from each sender rank). Sender rank 1 is SI
 points of a request: after it put its key (the payload dies with it), and while the receiver is
 parked on it waiting for a key it never put. Each time the receiver returns SENDER_GONE naming
 rank 1's key, far before its deadline: over shm the receiver sees the sender's process dead and
-nothing on its socket; over zmq the connection to it drops (a request in flight ends at once, one
-asked while the sender is down after the client's grace). A sender
+nothing on its socket; over zmq and mooncake the connection to it drops (a request in flight
+ends at once, one asked while the sender is down after the grace, ``SENDER_DOWN_GRACE_S``). A sender
 restarted on the same port serves the next request bit-exact, and nothing is left in /dev/shm
 once everything is closed.
 """
@@ -28,8 +28,25 @@ from kvferry.core.outcomes import ReceiveKind
 GONE_S = 30.0
 #: Slack over a deadline for a loaded machine; far below the 30 s a hang would take.
 SLACK_S = 10.0
-CONNECTORS = ["zmq-tcp", "shm"]  # zmq-ipc: same connector as tcp; its stale socket file is
-# covered by test_zmq_processes.py
+
+
+def _mooncake_missing() -> str | None:
+    try:
+        import mooncake.engine  # noqa: F401
+    except (ImportError, OSError) as exc:
+        return f"mooncake transfer engine unavailable: {exc}"
+    return None
+
+
+# zmq-ipc: same connector as tcp; its stale socket file is covered by test_zmq_processes.py.
+# mooncake: the receive side nixl shares too (nixl's own process tests run in the vLLM venv).
+CONNECTORS = [
+    "zmq-tcp",
+    "shm",
+    pytest.param(
+        "mooncake", marks=pytest.mark.skipif(_mooncake_missing() is not None, reason=str(_mooncake_missing()))
+    ),
+]
 
 
 class Stage:

@@ -51,10 +51,12 @@ _monitors = itertools.count(1)
 @attrs.frozen
 class Failure:
     """Why a lookup got no reply: ``reason`` is ``sender_unavailable``, ``timeout``,
-    ``bad_reply`` or ``closed``; ``detail`` is human text."""
+    ``bad_reply`` or ``closed``; ``detail`` is human text. ``dropped``: the connection, made
+    before, was lost while the request was out (its reply can no longer come)."""
 
     reason: str
     detail: str
+    dropped: bool = False
 
 
 @attrs.define(eq=False)
@@ -196,6 +198,7 @@ class PeerChannel:
                 down = Failure(
                     "sender_unavailable",
                     f"connection to {self.host}:{self.port} {what} ({zmq.Event(kind).name})",
+                    dropped=self._connected and not history,
                 )
                 if not history:
                     return down

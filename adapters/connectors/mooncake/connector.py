@@ -35,8 +35,15 @@ import attrs
 from kvferry.adapters.connectors.mooncake import wire
 from kvferry.adapters.connectors.mooncake.config import MooncakeConfig
 from kvferry.adapters.connectors.mooncake.engine import EnginePool
-from kvferry.adapters.connectors.mooncake.receive import AllocatorSpace, Endpoint, ReceiveSide, resolve_endpoint
-from kvferry.core.errors import ConfigError, LeaseExpired, PoolFullError
+from kvferry.adapters.connectors.mooncake.receive import (
+    SENDER_GONE,
+    AllocatorSpace,
+    Endpoint,
+    ReceiveSide,
+    resolve_endpoint,
+)
+from kvferry.core.errors import ConfigError, LeaseExpired, PoolFullError, SenderUnavailable
+from kvferry.core.policy import SENDER_DOWN_GRACE_S
 from kvferry.core.pool import PoolLedger, Region, RegionAllocator, request_id_of_key
 from kvferry.core.tombstones import FAILED_REASON, SenderFailure, failed_error
 
@@ -66,6 +73,11 @@ class MooncakePoolBuffer:
 
     def __exit__(self, *exc: object) -> None:
         self.release()
+
+
+#: A blocking get's pauses between asks of a sender it cannot reach (seconds, doubling).
+_RETRY_FIRST_S = 0.05
+_RETRY_MAX_S = 0.5
 
 
 @attrs.define(eq=False)
@@ -146,6 +158,7 @@ class MooncakeConnector:
     _failures: dict[str, str] = attrs.field(init=False, factory=dict)
     _counters: dict[str, int] = attrs.field(init=False, factory=dict)
     _closed: bool = attrs.field(init=False, default=False)
+    _closing: threading.Event = attrs.field(init=False, factory=threading.Event)
 
     def __attrs_post_init__(self) -> None:
         from kvferry.adapters.connectors.mooncake.server import SenderSpace
@@ -372,8 +385,12 @@ class MooncakeConnector:
         timeout_s: float,
     ) -> Any:
         """Like :meth:`get`, but the sender answers on arrival, up to ``timeout_s`` seconds.
-        Returns None sooner when the sender is found dead (see :meth:`last_failure`); raises
-        LeaseExpired or FailedAtSender at once when the sender says so (see the module doc)."""
+        Raises LeaseExpired or FailedAtSender at once when the sender says so (see the module
+        doc), and SenderUnavailable when the sender is found gone: the connection dropped while
+        this get was out, or the sender answered before and has been unreachable for
+        :data:`~kvferry.core.policy.SENDER_DOWN_GRACE_S` (``sender_gone``). A sender it cannot
+        reach otherwise (never reached yet, or within the grace) is asked again until the
+        deadline, then None (``sender_unavailable``; see :meth:`last_failure`)."""
         return self._get(get_key, metadata, max(0.0, float(timeout_s)))
 
     def get_many(
@@ -414,7 +431,7 @@ class MooncakeConnector:
         where = resolve_endpoint(metadata, self._default_sender)
         if where is None:
             return self._miss(key, "no_sender")
-        outcome = self._receive.fetch(key, where, wait_s)
+        outcome = self._fetch_until(key, where, wait_s)
         if isinstance(outcome, SenderFailure):
             self._miss(key, FAILED_REASON)
             if wait_s > 0:
@@ -422,13 +439,34 @@ class MooncakeConnector:
             return None
         if isinstance(outcome, str):
             self._miss(key, outcome)
+            where_s = f"{where.host}:{where.port}"
             if wait_s > 0 and outcome == "expired":
-                where_s = f"{where.host}:{where.port}"
                 raise LeaseExpired(f"the sender at {where_s} dropped {key!r} unread when its lease passed")
+            if wait_s > 0 and outcome == SENDER_GONE:
+                raise SenderUnavailable(
+                    f"the sender at {where_s} is gone: its connection dropped while {key!r} was asked for, "
+                    f"or it answered before and has been unreachable for {SENDER_DOWN_GRACE_S} s"
+                )
             return None
         self._failures.pop(key, None)
         self._count("hits")
         return outcome
+
+    def _fetch_until(self, key: str, where: Endpoint, wait_s: float) -> Any:
+        """:meth:`ReceiveSide.fetch`; a blocking get (``wait_s`` > 0) whose sender cannot be
+        reached (``sender_unavailable``: not started yet, restarting, or down within the grace)
+        asks again, backing off from 50 ms to 0.5 s, until the sender answers, is given up on
+        (``sender_gone``) or the wait ends: it returns at its deadline, not sooner, as a
+        blocking get does (a caller reads an early None as the deadline passing)."""
+        if wait_s <= 0:
+            return self._receive.fetch(key, where, 0.0)
+        deadline, pause = time.monotonic() + wait_s, _RETRY_FIRST_S
+        while True:
+            outcome = self._receive.fetch(key, where, max(0.0, deadline - time.monotonic()))
+            left = deadline - time.monotonic()
+            if outcome != "sender_unavailable" or left <= 0 or self._closing.wait(min(pause, left)):
+                return outcome
+            pause = min(pause * 2, _RETRY_MAX_S)
 
     def _miss(self, key: str, reason: str) -> None:
         self._count(f"miss_{reason}")
@@ -478,6 +516,7 @@ class MooncakeConnector:
         if self._closed:
             return
         self._closed = True
+        self._closing.set()  # a blocking get waiting to ask a down sender again ends now
         if self._server is not None:
             self._server.close()
         self._receive.close()

@@ -7,6 +7,13 @@ default from ``update_sender_info``) -> ask it for the key with the room left in
 tell the sender the claim is over -> return a pool buffer. Every failure releases what it took
 and comes back as a reason word, or as the sender's failure record when it said the key will
 never come; nothing here raises for a remote fault.
+
+A sender that died is told from one not started yet by what this receiver saw of its endpoint
+(:class:`kvferry.core.policy.SenderLiveness`): a lookup whose connection dropped while it was
+out, or any lookup to an endpoint that answered before and has been unreachable for
+:data:`~kvferry.core.policy.SENDER_DOWN_GRACE_S` since, comes back as ``sender_gone`` (the
+connector's blocking get raises SenderUnavailable); to an endpoint never reached, a failed
+connection stays ``sender_unavailable`` (the caller may wait for it until its deadline).
 """
 
 from __future__ import annotations
@@ -23,12 +30,26 @@ from kvferry.adapters.connectors.mooncake import wire
 from kvferry.adapters.connectors.mooncake.client import Failure, PeerChannel
 from kvferry.adapters.connectors.mooncake.engine import EnginePool
 from kvferry.core.addressing import resolve_get_source
+from kvferry.core.policy import SenderLiveness
 from kvferry.core.pool import Region, RegionAllocator
 from kvferry.core.tombstones import SenderFailure
 
-__all__ = ["Endpoint", "resolve_endpoint", "pin_margin_s", "reply_reads", "Space", "AllocatorSpace", "ReceiveSide"]
+__all__ = [
+    "SENDER_GONE",
+    "Endpoint",
+    "resolve_endpoint",
+    "pin_margin_s",
+    "reply_reads",
+    "Space",
+    "AllocatorSpace",
+    "ReceiveSide",
+]
 
 logger = logging.getLogger(__name__)
+#: The reason word of a lookup whose sender is given up on (see the module doc).
+SENDER_GONE = "sender_gone"
+#: Sender endpoints whose liveness is remembered (the oldest forgotten first).
+_MAX_ENDPOINTS = 256
 
 
 @attrs.frozen
@@ -121,6 +142,24 @@ class ReceiveSide:
     _busy: set[PeerChannel] = attrs.field(init=False, factory=set)
     _lock: threading.Lock = attrs.field(init=False, factory=threading.Lock)
     _closed: bool = attrs.field(init=False, default=False)
+    _liveness: dict[tuple[str, int], SenderLiveness] = attrs.field(init=False, factory=dict)
+
+    def _reached(self, where: Endpoint) -> None:
+        with self._lock:
+            live = self._liveness.pop((where.host, where.port), None) or SenderLiveness()
+            live.reached()
+            self._liveness[(where.host, where.port)] = live  # most recent last
+            while len(self._liveness) > _MAX_ENDPOINTS:
+                del self._liveness[next(iter(self._liveness))]
+
+    def _failed(self, where: Endpoint, failure: Failure) -> str:
+        """``failure``'s reason, or ``sender_gone`` when the sender is to be given up on."""
+        if failure.reason != "sender_unavailable":
+            return failure.reason
+        with self._lock:
+            live = self._liveness.setdefault((where.host, where.port), SenderLiveness())
+            gone = live.failed(self.clock(), dropped=failure.dropped)
+        return SENDER_GONE if gone else failure.reason
 
     def _checkout(self, host: str, port: int) -> PeerChannel | None:
         """An idle channel to ``host:port`` or a new one: concurrent gets (threads) each use
@@ -171,11 +210,13 @@ class ReceiveSide:
     ) -> tuple[Any, int] | str | SenderFailure:
         reply = peer.lookup(key, self.space.room(), wait_s, self.control_timeout_s)
         if isinstance(reply, Failure):
+            reason = self._failed(where, reply)
             logger.warning(
-                "%s get %r from %s:%d: %s (%s)", self.name, key, where.host, where.port, reply.reason, reply.detail
+                "%s get %r from %s:%d: %s (%s)", self.name, key, where.host, where.port, reason, reply.detail
             )
             self._drop_peer(peer)
-            return reply.reason
+            return reason
+        self._reached(where)
         if not reply.found:
             return reply.reason if reply.failure is None else reply.failure
         got_at = self.clock()
@@ -226,9 +267,11 @@ class ReceiveSide:
         ends: list[tuple[str, int, bool]] = []
         claimed: list[tuple[int, wire.LookupReply, Region]] = []
         broken = False
+        if any(not isinstance(r, Failure) for r in replies):
+            self._reached(where)
         for i, (key, reply) in enumerate(zip(keys, replies)):
             if isinstance(reply, Failure):
-                out[i], broken = reply.reason, True
+                out[i], broken = self._failed(where, reply), True
                 continue
             if not reply.found:
                 out[i] = reply.reason if reply.failure is None else reply.failure

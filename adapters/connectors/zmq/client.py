@@ -50,6 +50,7 @@ from kvferry.adapters.connectors.zmq.config import ZmqConfig
 from kvferry.adapters.connectors.zmq.inbound import Outcome, ReplyReader
 from kvferry.adapters.connectors.zmq.protocol import Request, encode_request
 from kvferry.adapters.connectors.zmq.stash import LateStash
+from kvferry.core.policy import SENDER_DOWN_GRACE_S
 
 __all__ = ["ZmqClient", "Outcome"]
 
@@ -57,8 +58,8 @@ logger = logging.getLogger(__name__)
 _MAX_ENDPOINTS = 256
 #: Seconds a request waits to be sent to an endpoint that was connected and is not now, before
 #: it fails as ``disconnected`` (zmq retries the connection every 0.1-0.5 s meanwhile, so a
-#: sender back within the grace is reconnected and asked).
-DOWN_GRACE_S = 1.5
+#: sender back within the grace is reconnected and asked): every connector's grace.
+DOWN_GRACE_S = SENDER_DOWN_GRACE_S
 _RECONNECT_IVL_MAX_MS = 500
 #: A connection that carries nothing, not even heartbeats (sent every second), this long is
 #: dropped: a sender whose host went silent (a cut wire, a frozen machine) ends its requests then.

@@ -22,7 +22,15 @@ from kvferry.adapters.connectors.mooncake.config import MooncakeConfig
 from kvferry.adapters.connectors.mooncake.engine import _chunks, unavailable_message
 from kvferry.adapters.connectors.mooncake.receive import Endpoint, pin_margin_s, resolve_endpoint
 from kvferry.core.control import Rejection
-from kvferry.core.errors import BindError, ConfigError, ConnectorUnavailable, LeaseExpired, PayloadError
+from kvferry.core.errors import (
+    BindError,
+    ConfigError,
+    ConnectorUnavailable,
+    LeaseExpired,
+    PayloadError,
+    SenderUnavailable,
+)
+from kvferry.core.policy import SENDER_DOWN_GRACE_S
 from kvferry.core.tombstones import failure_record
 
 settings.register_profile("kvferry-mooncake", max_examples=80, deadline=None)
@@ -534,18 +542,23 @@ def test_a_long_poll_that_ends_without_the_key_is_a_timeout(make) -> None:
     assert receiver.last_failure("absent") == "not_found"
 
 
-def test_closed_sender_is_reported_promptly(make) -> None:
+def test_a_sender_never_reached_is_asked_again_until_the_deadline(make) -> None:
+    """A receiver may start before its sender: a blocking get of an endpoint it never reached
+    asks again while it cannot connect, and returns None at its deadline, not sooner (an early
+    None reads as the deadline passing); a plain get misses at once."""
     sender = make(role="sender")
     receiver = make(role="receiver")
     port = sender.port
     sender.close()
+    where = {"source_host": "127.0.0.1", "source_port": port}
     start = time.monotonic()
-    assert (
-        receiver.get_blocking("0", "1", "k", {"source_host": "127.0.0.1", "source_port": port}, timeout_s=10.0) is None
-    )
-    assert time.monotonic() - start < 2.0
+    assert receiver.get_blocking("0", "1", "k", where, timeout_s=1.0) is None
+    assert 1.0 <= time.monotonic() - start < 3.0
     assert receiver.last_failure("k") == "sender_unavailable"
-    assert receiver.health()["miss_sender_unavailable"] == 1
+    assert receiver.health()["miss_sender_unavailable"] == 1  # one miss: the get's, however many asks
+    start = time.monotonic()
+    assert receiver.get("0", "1", "k", where) is None
+    assert time.monotonic() - start < 1.0 and receiver.last_failure("k") == "sender_unavailable"
 
 
 def _wait_established(port: int, timeout_s: float = 10.0) -> None:
@@ -596,8 +609,9 @@ def test_a_sender_restarted_on_the_same_port_serves_the_next_get_bit_exact(make)
 
 
 def test_an_idle_channel_to_a_sender_that_died_fails_promptly(make) -> None:
-    """The other side of the rule above: a pooled channel whose sender is gone for good still
-    answers sender_unavailable at once, not at the deadline, and claims nothing anywhere."""
+    """The other side of the rule above: a sender this receiver reached, gone for good, ends a
+    blocking get with SenderUnavailable once it has been unreachable for the grace, not at the
+    deadline, and claims nothing anywhere."""
     sender = make(role="sender", port=0)
     receiver = make(role="receiver")
     ok, _, meta = sender.put("0", "1", "once", b"o" * 512)
@@ -606,9 +620,10 @@ def test_an_idle_channel_to_a_sender_that_died_fails_promptly(make) -> None:
     got[0].release()
     sender.close()
     start = time.monotonic()
-    assert receiver.get_blocking("0", "1", "gone", meta, timeout_s=10.0) is None
-    assert time.monotonic() - start < 2.0
-    assert receiver.last_failure("gone") == "sender_unavailable"
+    with pytest.raises(SenderUnavailable, match="unreachable"):
+        receiver.get_blocking("0", "1", "gone", meta, timeout_s=10.0)
+    assert SENDER_DOWN_GRACE_S <= time.monotonic() - start < SENDER_DOWN_GRACE_S + 2.0
+    assert receiver.last_failure("gone") == "sender_gone"
 
 
 def test_pool_buffer_release_is_idempotent_and_returns_the_room(make) -> None:

@@ -116,25 +116,15 @@ def test_each_instance_holds_its_kv_cache_on_huge_pages(pair: Any) -> None:
         assert mb >= 512, f"{name}: {mb:.0f} MB on huge pages (its KV cache: 1 GiB)"
 
 
-def test_a_prefill_killed_after_loads_from_it_fails_the_next_loads_at_once(
-    pair: Any, request: pytest.FixtureRequest
-) -> None:
-    """zmq: the decode has loaded from this prefill before (its connection to it is up). The
+def test_a_prefill_killed_after_loads_from_it_fails_the_next_loads_at_once(pair: Any) -> None:
+    """The decode has loaded from this prefill before (its connection to it is up). The
     prefill is SIGKILLed with two requests' KV published: the decode's loads of them fail as
-    ``unavailable`` within seconds (the connection dropped; what waits for that sender ends
-    after the client's 1.5 s grace), not at ``load_timeout_s`` (20 s), and both requests
-    recompute to the single instance's tokens. Last in the module: the prefill is gone after.
-    nixl does not learn it yet (its loads wait out the deadline): that case is an expected
-    failure, so a fix shows as an unexpected pass."""
+    ``unavailable`` within seconds, not at ``load_timeout_s`` (20 s), and both requests
+    recompute to the single instance's tokens. zmq: the connection dropped; what waits for that
+    sender ends after the client's 1.5 s grace. nixl: a lookup whose connection drops ends at
+    once, and one to the sender it reached before ends once it has been unreachable for the same
+    grace (``SENDER_DOWN_GRACE_S``). Last in the module: the prefill is gone after."""
     d, p, timings, kind = pair
-    if kind == "nixl":  # run, and required to fail as it does now: a gap, not a pass
-        request.applymarker(
-            pytest.mark.xfail(
-                strict=True,
-                reason="nixl: a load from a dead prefill waits load_timeout_s (2 timeouts at 20 s "
-                "measured); the dropped-connection rule is the zmq connector's (docs/zmq.md)",
-            )
-        )
     ps = prompts(LENGTHS, seed=13)
     reference = [r["tokens"] for r in d.generate(ps, max_tokens=TOKENS)]
     params = [r["kv_transfer_params"] for r in p.generate(ps, [{"do_remote_decode": True} for _ in ps], max_tokens=1)]
