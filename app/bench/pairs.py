@@ -10,7 +10,9 @@ of the samples:
 - :func:`relative_spread`: the interquartile range over the median of samples (0 for fewer
   than 2), the spread of a ratio's pairs and the run's *noise figure* (the limit's own spread);
 - :func:`verdict`: ``met`` or ``missed`` against a target, or ``unsteady`` when the pairs
-  disagree by more than ``max_spread``, or ``none`` without a value.
+  disagree by more than ``max_spread`` and their interquartile range straddles the target, or
+  ``none`` without a value;
+- :func:`quartiles`: the inclusive first and third quartiles of samples.
 """
 
 from __future__ import annotations
@@ -24,7 +26,16 @@ import attrs
 from kvferry.app.bench.model import Target
 from kvferry.core.errors import ConfigError
 
-__all__ = ["MAX_SPREAD", "PairedRatio", "paired_ratio", "relative_spread", "verdict", "runs_verdict", "VERDICTS"]
+__all__ = [
+    "MAX_SPREAD",
+    "PairedRatio",
+    "paired_ratio",
+    "quartiles",
+    "relative_spread",
+    "verdict",
+    "runs_verdict",
+    "VERDICTS",
+]
 
 #: The largest relative spread (interquartile range over median) of a ratio's pairs that still
 #: gets a met/missed verdict; above it the ratio is ``unsteady``.
@@ -44,6 +55,18 @@ def relative_spread(samples: Sequence[float]) -> float:
         return math.nan
     q1, _, q3 = statistics.quantiles(values, n=4, method="inclusive")
     return (q3 - q1) / median
+
+
+def quartiles(samples: Sequence[float]) -> tuple[float, float]:
+    """The inclusive first and third quartiles of ``samples`` (both the one value of a single
+    sample; NaN for none)."""
+    values = [float(v) for v in samples]
+    if not values:
+        return math.nan, math.nan
+    if len(values) == 1:
+        return values[0], values[0]
+    q1, _, q3 = statistics.quantiles(values, n=4, method="inclusive")
+    return q1, q3
 
 
 @attrs.frozen
@@ -83,14 +106,27 @@ def paired_ratio(limit: Sequence[float], subject: Sequence[float], scale: float 
     return PairedRatio(median, q1, q3, relative_spread(ratios), len(ratios))
 
 
-def verdict(value: float, target: Target, spread: float, max_spread: float = MAX_SPREAD) -> str:
-    """``none`` without a finite value; ``unsteady`` when ``spread`` is above ``max_spread`` (or
-    not a number); else ``met`` or ``missed`` by ``target``."""
+def verdict(
+    value: float,
+    target: Target,
+    spread: float,
+    max_spread: float = MAX_SPREAD,
+    *,
+    bounds: tuple[float, float] | None = None,
+) -> str:
+    """``none`` without a finite value; ``met`` or ``missed`` by ``target`` when ``spread`` is
+    at most ``max_spread``. Above it (or when it is not a number): still ``met`` or ``missed``
+    when ``bounds``, the interquartile range of what the ratio was computed from, lies wholly on
+    one side of the target (the weather could not change the verdict); else ``unsteady``."""
     if not math.isfinite(value):
         return "none"
-    if not (spread <= max_spread):
-        return "unsteady"
-    return "met" if target.met(value) else "missed"
+    if spread <= max_spread:
+        return "met" if target.met(value) else "missed"
+    if bounds is not None and all(math.isfinite(b) for b in bounds):
+        low, high = target.met(bounds[0]), target.met(bounds[1])
+        if low == high:
+            return "met" if low else "missed"
+    return "unsteady"
 
 
 def runs_verdict(verdicts: Sequence[str]) -> str:

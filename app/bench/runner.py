@@ -33,8 +33,9 @@ import math
 import os
 import platform
 import sys
+import itertools
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any, TypedDict
 
 import attrs
@@ -50,7 +51,7 @@ from kvferry.app.bench.model import (
     compute_ratios,
     ratio_of,
 )
-from kvferry.app.bench.pairs import MAX_SPREAD, PairedRatio, paired_ratio, relative_spread, verdict
+from kvferry.app.bench.pairs import MAX_SPREAD, PairedRatio, paired_ratio, quartiles, relative_spread, verdict
 from kvferry.app.bench.paths import COPYING, PAIR_LIMITS, RunState, connector_paths, mooncake_raw, nixl_pair
 from kvferry.app.bench.proc import Peer
 from kvferry.app.bench.scenarios import Scenario, one_repetition
@@ -409,11 +410,30 @@ def _paired(run: RunState, limit: str, subject: str, scale: float = 1.0) -> Pair
     return paired_ratio(a.samples, b.samples, scale)
 
 
+def ratio_bounds(stats: Mapping[str, Stat], requests: int, name: str) -> tuple[float, float]:
+    """The range ratio ``name`` of :func:`compute_ratios` spans when each figure it is computed
+    from (:data:`RATIO_INPUTS`) moves between its own first and third quartiles: the least and
+    the most of the ratio over every such choice (NaN, NaN when a figure is missing)."""
+    inputs = RATIO_INPUTS.get(name, ())
+    if not inputs or any(f not in stats for f in inputs):
+        return math.nan, math.nan
+    corners = [quartiles(stats[f].samples or (stats[f].median,)) for f in inputs]
+    values = []
+    for choice in itertools.product((0, 1), repeat=len(inputs)):
+        moved = dict(stats)
+        for figure, pick, corner in zip(inputs, choice, corners):
+            moved[figure] = attrs.evolve(stats[figure], median=corner[pick])
+        values.append(compute_ratios(moved, requests)[name])
+    finite = [v for v in values if math.isfinite(v)]
+    return (min(finite), max(finite)) if len(finite) == len(values) else (math.nan, math.nan)
+
+
 def _pairs(run: RunState, ratios: dict[str, float]) -> dict[str, Any]:
     """The interleaved ratios (replacing ``ratios``' values by the median of their pairs), every
     ratio's spread and verdict, and the run's noise figure per limit."""
     pairs: dict[str, Any] = {}
     spreads: dict[str, float] = {}
+    bounds: dict[str, tuple[float, float]] = {}
     limit_samples: dict[str, list[float]] = {}
     for name, (figure, per_request) in PAIRED_RATIOS.items():
         paired = _paired(run, f"{figure}_limit", figure, run.settings.requests if per_request else 1)
@@ -424,14 +444,19 @@ def _pairs(run: RunState, ratios: dict[str, float]) -> dict[str, Any]:
         pairs[name] = {**paired.to_json(), "limit": limit_name}
         ratios[name] = paired.value
         spreads[name] = paired.spread
+        bounds[name] = (paired.low, paired.high)
     for name in RATIO_NAMES:  # the rest: the larger spread of the figures it divides
         if name not in spreads:
             inputs = [run.stats[f] for f in RATIO_INPUTS.get(name, ()) if f in run.stats]
             spreads[name] = max((relative_spread(s.samples) for s in inputs), default=math.nan)
+            bounds[name] = ratio_bounds(run.stats, run.settings.requests, name)
     return {
         "pairs": pairs,
         "spreads": {name: _finite(spreads[name]) for name in RATIO_NAMES},
-        "verdicts": {name: verdict(ratios[name], TARGETS[name], spreads[name]) for name in RATIO_NAMES},
+        "bounds": {name: [_finite(b) for b in bounds[name]] for name in RATIO_NAMES},
+        "verdicts": {
+            name: verdict(ratios[name], TARGETS[name], spreads[name], bounds=bounds[name]) for name in RATIO_NAMES
+        },
         "noise": {name: _finite(relative_spread(samples)) for name, samples in limit_samples.items()},
         "max_spread": MAX_SPREAD,
     }
@@ -456,7 +481,7 @@ def _connector_pairs(run: RunState) -> dict[str, Any]:
             **paired.to_json(),
             "limit": limit_name,
             "target": str(target),
-            "verdict": verdict(paired.value, target, paired.spread),
+            "verdict": verdict(paired.value, target, paired.spread, bounds=(paired.low, paired.high)),
         }
     return out
 

@@ -34,8 +34,10 @@ from kvferry.app.bench.payload import (
     payload_crc,
     plan_request,
 )
+from kvferry.app.bench.pairs import quartiles
 from kvferry.app.bench.plot import Bar, encode_png, render_png
 from kvferry.app.bench.proc import Peer, read_lines
+from kvferry.app.bench.runner import ratio_bounds
 from kvferry.app.bench.scenarios import tp_items
 from kvferry.app.cli import main
 from kvferry.core.errors import ConfigError, TransferError
@@ -93,6 +95,25 @@ def test_every_ratio_is_finite_from_positive_medians(medians: dict[str, float], 
     assert ratios["zmq_1req_vs_raw_tcp"] == pytest.approx(medians["raw_tcp"] / medians["zmq_e2e_1"])
     assert ratios["readiness_shm_from_send_call_p50_ms"] == pytest.approx(medians["readiness_shm_from_call"] * 1e3)
     assert ratios["codec_ms"] == pytest.approx(medians["kvferry_codec"] * 1e3)
+
+
+@given(
+    st.fixed_dictionaries({name: st.lists(positive, min_size=1, max_size=9) for name in _INPUTS}),
+    st.integers(1, 16),
+)
+def test_a_ratios_bounds_hold_its_value_and_follow_its_figures_quartiles(samples: dict, requests: int) -> None:
+    stats = {k: Stat.of(v) for k, v in samples.items()}
+    ratios = compute_ratios(stats, requests)
+    for name in RATIO_NAMES:
+        low, high = ratio_bounds(stats, requests, name)
+        assert low <= high
+        # the medians lie between the quartiles, so the value lies between the bounds
+        assert low * (1 - 1e-9) <= ratios[name] <= high * (1 + 1e-9), name
+    # by hand: a time ratio is least with the limit at its q1 and the subject at its q3
+    q1m, q3m = quartiles(samples["memcpy"])
+    q1s, q3s = quartiles(samples["shm_e2e_1"])
+    assert ratio_bounds(stats, requests, "shm_e2e_vs_memcpy") == pytest.approx((q1m / q3s, q3m / q1s))
+    assert all(math.isnan(b) for b in ratio_bounds({}, requests, "shm_e2e_vs_memcpy"))
 
 
 def test_missing_figures_give_nan_not_an_error() -> None:

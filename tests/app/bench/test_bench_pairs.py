@@ -84,6 +84,38 @@ def test_a_verdict_is_unsteady_above_the_spread_else_the_target_decides(value, s
     assert verdict(value, target, math.nan) == "unsteady"  # no spread known: not a steady verdict
 
 
+@given(
+    st.floats(0.01, 10.0),
+    st.floats(0.0, 1.0),
+    st.floats(0.01, 10.0),
+    st.floats(0.01, 10.0),
+    st.sampled_from([Target(">=", 0.85), Target("<=", 0.5), Target("<", 10.0)]),
+)
+def test_a_spread_that_cannot_change_the_verdict_does_not_make_it_unsteady(value, spread, a, b, target) -> None:
+    low, high = min(a, b), max(a, b)
+    got = verdict(value, target, spread, bounds=(low, high))
+    if spread <= MAX_SPREAD:  # steady: the value decides, whatever the bounds
+        assert got == ("met" if target.met(value) else "missed")
+    elif target.met(low) and target.met(high):  # the whole interquartile range meets it
+        assert got == "met"
+    elif not target.met(low) and not target.met(high):
+        assert got == "missed"
+    else:  # the range straddles the target: the weather could decide
+        assert got == "unsteady"
+    assert verdict(value, target, spread, bounds=(math.nan, high)) in (
+        ("met", "missed") if spread <= MAX_SPREAD else ("unsteady",)
+    )
+
+
+def test_a_tiny_fault_count_is_met_however_much_it_spreads() -> None:
+    # faults per MB 0.004-0.02 against < 10: a spread of 100 % changes nothing
+    assert verdict(0.006, Target("<", 10.0), 1.0) == "unsteady"  # without bounds, as before
+    assert verdict(0.006, Target("<", 10.0), 1.0, bounds=(0.004, 0.02)) == "met"
+    # and a ratio far under its target is a miss, not weather
+    assert verdict(0.5, Target(">=", 0.85), 0.4, bounds=(0.4, 0.7)) == "missed"
+    assert verdict(0.8, Target(">=", 0.85), 0.4, bounds=(0.7, 0.95)) == "unsteady"
+
+
 @given(st.lists(VERDICT, min_size=1, max_size=5))
 def test_over_runs_a_steady_miss_wins_then_unsteady_then_met_in_every_run(verdicts: list[str]) -> None:
     got = runs_verdict(verdicts)
