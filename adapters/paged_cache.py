@@ -436,8 +436,14 @@ def plan_extraction(
     valid_by_bound: dict[int, tuple[int, ...]] = {}
     indexes: dict[tuple[torch.device, int, int], torch.Tensor] = {}  # (device, bound, full)
     runs: dict[tuple[int, int], tuple[tuple[int, int, int], ...]] = {}  # (bound, full)
+    made: dict[tuple[int, int], TensorGather] = {}  # (bound, block tokens) -> the last gather
 
     def plan_tensor(layer: int, which: str, blocks: torch.Tensor, bound: int) -> TensorGather | None:
+        last = made.get((bound, blocks.shape[1]))
+        if last is not None and last.device == blocks.device:  # the same request fields
+            gather = last.with_blocks(blocks, layer, which)
+            made[bound, blocks.shape[1]] = gather
+            return gather
         valid = valid_by_bound[bound]
         tokens, full, tail = token_split(len(valid), blocks.shape[1], seq_len)
         if tokens == 0:
@@ -446,7 +452,7 @@ def plan_extraction(
             indexes[blocks.device, bound, full] = torch.tensor(valid[:full], dtype=torch.int64, device=blocks.device)
         if (bound, full) not in runs:
             runs[bound, full] = block_runs(valid[:full])
-        return TensorGather(
+        made[bound, blocks.shape[1]] = gather = TensorGather(
             layer,
             which,
             blocks,
@@ -457,6 +463,7 @@ def plan_extraction(
             indexes[blocks.device, bound, full],
             runs[bound, full],
         )
+        return gather
 
     keys: list[TensorGather | None] = [None] * len(layers)
     values: list[TensorGather | None] = [None] * len(layers)

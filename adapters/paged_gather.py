@@ -229,6 +229,38 @@ class TensorGather:
     def _layout_default(self) -> _NativeLayout | None:
         return _native_layout(self.blocks, self.index, self.full_blocks, self.tail_tokens)
 
+    def with_blocks(self, blocks: torch.Tensor, layer: int, which: str) -> TensorGather:
+        """This request's gather over ``blocks`` instead, as ``layer``'s ``which`` tensor:
+        another layer of the same cache, or the same head slice of another layer. When
+        ``blocks`` has this gather's shape, strides, dtype and device, the fields derived from
+        them are copied instead of computed again (a plan makes one per layer and per head
+        slice); otherwise it is built as the constructor builds it."""
+        mine = self.blocks
+        if (
+            blocks.shape != mine.shape
+            or blocks.stride() != mine.stride()
+            or blocks.dtype != mine.dtype
+            or blocks.device != mine.device
+        ):
+            return TensorGather(
+                layer,
+                which,
+                blocks,
+                self.block_ids,
+                self.tokens,
+                self.full_blocks,
+                self.tail_tokens,
+                self.index,
+                self.runs,
+            )
+        twin = object.__new__(TensorGather)
+        put = object.__setattr__  # frozen: how attrs' own __init__ sets fields
+        for name, value in zip(_GATHER_SLOTS, (layer, which, blocks)):
+            put(twin, name, value)
+        for name in _GATHER_SLOTS[3:]:
+            put(twin, name, getattr(self, name))
+        return twin
+
     @property
     def name(self) -> str:
         """Wire name: ``key_cache_{layer}`` or ``value_cache_{layer}``."""
@@ -397,6 +429,12 @@ class TensorGather:
                 self._stream,
             ),
         )
+
+
+#: Every field of :class:`TensorGather`, ``layer``, ``which`` and ``blocks`` first (what
+#: :meth:`TensorGather.with_blocks` sets and copies).
+_GATHER_SLOTS = tuple(a.name for a in attrs.fields(TensorGather))
+assert _GATHER_SLOTS[:3] == ("layer", "which", "blocks")
 
 
 def split_stride(gathers: Sequence[TensorGather]) -> int | None:

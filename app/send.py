@@ -82,6 +82,7 @@ def slice_plan_heads(plan: ExtractionPlan, offset_in_shard: int, num_slices: int
         )
 
     bounds: dict[int, tuple[int, int]] = {}  # heads -> (start, length): layers share one
+    made: dict[int, TensorGather] = {}  # id of a request field set -> the last slice made of it
 
     def narrow(g: Any) -> Any:
         if g is None:
@@ -92,18 +93,16 @@ def slice_plan_heads(plan: ExtractionPlan, offset_in_shard: int, num_slices: int
         if heads not in bounds:
             start, stop = slice_bounds(heads, offset_in_shard, num_slices)
             bounds[heads] = (start, stop - start)
-        # the constructor directly (attrs.evolve costs as much again, every layer, every slice)
-        return TensorGather(
-            g.layer,
-            g.which,
-            g.blocks.narrow(2, *bounds[heads]),
-            g.block_ids,
-            g.tokens,
-            g.full_blocks,
-            g.tail_tokens,
-            g.index,
-            g.runs,
-        )
+        blocks = g.blocks.narrow(2, *bounds[heads])
+        last = made.get(id(g.index))
+        if last is not None and last.block_ids is g.block_ids and last.tokens == g.tokens:
+            sliced = last.with_blocks(blocks, g.layer, g.which)  # derived fields copied when they match
+        else:  # the constructor directly (attrs.evolve costs as much again, every layer, every slice)
+            sliced = TensorGather(
+                g.layer, g.which, blocks, g.block_ids, g.tokens, g.full_blocks, g.tail_tokens, g.index, g.runs
+            )
+        made[id(g.index)] = sliced
+        return sliced
 
     return attrs.evolve(
         plan, keys=tuple(map(narrow, plan.keys)), values=tuple(map(narrow, plan.values)), metadata=plan.metadata

@@ -28,12 +28,12 @@ Torch runs ``threads`` intra-op threads (default 1) in every process, so the sin
 
 from __future__ import annotations
 
+import itertools
 import logging
 import math
 import os
 import platform
 import sys
-import itertools
 import time
 from collections.abc import Callable, Mapping
 from typing import Any, TypedDict

@@ -169,6 +169,37 @@ def test_pieces_reproduce_the_byte_offsets_of_a_block(view):
     assert described == expected
 
 
+def _fields(g):
+    return {a.name: getattr(g, a.name) for a in attrs.fields(type(g))}
+
+
+@settings(max_examples=200, deadline=None)
+@given(block_views(), block_views(), st.integers(0, 3), st.booleans())
+def test_a_gather_over_other_blocks_is_what_the_constructor_builds(view, other, seq_extra, same_geometry):
+    """``with_blocks`` (another layer, or the same head slice of another layer, of one request)
+    gives exactly the gather the constructor gives, whether or not the blocks share a geometry
+    (it copies the derived fields only when they do)."""
+    if same_geometry:  # the same shape and strides at another place: a copy of the layer's storage
+        other = torch.empty_strided(view.shape, view.stride(), dtype=view.dtype)
+    ids = tuple(range(view.shape[0]))
+    full = max(0, len(ids) - 1)
+    tail = min(seq_extra, max(0, view.shape[1] - 1)) if view.dim() > 1 else 0
+    index = torch.tensor(ids[:full], dtype=torch.int64)
+    runs = ((0, 0, full),) if full else ()
+    tokens = full * view.shape[1] + tail
+    first = paged_gather.TensorGather(0, "key", view, ids, tokens, full, tail, index, runs)
+    made = paged_gather.TensorGather(3, "value", other, ids, tokens, full, tail, index, runs)
+    got = first.with_blocks(other, 3, "value")
+    assert got.blocks is other and got.layer == 3 and got.which == "value"
+    mine, theirs = _fields(got), _fields(made)
+    assert mine.keys() == theirs.keys()
+    for name, value in mine.items():
+        if isinstance(value, torch.Tensor):  # blocks: the one given; index: the request's own
+            assert value is (other if name == "blocks" else theirs[name])
+        else:
+            assert value == theirs[name], name
+
+
 @needs_native
 @pytest.mark.parametrize("ids", [[7, 1, 5], [5, 1, 7]], ids=["whole-block", "partial-block"])
 def test_ids_outside_the_blocks_raise_before_any_byte_moves(ids):

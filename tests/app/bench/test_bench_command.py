@@ -23,6 +23,7 @@ from hypothesis import strategies as st
 
 from kvferry.adapters.torch_frames import decode_payload, encode_bytes
 from kvferry.app.bench.model import RATIO_NAMES, TARGETS, BenchSettings, Geometry, Stat, compute_ratios, ratio_of
+from kvferry.app.bench.pairs import quartiles
 from kvferry.app.bench.payload import (
     baseline_decode,
     baseline_encode,
@@ -34,7 +35,6 @@ from kvferry.app.bench.payload import (
     payload_crc,
     plan_request,
 )
-from kvferry.app.bench.pairs import quartiles
 from kvferry.app.bench.plot import Bar, encode_png, render_png
 from kvferry.app.bench.proc import Peer, read_lines
 from kvferry.app.bench.runner import ratio_bounds
