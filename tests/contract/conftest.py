@@ -22,6 +22,7 @@ from typing import Any, NamedTuple
 
 import pytest
 import warm_spawn
+from mooncake_support import mooncake_missing
 
 from kvferry.app.registry import create_connector
 
@@ -91,13 +92,9 @@ def mooncake_factory(config: dict[str, Any]) -> ConnectorPair:
     """A mooncake sender and receiver in this process, over TCP on loopback (OS-chosen ports).
 
     Skips when the optional package or its system library (libibverbs) is missing."""
-    try:
-        import mooncake.engine  # noqa: F401
-    except (ImportError, OSError) as exc:
-        pytest.skip(
-            f"mooncake transfer engine unavailable ({exc}); pip install 'kvferry[mooncake]' "
-            "and apt-get install libibverbs1"
-        )
+    missing = mooncake_missing()
+    if missing is not None:
+        pytest.skip(missing)
     return control_pair({"type": "mooncake", "host": "127.0.0.1"}, config)
 
 

@@ -22,6 +22,7 @@ from typing import Any
 
 import pytest
 from conftest import HostWorker, module_net
+from mooncake_support import mooncake_missing
 from stages import TwoHostStage
 
 from kvferry.app.bench.netns import run_cmd
@@ -195,10 +196,9 @@ def test_what_the_mooncake_engine_exposes(forks: Any, lan: Any, tmp_path: Any) -
     """The control channel binds the address it is given; the engine listens on all interfaces
     by itself, so C (on the segment only) reaches the engine's ports of a sender bound to the
     wire. kvferry cannot change the engine's binds: docs/deploying.md says to firewall them."""
-    try:
-        import mooncake.engine  # noqa: F401
-    except ImportError as exc:
-        pytest.skip(f"mooncake transfer engine not importable: {exc}")
+    missing = mooncake_missing()
+    if missing is not None:
+        pytest.skip(missing)
     net, a, b, c = lan
     wire_addr = a.addresses["to-b"]
     stage = TwoHostStage(

@@ -30,6 +30,7 @@ from typing import Any
 
 import pytest
 from conftest import module_net
+from mooncake_support import mooncake_missing
 from nixl_support import nixl_missing
 from stages import SLACK_S, TwoHostStage
 
@@ -58,14 +59,6 @@ def hosts() -> Iterator[Any]:
         a, b = net.host("a"), net.host("b")
         wire = net.wire(a, b)
         yield net, a, b, wire
-
-
-def _mooncake_missing() -> str | None:
-    try:
-        import mooncake.engine  # noqa: F401
-    except ImportError as exc:  # the extra, or its system library libibverbs1, is missing
-        return f"mooncake transfer engine not importable: {exc}"
-    return None
 
 
 #: nixl: one READ's deadline in these tests, below the receive deadline of a request that must
@@ -103,7 +96,7 @@ def stage(
     receiver_options: dict[str, Any] = {}
     sender_options: dict[str, Any] = {}
     if request.param == "mooncake":
-        missing = _mooncake_missing()
+        missing = mooncake_missing()
         if missing:
             pytest.skip(missing)
         # the receiver's engine announces its own host's address (its own config, not the sender's)

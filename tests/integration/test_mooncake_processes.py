@@ -18,6 +18,7 @@ if __name__ == "__main__":  # run as a worker: tests/ (jsonlines, process_kit) i
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import process_kit  # noqa: E402
 from jsonlines import commands, say  # noqa: E402
+from mooncake_support import mooncake_missing  # noqa: E402
 
 MiB = 1 << 20
 BIG = 256 * MiB
@@ -76,13 +77,7 @@ def receiver_main(config: dict, meta: dict) -> None:
 
 @pytest.fixture
 def workers():
-    try:
-        import mooncake.engine  # noqa: F401
-    except (ImportError, OSError) as exc:
-        missing: str | None = f"mooncake transfer engine unavailable: {exc}"
-    else:
-        missing = None
-    yield from process_kit.workers(__file__, missing)
+    yield from process_kit.workers(__file__, mooncake_missing())
 
 
 # ----------------------------------------------------------------------------- tests

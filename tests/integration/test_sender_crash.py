@@ -19,6 +19,7 @@ import time
 from typing import Any
 
 import pytest
+from mooncake_support import mooncake_missing
 from stage_worker import expected_digest, kv_digest, make_spec, sender_caches, spec_to_json
 
 from kvferry.app.wiring import build_manager
@@ -30,22 +31,12 @@ GONE_S = 30.0
 SLACK_S = 10.0
 
 
-def _mooncake_missing() -> str | None:
-    try:
-        import mooncake.engine  # noqa: F401
-    except (ImportError, OSError) as exc:
-        return f"mooncake transfer engine unavailable: {exc}"
-    return None
-
-
 # zmq-ipc: same connector as tcp; its stale socket file is covered by test_zmq_processes.py.
 # mooncake: the receive side nixl shares too (nixl's own process tests run in the vLLM venv).
 CONNECTORS = [
     "zmq-tcp",
     "shm",
-    pytest.param(
-        "mooncake", marks=pytest.mark.skipif(_mooncake_missing() is not None, reason=str(_mooncake_missing()))
-    ),
+    pytest.param("mooncake", marks=pytest.mark.skipif(mooncake_missing() is not None, reason=str(mooncake_missing()))),
 ]
 
 

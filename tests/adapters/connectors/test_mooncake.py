@@ -16,6 +16,7 @@ import pytest
 import zmq
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from mooncake_support import mooncake_missing
 
 from kvferry.adapters.connectors.mooncake import wire
 from kvferry.adapters.connectors.mooncake.config import MooncakeConfig
@@ -349,10 +350,9 @@ def test_engine_that_fails_to_start_is_connector_unavailable() -> None:
 
 
 def _engine_or_skip() -> None:
-    try:
-        import mooncake.engine  # noqa: F401
-    except (ImportError, OSError) as exc:
-        pytest.skip(f"mooncake transfer engine unavailable: {exc}")
+    missing = mooncake_missing()
+    if missing is not None:
+        pytest.skip(missing)
 
 
 class FakeClock:
