@@ -40,7 +40,9 @@ from kvferry.adapters.paged_gather import (
     DEVICE_MAX_RUNS,
     MAX_SPLIT,
     STRIDED_MAX_RUNS,
+    Destination,
     GatherMethod,
+    HostSpan,
     NativeCall,
     TensorGather,
     split_calls,
@@ -58,6 +60,8 @@ __all__ = [
     "LayerSkip",
     "ExtractionSkipped",
     "TensorGather",
+    "HostSpan",
+    "Destination",
     "ExtractionPlan",
     "ExtractedKV",
     "normalize_layer_kv",
@@ -283,8 +287,9 @@ class ExtractionPlan:
             raise ConfigError(f"request {self.request_id}: layer {layer} has no {which} tensor")
         return gather.gather_into(out, method=method)
 
-    def gather_all(self, dest_views: Sequence[Sequence[torch.Tensor | None]], *, method: GatherMethod = "auto") -> None:
-        """Fill ``(key_views, value_views)``: one view per layer, None exactly where absent.
+    def gather_all(self, dest_views: Sequence[Sequence[Destination | None]], *, method: GatherMethod = "auto") -> None:
+        """Fill ``(key_views, value_views)``: one view (or :class:`HostSpan`) per layer, None
+        exactly where absent.
 
         Every view is checked before the first byte moves.
         """
@@ -317,7 +322,7 @@ class ExtractionPlan:
 
 
 def gather_slices(
-    plans: Sequence[ExtractionPlan], dests: Sequence[Sequence[Sequence[torch.Tensor | None]]], copies: int = 1
+    plans: Sequence[ExtractionPlan], dests: Sequence[Sequence[Sequence[Destination | None]]], copies: int = 1
 ) -> None:
     """:meth:`ExtractionPlan.gather_all` of every plan into its ``(key_views, value_views)``,
     where the plans are slices of one request (e.g. the head slices of several receivers): a
@@ -329,7 +334,7 @@ def gather_slices(
     copy is gathered again. Every view is checked before the first byte moves."""
     if copies < 1 or len(plans) * copies != len(dests):
         raise ConfigError(f"{len(plans)} plans of {copies} copies each, {len(dests)} destinations")
-    jobs: list[tuple[list[TensorGather], list[torch.Tensor], list[str]]] = []
+    jobs: list[tuple[list[TensorGather], list[Destination], list[str]]] = []
     num_layers = plans[0].num_layers
     for plan in plans:
         if plan.num_layers != num_layers:
@@ -358,7 +363,7 @@ def gather_slices(
                     methods.append(gather.choose_method(present[0].device))
             jobs.append((gathers, outs, methods))
     splits: list[NativeCall] = []  # a split read once for all its slices
-    each: list[tuple[TensorGather, torch.Tensor, str]] = []  # every other destination on its own
+    each: list[tuple[TensorGather, Destination, str]] = []  # every other destination on its own
     for gathers, outs, methods in jobs:
         native = len(gathers) == len(plans) and len(outs) <= MAX_SPLIT and all(m == "native" for m in methods)
         stride = split_stride(gathers) if native and len(gathers) > 1 else (0 if native and copies > 1 else None)

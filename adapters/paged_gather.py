@@ -37,6 +37,8 @@ __all__ = [
     "DEVICE_MAX_RUNS",
     "STRIDED_MAX_RUNS",
     "TensorGather",
+    "HostSpan",
+    "Destination",
     "NATIVE_GATHER",
     "NATIVE_MAX_THREADS",
     "NATIVE_MIN_PIECE",
@@ -133,6 +135,37 @@ def _pieces(sizes: tuple[int, ...], strides: tuple[int, ...], itemsize: int) -> 
         return None
     outer += [(1, 0)] * (3 - len(outer))
     return (*(v for dim in reversed(outer) for v in dim), piece)
+
+
+@attrs.frozen(eq=False)
+class HostSpan:
+    """A gather's destination that is not made into a tensor: ``shape`` elements of ``dtype``
+    at byte ``offset`` of ``buffer``, a 1-D contiguous ``uint8`` host tensor (a reserved pool
+    region). The native gather writes through the address alone, so a payload is gathered into
+    its region without a typed view per tensor (about 4 us each); :meth:`tensor` makes the view
+    for the torch methods. Made by :func:`kvferry.adapters.torch_frames.dest_spans`, which
+    checks that each span lies in the buffer and is aligned for its dtype."""
+
+    buffer: torch.Tensor = attrs.field(repr=False)
+    offset: int
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+
+    @property
+    def device(self) -> torch.device:
+        return self.buffer.device
+
+    def data_ptr(self) -> int:
+        return self.buffer.data_ptr() + self.offset
+
+    def tensor(self) -> torch.Tensor:
+        """The typed view of the span."""
+        nbytes = math.prod(self.shape) * self.dtype.itemsize
+        return self.buffer.narrow(0, self.offset, nbytes).view(self.dtype).view(self.shape)
+
+
+#: Where a gather writes: a tensor, or a span of a host buffer.
+Destination = torch.Tensor | HostSpan
 
 
 @attrs.frozen
@@ -330,7 +363,13 @@ class TensorGather:
         return "runs" if self.strided and len(self.runs) <= STRIDED_MAX_RUNS else "index"
 
     def check_out(self, out: Any) -> None:
-        """ConfigError unless ``out`` is a contiguous tensor of this shape and dtype."""
+        """ConfigError unless ``out`` is a contiguous tensor, or a :class:`HostSpan`, of this
+        shape and dtype."""
+        if type(out) is HostSpan:
+            if out.shape != self.shape or out.dtype != self.dtype:
+                have, need = f"{out.dtype}{list(out.shape)}", f"{self.dtype}{list(self.shape)}"
+                raise ConfigError(f"{self.name}: destination span is {have}, need {need}")
+            return
         if not isinstance(out, torch.Tensor):
             raise ConfigError(f"{self.name}: destination must be a tensor, not {type(out).__name__}")
         if tuple(out.shape) != self.shape or out.dtype != self.dtype or not out.is_contiguous():
@@ -348,16 +387,19 @@ class TensorGather:
         ``tail_tokens`` tokens in one more ``copy_``; or ``"native"``: both in C.
         """
         self.check_out(out)
-        return self.write_unchecked(out, self.choose_method(out.device, method))
+        self.write_unchecked(out, self.choose_method(out.device, method))
+        return out
 
-    def write_unchecked(self, out: torch.Tensor, chosen: str) -> torch.Tensor:
+    def write_unchecked(self, out: Destination, chosen: str) -> None:
         """Copy into ``out`` already passed by :meth:`check_out`, with a method :meth:`choose_method`
         returned (not ``"auto"``); autograd must be off. :meth:`gather_into` does all three."""
         if self.nbytes == 0:
-            return out
+            return
         if chosen == "native":
             self._write_native(out)
-            return out
+            return
+        if isinstance(out, HostSpan):  # the torch methods write through a view
+            out = out.tensor()
         block_shape = tuple(self.blocks.shape[1:])
         if self.full_blocks:
             dst = out.narrow(0, 0, self.full_blocks * block_shape[0]).view(self.full_blocks, *block_shape)
@@ -379,14 +421,13 @@ class TensorGather:
             out.narrow(0, self.full_blocks * block_shape[0], self.tail_tokens).copy_(
                 last.narrow(0, 0, self.tail_tokens)
             )
-        return out
 
-    def _write_native(self, out: torch.Tensor) -> None:
+    def _write_native(self, out: Destination) -> None:
         """The ``"native"`` copy: whole blocks in one call, the partial last block in another.
         IndexError, before any byte moves, if a block id is outside ``blocks``."""
         _run_native(self.native_calls(out))
 
-    def native_calls(self, out: torch.Tensor) -> list[NativeCall]:
+    def native_calls(self, out: Destination) -> list[NativeCall]:
         """The native copies that write this tensor into ``out`` (already passed by
         :meth:`check_out`): the whole blocks, then the partial last block; nothing moves until
         :func:`write_all` runs them. IndexError now if a block id is outside ``blocks``."""
@@ -412,7 +453,7 @@ class TensorGather:
         if not 0 <= last < self.blocks.shape[0]:
             raise IndexError(f"{self.name}: block {last} outside [0, {self.blocks.shape[0]})")
 
-    def _tail_call(self, out: torch.Tensor) -> NativeCall:
+    def _tail_call(self, out: Destination) -> NativeCall:
         """The native copy of the partial last block's tokens (after :meth:`_check_tail_id`)."""
         layout, last = self._layout, self.block_ids[self.full_blocks]
         assert layout is not None  # the native path runs only on blocks with a native layout
@@ -469,7 +510,7 @@ def split_stride(gathers: Sequence[TensorGather]) -> int | None:
     return stride
 
 
-def gather_split(gathers: Sequence[TensorGather], outs: Sequence[torch.Tensor], stride: int, replicas: int = 1) -> None:
+def gather_split(gathers: Sequence[TensorGather], outs: Sequence[Destination], stride: int, replicas: int = 1) -> None:
     """Write ``gathers[j]`` into ``outs[j * replicas + r]`` for every ``r < replicas`` (each
     checked by :meth:`TensorGather.check_out`) in one pass over the source: the native split
     gather for the whole blocks (every copy of a slice written from one read), then each
@@ -479,7 +520,7 @@ def gather_split(gathers: Sequence[TensorGather], outs: Sequence[torch.Tensor], 
 
 
 def split_calls(
-    gathers: Sequence[TensorGather], outs: Sequence[torch.Tensor], stride: int, replicas: int = 1
+    gathers: Sequence[TensorGather], outs: Sequence[Destination], stride: int, replicas: int = 1
 ) -> list[NativeCall]:
     """:func:`gather_split`'s native copies, to run with :func:`write_all`; nothing moves
     before then (a bad destination count raises ConfigError, a block id out of range
@@ -515,13 +556,13 @@ def split_calls(
     return calls
 
 
-def write_all(items: Iterable[tuple[TensorGather, torch.Tensor, str]], calls: Sequence[NativeCall] = ()) -> None:
+def write_all(items: Iterable[tuple[TensorGather, Destination, str]], calls: Sequence[NativeCall] = ()) -> None:
     """Write each ``(gather, destination, method)`` (the destination passed by
     :meth:`TensorGather.check_out`, the method by :meth:`TensorGather.choose_method`): every
     native copy, with ``calls`` prepared by the caller, is prepared first (every id checked
     before a byte moves) and run back to back (:func:`_run_native`); the torch methods after."""
     prepared = list(calls)
-    others: list[tuple[TensorGather, torch.Tensor, str]] = []
+    others: list[tuple[TensorGather, Destination, str]] = []
     for gather, out, method in items:
         if method == "native":
             prepared.extend(gather.native_calls(out))

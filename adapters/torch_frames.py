@@ -21,6 +21,7 @@ import attrs
 import torch
 
 from kvferry.adapters.checksums import compute_checksum
+from kvferry.adapters.paged_gather import Destination, HostSpan
 from kvferry.adapters.torch_decode import (
     _NAMES,
     _NUMPY_AS,
@@ -50,6 +51,7 @@ __all__ = [
     "write_payload_into",
     "finish_payload_in",
     "dest_views",
+    "dest_spans",
     "decode_payload",
     "slice_heads",
     "merge_heads",
@@ -244,6 +246,32 @@ def dest_views(dest: torch.Tensor, layout: PayloadLayout) -> list[torch.Tensor |
         if view is None:
             raise ConfigError(f"tensor {entry.name!r} would be misaligned in the destination buffer")
         out.append(view)
+    return out
+
+
+def dest_spans(dest: torch.Tensor, layout: PayloadLayout) -> list[Destination | None]:
+    """Where each tensor of ``layout`` goes in ``dest``, as :func:`dest_views` but without
+    making the views when ``dest`` is on the host: a :class:`HostSpan` per tensor (the native
+    gather needs only its address; the torch methods make the view when they run). A device
+    buffer gets :func:`dest_views`. ConfigError as :func:`dest_views` for a buffer too small
+    or a span misaligned for its dtype."""
+    if dest.device.type != "cpu":
+        return list(dest_views(dest, layout))
+    _check_dest(dest, layout)
+    base = dest.storage_offset()
+    out: list[Destination | None] = []
+    for entry, span in zip(layout.header.tensors, layout.spans):
+        if span is None or isinstance(entry, AbsentTensor):
+            out.append(None)
+            continue
+        dtype = torch_dtype(entry.dtype)
+        if not entry.nbytes or (base + span[0]) % dtype.itemsize:  # as dest_views makes it
+            view = _typed_view(dest, span[0], entry, copy_if_misaligned=False)
+            if view is None:
+                raise ConfigError(f"tensor {entry.name!r} would be misaligned in the destination buffer")
+            out.append(view)
+            continue
+        out.append(HostSpan(dest, span[0], dtype, entry.shape))
     return out
 
 

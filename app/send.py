@@ -37,7 +37,7 @@ from kvferry.adapters.paged_cache import (
     plan_extraction,
 )
 from kvferry.adapters.torch_frames import (
-    dest_views,
+    dest_spans,
     encode_bytes,
     encode_device_tensor,
     encode_frames,
@@ -435,7 +435,7 @@ class SendPath:
                 shared = [None] * len(items)
             else:
                 written, copies = gathered, 1
-            views = [dest_views(reservations[i].buffer, layouts[i]) for i in written]
+            views = [dest_spans(reservations[i].buffer, layouts[i]) for i in written]
             dests = [(v[: items[i][0].num_layers], v[items[i][0].num_layers :]) for v, i in zip(views, written)]
             if len(written) == 1:
                 items[written[0]][0].gather_all(dests[0])

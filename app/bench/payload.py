@@ -29,7 +29,7 @@ from kvferry.adapters.paged_cache import ExtractionPlan, ExtractionSkipped, plan
 from kvferry.adapters.platform import HugePages, advise_huge_pages
 from kvferry.adapters.torch_frames import (
     DecodedKV,
-    dest_views,
+    dest_spans,
     encode_frames,
     finish_payload_in,
     host_byte_view,
@@ -183,8 +183,9 @@ def layout_for(plan: ExtractionPlan, *, checksums: str | None = None) -> Payload
 
 
 def gather_payload_into(plan: ExtractionPlan, layout: PayloadLayout, dest: torch.Tensor) -> PayloadLayout:
-    """Gather ``plan`` straight into ``dest`` (1-D uint8) laid out as ``layout``; write the header."""
-    views = dest_views(dest, layout)
+    """Gather ``plan`` straight into ``dest`` (1-D uint8) laid out as ``layout``, as the send
+    path gathers into a reserved region (:func:`dest_spans`); write the header."""
+    views = dest_spans(dest, layout)
     n = plan.num_layers
     plan.gather_all((views[:n], views[n:]))
     return finish_payload_in(dest, layout)

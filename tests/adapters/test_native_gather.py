@@ -553,3 +553,82 @@ def test_a_large_gather_lets_other_python_threads_run():
     held, kept = bytearray(out.numel() * 2), []  # kept: the copy is freed outside the window
     inside, window = _ticks_inside(lambda: kept.append(bytes(held)))
     assert window > 0.004 and inside == 0, (inside, window)
+
+
+# ------------------------------------------------------------------ spans of a payload region
+def _payload_regions(plans, copies, start):
+    """One pool per destination, filled with 0xAB, with the payload of its plan at ``start``
+    (64: aligned, 3: every wider dtype misaligned); ``(regions, layouts)``."""
+    from kvferry.app.bench.payload import layout_for
+
+    layouts = [layout_for(p) for p in plans for _ in range(copies)]
+    pools = [torch.full((lay.total_nbytes + 128,), 0xAB, dtype=torch.uint8) for lay in layouts]
+    return [pool[start : start + lay.total_nbytes] for pool, lay in zip(pools, layouts)], layouts
+
+
+def _places(make, regions, layouts, num_layers):
+    out = [make(r, lay) for r, lay in zip(regions, layouts)]
+    return [(p[:num_layers], p[num_layers:]) for p in out]
+
+
+@pytest.mark.parametrize("start", [64, 3])
+@pytest.mark.parametrize(("slices", "copies"), [(1, 1), (2, 1), (2, 2)])
+@pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: str(d).removeprefix("torch."))
+def test_spans_of_a_region_receive_the_payload_views_receive(split_calls, dtype, slices, copies, start):
+    """A payload gathered into its region through :func:`dest_spans` (no view per tensor; the
+    native gather writes through the address, torch's methods through a view made when they
+    run) is byte for byte the payload gathered through :func:`dest_views`, header included, for
+    every layout, scattered ids, a partial last block, head slices and copies, aligned and
+    misaligned regions, and with torch on one thread (native) or two (torch's copies). The
+    control: a region left unwritten keeps its 0xAB bytes, which no payload here has."""
+    from kvferry.adapters.torch_frames import dest_spans, dest_views, finish_payload_in
+
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    key = random_blocks(10, 256 // itemsize, dtype, seed=11)
+    value = random_blocks(10, 256 // itemsize, dtype, seed=12)
+    for layout in ("dim0", "dim1", "packed", "tuple"):
+        for ids, seq_len in IDS_CASES:
+            plan = plan_extraction(
+                [make_layer(layout, key, value)] * 2, ids, seq_len, BLOCK, cache_dtype=str(dtype), layout=NAMES[layout]
+            )
+            parts = _sliced(plan, slices) if slices > 1 else [plan]
+            got = {}
+            for make in (dest_views, dest_spans):
+                regions, layouts = _payload_regions(parts, copies, start)
+                places = _places(make, regions, layouts, plan.num_layers)
+                if len(places) == 1:
+                    parts[0].gather_all(places[0])
+                else:
+                    gather_slices(parts, places, copies)
+                for region, lay in zip(regions, layouts):
+                    finish_payload_in(region, lay)
+                got[make.__name__] = [bytes(r.numpy()) for r in regions]
+            assert got["dest_spans"] == got["dest_views"], (layout, ids)
+            spans = dest_spans(*_payload_regions(parts[:1], 1, start)[0], layouts[0])
+            data = [s for s in spans if s is not None]
+            if start == 3 and itemsize > 1:  # misaligned for the dtype: views, as dest_views makes
+                assert all(isinstance(s, torch.Tensor) for s in data)
+            else:
+                assert all(isinstance(s, paged_gather.HostSpan) for s in data)
+            blank = _payload_regions(parts[:1], 1, start)[0][0]
+            assert bytes(blank.numpy())[-64:] == b"\xab" * 64 != got["dest_spans"][0][-64:]
+
+
+def test_a_span_of_another_shape_or_dtype_is_refused_before_any_byte_moves():
+    """``check_out`` holds a span to the gather's shape and dtype as it holds a view; a span's
+    view is where its address says."""
+    key = random_blocks(10, 128, torch.bfloat16, seed=13)
+    plan = plan_extraction([make_layer("dim0", key, key)], [3, 1], 8, BLOCK, cache_dtype="bfloat16")
+    gather = plan.keys[0]
+    pool = torch.full((2 * gather.nbytes + 128,), 0xAB, dtype=torch.uint8)
+    for shape, dtype in (((7, HEADS, 128), torch.bfloat16), (gather.shape, torch.float16)):
+        with pytest.raises(ConfigError, match="destination span"):
+            plan.gather_all(([paged_gather.HostSpan(pool, 64, dtype, shape)], [None]))
+    assert torch.all(pool == 0xAB)
+    k = paged_gather.HostSpan(pool, 64, torch.bfloat16, gather.shape)
+    v = paged_gather.HostSpan(pool, 64 + gather.nbytes, torch.bfloat16, gather.shape)
+    plan.gather_all(([k], [v]))
+    assert k.data_ptr() == pool.data_ptr() + 64 == k.tensor().data_ptr()
+    for span, g in ((k, plan.keys[0]), (v, plan.values[0])):
+        assert same_bits(span.tensor(), g.gather_into(torch.empty(g.shape, dtype=g.dtype)))
+    assert torch.all(pool[:64] == 0xAB) and torch.all(pool[64 + 2 * gather.nbytes :] == 0xAB)
