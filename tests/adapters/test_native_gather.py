@@ -340,6 +340,20 @@ def test_isa_names_and_switching():
 
 
 # --------------------------------------------------------------- one pass over head slices
+def _two_layer_plans(dtype, seed):
+    """``(layout, ids, plan)`` of a two-layer cache of 256-byte heads (keys seeded ``seed``,
+    values ``seed + 1``) for every layout and every :data:`IDS_CASES` case."""
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    key = random_blocks(10, 256 // itemsize, dtype, seed=seed)
+    value = random_blocks(10, 256 // itemsize, dtype, seed=seed + 1)
+    for layout in ("dim0", "dim1", "packed", "tuple"):
+        for ids, seq_len in IDS_CASES:
+            plan = plan_extraction(
+                [make_layer(layout, key, value)] * 2, ids, seq_len, BLOCK, cache_dtype=str(dtype), layout=NAMES[layout]
+            )
+            yield layout, ids, plan
+
+
 def _sliced(plan, slices):
     from kvferry.app.send import slice_plan_heads
 
@@ -392,22 +406,15 @@ def test_gather_slices_writes_what_each_slice_gathers_alone(kernel, split_calls,
     from kvferry.adapters.paged_cache import gather_slices
 
     calls, threads = split_calls
-    itemsize = torch.empty((), dtype=dtype).element_size()
-    key = random_blocks(10, 256 // itemsize, dtype, seed=3)
-    value = random_blocks(10, 256 // itemsize, dtype, seed=4)
-    for layout in ("dim0", "dim1", "packed", "tuple"):
-        for ids, seq_len in IDS_CASES:
-            plan = plan_extraction(
-                [make_layer(layout, key, value)] * 2, ids, seq_len, BLOCK, cache_dtype=str(dtype), layout=NAMES[layout]
-            )
-            parts = _sliced(plan, slices)
-            together = [_dests(p) for p in parts for _ in range(copies)]
-            gather_slices(parts, together, copies)
-            for d, got in enumerate(together):
-                alone = _dests(parts[d // copies])
-                parts[d // copies].gather_all(alone)
-                for a, b in zip(alone[0] + alone[1], got[0] + got[1]):
-                    assert same_bits(a, b), (layout, ids, slices, d)
+    for layout, ids, plan in _two_layer_plans(dtype, seed=3):
+        parts = _sliced(plan, slices)
+        together = [_dests(p) for p in parts for _ in range(copies)]
+        gather_slices(parts, together, copies)
+        for d, got in enumerate(together):
+            alone = _dests(parts[d // copies])
+            parts[d // copies].gather_all(alone)
+            for a, b in zip(alone[0] + alone[1], got[0] + got[1]):
+                assert same_bits(a, b), (layout, ids, slices, d)
     # one thread: every tensor with whole blocks went through one split call for all destinations
     split = slices * copies > 1
     assert (set(calls) == ({slices * copies} if split else set())) if threads == 1 else calls == []
@@ -584,34 +591,28 @@ def test_spans_of_a_region_receive_the_payload_views_receive(split_calls, dtype,
     from kvferry.adapters.torch_frames import dest_spans, dest_views, finish_payload_in
 
     itemsize = torch.empty((), dtype=dtype).element_size()
-    key = random_blocks(10, 256 // itemsize, dtype, seed=11)
-    value = random_blocks(10, 256 // itemsize, dtype, seed=12)
-    for layout in ("dim0", "dim1", "packed", "tuple"):
-        for ids, seq_len in IDS_CASES:
-            plan = plan_extraction(
-                [make_layer(layout, key, value)] * 2, ids, seq_len, BLOCK, cache_dtype=str(dtype), layout=NAMES[layout]
-            )
-            parts = _sliced(plan, slices) if slices > 1 else [plan]
-            got = {}
-            for make in (dest_views, dest_spans):
-                regions, layouts = _payload_regions(parts, copies, start)
-                places = _places(make, regions, layouts, plan.num_layers)
-                if len(places) == 1:
-                    parts[0].gather_all(places[0])
-                else:
-                    gather_slices(parts, places, copies)
-                for region, lay in zip(regions, layouts):
-                    finish_payload_in(region, lay)
-                got[make.__name__] = [bytes(r.numpy()) for r in regions]
-            assert got["dest_spans"] == got["dest_views"], (layout, ids)
-            spans = dest_spans(*_payload_regions(parts[:1], 1, start)[0], layouts[0])
-            data = [s for s in spans if s is not None]
-            if start == 3 and itemsize > 1:  # misaligned for the dtype: views, as dest_views makes
-                assert all(isinstance(s, torch.Tensor) for s in data)
+    for layout, ids, plan in _two_layer_plans(dtype, seed=11):
+        parts = _sliced(plan, slices) if slices > 1 else [plan]
+        got = {}
+        for make in (dest_views, dest_spans):
+            regions, layouts = _payload_regions(parts, copies, start)
+            places = _places(make, regions, layouts, plan.num_layers)
+            if len(places) == 1:
+                parts[0].gather_all(places[0])
             else:
-                assert all(isinstance(s, paged_gather.HostSpan) for s in data)
-            blank = _payload_regions(parts[:1], 1, start)[0][0]
-            assert bytes(blank.numpy())[-64:] == b"\xab" * 64 != got["dest_spans"][0][-64:]
+                gather_slices(parts, places, copies)
+            for region, lay in zip(regions, layouts):
+                finish_payload_in(region, lay)
+            got[make.__name__] = [bytes(r.numpy()) for r in regions]
+        assert got["dest_spans"] == got["dest_views"], (layout, ids)
+        spans = dest_spans(*_payload_regions(parts[:1], 1, start)[0], layouts[0])
+        data = [s for s in spans if s is not None]
+        if start == 3 and itemsize > 1:  # misaligned for the dtype: views, as dest_views makes
+            assert all(isinstance(s, torch.Tensor) for s in data)
+        else:
+            assert all(isinstance(s, paged_gather.HostSpan) for s in data)
+        blank = _payload_regions(parts[:1], 1, start)[0][0]
+        assert bytes(blank.numpy())[-64:] == b"\xab" * 64 != got["dest_spans"][0][-64:]
 
 
 def test_a_span_of_another_shape_or_dtype_is_refused_before_any_byte_moves():
