@@ -143,13 +143,21 @@ class HostSpan:
     at byte ``offset`` of ``buffer``, a 1-D contiguous ``uint8`` host tensor (a reserved pool
     region). The native gather writes through the address alone, so a payload is gathered into
     its region without a typed view per tensor (about 4 us each); :meth:`tensor` makes the view
-    for the torch methods. Made by :func:`kvferry.adapters.torch_frames.dest_spans`, which
-    checks that each span lies in the buffer and is aligned for its dtype."""
+    for the torch methods. :func:`kvferry.adapters.torch_frames.dest_spans` makes them for a
+    payload's layout. ConfigError at construction unless ``buffer`` is a 1-D contiguous
+    ``uint8`` host tensor holding the whole span: nothing is ever written outside it."""
 
     buffer: torch.Tensor = attrs.field(repr=False)
     offset: int
     dtype: torch.dtype
     shape: tuple[int, ...]
+
+    def __attrs_post_init__(self) -> None:
+        b, end = self.buffer, self.offset + math.prod(self.shape) * self.dtype.itemsize
+        if b.dtype != torch.uint8 or b.dim() != 1 or not b.is_cpu or (b.numel() > 1 and b.stride(0) != 1):
+            raise ConfigError(f"a host span needs a 1-D contiguous uint8 host buffer, not {b.dtype}{list(b.shape)}")
+        if self.offset < 0 or end > b.numel() or min(self.shape, default=0) < 0:
+            raise ConfigError(f"span [{self.offset}, {end}) lies outside the buffer of {b.numel()} bytes")
 
     @property
     def device(self) -> torch.device:

@@ -633,3 +633,21 @@ def test_a_span_of_another_shape_or_dtype_is_refused_before_any_byte_moves():
     for span, g in ((k, plan.keys[0]), (v, plan.values[0])):
         assert same_bits(span.tensor(), g.gather_into(torch.empty(g.shape, dtype=g.dtype)))
     assert torch.all(pool[:64] == 0xAB) and torch.all(pool[64 + 2 * gather.nbytes :] == 0xAB)
+
+
+@pytest.mark.parametrize(
+    ("buffer", "offset", "shape"),
+    [
+        (torch.zeros(100, dtype=torch.uint8), 0, (51,)),  # 102 bytes
+        (torch.zeros(100, dtype=torch.uint8), 2, (50,)),
+        (torch.zeros(100, dtype=torch.uint8), -2, (4,)),
+        (torch.zeros(100, dtype=torch.uint8), 0, (-1, 4)),
+        (torch.zeros(50, dtype=torch.int16), 0, (10,)),  # not bytes
+        (torch.zeros(10, 10, dtype=torch.uint8), 0, (10,)),  # not 1-D
+        (torch.zeros(200, dtype=torch.uint8)[::2], 0, (10,)),  # not contiguous
+    ],
+)
+def test_a_span_that_could_write_outside_its_buffer_is_refused_when_made(buffer, offset, shape):
+    with pytest.raises(ConfigError):
+        paged_gather.HostSpan(buffer, offset, torch.int16, shape)
+    assert paged_gather.HostSpan(torch.zeros(100, dtype=torch.uint8), 0, torch.int16, (50,)).tensor().numel() == 50
