@@ -159,6 +159,18 @@ class HostSpan:
         if self.offset < 0 or end > b.numel() or min(self.shape, default=0) < 0:
             raise ConfigError(f"span [{self.offset}, {end}) lies outside the buffer of {b.numel()} bytes")
 
+    @classmethod
+    def in_checked_buffer(
+        cls, buffer: torch.Tensor, offset: int, dtype: torch.dtype, shape: tuple[int, ...]
+    ) -> HostSpan:
+        """The span, made without the constructor's checks, for a caller that made them once for
+        every span of a buffer (:func:`kvferry.adapters.torch_frames.dest_spans`: the buffer is a
+        1-D contiguous ``uint8`` host tensor holding the whole payload layout)."""
+        span = object.__new__(cls)
+        for name, value in zip(_SPAN_FIELDS, (buffer, offset, dtype, shape)):
+            object.__setattr__(span, name, value)  # frozen: as attrs' own __init__ sets fields
+        return span
+
     @property
     def device(self) -> torch.device:
         return self.buffer.device
@@ -172,6 +184,8 @@ class HostSpan:
         return self.buffer.narrow(0, self.offset, nbytes).view(self.dtype).view(self.shape)
 
 
+#: :class:`HostSpan`'s fields in order (what :meth:`HostSpan.in_checked_buffer` sets).
+_SPAN_FIELDS = tuple(a.name for a in attrs.fields(HostSpan))
 #: Where a gather writes: a tensor, or a span of a host buffer.
 Destination = torch.Tensor | HostSpan
 

@@ -15,7 +15,7 @@ Decoding (:func:`decode_payload`, :class:`DecodedKV`) and the dtype table live i
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, cast
 
 import attrs
 import torch
@@ -236,17 +236,7 @@ def dest_views(dest: torch.Tensor, layout: PayloadLayout) -> list[torch.Tensor |
     Writing into these views (e.g. gathering paged blocks) and then calling
     :func:`finish_payload_in` produces the payload in place with no extra copy.
     """
-    _check_dest(dest, layout)
-    out: list[torch.Tensor | None] = []
-    for entry, span in zip(layout.header.tensors, layout.spans):
-        if span is None or isinstance(entry, AbsentTensor):  # the span of an absent layer is None
-            out.append(None)
-            continue
-        view = _typed_view(dest, span[0], entry, copy_if_misaligned=False)
-        if view is None:
-            raise ConfigError(f"tensor {entry.name!r} would be misaligned in the destination buffer")
-        out.append(view)
-    return out
+    return cast("list[torch.Tensor | None]", _dest_places(dest, layout, spans=False))
 
 
 def dest_spans(dest: torch.Tensor, layout: PayloadLayout) -> list[Destination | None]:
@@ -255,23 +245,30 @@ def dest_spans(dest: torch.Tensor, layout: PayloadLayout) -> list[Destination | 
     gather needs only its address; the torch methods make the view when they run). A device
     buffer gets :func:`dest_views`. ConfigError as :func:`dest_views` for a buffer too small
     or a span misaligned for its dtype."""
-    if dest.device.type != "cpu":
-        return list(dest_views(dest, layout))
+    return _dest_places(dest, layout, spans=dest.device.type == "cpu")
+
+
+def _dest_places(dest: torch.Tensor, layout: PayloadLayout, *, spans: bool) -> list[Destination | None]:
+    """:func:`dest_views` (``spans`` False) or :func:`dest_spans` of a host ``dest``: a span
+    where the tensor's bytes are aligned for its dtype, a view where a view is what works (an
+    empty tensor, a misaligned offset: as :func:`dest_views` makes them)."""
     _check_dest(dest, layout)
     base = dest.storage_offset()
     out: list[Destination | None] = []
     for entry, span in zip(layout.header.tensors, layout.spans):
-        if span is None or isinstance(entry, AbsentTensor):
+        if span is None or isinstance(entry, AbsentTensor):  # the span of an absent layer is None
             out.append(None)
             continue
-        dtype = torch_dtype(entry.dtype)
-        if not entry.nbytes or (base + span[0]) % dtype.itemsize:  # as dest_views makes it
-            view = _typed_view(dest, span[0], entry, copy_if_misaligned=False)
-            if view is None:
-                raise ConfigError(f"tensor {entry.name!r} would be misaligned in the destination buffer")
-            out.append(view)
-            continue
-        out.append(HostSpan(dest, span[0], dtype, entry.shape))
+        if spans:
+            dtype = torch_dtype(entry.dtype)
+            if entry.nbytes and (base + span[0]) % dtype.itemsize == 0:
+                # _check_dest passed and the layout holds the span: the buffer is checked once
+                out.append(HostSpan.in_checked_buffer(dest, span[0], dtype, entry.shape))
+                continue
+        view = _typed_view(dest, span[0], entry, copy_if_misaligned=False)
+        if view is None:
+            raise ConfigError(f"tensor {entry.name!r} would be misaligned in the destination buffer")
+        out.append(view)
     return out
 
 
