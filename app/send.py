@@ -30,9 +30,9 @@ from typing import Any
 import attrs
 
 from kvferry.adapters.paged_cache import (
+    CacheGeometry,
     ExtractionPlan,
     ExtractionSkipped,
-    TensorGather,
     gather_slices,
     plan_extraction,
 )
@@ -46,7 +46,7 @@ from kvferry.adapters.torch_frames import (
 from kvferry.app.put import put_with_retry
 from kvferry.app.refusals import refuse
 from kvferry.core.errors import ConfigError, KVFerryError, RoutingError
-from kvferry.core.head_slices import fan_out_slice, slice_bounds, tp_head_slice_record
+from kvferry.core.head_slices import fan_out_slice, tp_head_slice_record
 from kvferry.core.header import kv_layout_template
 from kvferry.core.ids import send_keys
 from kvferry.core.layouts import KV_LATENT_KEY, LayoutSpec
@@ -68,7 +68,8 @@ _SEND_REASONS = {"pool_full": SendReason.POOL_FULL, "error": SendReason.ERROR}
 
 
 def slice_plan_heads(plan: ExtractionPlan, offset_in_shard: int, num_slices: int) -> ExtractionPlan:
-    """The same extraction restricted to one head slice (dim 2 of each block view).
+    """The same extraction restricted to one head slice (dim 2 of each block view):
+    :meth:`~kvferry.adapters.paged_cache.ExtractionPlan.head_slice`, refused for an MLA latent.
 
     Bounds come from :func:`kvferry.core.head_slices.slice_bounds`, the function the receiver
     uses too. No data moves: the gathers read strided views of the cache.
@@ -80,33 +81,7 @@ def slice_plan_heads(plan: ExtractionPlan, offset_in_shard: int, num_slices: int
             "cannot slice an MLA latent by heads: it has no head dimension, and every TP rank holds "
             "the whole latent (each receiver gets it whole from one sender)"
         )
-
-    bounds: dict[int, tuple[int, int]] = {}  # heads -> (start, length): layers share one
-    made: dict[int, TensorGather] = {}  # id of a request field set -> the last slice made of it
-
-    def narrow(g: Any) -> Any:
-        if g is None:
-            return None
-        if g.blocks.dim() < 3:
-            raise RoutingError(f"{g.name}: cannot slice heads of a tensor without a head dimension")
-        heads = g.blocks.shape[2]
-        if heads not in bounds:
-            start, stop = slice_bounds(heads, offset_in_shard, num_slices)
-            bounds[heads] = (start, stop - start)
-        blocks = g.blocks.narrow(2, *bounds[heads])
-        last = made.get(id(g.index))
-        if last is not None and last.block_ids is g.block_ids and last.tokens == g.tokens:
-            sliced = last.with_blocks(blocks, g.layer, g.which)  # derived fields copied when they match
-        else:  # the constructor directly (attrs.evolve costs as much again, every layer, every slice)
-            sliced = TensorGather(
-                g.layer, g.which, blocks, g.block_ids, g.tokens, g.full_blocks, g.tail_tokens, g.index, g.runs
-            )
-        made[id(g.index)] = sliced
-        return sliced
-
-    return attrs.evolve(
-        plan, keys=tuple(map(narrow, plan.keys)), values=tuple(map(narrow, plan.values)), metadata=plan.metadata
-    )
+    return plan.head_slice(offset_in_shard, num_slices)
 
 
 def request_scales(kv_scales: Mapping[str, Any], plan: ExtractionPlan) -> dict[str, Any]:
@@ -178,6 +153,8 @@ class SendPath:
     _is_reservable: Implements = attrs.field(init=False, factory=lambda: Implements(Reservable))
     _takes_frames: Implements = attrs.field(init=False, factory=lambda: Implements(FramesPut))
     _templates: dict[tuple, Any] = attrs.field(init=False, factory=dict)  # see _layout
+    #: The last request's cache geometry: the next request of the same cache plans with it.
+    _geometry: CacheGeometry | None = attrs.field(init=False, default=None, repr=False)
 
     # ------------------------------------------------------------------------------ planning
     def routed_heads(self, shard_heads: int | None = None) -> int | None:
@@ -269,12 +246,14 @@ class SendPath:
                 custom_metadata=custom_metadata,
                 request_id=request_id,
                 layout=self.layout,
+                geometry=self._geometry,
             )
         except KVFerryError as exc:
             return refuse(self, connector, request_id, kv_caches, SendReason.ERROR, f"extraction: {exc}", exc)
         if isinstance(plan, ExtractionSkipped):
             reason = SendReason.NO_BLOCKS if plan.reason == "no_block_ids" else SendReason.NO_PAYLOAD
             return refuse(self, connector, request_id, kv_caches, reason, plan.detail)
+        self._geometry = plan.geometry
         if kv_scales is not None:
             try:
                 plan = attrs.evolve(plan, metadata={**plan.metadata, KV_SCALES_KEY: request_scales(kv_scales, plan)})

@@ -170,28 +170,28 @@ def test_pieces_reproduce_the_byte_offsets_of_a_block(view):
 
 
 @settings(max_examples=200, deadline=None)
-@given(block_views(), block_views(), st.integers(0, 3), st.booleans())
-def test_a_gather_over_other_blocks_is_what_the_constructor_builds(view, other, seq_extra, same_geometry):
-    """``with_blocks`` (another layer, or the same head slice of another layer, of one request)
-    gives exactly the gather the constructor gives, whether or not the blocks share a geometry
-    (it copies the derived fields only when they do)."""
-    if same_geometry:  # the same shape and strides at another place: a copy of the layer's storage
-        other = torch.empty_strided(view.shape, view.stride(), dtype=view.dtype)
+@given(block_views(), st.integers(0, 3), st.integers(0, 2))
+def test_a_gather_on_a_site_is_what_the_constructor_builds(view, seq_extra, drop):
+    """``TensorGather.on_site`` (a plan's gathers over a cache geometry's block sites) gives
+    exactly the gather the constructor gives: every field, derived ones included, for whole and
+    partial last blocks and a site whose layout cache already holds other tails."""
     ids = tuple(range(view.shape[0]))
-    full = max(0, len(ids) - 1)
+    full = max(0, len(ids) - 1 - min(drop, len(ids) - 1))
     tail = min(seq_extra, max(0, view.shape[1] - 1)) if view.dim() > 1 else 0
     index = torch.tensor(ids[:full], dtype=torch.int64)
     runs = ((0, 0, full),) if full else ()
     tokens = full * view.shape[1] + tail
-    first = paged_gather.TensorGather(0, "key", view, ids, tokens, full, tail, index, runs)
-    made = paged_gather.TensorGather(3, "value", other, ids, tokens, full, tail, index, runs)
-    got = first.with_blocks(other, 3, "value")
-    assert got.blocks is other and got.layer == 3 and got.which == "value"
+    picked = ids[: full + (1 if tail else 0)]
+    site = paged_gather.BlockSite(view)
+    for other_tail in range(3):  # the site's per-tail layouts are kept apart
+        site.layout(other_tail)
+    made = paged_gather.TensorGather(3, "value", view, picked, tokens, full, tail, index, runs)
+    got = paged_gather.TensorGather.on_site(site, 3, "value", picked, tokens, full, tail, index, runs)
     mine, theirs = attrs.asdict(got, recurse=False), attrs.asdict(made, recurse=False)
     assert mine.keys() == theirs.keys()
     for name, value in mine.items():
-        if isinstance(value, torch.Tensor):  # blocks: the one given; index: the request's own
-            assert value is (other if name == "blocks" else theirs[name])
+        if isinstance(value, torch.Tensor):  # blocks and index: the very ones given
+            assert value is theirs[name], name
         else:
             assert value == theirs[name], name
 

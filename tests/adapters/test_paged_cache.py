@@ -490,6 +490,125 @@ def test_head_sliced_gathers_equal_naive_concatenation_of_the_slice(method, geom
         assert same_bits(out, naive(blocks[:, :, start:stop], ids, seq_len))
 
 
+def gather_fields(gather):
+    """Every field of a gather, comparable across plans: the blocks by place and geometry (the
+    very view of the cache), the index (each plan's own tensor) by its values."""
+    out = {}
+    for name, value in attrs.asdict(gather, recurse=False).items():
+        if name == "index":
+            value = (value.dtype, value.device, value.is_contiguous(), value.tolist())
+        elif isinstance(value, torch.Tensor):
+            value = (value.data_ptr(), tuple(value.shape), value.stride(), value.dtype)
+        out[name] = value
+    return out
+
+
+def same_plans(a, b):
+    assert type(a) is type(b)
+    if isinstance(a, ExtractionSkipped):
+        assert a == b
+        return
+    assert (a.request_id, a.block_ids, a.seq_len, a.metadata, a.skipped_layers) == (
+        b.request_id, b.block_ids, b.seq_len, b.metadata, b.skipped_layers,
+    )  # fmt: skip
+    for mine, theirs in zip(a.tensors(), b.tensors(), strict=True):
+        assert (mine is None) == (theirs is None)
+        if mine is not None:
+            assert gather_fields(mine) == gather_fields(theirs)
+
+
+@st.composite
+def requests_of_one_cache(draw):
+    """A cache geometry (``geometries``) and several requests of it: ``(ids, seq_len)`` each."""
+    layout, num_blocks, block_size, heads, head_dim, dtype, ids, seq_len = draw(geometries())
+    more = draw(
+        st.lists(
+            st.tuples(st.lists(st.integers(-2, num_blocks + 1), max_size=10), st.integers(0, 12 * block_size)),
+            max_size=4,
+        )
+    )
+    layers = draw(st.integers(1, 3))
+    return layout, num_blocks, block_size, heads, head_dim, dtype, layers, [(ids, seq_len), *more]
+
+
+@PROPERTY
+@given(requests_of_one_cache())
+def test_a_plan_from_a_kept_geometry_is_the_plan_read_afresh(case):
+    """Every request of a cache planned with the geometry an earlier plan kept gives the very plan
+    a fresh read gives (every gather field, skips and metadata); so do its head slices. Control:
+    the geometry is reused (same object), not read again."""
+    layout, num_blocks, block_size, heads, head_dim, dtype, num_layers, requests = case
+    layers = [
+        make_layer(
+            layout,
+            random_blocks(num_blocks, block_size, heads, head_dim, dtype, seed=2 * n),
+            random_blocks(num_blocks, block_size, heads, head_dim, dtype, seed=2 * n + 1),
+        )
+        for n in range(num_layers)
+    ]
+    kwargs = {"cache_dtype": str(dtype), "layout": NAMES[layout]}
+    kept = None
+    for n, (ids, seq_len) in enumerate(requests):
+        fresh = plan_extraction(layers, ids, seq_len, block_size, request_id=f"r{n}", **kwargs)
+        planned = plan_extraction(layers, ids, seq_len, block_size, request_id=f"r{n}", geometry=kept, **kwargs)
+        same_plans(planned, fresh)
+        if isinstance(planned, ExtractionPlan):
+            if kept is not None:
+                assert planned.geometry is kept
+            kept = planned.geometry
+            assert fresh.geometry is not kept
+            for slices in (d for d in (2, 3) if heads % d == 0):
+                for offset in range(slices):
+                    own = attrs.evolve(fresh, geometry=None).head_slice(offset, slices)  # narrowed on its own
+                    same_plans(planned.head_slice(offset, slices), own)
+                    same_plans(planned.head_slice(offset, slices), planned.head_slice(offset, slices))
+
+
+def test_a_geometry_that_no_longer_fits_is_read_again():
+    """The kept geometry is not used for another tensor of the same shape, a tensor moved to other
+    storage (``set_``), another layout or layer count (or block size): the plan reads the layers
+    it is given, and gathers what they hold."""
+    key, value = random_blocks(6, 4, 2, 8, seed=1), random_blocks(6, 4, 2, 8, seed=2)
+    layers = [torch.stack([key, value])]
+    ids, seq_len = [3, 1, 4], 10
+    kept = plan_extraction(layers, ids, seq_len, 4, cache_dtype="float32", layout="flash").geometry
+    assert (
+        plan_extraction(layers, ids, seq_len, 4, cache_dtype="float32", layout="flash", geometry=kept).geometry is kept
+    )
+
+    other_key, other_value = random_blocks(6, 4, 2, 8, seed=3), random_blocks(6, 4, 2, 8, seed=4)
+    moved = torch.stack([key, value])
+    moved.set_(torch.stack([other_key, other_value]))  # the same tensor object, other storage
+    cases = {
+        "another tensor": ([torch.stack([other_key, other_value])], 4, "flash", other_key),
+        "set_": ([moved], 4, "flash", other_key),
+        "layout": ([(key, value)], 4, "tuple", key),
+        "more layers": ([*layers, *layers], 4, "flash", key),
+    }
+    for name, (stack, block_size, layout, expected_key) in cases.items():
+        plan = plan_extraction(stack, ids, seq_len, block_size, cache_dtype="float32", layout=layout, geometry=kept)
+        assert plan.geometry is not kept, name
+        out = torch.empty(plan.keys[0].shape)
+        plan.gather_into(0, "key", out)
+        assert same_bits(out, naive(expected_key, ids, seq_len)), name
+    assert kept.fits(layers, 4, kept.layout) and not kept.fits(layers, 2, kept.layout)
+
+
+def test_head_slices_that_cannot_be_made_are_routing_errors():
+    """Heads the slices do not divide, and a tensor without a head dimension, refuse slicing
+    with RoutingError naming the tensor (the geometry keeps the error, not a view)."""
+    from kvferry.core.errors import RoutingError
+
+    key, value = random_blocks(6, 4, 3, 8, seed=1), random_blocks(6, 4, 3, 8, seed=2)
+    plan = plan_extraction([torch.stack([key, value])], [1, 2], 8, 4, cache_dtype="float32", layout="flash")
+    for _ in range(2):  # the second time from the kept slice
+        with pytest.raises(RoutingError, match="key_cache_0: head count 3 is not divisible by num_slices 2"):
+            plan.head_slice(0, 2)
+    flat = plan_extraction([(key[:, :, 0, 0], value[:, :, 0, 0])], [1, 2], 8, 4, cache_dtype="float32")  # 2-D blocks
+    with pytest.raises(RoutingError, match="key_cache_0: cannot slice heads"):
+        flat.head_slice(0, 2)
+
+
 def test_every_public_name_is_importable_from_paged_cache_and_the_layer():
     for name in paged_gather.__all__:
         assert hasattr(paged_gather, name)
