@@ -560,7 +560,7 @@ def split_stride(gathers: Sequence[TensorGather]) -> int | None:
     for j, g in enumerate(gathers[1:], 1):
         b = g.blocks
         if (
-            g._layout != layout
+            (g._layout is not layout and g._layout != layout)  # slices of one geometry share it
             or b.data_ptr() != start + j * stride
             or b.shape != shape
             or b.stride() != strides
@@ -593,8 +593,9 @@ def split_calls(
     layout = first._layout
     if replicas < 1 or len(outs) != len(gathers) * replicas or len(outs) > MAX_SPLIT:
         raise ConfigError(f"{len(outs)} destinations for {len(gathers)} slices of {replicas} copies each")
-    for g in gathers:
-        g._check_tail_id()
+    if first.tail_tokens:  # split_stride: every slice has the same ids
+        for g in gathers:
+            g._check_tail_id()
     calls: list[NativeCall] = []
     if first.full_blocks:
         assert layout is not None  # split_stride gave a stride: the gathers have a native layout
@@ -602,7 +603,7 @@ def split_calls(
             (
                 _native.gather_split,
                 (
-                    tuple(o.data_ptr() for o in outs),
+                    tuple([o.data_ptr() for o in outs]),
                     stride,
                     first.blocks.data_ptr(),
                     first.index.data_ptr(),
