@@ -119,8 +119,8 @@ def measure_local(
     layout = layout_for(plan)
     dest = torch.zeros(layout.total_nbytes, dtype=torch.uint8)
 
-    def extract() -> None:  # planning included: it is part of every request's extraction
-        p = plan_request(cache, 0, request_id="bench-local")
+    def extract() -> None:  # planning included (from the kept geometry, as the send path plans)
+        p = plan_request(cache, 0, request_id="bench-local", geometry=plan.geometry)
         gather_payload_into(p, layout, dest)
 
     if limit is None:

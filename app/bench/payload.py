@@ -25,7 +25,7 @@ from typing import Any
 import attrs
 import torch
 
-from kvferry.adapters.paged_cache import ExtractionPlan, ExtractionSkipped, plan_extraction
+from kvferry.adapters.paged_cache import CacheGeometry, ExtractionPlan, ExtractionSkipped, plan_extraction
 from kvferry.adapters.platform import HugePages, advise_huge_pages
 from kvferry.adapters.torch_frames import (
     DecodedKV,
@@ -146,15 +146,17 @@ def plan_request(
     request_id: str,
     heads: tuple[int, int] | None = None,
     view: str | None = None,
+    geometry: CacheGeometry | None = None,
 ) -> ExtractionPlan:
     """kvferry's extraction plan for request ``request`` (optionally only heads
     ``heads[0]:heads[1]``, read through strided views of the cache: still one copy; ``view``: a
-    :data:`CACHE_VIEWS` view, ``latent`` planned as an MLA cache)."""
+    :data:`CACHE_VIEWS` view, ``latent`` planned as an MLA cache), from ``geometry`` (an earlier
+    plan's, as the send path keeps it) when it still fits."""
     g = cache.geometry
     if view == "latent":
         plan = plan_extraction(
             cache_layers(cache, view), cache.block_ids[request], g.tokens, g.block_size, cache_dtype=g.dtype,
-            request_id=request_id, layout="mla",
+            request_id=request_id, layout="mla", geometry=geometry,
         )  # fmt: skip
         if isinstance(plan, ExtractionSkipped):
             raise ConfigError(f"benchmark request {request} produced no payload: {plan.detail}")
@@ -166,6 +168,7 @@ def plan_request(
         g.block_size,
         cache_dtype=g.dtype,
         request_id=request_id,
+        geometry=geometry,
     )
     if isinstance(plan, ExtractionSkipped):
         raise ConfigError(f"benchmark request {request} produced no payload: {plan.detail}")

@@ -160,11 +160,14 @@ class KvCommands:
         f0 = faults()
         t_go = time.monotonic()
         t_put, total = [], 0
+        geometries = self.__dict__.setdefault("plan_geometries", {})  # kept per cache and heads, as a send path
         for item in items:
             heads = item.get("heads")
+            span = None if heads is None else (heads[0], heads[1])
             plan = plan_request(
-                c, item["request"], request_id=item["rid"], heads=None if heads is None else (heads[0], heads[1])
+                c, item["request"], request_id=item["rid"], heads=span, geometry=geometries.get((cache, span))
             )
+            geometries[cache, span] = plan.geometry
             if isinstance(connector, Reservable):
                 layout = layout_for(plan, checksums=checksums)
                 reservation = connector.reserve(from_stage, to_stage, item["key"], layout.total_nbytes)
