@@ -255,7 +255,7 @@ class CacheGeometry:
     ``geometry=``) while :meth:`fits` the layers it is given: the same tensors at the same
     addresses, shapes and strides, the same block size and layout. It keeps the layers it read
     (so their identities stay theirs) and every head slice made of it (:meth:`head_slice`).
-    Reading a cache of 28 layers costs about 0.15 ms; checking that it still fits, 0.02 ms."""
+    Reading a cache of 28 layers costs about 0.27 ms; checking that it still fits, 0.016 ms."""
 
     block_size: int
     layout: LayoutSpec | None

@@ -338,7 +338,7 @@ class TensorGather:
         """The gather the constructor builds over ``site.blocks``, with the fields derived from
         the view taken from ``site`` instead of computed again. ``index`` must be what planning
         makes: the first ``full_blocks`` ids, a contiguous int64 tensor on the blocks' device.
-        About 1 us against the constructor's 8-10 (a plan makes one per tensor per request)."""
+        About 1.5 us against the constructor's 4 (a plan makes one per tensor per request)."""
         gather = object.__new__(cls)
         put = object.__setattr__  # frozen: how attrs' own __init__ sets fields (_GATHER_SLOTS)
         put(gather, "layer", layer)
