@@ -40,6 +40,7 @@ class Worker(KvCommands):
     connectors: dict[str, Any] = attrs.field(factory=dict)
     managers: dict[str, dict[int, Any]] = attrs.field(factory=dict)
     put_stamps: list = attrs.field(factory=list)
+    plan_geometries: dict[tuple[str, Any], Any] = attrs.field(factory=dict)
     kinds: dict[str, str] = attrs.field(factory=dict)
     socket: Any = None
     context: Any = None

@@ -105,6 +105,8 @@ class KvCommands:
     caches: dict[str, Any]
     #: ``(key, monotonic time)`` of every payload the sender's managers put (see :func:`stamped`).
     put_stamps: list
+    #: The cache geometry of the last plan per ``(cache, heads)``, kept as a send path keeps it.
+    plan_geometries: dict[tuple[str, Any], Any]
 
     def announce(self) -> None:  # replaced per command by the channel
         """Tell the orchestrator this receive command now waits."""
@@ -160,7 +162,7 @@ class KvCommands:
         f0 = faults()
         t_go = time.monotonic()
         t_put, total = [], 0
-        geometries = self.__dict__.setdefault("plan_geometries", {})  # kept per cache and heads, as a send path
+        geometries = self.plan_geometries
         for item in items:
             heads = item.get("heads")
             span = None if heads is None else (heads[0], heads[1])
