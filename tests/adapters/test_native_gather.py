@@ -466,6 +466,54 @@ def test_a_bench_sized_split_gather_reads_whole_pages_and_writes_the_same_bytes(
     assert (calls == [slices] * 4) if threads == 1 else calls == []
 
 
+#: Tokens per block whose blocks (4 heads x 128 bf16 = 1 KiB a token) are 16 KiB (one 4-page
+#: stretch), 20 KiB (a stretch and one page more) and 36 KiB (two stretches and one page).
+STRETCH_TOKENS = (16, 20, 36)
+
+
+@pytest.mark.parametrize("tokens", STRETCH_TOKENS)
+@pytest.mark.parametrize("offset", [0, 16], ids=["aligned", "unaligned"])
+def test_whole_blocks_of_4_page_stretches_copy_the_same_bytes(kernel, tokens, offset):
+    """Whole blocks, 64-byte aligned or not, in 4-page stretches or with a page more: the
+    streaming kernels' loop for whole 4-page blocks (16 KiB, aligned) and their general one
+    (the rest) write exactly the blocks' bytes, in id order, and nothing past the end."""
+    cache = torch.randint(-(2**15), 2**15, (2, 40, tokens, 4, 128), dtype=torch.int16).view(torch.bfloat16)
+    ids = torch.randperm(40, generator=torch.Generator().manual_seed(tokens))[:23].tolist()
+    plan = plan_extraction([cache], ids, 23 * tokens, tokens, cache_dtype="bfloat16")
+    size = plan.keys[0].nbytes
+    pool = torch.full((offset + size + 64,), 0xA5, dtype=torch.uint8)
+    dest = pool[offset : offset + size].view(torch.bfloat16).view(plan.keys[0].shape)
+    value = torch.empty(plan.values[0].shape, dtype=torch.bfloat16)
+    plan.gather_all(([dest], [value]), method="native")
+    assert same_bits(dest, torch.cat([cache[0, b] for b in ids]))
+    assert same_bits(value, torch.cat([cache[1, b] for b in ids]))
+    assert bool((pool[offset + size :] == 0xA5).all()) and bool((pool[:offset] == 0xA5).all())
+
+
+@pytest.mark.parametrize("tokens", STRETCH_TOKENS)
+@pytest.mark.parametrize("slices", [2, 4])
+def test_split_blocks_of_4_page_stretches_and_a_rest_write_each_slice(kernel, split_calls, tokens, slices):
+    """Blocks whose rows are the slices side by side (the tiled split kernel), one copy each:
+    its loop over whole 4-page stretches and the general loop for the page after them give
+    each slice what the slice's own gather by index gives (on one thread through one split
+    call per tensor)."""
+    from kvferry.adapters.paged_cache import gather_slices
+
+    calls, threads = split_calls
+    cache = torch.randint(-(2**15), 2**15, (2, 40, tokens, 4, 128), dtype=torch.int16).view(torch.bfloat16)
+    ids = torch.randperm(40, generator=torch.Generator().manual_seed(tokens + slices))[:23].tolist()
+    plan = plan_extraction([cache], ids, 23 * tokens, tokens, cache_dtype="bfloat16")
+    parts = _sliced(plan, slices)
+    together = [_dests(p) for p in parts]
+    gather_slices(parts, together)
+    for part, got in zip(parts, together):
+        alone = _dests(part)
+        part.gather_all(alone, method="index")
+        assert same_bits(alone[0][0], got[0][0]) and same_bits(alone[1][0], got[1][0])
+    assert not same_bits(together[0][0][0], together[1][0][0])  # control: the slices differ
+    assert calls == ([slices] * 2 if threads == 1 else [])
+
+
 # ------------------------------------------- copies: one read of a slice for several receivers
 @needs_native
 @pytest.mark.parametrize("copies", [1, 2, 4])
