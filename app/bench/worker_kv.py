@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import re
 import resource
+import threading
 import time
 from typing import Any
 
@@ -328,11 +329,13 @@ class KvCommands:
     def cmd_mgr_recv(
         self, name: str, items: list[dict], timeout_s: float, sender: dict | None = None, copy: bool = False
     ) -> dict[str, Any]:
-        """``receive`` each item (``{"rank", "rid"}``) in order, hold the results, stamp the
-        time, then read every byte (crc32, untimed) and release them (waiting until each pool
-        took its buffer back, so the next repetition reuses the same pages). The typed API's default
-        receive (zero-copy: the tensors view the pool until released), or with ``copy`` the
-        copying one (``zero_copy=False``, the compat layer's)."""
+        """``receive`` each item (``{"rank", "rid"}``), hold the results, stamp the time, then
+        read every byte (crc32, untimed) and release them (waiting until each pool took its
+        buffer back, so the next repetition reuses the same pages). Each rank receives its items
+        in order; several ranks receive at once, one thread each, as a TP group's ranks do in
+        processes of their own (docs/benchmarks.md). The typed API's default receive (zero-copy:
+        the tensors view the pool until released), or with ``copy`` the copying one
+        (``zero_copy=False``, the compat layer's)."""
         from kvferry.app.bench.payload import kv_crc
         from kvferry.core.errors import TransferError
 
@@ -340,18 +343,57 @@ class KvCommands:
         self.announce()
         f0, c0 = faults(), cpu_s()
         deadline = time.monotonic() + timeout_s
-        held, t_have, total = [], [], 0
-        for item in items:
-            result = self.managers[name][item["rank"]].receive(
-                item["rid"], sender_info=info, timeout_s=max(deadline - time.monotonic(), 0.001), zero_copy=not copy
+        got: list[Any] = [None] * len(items)
+        t_have = [0.0] * len(items)
+        by_rank: dict[int, list[int]] = {}
+        for at, item in enumerate(items):
+            by_rank.setdefault(item["rank"], []).append(at)
+
+        raised: list[BaseException] = []
+
+        def receive_rank(ats: list[int]) -> None:
+            try:
+                for at in ats:
+                    item = items[at]
+                    result = self.managers[name][item["rank"]].receive(
+                        item["rid"],
+                        sender_info=info,
+                        timeout_s=max(deadline - time.monotonic(), 0.001),
+                        zero_copy=not copy,
+                    )
+                    t_have[at] = time.monotonic()
+                    got[at] = result
+                    if not result.ok:
+                        return
+            except BaseException as exc:  # raised in the command's thread below
+                raised.append(exc)
+
+        if len(by_rank) == 1:
+            receive_rank(next(iter(by_rank.values())))
+        else:
+            threads = [
+                threading.Thread(target=receive_rank, args=(ats,), name=f"bench-recv-{rank}", daemon=True)
+                for rank, ats in by_rank.items()
+            ]
+            for thread in threads:
+                thread.start()
+            for thread in threads:  # every receive has the deadline; the join a margin past it
+                thread.join(max(deadline - time.monotonic(), 0.0) + 30.0)
+        held = [r for r in got if r is not None and r.ok]
+        # a rank's failure first; its later items (never asked for) are None
+        bad = sorted(((items[at], r) for at, r in enumerate(got) if r is None or not r.ok), key=lambda b: b[1] is None)
+        if bad or raised:
+            for result in held:
+                result.release(wait=True)
+            if raised:
+                raise raised[0]
+            item, result = bad[0]
+            raise TransferError(
+                f"rank {item['rank']}: receive of {item['rid']}: {'no result' if result is None else result.outcome}"
             )
-            if not result.ok:
-                raise TransferError(f"rank {item['rank']}: receive of {item['rid']}: {result.outcome}")
-            t_have.append(time.monotonic())
-            held.append(result)
-            total += result.nbytes
-        t_done = time.monotonic()
-        cpu = cpu_s() - c0  # up to the stamp: the untimed crc below is not the path's
+        t_done = max(t_have)  # the last rank's receive, not the threads' joins
+        total = sum(r.nbytes for r in held)
+        cpu = cpu_s() - c0  # up to the joins: the untimed crc below is not the path's
         blocks = [r.payload["layer_blocks"] for r in held]
         crcs = [kv_crc(b["key_cache"], b["value_cache"]) for b in blocks]
         del blocks
