@@ -127,6 +127,27 @@ static inline size_t align_head(char *dst, const char *src, size_t n, size_t ali
  * An aligned piece of whole 128-byte steps under 2 pages takes a short path first (measured
  * 15-25 % faster for 512-byte head-slice pieces than going through the general one). */
 #define KVF_PAGE 4096
+
+/* Block i's id (blocks 0..n-1 without an index). */
+static inline Py_ssize_t kvf_block(const struct walk *w, Py_ssize_t i) {
+    return w->index ? (Py_ssize_t)w->index[i] : i;
+}
+
+/* Ask for the first line of each page of the next block (up to PREFETCH_PAGES pages) while
+ * the current one is copied. A block's pages are separate streams to the CPU's own prefetchers,
+ * which neither cross a page nor guess where a scattered next block lies; started early, its
+ * pages' first reads overlap the copy. Measured on the bench's 56 tensors (16 KiB blocks
+ * scattered over a 1.9 GB cache): whole blocks 1.21x as fast (16.6 -> 13.8 ms); every line of
+ * the next block instead, 0.76x; two lines a block or eight, 1.14x; two blocks ahead, 1.14x. */
+#define PREFETCH_PAGES 16
+static inline void prefetch_pages(const char *block, size_t nbytes) {
+    size_t pages = (nbytes + KVF_PAGE - 1) / KVF_PAGE;
+    if (pages > PREFETCH_PAGES)
+        pages = PREFETCH_PAGES;
+    for (size_t p = 0; p < pages; p++)
+        __builtin_prefetch(block + p * KVF_PAGE, 0, 3);
+}
+
 #define KVF_STREAM_KERNEL(name, isa, unit, copy128, copy_unit)                                     \
     __attribute__((target(isa))) static inline void name##_piece(char *dst, const char *src,      \
                                                                  size_t n) {                      \
@@ -156,16 +177,27 @@ static inline size_t align_head(char *dst, const char *src, size_t n, size_t ali
      * row it belongs to, in each of its `reps` copies (the step is still in L1 for the next).   \
      * One copy (a fan-out's head slices) takes a loop of its own over whole 4-page stretches,  \
      * its page loop a constant the compiler unrolls (as the whole-block loop in name() below):  \
-     * a test of `reps` per step and a page loop of variable length cost 5-10 %, which held a    \
-     * head-slice fan-out at 0.90-0.95x a whole-block copy of the same bytes; with this loop     \
-     * 0.96-1.0x (16 KiB blocks split in two, 235 MB from a 1 GiB cache). What is left of a      \
-     * block, and blocks copied several times, take the general loop; piece by piece was 15-25 % \
-     * slower. */                                                                                 \
+     * a test of `reps` per step and a page loop of variable length cost 5-10 %; two slices keep \
+     * both destinations in registers (a char store may alias dsts[], so the array is read again \
+     * after every store otherwise: 4-5 % more). What is left of a block, and blocks copied      \
+     * several times, take the general loop; piece by piece was 15-25 % slower, two pages at a   \
+     * time 10 %, each page's rows in turn 24 %. */                                             \
     __attribute__((target(isa))) static inline void name##_tiled(char **dsts, const char *src,    \
                                                                  size_t span, int pshift,         \
                                                                  int rshift, size_t nsplit,       \
                                                                  size_t reps) {                   \
         size_t pmask = ((size_t)1 << pshift) - 1, x = 0;                                           \
+        if (reps == 1 && nsplit == 2) { /* two slices: both destinations held in registers */    \
+            char *const d0 = dsts[0], *const d1 = dsts[1];                                         \
+            for (; span - x >= 4 * KVF_PAGE; x += 4 * KVF_PAGE)                                    \
+                for (size_t at = 0; at < KVF_PAGE; at += 128)                                      \
+                    for (size_t page = 0; page < 4 * KVF_PAGE; page += KVF_PAGE) {                 \
+                        size_t y = x + page + at;                                                  \
+                        copy128((((y >> pshift) & 1) ? d1 : d0) + ((y >> rshift) << pshift)       \
+                                    + (y & pmask),                                                 \
+                                src + y);                                                          \
+                    }                                                                              \
+        }                                                                                          \
         if (reps == 1)                                                                             \
             for (; span - x >= 4 * KVF_PAGE; x += 4 * KVF_PAGE)                                    \
                 for (size_t at = 0; at < KVF_PAGE; at += 128)                                      \
@@ -201,24 +233,32 @@ static inline size_t align_head(char *dst, const char *src, size_t n, size_t ali
         if (w->nsplit && w->row_shift) {                                                           \
             size_t span = (size_t)w->d2 * (size_t)w->s2, part = (size_t)w->d2 * w->piece;          \
             for (Py_ssize_t i = 0; i < w->n; i++) {                                                \
-                name##_tiled(w->dsts, src + (w->index ? w->index[i] : i) * w->block_stride, span, \
+                if (i + 1 < w->n)                                                                  \
+                    prefetch_pages(src + kvf_block(w, i + 1) * w->block_stride, span);             \
+                name##_tiled(w->dsts, src + kvf_block(w, i) * w->block_stride, span,               \
                              w->piece_shift, w->row_shift, (size_t)w->nsplit, (size_t)w->replicas);\
                 for (Py_ssize_t j = 0; j < w->nsplit * w->replicas; j++)                           \
                     w->dsts[j] += part;                                                            \
             }                                                                                      \
         } else if (w->nsplit) {                                                                    \
             KVF_WALK_SPLIT(w, src, name##_piece)                                                   \
-        } else if (w->d0 == 1 && w->d1 == 1 && w->d2 == 1 && w->piece % (4 * KVF_PAGE) == 0        \
-                   && ((uintptr_t)dst & (unit - 1)) == 0) {                                        \
-            /* Whole blocks of 4-page multiples into an aligned destination: the 4-page loop of    \
-             * name##_piece with constant bounds, which the compiler unrolls (measured 3-5 %       \
-             * faster for 16 KiB blocks than through name##_piece). */                             \
+        } else if (w->d0 == 1 && w->d1 == 1 && w->d2 == 1) {                                       \
+            /* Whole blocks (or runs of them). Into an aligned destination, each whole 4-page      \
+             * stretch takes the 4-page loop of name##_piece with constant bounds, which the       \
+             * compiler unrolls (measured 3-5 % faster for 16 KiB blocks than through              \
+             * name##_piece); the rest of a block goes through name##_piece. */                    \
             for (Py_ssize_t i = 0; i < w->n; i++, dst += w->piece) {                               \
-                const char *block = src + (w->index ? w->index[i] : i) * w->block_stride;          \
-                for (size_t x = 0; x < w->piece; x += 4 * KVF_PAGE)                                \
-                    for (size_t at = 0; at < KVF_PAGE; at += 128)                                  \
-                        for (size_t page = 0; page < 4 * KVF_PAGE; page += KVF_PAGE)               \
-                            copy128(dst + x + page + at, block + x + page + at);                   \
+                const char *block = src + kvf_block(w, i) * w->block_stride;                       \
+                if (i + 1 < w->n)                                                                  \
+                    prefetch_pages(src + kvf_block(w, i + 1) * w->block_stride, w->piece);         \
+                size_t x = 0;                                                                      \
+                if (((uintptr_t)dst & (unit - 1)) == 0) /* each block: a piece may not keep it */ \
+                    for (; w->piece - x >= 4 * KVF_PAGE; x += 4 * KVF_PAGE)                        \
+                        for (size_t at = 0; at < KVF_PAGE; at += 128)                              \
+                            for (size_t page = 0; page < 4 * KVF_PAGE; page += KVF_PAGE)           \
+                                copy128(dst + x + page + at, block + x + page + at);               \
+                if (x < w->piece)                                                                  \
+                    name##_piece(dst + x, block + x, w->piece - x);                                \
             }                                                                                      \
         } else {                                                                                   \
             KVF_WALK(w, dst, src, name##_piece)                                                    \
