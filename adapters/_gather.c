@@ -16,7 +16,8 @@
  * With stream != 0, every piece of at least STREAM_MIN_PIECE bytes is written with
  * non-temporal (streaming) stores where the CPU has them (AVX-512F, AVX2 or SSE2, picked at run
  * time), plain stores for the unaligned head and tail of a piece, and one sfence at the end; the
- * bytes written are the same either way. Elsewhere (another architecture, another compiler)
+ * bytes written are the same either way; while a block is copied, the first line of each page
+ * of the next block is prefetched. Elsewhere (another architecture, another compiler)
  * every piece is a memcpy. The GIL is released during a copy of RELEASE_GIL_BYTES or more. Every index is checked against
  * nblocks before the first byte moves (IndexError).
  */
