@@ -449,21 +449,29 @@ def test_split_gather_checks_every_id_and_its_destinations():
 def test_a_bench_sized_split_gather_reads_whole_pages_and_writes_the_same_bytes(split_calls, slices, monkeypatch):
     """16 KiB blocks (4 heads x 128 bf16 x 16 tokens), streamed: the splits tile every block,
     so the split gather takes its page-at-a-time kernel; the bytes equal each slice's own."""
-    from kvferry.adapters.paged_cache import gather_slices
 
     monkeypatch.setattr(paged_gather, "STREAM_MIN_BYTES", 0)
     calls, threads = split_calls
     cache = torch.randint(-(2**15), 2**15, (2, 300, 16, 4, 128), dtype=torch.int16).view(torch.bfloat16)
     ids = torch.randperm(300, generator=torch.Generator().manual_seed(7))[:256].tolist()
     plan = plan_extraction([cache, cache], ids, 4090, 16, cache_dtype="bfloat16")
+    _split_equals_each_alone(plan, slices, "native")
+    assert (calls == [slices] * 4) if threads == 1 else calls == []
+
+
+def _split_equals_each_alone(plan, slices, method):
+    """``gather_slices`` of ``plan``'s head slices gives each slice what its own gather
+    (``method``) gives; returns what was written together."""
+    from kvferry.adapters.paged_cache import gather_slices
+
     parts = _sliced(plan, slices)
     together = [_dests(p) for p in parts]
     gather_slices(parts, together)
     for part, got in zip(parts, together):
         alone = _dests(part)
-        part.gather_all(alone, method="native")
+        part.gather_all(alone, method=method)
         assert all(same_bits(a, b) for a, b in zip(alone[0] + alone[1], got[0] + got[1]))
-    assert (calls == [slices] * 4) if threads == 1 else calls == []
+    return together
 
 
 #: Tokens per block whose blocks (4 heads x 128 bf16 = 1 KiB a token) are 16 KiB (one 4-page
@@ -497,19 +505,11 @@ def test_split_blocks_of_4_page_stretches_and_a_rest_write_each_slice(kernel, sp
     its loop over whole 4-page stretches and the general loop for the page after them give
     each slice what the slice's own gather by index gives (on one thread through one split
     call per tensor)."""
-    from kvferry.adapters.paged_cache import gather_slices
-
     calls, threads = split_calls
     cache = torch.randint(-(2**15), 2**15, (2, 40, tokens, 4, 128), dtype=torch.int16).view(torch.bfloat16)
     ids = torch.randperm(40, generator=torch.Generator().manual_seed(tokens + slices))[:23].tolist()
     plan = plan_extraction([cache], ids, 23 * tokens, tokens, cache_dtype="bfloat16")
-    parts = _sliced(plan, slices)
-    together = [_dests(p) for p in parts]
-    gather_slices(parts, together)
-    for part, got in zip(parts, together):
-        alone = _dests(part)
-        part.gather_all(alone, method="index")
-        assert same_bits(alone[0][0], got[0][0]) and same_bits(alone[1][0], got[1][0])
+    together = _split_equals_each_alone(plan, slices, "index")
     assert not same_bits(together[0][0][0], together[1][0][0])  # control: the slices differ
     assert calls == ([slices] * 2 if threads == 1 else [])
 
