@@ -380,8 +380,11 @@ class KvCommands:
             for thread in threads:  # every receive has the deadline; the join a margin past it
                 thread.join(max(deadline - time.monotonic(), 0.0) + 30.0)
         held = [r for r in got if r is not None and r.ok]
-        # a rank's failure first; its later items (never asked for) are None
-        bad = sorted(((items[at], r) for at, r in enumerate(got) if r is None or not r.ok), key=lambda b: b[1] is None)
+        # a rank's failed receive is the reason; an item without a result (never asked for after
+        # its rank failed, or its thread still running at the join) only when there is none
+        bad = [(items[at], r) for at, r in enumerate(got) if r is not None and not r.ok] or [
+            (items[at], None) for at, r in enumerate(got) if r is None
+        ]
         if bad or raised:
             for result in held:
                 result.release(wait=True)
