@@ -12,6 +12,12 @@ Receiver -> sender (a DEALER sends one msgpack frame; the sender's ROUTER adds t
 
 ``pid`` (optional) is the reader's process id: the sender revokes a ticket held past
 ``hold_s`` only once that process is gone (without it, the ticket is revoked at ``hold_s``).
+A "get" may also name a ``"bell"`` (bytes: an abstract unix datagram address starting with
+:data:`BELL_PREFIX`) and a ``"token"`` (bytes, 8 to 64): the sender then sends its reply as one
+datagram to that address, the same map with the token added, and falls back to the socket when
+the datagram cannot be sent. A datagram from one process to another wakes the receiver at once;
+a reply on the socket goes through libzmq's I/O thread on each side first (docs/reliability.md,
+"The shm control socket"). The receiver keeps a reply only when its token is the one it sent.
 ``seg`` (optional) names the segment the ticket was granted in: a sender serving another
 segment (a restarted sender at the same endpoint) ignores the release.
 
@@ -44,6 +50,7 @@ from __future__ import annotations
 
 import itertools
 import os
+import socket
 import threading
 import time
 from collections.abc import Callable
@@ -62,6 +69,8 @@ __all__ = [
     "MAX_MANY_KEYS",
     "OWED_FORGET_S",
     "LIVENESS_S",
+    "BELL_PREFIX",
+    "bell_address",
     "encode",
     "decode",
     "check_request",
@@ -87,6 +96,15 @@ _MAX_KEY = 4096
 #: Seconds a request waits on the sender before it asks ``gone()`` whether the sender died
 #: (then again each as long): a get to a dead sender ends this soon, not at its deadline.
 LIVENESS_S = 0.2
+#: What every reply datagram address ("bell") starts with: an abstract unix socket name.
+BELL_PREFIX = b"\0kvferry-bell-"
+_BELL_MAX = 107  # a unix socket address holds 108 bytes with the leading NUL
+_TOKEN_BYTES = (8, 64)
+
+
+def bell_address(pid: int, nonce: bytes) -> bytes:
+    """The abstract unix datagram address of one reply bell of process ``pid``."""
+    return BELL_PREFIX + f"{pid}-{nonce.hex()}".encode()
 
 
 def encode(message: dict[str, Any]) -> bytes:
@@ -143,17 +161,26 @@ def check_request(message: dict[str, Any]) -> str | None:
         return "key must be a string of at most 4096 characters"
     if isinstance(wait, bool) or not isinstance(wait, (int, float)) or not 0 <= wait < 1e7:
         return "wait_s must be a number of seconds >= 0"
+    if "bell" in message or "token" in message:
+        bell, token = message.get("bell"), message.get("token")
+        if not (isinstance(bell, bytes) and bell.startswith(BELL_PREFIX) and len(bell) <= _BELL_MAX):
+            return "bell must be an abstract socket address starting with " + repr(BELL_PREFIX)
+        if not (isinstance(token, bytes) and _TOKEN_BYTES[0] <= len(token) <= _TOKEN_BYTES[1]):
+            return "a bell needs a token of 8 to 64 bytes"
     return None
 
 
 @attrs.frozen
 class GetRequest:
-    """One key; parked up to ``wait_s`` seconds when it is not there yet; ``pid``: the reader."""
+    """One key; parked up to ``wait_s`` seconds when it is not there yet; ``pid``: the reader;
+    ``bell`` and ``token``: where the reply goes as a datagram, and what it must carry."""
 
     id: int
     key: str
     wait_s: float = 0.0
     pid: int | None = None
+    bell: bytes | None = None
+    token: bytes | None = None
 
 
 @attrs.frozen
@@ -203,7 +230,8 @@ def decode_request(frame: bytes) -> Request | Rejection:
         return PingRequest(corr_id)
     if op == "get_many":
         return GetManyRequest(corr_id, tuple(message["keys"]), pid)
-    return GetRequest(corr_id, message["key"], float(message.get("wait_s", 0.0)), pid)
+    wait_s = float(message.get("wait_s", 0.0))
+    return GetRequest(corr_id, message["key"], wait_s, pid, message.get("bell"), message.get("token"))
 
 
 def check_grant(message: dict[str, Any]) -> str | None:
@@ -253,12 +281,23 @@ class ControlClient:
     Fire-and-forget releases (:meth:`send_release`) leave on one dedicated socket, in call
     order, so :meth:`flush_releases` (a ping on that socket) returns once the sender processed
     every release sent before it.
+
+    With ``bells`` (the default), each request socket has a reply bell beside it: an abstract
+    unix datagram socket its "get" names, with the client's secret token, so the sender's reply
+    wakes the waiting call directly. Replies are read from either, matched by id as before; a
+    datagram without the token is dropped (``foreign_datagrams``). Where no bell can be made,
+    the socket alone carries the replies.
     """
 
     context: zmq.Context
     endpoint: str
     on_stale: Callable[[dict[str, Any]], None]
     gone: Callable[[], bool] | None = None
+    bells: bool = True
+    foreign_datagrams: int = attrs.field(init=False, default=0)
+    _token: bytes = attrs.field(init=False, factory=lambda: os.urandom(16))
+    #: The reply bell of each request socket (by ``id()``), and its address.
+    _bells: dict[int, tuple[socket.socket, bytes]] = attrs.field(init=False, factory=dict)
     _idle: list[zmq.Socket] = attrs.field(init=False, factory=list)
     _busy: int = attrs.field(init=False, default=0)
     _cond: threading.Condition = attrs.field(init=False, factory=threading.Condition)
@@ -290,25 +329,51 @@ class ControlClient:
         except zmq.ZMQError:
             self._checkin(None)
             return None
+        if self.bells:
+            self._open_bell(sock)
         return sock
+
+    def _open_bell(self, sock: zmq.Socket) -> None:
+        """Give ``sock`` a reply bell (none where the system cannot make one)."""
+        bell = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+        address = bell_address(os.getpid(), os.urandom(8))
+        try:
+            bell.bind(address)
+        except OSError:  # no abstract unix sockets here: replies come on the socket alone
+            bell.close()
+            return
+        bell.setblocking(False)
+        with self._cond:
+            self._bells[id(sock)] = (bell, address)
+
+    def _close_socket(self, sock: zmq.Socket) -> None:
+        """Close ``sock`` and its bell (caller holds ``_cond`` or owns the socket alone)."""
+        bell = self._bells.pop(id(sock), None)
+        if bell is not None:
+            bell[0].close()
+        sock.close()
 
     def _checkin(self, sock: zmq.Socket | None) -> None:
         with self._cond:
             self._busy -= 1
             if sock is not None:
                 if self._closed:
-                    sock.close()
+                    self._close_socket(sock)
                 else:
                     self._idle.append(sock)
             self._cond.notify_all()
 
-    def _wait(self, sock: zmq.Socket, event: int, deadline: float, watch: bool = False) -> bool:
-        """Wait for ``event`` on ``sock`` until ``deadline``; False on timeout or close.
-        ``watch``: every :data:`LIVENESS_S` without the event, ask ``gone()``; _SenderGone
-        when it says the sender died."""
+    def _wait(
+        self, sock: zmq.Socket, event: int, deadline: float, watch: bool = False, bell: socket.socket | None = None
+    ) -> bool:
+        """Wait for ``event`` on ``sock`` (or a datagram on ``bell``) until ``deadline``; False
+        on timeout or close. ``watch``: every :data:`LIVENESS_S` without the event, ask
+        ``gone()``; _SenderGone when it says the sender died."""
         poller = zmq.Poller()
         poller.register(sock, event)
         poller.register(self._wake[0], zmq.POLLIN)
+        if bell is not None:
+            poller.register(bell.fileno(), zmq.POLLIN)
         gone = self.gone if watch else None
         while not self._closed:
             remaining = deadline - time.monotonic()
@@ -316,13 +381,32 @@ class ControlClient:
             # process was stopped or starved until after it) is taken, not left granted to no one
             wait = min(remaining, LIVENESS_S) if gone is not None else remaining
             ready = dict(poller.poll(int(wait * 1000) + 1 if remaining > 0 else 0))
-            if ready.get(sock, 0) & event:
+            if ready.get(sock, 0) & event or (bell is not None and bell.fileno() in ready):
                 return True
             if self._wake[0] in ready or remaining <= 0:
                 return False
             if gone is not None and gone():
                 raise _SenderGone
         return False
+
+    def _take_reply(self, sock: zmq.Socket, bell: socket.socket | None) -> dict[str, Any] | None:
+        """The next reply on ``bell`` or else on ``sock``, without waiting; None when neither
+        holds one (or what came was not a reply of this client's sender)."""
+        if bell is not None:
+            try:
+                frame = bell.recv(MAX_MESSAGE_BYTES + 1)
+            except OSError:  # BlockingIOError: nothing there
+                frame = None
+            if frame is not None:
+                reply = decode(frame)
+                if reply is None or reply.pop("token", None) != self._token:
+                    self.foreign_datagrams += 1
+                    return None
+                return reply
+        try:
+            return decode(sock.recv(zmq.NOBLOCK))
+        except zmq.Again:
+            return None
 
     def _send(self, sock: zmq.Socket, frame: bytes, deadline: float, watch: bool = False) -> bool:
         while True:
@@ -343,12 +427,15 @@ class ControlClient:
         request_id = next(self._ids)
         deadline = time.monotonic() + timeout_s
         sent = False
+        bell, address = self._bells.get(id(sock), (None, b""))
+        if bell is not None and message.get("op") == "get":
+            message = {**message, "bell": address, "token": self._token}
         try:
             if not self._send(sock, encode({**message, "id": request_id}), deadline, watch=True):
                 return None
             sent = True
-            while self._wait(sock, zmq.POLLIN, deadline, watch=True):
-                reply = decode(sock.recv())
+            while self._wait(sock, zmq.POLLIN, deadline, watch=True, bell=bell):
+                reply = self._take_reply(sock, bell)
                 if reply is None:
                     continue
                 if reply.get("id") == request_id:
@@ -480,8 +567,8 @@ class ControlClient:
             self._cond.wait_for(lambda: self._busy == 0, timeout_s)
             sockets, self._idle = self._idle, []
             idle = self._busy == 0
-        for sock in sockets:
-            sock.close()
+            for sock in sockets:
+                self._close_socket(sock)
         with self._release_lock:  # a release in progress saw the wake-up and returned
             if self._release_sock is not None:
                 self._release_sock.close()

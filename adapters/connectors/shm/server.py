@@ -7,7 +7,10 @@ never across a wait: a ``put`` (any thread) answers the gets parked on its key i
 after publishing, so a waiting receiver's grant leaves before the put returns, without waiting
 for this thread to be scheduled and to get the GIL from a busy caller (``grants_direct`` counts
 them). Grants carry a ticket; the receiver's ``release`` returns it and the pool frees the
-region when the last ticket of an entry is back.
+region when the last ticket of an entry is back. A get that names a reply bell is answered by
+one datagram to it (the receiver's thread wakes on it directly, without libzmq's I/O threads in
+between: ``replies_bell``), and on the socket when that datagram cannot leave
+(``bell_undeliverable``).
 
 The socket is shared the way libzmq allows: one thread at a time, under the lock (a full memory
 barrier). The thread waits on ``zmq.FD`` outside the lock, which says only that the socket's
@@ -29,6 +32,7 @@ import collections
 import logging
 import os
 import select
+import socket
 import threading
 import time
 from typing import Any
@@ -150,11 +154,14 @@ def _poll_ms(wait_s: float | None) -> int | None:
 
 @attrs.frozen
 class _Waiter:
-    """Where a parked get's answer goes, and which reader process will hold the grant."""
+    """Where a get's answer goes (the socket identity, and the reply bell with its token when
+    the get named one), and which reader process will hold the grant."""
 
     identity: bytes
     request_id: int
     holder: Reader | None = None
+    bell: bytes | None = None
+    token: bytes | None = None
 
 
 @attrs.define(eq=False)
@@ -172,6 +179,8 @@ class ControlServer:
     _table: ParkedTable[_Waiter] = attrs.field(init=False, factory=ParkedTable)
     _stopping: bool = attrs.field(init=False, default=False)
     _thread: threading.Thread | None = attrs.field(init=False, default=None)
+    #: Sends replies to the gets that named a reply bell (docs/reliability.md).
+    _bell_out: socket.socket | None = attrs.field(init=False, default=None)
     readers: ReaderRegistry = attrs.field(init=False, factory=ReaderRegistry)
     #: Held while the socket, the parked gets or the counters are used (never across a wait);
     #: reentrant, so a publish made while it is held (none is today) cannot deadlock.
@@ -188,6 +197,8 @@ class ControlServer:
             router.close()
             raise BindError(f"shm control endpoint {self.endpoint} cannot bind: {exc}") from exc
         self._router = router
+        self._bell_out = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+        self._bell_out.setblocking(False)
         self._bell = Doorbell()
         self.pool.on_publish.append(self.notify_published)
         self._thread = threading.Thread(target=self._run, name=f"kvferry-shm-{self.segment_name}", daemon=True)
@@ -225,6 +236,25 @@ class ControlServer:
         self.readers.close()
 
     # ------------------------------------------------------------------ thread side only
+    def _ring(self, waiter: _Waiter, message: dict[str, Any]) -> bool:
+        """Send a reply to ``waiter``'s bell as one datagram; False when it could not leave (no
+        such socket: its process closed it or is in another network namespace; its queue is
+        full), and the reply then takes the socket."""
+        if self._bell_out is None or waiter.bell is None:
+            return False
+        try:
+            self._bell_out.sendto(encode({**message, "token": waiter.token}), waiter.bell)
+        except OSError:
+            self.counters["bell_undeliverable"] += 1
+            return False
+        self.counters["replies_bell"] += 1
+        return True
+
+    def _answer_get(self, waiter: _Waiter, message: dict[str, Any], *tickets: Ticket) -> None:
+        """A get's reply: to its bell when it named one, else (or when that fails) the socket."""
+        if not self._ring(waiter, message):
+            self._reply(waiter.identity, message, *tickets)
+
     def _reply(self, identity: bytes, message: dict[str, Any], *tickets: Ticket) -> None:
         try:
             self._router.send_multipart([identity, encode(message)], zmq.NOBLOCK)
@@ -245,8 +275,8 @@ class ControlServer:
             "ticket": ticket.ticket_id,
         }
 
-    def _grant(self, identity: bytes, request_id: int, ticket: Ticket) -> None:
-        self._reply(identity, {"id": request_id, **self._granted(ticket)}, ticket)
+    def _grant(self, waiter: _Waiter, ticket: Ticket) -> None:
+        self._answer_get(waiter, {"id": waiter.request_id, **self._granted(ticket)}, ticket)
 
     def _get_many(self, identity: bytes, request_id: int, keys: tuple[str, ...], holder: Reader | None) -> None:
         self.counters["get_many"] += 1
@@ -272,12 +302,12 @@ class ControlServer:
             entry[FAILURE_FIELD] = encode_failure(failure)
         return entry
 
-    def _miss(self, identity: bytes, request_id: int, reason: str) -> None:
+    def _miss(self, waiter: _Waiter, reason: str) -> None:
         self.counters["miss_" + reason] += 1
-        self._reply(identity, {"id": request_id, "ok": False, "reason": reason})
+        self._answer_get(waiter, {"id": waiter.request_id, "ok": False, "reason": reason})
 
-    def _miss_key(self, identity: bytes, request_id: int, key: str) -> None:
-        self._reply(identity, {"id": request_id, **self._miss_entry(key)})
+    def _miss_key(self, waiter: _Waiter, key: str) -> None:
+        self._answer_get(waiter, {"id": waiter.request_id, **self._miss_entry(key)})
 
     def _handle(self, identity: bytes, frame: bytes) -> None:
         request = decode_request(frame)
@@ -302,16 +332,17 @@ class ControlServer:
         elif isinstance(request, GetManyRequest):
             self._get_many(identity, request.id, request.keys, self.readers.holder(request.pid))
         else:
-            self._get(identity, request.id, request.key, request.wait_s, self.readers.holder(request.pid))
+            holder = self.readers.holder(request.pid)
+            self._get(_Waiter(identity, request.id, holder, request.bell, request.token), request.key, request.wait_s)
 
-    def _get(self, identity: bytes, request_id: int, key: str, wait_s: float, holder: Reader | None = None) -> None:
-        ticket = self.pool.take(key, holder)
+    def _get(self, waiter: _Waiter, key: str, wait_s: float) -> None:
+        ticket = self.pool.take(key, waiter.holder)
         if ticket is not None:
-            self._grant(identity, request_id, ticket)
+            self._grant(waiter, ticket)
         elif wait_s > 0 and not self._stopping and self.pool.status(key) not in _FINAL:
-            self._table.park(key, _Waiter(identity, request_id, holder), time.monotonic(), wait_s)
+            self._table.park(key, waiter, time.monotonic(), wait_s)
         else:
-            self._miss_key(identity, request_id, key)
+            self._miss_key(waiter, key)
 
     def _serve_published(self, keys: list[str]) -> None:
         now = time.monotonic()
@@ -320,10 +351,10 @@ class ControlServer:
             def offer(waiter: _Waiter) -> bool:
                 ticket = self.pool.take(key, waiter.holder)
                 if ticket is not None:
-                    self._grant(waiter.identity, waiter.request_id, ticket)
+                    self._grant(waiter, ticket)
                     return True
                 if self.pool.status(key) == FAILED_REASON:  # its sender failed it: tell every waiter
-                    self._miss_key(waiter.identity, waiter.request_id, key)
+                    self._miss_key(waiter, key)
                     return True
                 return False
 
@@ -331,7 +362,7 @@ class ControlServer:
 
     def _answer(self, parked: list[Parked[_Waiter]], reason: str) -> None:
         for p in parked:
-            self._miss(p.waiter.identity, p.waiter.request_id, reason)
+            self._miss(p.waiter, reason)
 
     def _expire_waiters(self) -> float | None:
         """Answer parked gets past their deadline; returns seconds to the next deadline."""
@@ -364,6 +395,9 @@ class ControlServer:
             with self._lock:
                 self._router.close(0)
                 self._router = None
+                if self._bell_out is not None:
+                    self._bell_out.close()
+                    self._bell_out = None
 
     def _receive_batch(self) -> bool:
         """Handle the requests queued on the socket, at most 256 (lock held); True when more

@@ -27,6 +27,8 @@ from waits import eventually
 from kvferry.adapters.connectors.pool_buffer import wait_for_gc_releases
 from kvferry.adapters.connectors.shm.connector import ShmConnector
 from kvferry.adapters.connectors.shm.control import (
+    BELL_PREFIX,
+    ControlClient,
     GetManyRequest,
     GetRequest,
     PingRequest,
@@ -608,6 +610,19 @@ def test_requests_decode_to_typed_values_and_bad_ones_to_rejections() -> None:
     assert decode_request(encode({"op": "release", "tickets": [1, 2], "id": 6})) == ReleaseRequest((1, 2), None, 6)
     bad = decode_request(encode({"op": "get", "id": 8, "key": "k", "wait_s": -1}))
     assert bad == Rejection("bad_request", "wait_s must be a number of seconds >= 0", 8)
+    bell, token = BELL_PREFIX + b"9-ab", b"t" * 16
+    rung = {"op": "get", "id": 9, "key": "k", "wait_s": 1, "bell": bell, "token": token}
+    assert decode_request(encode(rung)) == GetRequest(9, "k", 1.0, None, bell, token)
+    for wrong in (
+        {"bell": b"\0elsewhere"},  # not kvferry's: a sender never sends to another program's socket
+        {"bell": "text"},
+        {"bell": BELL_PREFIX + b"x" * 100},  # longer than a unix socket address
+        {"token": b"short"},
+        {"token": None},
+    ):
+        rejected = decode_request(encode({**rung, **wrong}))
+        assert isinstance(rejected, Rejection) and rejected.corr_id == 9, wrong
+    assert isinstance(decode_request(encode({"op": "get", "id": 9, "key": "k", "bell": bell})), Rejection)
     assert decode_request(b"not msgpack") == Rejection("bad_request", "not a control message")
     assert decode_request(encode({"op": "exec", "id": 2})).corr_id == 2
 
@@ -643,8 +658,6 @@ def test_late_grants_on_several_idle_sockets_are_all_released_by_later_requests(
 def test_a_reply_already_there_is_taken_even_past_the_deadline(space) -> None:
     """A process stopped past its deadline (SIGSTOP, a long pause) takes the reply that came
     meanwhile instead of leaving its grant to no one; with nothing there it gives up at once."""
-    from kvferry.adapters.connectors.shm.control import ControlClient
-
     namespace, base = space
     endpoint = f"ipc://{base}/t.sock"
     context = zmq.Context()
@@ -663,6 +676,103 @@ def test_a_reply_already_there_is_taken_even_past_the_deadline(space) -> None:
         assert client._wait(sock, zmq.POLLIN, past)  # taken although the deadline is behind
     finally:
         client._checkin(sock)
+        client.close()
+        router.close(0)
+        context.term()
+        os.unlink(f"{base}/t.sock")
+
+
+@pytest.mark.parametrize("bells", [True, False], ids=["bell", "socket"])
+def test_a_get_is_answered_on_its_bell_and_other_requests_on_the_socket(space, bells) -> None:
+    """A receiver's get names its reply bell: the grant comes as a datagram (the sender counts
+    it), a parked get's too; a ping and a get_many are answered on the socket. A client without
+    bells (the control: an older receiver) gets the same replies, all on the socket."""
+    with make(space, "sender") as sender:
+        context = zmq.Context()
+        client = ControlClient(context, sender.endpoint, lambda reply: None, bells=bells)
+        try:
+            assert sender.put("0", "1", "now", b"x" * 64)[0]
+            now = client.request({"op": "get", "key": "now", "wait_s": 1.0}, 10)
+            assert now is not None and now["ok"] and now["size"] == 64 and "token" not in now
+            got: dict[str, object] = {}
+            waiter = threading.Thread(
+                target=lambda: got.update(r=client.request({"op": "get", "key": "later", "wait_s": 20}, 30))
+            )
+            waiter.start()
+            eventually(lambda: sender.health()["parked"] == 1, "the get parked at the sender")
+            assert sender.put("0", "1", "later", b"y" * 32)[0]
+            waiter.join(30)
+            assert got["r"]["ok"] and got["r"]["size"] == 32
+            assert client.request({"op": "ping"}, 10)["ok"]
+            assert sender.put("0", "1", "third", b"w" * 8)[0]
+            many = client.request({"op": "get_many", "keys": ["third", "absent"]}, 10)
+            assert [g["ok"] for g in many["grants"]] == [True, False]
+            health = sender.health()
+            assert health["grants"] == 3
+            assert health.get("replies_bell", 0) == (2 if bells else 0)
+            assert health.get("bell_undeliverable", 0) == 0 and client.foreign_datagrams == 0
+        finally:
+            client.close()
+            context.term()
+
+
+def test_a_bell_nobody_listens_on_falls_back_to_the_socket(space) -> None:
+    """A get whose bell cannot be reached (its process closed it, or lives in another network
+    namespace) is answered on the socket, and the sender counts the failed datagram."""
+    with make(space, "sender") as sender:
+        assert sender.put("0", "1", "k", b"z" * 16)[0]
+        context = zmq.Context()
+        sock = context.socket(zmq.DEALER)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.connect(sender.endpoint)
+        try:
+            bell = BELL_PREFIX + f"{os.getpid()}-nobody{next(_COUNTER)}".encode()
+            sock.send(encode({"op": "get", "id": 1, "key": "k", "wait_s": 1, "bell": bell, "token": b"t" * 16}))
+            assert sock.poll(10_000)
+            reply = decode(sock.recv())
+        finally:
+            sock.close()
+            context.term()
+        assert reply["id"] == 1 and reply["ok"] and reply["size"] == 16
+        health = sender.health()
+        assert (health["bell_undeliverable"], health.get("replies_bell", 0)) == (1, 0)
+
+
+def test_a_datagram_without_the_token_is_not_taken_for_a_reply(space) -> None:
+    """Anyone on the host can send to a bell's address: a reply that lacks the token the get
+    carried is dropped and counted; the sender's real reply, on the bell or on the socket, is
+    the one the request returns."""
+    namespace, base = space
+    endpoint = f"ipc://{base}/t.sock"
+    context = zmq.Context()
+    router = context.socket(zmq.ROUTER)
+    router.setsockopt(zmq.LINGER, 0)
+    router.bind(endpoint)
+    client = ControlClient(context, endpoint, lambda reply: None)
+    out = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+    try:
+        for via_bell in (True, False):
+            got: dict[str, object] = {}
+            asker = threading.Thread(
+                target=lambda: got.update(r=client.request({"op": "get", "key": "k", "wait_s": 5}, 20))
+            )
+            asker.start()
+            assert router.poll(10_000)
+            identity, frame = router.recv_multipart()
+            request = decode(frame)
+            forged = {"id": request["id"], "ok": True, "seg": "evil", "seg_bytes": 8, "off": 0, "size": 8, "ticket": 1}
+            out.sendto(encode({**forged, "token": b"guessed-wrong-16"}), request["bell"])
+            out.sendto(encode(forged), request["bell"])  # no token at all
+            real = {**forged, "seg": "real", "ticket": 2}
+            if via_bell:
+                out.sendto(encode({**real, "token": request["token"]}), request["bell"])
+            else:
+                router.send_multipart([identity, encode(real)])
+            asker.join(20)
+            assert got["r"]["seg"] == "real" and got["r"]["ticket"] == 2
+        assert client.foreign_datagrams == 4
+    finally:
+        out.close()
         client.close()
         router.close(0)
         context.term()
