@@ -460,6 +460,9 @@ class ShmConnector:
                 out.update({k: v for k, v in self._sender.server.counters.items()})
         else:
             out.update(sender_endpoint=self._default_endpoint, mapped_segments=len(self._segments))
+        foreign = sum(client.foreign_datagrams for client in list(self._clients.values()))
+        if foreign:  # datagrams on a reply bell without this process's token: dropped
+            out["foreign_datagrams"] = foreign
         return out
 
     def close(self) -> None:

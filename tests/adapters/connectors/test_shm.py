@@ -779,6 +779,35 @@ def test_a_datagram_without_the_token_is_not_taken_for_a_reply(space) -> None:
         os.unlink(f"{base}/t.sock")
 
 
+def _bells_of(pid: int) -> list[bytes]:
+    """The reply bells process ``pid`` has bound, as anyone on the host can list them."""
+    prefix = "@" + BELL_PREFIX[1:].decode() + f"{pid}-"
+    with open("/proc/net/unix") as table:
+        names = [line.split()[-1] for line in table.readlines()[1:] if len(line.split()) > 7]
+    return [b"\0" + n[1:].encode() for n in names if n.startswith(prefix)]
+
+
+def test_a_forged_grant_on_a_receivers_bell_is_dropped_and_counted(space) -> None:
+    """A local process that finds a waiting receiver's bell (abstract sockets are listed in
+    /proc/net/unix) and sends it a grant of its own: the receive returns the sender's real
+    bytes, and the receiver's health counts the dropped datagram."""
+    with make(space, "sender") as sender, make(space, "receiver", sender_port=PORT) as receiver:
+        got: dict[str, object] = {}
+        waiter = threading.Thread(target=lambda: got.update(v=receiver.get_blocking("0", "1", "k", timeout_s=20)))
+        waiter.start()
+        eventually(lambda: sender.health()["parked"] == 1, "the get parked at the sender")
+        (bell,) = _bells_of(os.getpid())
+        forged = {"v": 1, "id": 1, "ok": True, "seg": sender._sender.segment.name, "seg_bytes": 1 << 20}
+        with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM) as out:
+            out.sendto(msgpack.packb({**forged, "off": 0, "size": 4, "ticket": 99}), bell)
+        eventually(lambda: receiver.health().get("foreign_datagrams") == 1, "the forged datagram dropped")
+        assert sender.put("0", "1", "k", b"the real bytes")[0]
+        waiter.join(20)
+        buffer, size = got["v"]
+        assert bytes(buffer.tensor.numpy()) == b"the real bytes" and size == 14
+        buffer.release()
+
+
 def test_granted_tickets_are_read_off_either_kind_of_reply() -> None:
     grant = {"ok": True, "seg": "s", "seg_bytes": 64, "off": 0, "size": 8, "ticket": 7}
     assert granted_tickets({"id": 1, **grant}) == [(7, "s")]
