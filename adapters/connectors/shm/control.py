@@ -428,7 +428,9 @@ class ControlClient:
         deadline = time.monotonic() + timeout_s
         sent = False
         bell, address = self._bells.get(id(sock), (None, b""))
-        if bell is not None and message.get("op") == "get":
+        if bell is not None and message.get("op") == "get" and id(sock) not in self._owing:
+            # a socket that owes a late reply asks on the socket alone: its answer then comes
+            # after that reply (one pipe, in order), which this request reads and releases first
             message = {**message, "bell": address, "token": self._token}
         try:
             if not self._send(sock, encode({**message, "id": request_id}), deadline, watch=True):

@@ -93,6 +93,20 @@ def make(space, role: str, **extra) -> ShmConnector:
     return create_connector(config)
 
 
+@contextlib.contextmanager
+def _raw_dealer(endpoint: str):
+    """A bare DEALER socket on a sender's control endpoint (requests written by hand)."""
+    context = zmq.Context()
+    sock = context.socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.connect(endpoint)
+    try:
+        yield sock
+    finally:
+        sock.close()
+        context.term()
+
+
 def segments_of(namespace: str) -> list[str]:
     return sorted(n for n in os.listdir(SHM_DIR) if n.startswith(f"kvferry-{namespace}-"))
 
@@ -481,11 +495,7 @@ def test_a_get_that_names_no_reader_is_revoked_at_hold(space) -> None:
     clock = FakeClock()
     with make(space, "sender", clock=clock, lease_s=5.0, hold_s=2.0) as sender:
         assert sender.put("0", "1", "k", b"z" * 1000)[0]
-        context = zmq.Context()
-        sock = context.socket(zmq.DEALER)
-        sock.setsockopt(zmq.LINGER, 0)
-        sock.connect(sender.endpoint)
-        try:
+        with _raw_dealer(sender.endpoint) as sock:
             sock.send(encode({"op": "get", "id": 1, "key": "k"}))
             assert sock.poll(5000)
             grant = decode(sock.recv())
@@ -494,9 +504,6 @@ def test_a_get_that_names_no_reader_is_revoked_at_hold(space) -> None:
             assert sender.health()["used_bytes"] == 0 and sender.health()["expired_unreleased"] == 1
             sock.send(encode({"op": "release", "ticket": grant["ticket"], "id": 2}))  # late: harmless
             assert sock.poll(5000) and decode(sock.recv())["released"] is False
-        finally:
-            sock.close()
-            context.term()
 
 
 def test_release_soon_and_dropped_buffers_reach_the_sender(space) -> None:
@@ -545,11 +552,7 @@ def test_a_release_for_another_segment_is_ignored(space) -> None:
     """A restarted sender at the same endpoint never frees a ticket its predecessor granted."""
     with make(space, "sender") as sender:
         assert sender.put("0", "1", "k", b"v")[0]
-        context = zmq.Context()
-        sock = context.socket(zmq.DEALER)
-        sock.setsockopt(zmq.LINGER, 0)
-        sock.connect(sender.endpoint)
-        try:
+        with _raw_dealer(sender.endpoint) as sock:
             sock.send(encode({"op": "get", "id": 1, "key": "k", "pid": os.getpid()}))
             assert sock.poll(5000)
             grant = decode(sock.recv())
@@ -558,9 +561,6 @@ def test_a_release_for_another_segment_is_ignored(space) -> None:
             assert sender.health()["releases_foreign"] == 1 and sender.health()["used_bytes"] > 0
             sock.send(encode({"op": "release", "ticket": grant["ticket"], "seg": grant["seg"], "id": 3}))
             assert sock.poll(5000) and decode(sock.recv())["released"] is True
-        finally:
-            sock.close()
-            context.term()
 
 
 def test_reader_liveness_follows_the_process() -> None:
@@ -721,18 +721,11 @@ def test_a_bell_nobody_listens_on_falls_back_to_the_socket(space) -> None:
     namespace) is answered on the socket, and the sender counts the failed datagram."""
     with make(space, "sender") as sender:
         assert sender.put("0", "1", "k", b"z" * 16)[0]
-        context = zmq.Context()
-        sock = context.socket(zmq.DEALER)
-        sock.setsockopt(zmq.LINGER, 0)
-        sock.connect(sender.endpoint)
-        try:
+        with _raw_dealer(sender.endpoint) as sock:
             bell = BELL_PREFIX + f"{os.getpid()}-nobody{next(_COUNTER)}".encode()
             sock.send(encode({"op": "get", "id": 1, "key": "k", "wait_s": 1, "bell": bell, "token": b"t" * 16}))
             assert sock.poll(10_000)
             reply = decode(sock.recv())
-        finally:
-            sock.close()
-            context.term()
         assert reply["id"] == 1 and reply["ok"] and reply["size"] == 16
         health = sender.health()
         assert (health["bell_undeliverable"], health.get("replies_bell", 0)) == (1, 0)
@@ -773,6 +766,53 @@ def test_a_datagram_without_the_token_is_not_taken_for_a_reply(space) -> None:
         assert client.foreign_datagrams == 4
     finally:
         out.close()
+        client.close()
+        router.close(0)
+        context.term()
+        os.unlink(f"{base}/t.sock")
+
+
+def test_a_socket_that_owes_a_late_reply_asks_without_its_bell(space) -> None:
+    """A get that gave up leaves its socket owing a reply. The next get on that socket names no
+    bell, so its answer comes on the socket after the late one (one pipe, in order) and the late
+    grant is read and released first; on the bell, the new answer could overtake it (it did, one
+    run in three, in test_grants_that_come_after_the_receiver_gave_up_are_released). Once the
+    late reply is read, gets name the bell again."""
+    namespace, base = space
+    endpoint = f"ipc://{base}/t.sock"
+    context = zmq.Context()
+    router = context.socket(zmq.ROUTER)
+    router.setsockopt(zmq.LINGER, 0)
+    router.bind(endpoint)
+    stale: list[dict] = []
+    client = ControlClient(context, endpoint, stale.append)
+
+    def ask(key: str, timeout_s: float) -> tuple[dict, threading.Thread, dict]:
+        got: dict[str, object] = {}
+        asker = threading.Thread(target=lambda: got.update(r=client.request({"op": "get", "key": key}, timeout_s)))
+        asker.start()
+        assert router.poll(10_000)
+        identity, frame = router.recv_multipart()
+        return {**decode(frame), "identity": identity}, asker, got
+
+    try:
+        first, asker, got = ask("slow", 0.2)
+        assert "bell" in first
+        asker.join(10)
+        assert got["r"] is None  # gave up: the socket owes the reply to request 1
+        second, asker, got = ask("next", 10)
+        assert "bell" not in second and "token" not in second
+        for request, key in ((first, "slow"), (second, "next")):  # the late reply first, as sent
+            reply = {"id": request["id"], "ok": False, "reason": "not_found", "key": key}
+            router.send_multipart([request["identity"], encode(reply)])
+        asker.join(10)
+        assert got["r"]["key"] == "next" and [r["key"] for r in stale] == ["slow"]
+        third, asker, got = ask("then", 10)
+        assert "bell" in third  # nothing owed any more
+        router.send_multipart([third["identity"], encode({"id": third["id"], "ok": False, "reason": "x"})])
+        asker.join(10)
+        assert got["r"]["reason"] == "x"
+    finally:
         client.close()
         router.close(0)
         context.term()
@@ -822,11 +862,7 @@ def test_granted_tickets_are_read_off_either_kind_of_reply() -> None:
 
 def test_control_rejects_bad_requests_and_keeps_serving(space) -> None:
     with make(space, "sender") as sender:
-        context = zmq.Context()
-        sock = context.socket(zmq.DEALER)
-        sock.setsockopt(zmq.LINGER, 0)
-        sock.connect(sender.endpoint)
-        try:
+        with _raw_dealer(sender.endpoint) as sock:
             sock.send(b"\xc1garbage")
             sock.send(msgpack.packb({"v": 1, "op": "get", "id": 7, "key": 5}))
             sock.send(msgpack.packb({"v": 1, "op": "explode", "id": 8}))
@@ -838,9 +874,6 @@ def test_control_rejects_bad_requests_and_keeps_serving(space) -> None:
             replies = []
             while len(replies) < 7 and sock.poll(5000):
                 replies.append(decode(sock.recv()))
-        finally:
-            sock.close()
-            context.term()
         assert [(r["id"], r["ok"], r.get("reason")) for r in replies] == [
             (7, False, "bad_request"),
             (8, False, "bad_request"),
