@@ -94,6 +94,26 @@ def make(space, role: str, **extra) -> ShmConnector:
 
 
 @contextlib.contextmanager
+def _client_of_a_hand_sender(space, on_stale=lambda reply: None):
+    """A ROUTER standing in for a sender (replies written by hand) and a :class:`ControlClient`
+    of it: ``(router, client)``; both closed and the socket file removed afterwards."""
+    _, base = space
+    endpoint = f"ipc://{base}/t.sock"
+    context = zmq.Context()
+    router = context.socket(zmq.ROUTER)
+    router.setsockopt(zmq.LINGER, 0)
+    router.bind(endpoint)
+    client = ControlClient(context, endpoint, on_stale)
+    try:
+        yield router, client
+    finally:
+        client.close()
+        router.close(0)
+        context.term()
+        os.unlink(f"{base}/t.sock")
+
+
+@contextlib.contextmanager
 def _raw_dealer(endpoint: str):
     """A bare DEALER socket on a sender's control endpoint (requests written by hand)."""
     context = zmq.Context()
@@ -658,28 +678,19 @@ def test_late_grants_on_several_idle_sockets_are_all_released_by_later_requests(
 def test_a_reply_already_there_is_taken_even_past_the_deadline(space) -> None:
     """A process stopped past its deadline (SIGSTOP, a long pause) takes the reply that came
     meanwhile instead of leaving its grant to no one; with nothing there it gives up at once."""
-    namespace, base = space
-    endpoint = f"ipc://{base}/t.sock"
-    context = zmq.Context()
-    router = context.socket(zmq.ROUTER)
-    router.bind(endpoint)
-    client = ControlClient(context, endpoint, lambda reply: None)
-    sock = client._checkout()
-    assert sock is not None
-    try:
-        past = time.monotonic() - 1.0
-        assert not client._wait(sock, zmq.POLLIN, past)  # nothing there: no wait
-        sock.send(b"hello")
-        identity, _ = router.recv_multipart()
-        router.send_multipart([identity, b"reply"])
-        assert sock.poll(5000) == zmq.POLLIN  # it arrived
-        assert client._wait(sock, zmq.POLLIN, past)  # taken although the deadline is behind
-    finally:
-        client._checkin(sock)
-        client.close()
-        router.close(0)
-        context.term()
-        os.unlink(f"{base}/t.sock")
+    with _client_of_a_hand_sender(space) as (router, client):
+        sock = client._checkout()
+        assert sock is not None
+        try:
+            past = time.monotonic() - 1.0
+            assert not client._wait(sock, zmq.POLLIN, past)  # nothing there: no wait
+            sock.send(b"hello")
+            identity, _ = router.recv_multipart()
+            router.send_multipart([identity, b"reply"])
+            assert sock.poll(5000) == zmq.POLLIN  # it arrived
+            assert client._wait(sock, zmq.POLLIN, past)  # taken although the deadline is behind
+        finally:
+            client._checkin(sock)
 
 
 @pytest.mark.parametrize("bells", [True, False], ids=["bell", "socket"])
@@ -735,15 +746,10 @@ def test_a_datagram_without_the_token_is_not_taken_for_a_reply(space) -> None:
     """Anyone on the host can send to a bell's address: a reply that lacks the token the get
     carried is dropped and counted; the sender's real reply, on the bell or on the socket, is
     the one the request returns."""
-    namespace, base = space
-    endpoint = f"ipc://{base}/t.sock"
-    context = zmq.Context()
-    router = context.socket(zmq.ROUTER)
-    router.setsockopt(zmq.LINGER, 0)
-    router.bind(endpoint)
-    client = ControlClient(context, endpoint, lambda reply: None)
-    out = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
-    try:
+    with (
+        _client_of_a_hand_sender(space) as (router, client),
+        socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM) as out,
+    ):
         for via_bell in (True, False):
             got: dict[str, object] = {}
             asker = threading.Thread(
@@ -764,12 +770,6 @@ def test_a_datagram_without_the_token_is_not_taken_for_a_reply(space) -> None:
             asker.join(20)
             assert got["r"]["seg"] == "real" and got["r"]["ticket"] == 2
         assert client.foreign_datagrams == 4
-    finally:
-        out.close()
-        client.close()
-        router.close(0)
-        context.term()
-        os.unlink(f"{base}/t.sock")
 
 
 def test_a_socket_that_owes_a_late_reply_asks_without_its_bell(space) -> None:
@@ -778,24 +778,17 @@ def test_a_socket_that_owes_a_late_reply_asks_without_its_bell(space) -> None:
     grant is read and released first; on the bell, the new answer could overtake it (it did, one
     run in three, in test_grants_that_come_after_the_receiver_gave_up_are_released). Once the
     late reply is read, gets name the bell again."""
-    namespace, base = space
-    endpoint = f"ipc://{base}/t.sock"
-    context = zmq.Context()
-    router = context.socket(zmq.ROUTER)
-    router.setsockopt(zmq.LINGER, 0)
-    router.bind(endpoint)
     stale: list[dict] = []
-    client = ControlClient(context, endpoint, stale.append)
+    with _client_of_a_hand_sender(space, stale.append) as (router, client):
 
-    def ask(key: str, timeout_s: float) -> tuple[dict, threading.Thread, dict]:
-        got: dict[str, object] = {}
-        asker = threading.Thread(target=lambda: got.update(r=client.request({"op": "get", "key": key}, timeout_s)))
-        asker.start()
-        assert router.poll(10_000)
-        identity, frame = router.recv_multipart()
-        return {**decode(frame), "identity": identity}, asker, got
+        def ask(key: str, timeout_s: float) -> tuple[dict, threading.Thread, dict]:
+            got: dict[str, object] = {}
+            asker = threading.Thread(target=lambda: got.update(r=client.request({"op": "get", "key": key}, timeout_s)))
+            asker.start()
+            assert router.poll(10_000)
+            identity, frame = router.recv_multipart()
+            return {**decode(frame), "identity": identity}, asker, got
 
-    try:
         first, asker, got = ask("slow", 0.2)
         assert "bell" in first
         asker.join(10)
@@ -812,11 +805,6 @@ def test_a_socket_that_owes_a_late_reply_asks_without_its_bell(space) -> None:
         router.send_multipart([third["identity"], encode({"id": third["id"], "ok": False, "reason": "x"})])
         asker.join(10)
         assert got["r"]["reason"] == "x"
-    finally:
-        client.close()
-        router.close(0)
-        context.term()
-        os.unlink(f"{base}/t.sock")
 
 
 def _bells_of(pid: int) -> list[bytes]:
