@@ -400,7 +400,8 @@ class ControlClient:
             if frame is not None:
                 reply = decode(frame)
                 if reply is None or reply.pop("token", None) != self._token:
-                    self.foreign_datagrams += 1
+                    with self._cond:  # several threads' sockets may each drop one
+                        self.foreign_datagrams += 1
                     return None
                 return reply
         try:
