@@ -33,6 +33,7 @@ from kvferry.adapters.connectors.shm.control import (
     GetRequest,
     PingRequest,
     ReleaseRequest,
+    bell_address,
     check_grant,
     check_request,
     decode,
@@ -618,6 +619,15 @@ def test_decoding_garbage_never_raises(frame) -> None:
         check_grant(message)
     request = decode_request(frame)
     assert isinstance(request, (Rejection, GetRequest, GetManyRequest, PingRequest, ReleaseRequest))
+
+
+@given(pid=st.integers(1, 2**22), nonce=st.binary(min_size=8, max_size=8))
+def test_every_bell_a_receiver_makes_is_one_a_sender_accepts(pid, nonce) -> None:
+    """The receiver's bell address (``bell_address``) always passes the sender's check: kvferry's
+    prefix, within a unix socket address."""
+    bell = bell_address(pid, nonce)
+    assert check_request({"op": "get", "id": 1, "key": "k", "bell": bell, "token": b"t" * 16}) is None
+    assert bell.startswith(BELL_PREFIX) and len(bell) <= 107
 
 
 def test_requests_decode_to_typed_values_and_bad_ones_to_rejections() -> None:
