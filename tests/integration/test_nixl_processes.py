@@ -209,5 +209,58 @@ def test_sender_killed_during_a_large_read_ends_by_the_transfer_deadline(workers
             buffer.release()
 
 
+@pytest.mark.slow
+def test_sender_frozen_during_a_large_read_ends_the_blocking_get_by_its_deadline(workers) -> None:
+    """The sender freezes (SIGSTOP) once it has handed out the claim and its agent metadata, so
+    the READ it serves stops moving: the blocking get ends by its deadline plus the control grace with
+    ``timeout``, not at the receiver's ``transfer_timeout_s`` (8 s here: the control, what it
+    took before the READ was bounded by the get), and gives its pool space back; or, if the
+    READ won the race, with the whole payload. Thawed, the sender frees the payload (the failed
+    read gave its reader slot back: at the lease's end)."""
+    nbytes = 192 * MiB
+    sender = workers(
+        "sender",
+        config("sender", port=0, pool_bytes=nbytes + MiB, hold_s=3.0, lease_s=4.0, transfer_timeout_s=2.0),
+        7,
+        nbytes,
+    )
+    ready = sender.read()
+    meta = ready["ready"]
+    out: dict[str, Any] = {}
+    recv_cfg = {"pool_bytes": nbytes + MiB, "control_timeout_s": 1.0, "transfer_timeout_s": 8.0, "hold_s": 10.0}
+    with _receiver(**recv_cfg) as receiver:
+
+        def get() -> None:
+            start = time.monotonic()
+            out["got"] = receiver.get_blocking("0", "1", KEY, meta, timeout_s=1.0)
+            out["elapsed"] = time.monotonic() - start
+
+        thread = threading.Thread(target=get)
+        thread.start()
+        deadline = time.monotonic() + WAIT_S
+        try:
+            # the claim is answered, then the sender's agent metadata (one exchange, before the
+            # first READ); the READ is posted right after the agent is added
+            while receiver.health().get("agent_peers_added", 0) != 1:
+                assert time.monotonic() < deadline and thread.is_alive(), "the receiver never reached the READ"
+            os.kill(ready["pid"], signal.SIGSTOP)
+            thread.join(30.0)
+        finally:
+            os.kill(ready["pid"], signal.SIGCONT)
+        assert not thread.is_alive()
+        if out["got"] is None:
+            assert receiver.last_failure(KEY) == "timeout"
+            # the get's 1 s, the read's control grace 1 s, the unanswered Done 1 s, and slack
+            assert out["elapsed"] < 1.0 + 1.0 + 1.0 + 2.0 < recv_cfg["transfer_timeout_s"]
+            assert receiver.health()["room"] >= nbytes  # the ended read gave its pool space back
+        else:
+            buffer, size = out["got"]
+            assert size == nbytes
+            buffer.release()
+        deadline = time.monotonic() + WAIT_S
+        while (health := sender.health())["used_bytes"] != 0:
+            assert time.monotonic() < deadline, health
+
+
 if __name__ == "__main__":
     process_kit.worker_main({"sender": sender_main, "receiver": receiver_main})

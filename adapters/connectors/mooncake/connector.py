@@ -457,12 +457,16 @@ class MooncakeConnector:
         reached (``sender_unavailable``: not started yet, restarting, or down within the grace)
         asks again, backing off from 50 ms to 0.5 s, until the sender answers, is given up on
         (``sender_gone``) or the wait ends: it returns at its deadline, not sooner, as a
-        blocking get does (a caller reads an early None as the deadline passing)."""
+        blocking get does (a caller reads an early None as the deadline passing). Its read of
+        a payload claimed in time ends by the deadline plus ``control_timeout_s`` (the grace a
+        control reply has) where the engine can end a read (nixl; a frozen sender holds a READ
+        otherwise for ``transfer_timeout_s``): ``timeout``."""
         if wait_s <= 0:
             return self._receive.fetch(key, where, 0.0)
         deadline, pause = time.monotonic() + wait_s, _RETRY_FIRST_S
+        read_by = deadline + self.config.control_timeout_s
         while True:
-            outcome = self._receive.fetch(key, where, max(0.0, deadline - time.monotonic()))
+            outcome = self._receive.fetch(key, where, max(0.0, deadline - time.monotonic()), read_by)
             left = deadline - time.monotonic()
             if outcome != "sender_unavailable" or left <= 0 or self._closing.wait(min(pause, left)):
                 return outcome

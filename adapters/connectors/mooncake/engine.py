@@ -140,10 +140,12 @@ class TensorPool:
         False on any remote fault (each pool says how)."""
         raise NotImplementedError
 
-    def read_spans(self, peer: str, spans: Sequence[tuple[int, int, int]]) -> bool:
+    def read_spans(self, peer: str, spans: Sequence[tuple[int, int, int]], within_s: float | None = None) -> bool:
         """Every ``(local_offset, remote_addr, length)`` span of ``peer``, all or nothing (False
         at the first that fails). Span by span here; a pool whose engine takes a list of spans
-        in one request overrides it."""
+        in one request overrides it. ``within_s``: the most seconds the caller can wait for the
+        read (a blocking get's deadline); a pool whose engine polls a read it started ends it by
+        then (nixl), one whose engine reads synchronously cannot and ignores it (mooncake)."""
         return all(self.read(peer, off, addr, n) for off, addr, n in spans)
 
 

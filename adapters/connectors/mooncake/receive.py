@@ -21,6 +21,7 @@ from __future__ import annotations
 import functools
 import logging
 import threading
+import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Protocol
 
@@ -194,19 +195,24 @@ class ReceiveSide:
             )
             self._drop_peer(peer)
 
-    def fetch(self, key: str, where: Endpoint, wait_s: float) -> tuple[Any, int] | str | SenderFailure:
+    def fetch(
+        self, key: str, where: Endpoint, wait_s: float, read_by: float | None = None
+    ) -> tuple[Any, int] | str | SenderFailure:
         """``(pool buffer, size)``, a reason word, or the sender's failure record (see the
-        module doc)."""
+        module doc). ``read_by`` (a ``time.monotonic()`` instant): a blocking get's end; the
+        read of a payload claimed before then ends by then too where the engine can end a read
+        (nixl), and a read ended by it is ``timeout`` (the engine's own limit ends it otherwise:
+        ``transfer_failed``)."""
         peer = self._checkout(where.host, where.port)
         if peer is None:
             return "closed"
         try:
-            return self._fetch(peer, key, where, wait_s)
+            return self._fetch(peer, key, where, wait_s, read_by)
         finally:
             self._checkin(peer)
 
     def _fetch(
-        self, peer: PeerChannel, key: str, where: Endpoint, wait_s: float
+        self, peer: PeerChannel, key: str, where: Endpoint, wait_s: float, read_by: float | None
     ) -> tuple[Any, int] | str | SenderFailure:
         reply = peer.lookup(key, self.space.room(), wait_s, self.control_timeout_s)
         if isinstance(reply, Failure):
@@ -229,8 +235,9 @@ class ReceiveSide:
         if region is None:
             self._finish(peer, key, reply.claim, False)
             return "no_room"
-        ok = self.pool.read_spans(f"{where.host}:{reply.rpc_port}", reply_reads(reply, region.offset))
-        failure = "" if ok else "transfer_failed"
+        within = None if read_by is None else read_by - time.monotonic()
+        ok = self.pool.read_spans(f"{where.host}:{reply.rpc_port}", reply_reads(reply, region.offset), within)
+        failure = "" if ok else "timeout" if read_by is not None and time.monotonic() >= read_by else "transfer_failed"
         if ok and _past_pin(self.clock() - got_at, reply.pin_s):
             # the sender may have revoked the claim and reused the region meanwhile
             failure = "expired"

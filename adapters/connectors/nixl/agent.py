@@ -302,8 +302,10 @@ class AgentPool(TensorPool):
         ``local_offset``, within ``transfer_timeout_s``. False on any remote fault."""
         return self.read_spans(peer, [(local_offset, remote_addr, length)])
 
-    def read_spans(self, peer: str, spans: Sequence[tuple[int, int, int]]) -> bool:
-        """One NIXL READ of several ``(local_offset, remote_addr, length)`` spans (one request)."""
+    def read_spans(self, peer: str, spans: Sequence[tuple[int, int, int]], within_s: float | None = None) -> bool:
+        """One NIXL READ of several ``(local_offset, remote_addr, length)`` spans (one request),
+        ended (False) when not done within ``transfer_timeout_s`` or ``within_s``, whichever
+        is less."""
         if self._closed:
             return False
         for off, _, length in spans:
@@ -316,12 +318,13 @@ class AgentPool(TensorPool):
         if agent_name is None:
             self._count("peer_unreachable")
             return False
-        ok = self._transfer(agent_name, spans)
+        limit = self.transfer_timeout_s if within_s is None else min(self.transfer_timeout_s, max(within_s, 0.0))
+        ok = self._transfer(agent_name, spans, limit)
         if not ok:
             self.forget(peer)
         return ok
 
-    def _transfer(self, agent_name: str, spans: Sequence[tuple[int, int, int]]) -> bool:
+    def _transfer(self, agent_name: str, spans: Sequence[tuple[int, int, int]], limit_s: float) -> bool:
         agent = self.agent
         handle = None
         self._count("reads")  # one NIXL READ request, however many spans
@@ -330,12 +333,12 @@ class AgentPool(TensorPool):
             remote = agent.get_xfer_descs([(addr, n, 0) for _, addr, n in spans], "DRAM")
             handle = agent.initialize_xfer("READ", local, remote, agent_name, b"", [self.backend])
             state = agent.transfer(handle)
-            deadline = time.monotonic() + self.transfer_timeout_s
+            deadline = time.monotonic() + limit_s
             spins = 0
             while state == "PROC":
                 if time.monotonic() > deadline:
                     self._count("transfer_timeouts")
-                    logger.warning("nixl READ from %s not done in %.1f s", agent_name, self.transfer_timeout_s)
+                    logger.warning("nixl READ from %s not done in %.1f s", agent_name, limit_s)
                     return False
                 spins += 1
                 _poll_wait(spins)
