@@ -515,19 +515,59 @@ def test_split_blocks_of_4_page_stretches_and_a_rest_write_each_slice(kernel, sp
 
 
 # ------------------------------------------- copies: one read of a slice for several receivers
+@pytest.mark.parametrize("tokens", STRETCH_TOKENS)
+@pytest.mark.parametrize("offset", [0, 16], ids=["aligned", "unaligned"])
+def test_whole_blocks_copied_twice_write_each_copy(kernel, tokens, offset):
+    """One slice (the whole block, as an MLA latent is for every receiver) into two
+    destinations, by the native gather: 16 KiB blocks, copied two blocks at a time into
+    destinations aligned for the kernel's stores, and the others (a block of a stretch and a
+    page, or two and a page; destinations 16 bytes past a 64-byte boundary, unless the stores
+    are 16 bytes wide) through the general walk: each copy holds the blocks in id order, 23 of
+    them (the last one alone), and nothing past its end is written."""
+    from kvferry.adapters.paged_cache import gather_slices
+
+    cache = torch.randint(-(2**15), 2**15, (2, 40, tokens, 4, 128), dtype=torch.int16).view(torch.bfloat16)
+    ids = torch.randperm(40, generator=torch.Generator().manual_seed(tokens + 1))[:23].tolist()
+    plan = plan_extraction([cache], ids, 23 * tokens, tokens, cache_dtype="bfloat16")
+    size = plan.keys[0].nbytes
+    pools = [torch.full((64 + size + 64,), 0xA5, dtype=torch.uint8) for _ in range(4)]
+
+    def place(pool):
+        start = 64 - pool.data_ptr() % 64 + offset  # 64-byte aligned, or 16 bytes past it
+        return pool[start : start + size].view(torch.bfloat16).view(plan.keys[0].shape)
+
+    views = [place(pool) for pool in pools]
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # "auto" picks the native gather on one thread
+    try:
+        assert plan.keys[0].choose_method(views[0].device) == "native"
+        gather_slices([plan], [([views[0]], [views[1]]), ([views[2]], [views[3]])], 2)
+    finally:
+        torch.set_num_threads(threads)
+    for c in (0, 2):
+        assert same_bits(views[c], torch.cat([cache[0, b] for b in ids])), c
+        assert same_bits(views[c + 1], torch.cat([cache[1, b] for b in ids])), c
+    for pool, view in zip(pools, views):
+        end = view.data_ptr() - pool.data_ptr() + size
+        assert bool((pool[end:] == 0xA5).all())
+
+
 @needs_native
 @pytest.mark.parametrize("copies", [1, 2, 4])
-def test_a_bench_sized_replicated_split_gather_writes_each_copy(split_calls, copies, monkeypatch):
-    """16 KiB blocks split in 2 (the tiled kernel), each slice into ``copies`` destinations
-    (64-byte aligned, as pool regions are): every copy is the slice's own gather, and a
-    destination past another's end is left alone."""
+@pytest.mark.parametrize("tokens", [16, 36])
+def test_a_bench_sized_replicated_split_gather_writes_each_copy(split_calls, copies, tokens, monkeypatch):
+    """Blocks split in 2 (the tiled kernel), each slice into ``copies`` destinations (64-byte
+    aligned, as pool regions are): 16 KiB blocks (copied two blocks at a time) and 36 KiB ones
+    (two 4-page stretches of a block together, then the rest), 255 of them (the last block
+    alone): every copy is the slice's own gather, and a destination past another's end is left
+    alone."""
     from kvferry.adapters.paged_cache import gather_slices
 
     monkeypatch.setattr(paged_gather, "STREAM_MIN_BYTES", 0)
     calls, threads = split_calls
-    cache = torch.randint(-(2**15), 2**15, (2, 300, 16, 4, 128), dtype=torch.int16).view(torch.bfloat16)
-    ids = torch.randperm(300, generator=torch.Generator().manual_seed(11))[:256].tolist()
-    plan = plan_extraction([cache], ids, 4090, 16, cache_dtype="bfloat16")
+    cache = torch.randint(-(2**15), 2**15, (2, 300, tokens, 4, 128), dtype=torch.int16).view(torch.bfloat16)
+    ids = torch.randperm(300, generator=torch.Generator().manual_seed(11))[:255].tolist()
+    plan = plan_extraction([cache], ids, 255 * tokens - 6, tokens, cache_dtype="bfloat16")
     parts = _sliced(plan, 2)
     size = parts[0].keys[0].nbytes
     pool = torch.full((2 * copies * 2 * (size + 64),), 0x5A, dtype=torch.uint8)
