@@ -474,9 +474,10 @@ def _split_equals_each_alone(plan, slices, method):
     return together
 
 
-#: Tokens per block whose blocks (4 heads x 128 bf16 = 1 KiB a token) are 16 KiB (one 4-page
-#: stretch), 20 KiB (a stretch and one page more) and 36 KiB (two stretches and one page).
-STRETCH_TOKENS = (16, 20, 36)
+#: Tokens per block whose blocks (4 heads x 128 bf16 = 1 KiB a token) are 4 and 8 KiB (one and
+#: two pages: whole blocks copied 8 and 4 at a time), 16 KiB (one 4-page stretch), 20 KiB (a
+#: stretch and one page more) and 36 KiB (two stretches and one page).
+STRETCH_TOKENS = (4, 8, 16, 20, 36)
 
 
 @pytest.mark.parametrize("tokens", STRETCH_TOKENS)
@@ -519,11 +520,11 @@ def test_split_blocks_of_4_page_stretches_and_a_rest_write_each_slice(kernel, sp
 @pytest.mark.parametrize("offset", [0, 16], ids=["aligned", "unaligned"])
 def test_whole_blocks_copied_twice_write_each_copy(kernel, tokens, offset):
     """One slice (the whole block, as an MLA latent is for every receiver) into two
-    destinations, by the native gather: 16 KiB blocks, copied two blocks at a time into
-    destinations aligned for the kernel's stores, and the others (a block of a stretch and a
-    page, or two and a page; destinations 16 bytes past a 64-byte boundary, unless the stores
-    are 16 bytes wide) through the general walk: each copy holds the blocks in id order, 23 of
-    them (the last one alone), and nothing past its end is written."""
+    destinations, by the native gather: blocks of a 4-page stretch (and a page more), copied
+    two blocks at a time into destinations aligned for the kernel's stores, and the others
+    (blocks of 1, 2 or 9 pages; destinations 16 bytes past a 64-byte boundary, unless the
+    stores are 16 bytes wide) through the general walk: each copy holds the blocks in id order,
+    23 of them (the last one alone), and nothing past its end is written."""
     from kvferry.adapters.paged_cache import gather_slices
 
     cache = torch.randint(-(2**15), 2**15, (2, 40, tokens, 4, 128), dtype=torch.int16).view(torch.bfloat16)
