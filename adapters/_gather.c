@@ -168,6 +168,26 @@ static inline size_t align_head(char *dst, const char *src, size_t n, size_t ali
         }                                                                                          \
     }
 
+/* One 128-byte step of a tiled block (see name##_tiled below) into its destinations: the step
+ * at offset x + y of the block, read at src + y, stored `shift` bytes further on in each of its
+ * slice's `reps` copies (KVF_TILED_STORE), or, for two slices of one copy, in d0 or d1
+ * (KVF_TWO_SLICE_STORE: the destinations held in registers). */
+#define KVF_TILED_STORE(copy128, dsts, src, x, shift, y, pshift, rshift, nsplit, reps)            \
+    {                                                                                              \
+        size_t at_ = (x) + (y);                                                                    \
+        size_t off_ = (shift) + ((at_ >> (rshift)) << (pshift)) + (at_ & (((size_t)1 << (pshift)) - 1)); \
+        char **to_ = (dsts) + ((at_ >> (pshift)) & ((nsplit) - 1)) * (reps);                      \
+        for (size_t r_ = 0; r_ < (reps); r_++)                                                     \
+            copy128(to_[r_] + off_, (src) + (y));                                                  \
+    }
+#define KVF_TWO_SLICE_STORE(copy128, d0, d1, src, x, shift, y, pshift, rshift)                    \
+    {                                                                                              \
+        size_t at_ = (x) + (y);                                                                    \
+        copy128((((at_ >> (pshift)) & 1) ? (d1) : (d0)) + (shift) + ((at_ >> (rshift)) << (pshift)) \
+                    + (at_ & (((size_t)1 << (pshift)) - 1)),                                       \
+                (src) + (y));                                                                      \
+    }
+
 /* G blocks of P pages each (G * P = 8: eight memory streams, as KVF_EIGHT_PAGES) read together:
  * for every 128-byte step offset of a page, `step` for each block k in turn and each of its pages
  * (y: the step's offset in block k). G and P are constants where it is expanded, so the compiler
@@ -235,39 +255,15 @@ static inline void prefetch_pages(const char *block, size_t nbytes) {
     __attribute__((target(isa))) static inline void name##_tiled_pair(                            \
         char **dsts, const char *a, size_t xa, size_t sa, const char *b, size_t xb, size_t sb,    \
         int pshift, int rshift, size_t nsplit, size_t reps) {                                     \
-        size_t pmask = ((size_t)1 << pshift) - 1;                                                  \
         if (reps == 1 && nsplit == 2) { /* both destinations held in registers, as below */       \
             char *const d0 = dsts[0], *const d1 = dsts[1];                                         \
-            KVF_EIGHT_PAGES(y,                                                                     \
-                            {                                                                      \
-                                size_t at = xa + y;                                                \
-                                copy128((((at >> pshift) & 1) ? d1 : d0) + sa                      \
-                                            + ((at >> rshift) << pshift) + (at & pmask),           \
-                                        a + y);                                                    \
-                            },                                                                     \
-                            {                                                                      \
-                                size_t at = xb + y;                                                \
-                                copy128((((at >> pshift) & 1) ? d1 : d0) + sb                      \
-                                            + ((at >> rshift) << pshift) + (at & pmask),           \
-                                        b + y);                                                    \
-                            })                                                                     \
+            KVF_EIGHT_PAGES(y, KVF_TWO_SLICE_STORE(copy128, d0, d1, a, xa, sa, y, pshift, rshift),  \
+                            KVF_TWO_SLICE_STORE(copy128, d0, d1, b, xb, sb, y, pshift, rshift))    \
             return;                                                                                \
         }                                                                                          \
         KVF_EIGHT_PAGES(y,                                                                         \
-                        {                                                                          \
-                            size_t at = xa + y;                                                    \
-                            size_t off = sa + ((at >> rshift) << pshift) + (at & pmask);           \
-                            char **to = dsts + ((at >> pshift) & (nsplit - 1)) * reps;             \
-                            for (size_t r = 0; r < reps; r++)                                      \
-                                copy128(to[r] + off, a + y);                                       \
-                        },                                                                         \
-                        {                                                                          \
-                            size_t at = xb + y;                                                    \
-                            size_t off = sb + ((at >> rshift) << pshift) + (at & pmask);           \
-                            char **to = dsts + ((at >> pshift) & (nsplit - 1)) * reps;             \
-                            for (size_t r = 0; r < reps; r++)                                      \
-                                copy128(to[r] + off, b + y);                                       \
-                        })                                                                         \
+                        KVF_TILED_STORE(copy128, dsts, a, xa, sa, y, pshift, rshift, nsplit, reps),\
+                        KVF_TILED_STORE(copy128, dsts, b, xb, sb, y, pshift, rshift, nsplit, reps))\
     }                                                                                              \
     __attribute__((target(isa))) static inline void name##_tiled(char **dsts, const char *src,    \
                                                                  size_t span, int pshift,         \

@@ -115,6 +115,21 @@ def _receiver(**extra: Any) -> Any:
     return NixlConnector.from_config(config("receiver", **extra))
 
 
+def _get_in_a_thread(receiver: Any, meta: dict, timeout_s: float) -> tuple[threading.Thread, dict[str, Any]]:
+    """``receiver.get_blocking`` of KEY started in a thread; once it ends, the dict holds what
+    it returned (``got``) and how long it took (``elapsed``)."""
+    out: dict[str, Any] = {}
+
+    def get() -> None:
+        start = time.monotonic()
+        out["got"] = receiver.get_blocking("0", "1", KEY, meta, timeout_s=timeout_s)
+        out["elapsed"] = time.monotonic() - start
+
+    thread = threading.Thread(target=get)
+    thread.start()
+    return thread, out
+
+
 # ----------------------------------------------------------------------------- tests
 
 
@@ -183,16 +198,8 @@ def test_sender_killed_during_a_large_read_ends_by_the_transfer_deadline(workers
     nbytes = 48 * MiB
     sender = workers("sender", config("sender", port=0, pool_bytes=nbytes + MiB), 7, nbytes)
     meta = sender.read()["ready"]
-    out: dict[str, Any] = {}
     with _receiver(pool_bytes=nbytes + MiB, transfer_timeout_s=5.0, hold_s=10.0) as receiver:
-
-        def get() -> None:
-            start = time.monotonic()
-            out["got"] = receiver.get_blocking("0", "1", KEY, meta, timeout_s=30.0)
-            out["elapsed"] = time.monotonic() - start
-
-        thread = threading.Thread(target=get)
-        thread.start()
+        thread, out = _get_in_a_thread(receiver, meta, 30.0)
         deadline = time.monotonic() + WAIT_S
         while sender.health()["claims"] != 1:
             assert time.monotonic() < deadline, "the receiver never claimed the payload"
@@ -226,17 +233,9 @@ def test_sender_frozen_during_a_large_read_ends_the_blocking_get_by_its_deadline
     )
     ready = sender.read()
     meta = ready["ready"]
-    out: dict[str, Any] = {}
     recv_cfg = {"pool_bytes": nbytes + MiB, "control_timeout_s": 1.0, "transfer_timeout_s": 8.0, "hold_s": 10.0}
     with _receiver(**recv_cfg) as receiver:
-
-        def get() -> None:
-            start = time.monotonic()
-            out["got"] = receiver.get_blocking("0", "1", KEY, meta, timeout_s=1.0)
-            out["elapsed"] = time.monotonic() - start
-
-        thread = threading.Thread(target=get)
-        thread.start()
+        thread, out = _get_in_a_thread(receiver, meta, 1.0)
         deadline = time.monotonic() + WAIT_S
         try:
             # the claim is answered, then the sender's agent metadata (one exchange, before the
