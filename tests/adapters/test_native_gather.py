@@ -555,13 +555,13 @@ def test_whole_blocks_copied_twice_write_each_copy(kernel, tokens, offset):
 
 @needs_native
 @pytest.mark.parametrize("copies", [1, 2, 4])
-@pytest.mark.parametrize("tokens", [16, 36])
+@pytest.mark.parametrize("tokens", [8, 16, 36])
 def test_a_bench_sized_replicated_split_gather_writes_each_copy(split_calls, copies, tokens, monkeypatch):
     """Blocks split in 2 (the tiled kernel), each slice into ``copies`` destinations (64-byte
-    aligned, as pool regions are): 16 KiB blocks (copied two blocks at a time) and 36 KiB ones
-    (two 4-page stretches of a block together, then the rest), 255 of them (the last block
-    alone): every copy is the slice's own gather, and a destination past another's end is left
-    alone."""
+    aligned, as pool regions are): 8 and 16 KiB blocks (copied four and two blocks at a time)
+    and 36 KiB ones (two 4-page stretches of a block together, then the rest), 255 of them (the
+    last blocks alone): every copy is the slice's own gather, and a destination past another's
+    end is left alone."""
     from kvferry.adapters.paged_cache import gather_slices
 
     monkeypatch.setattr(paged_gather, "STREAM_MIN_BYTES", 0)
