@@ -17,10 +17,10 @@
  * non-temporal (streaming) stores where the CPU has them (AVX-512F, AVX2 or SSE2, picked at run
  * time), plain stores for the unaligned head and tail of a piece, and one sfence at the end; the
  * bytes written are the same either way; while a block is copied, the first line of each page
- * of the next block is prefetched; 4-page stretches are copied two at a time (KVF_EIGHT_PAGES:
- * two of a block, or a block of one stretch with the next block), whole blocks of 1 or 2 pages
- * 8 or 4 at a time (KVF_GROUP_PAGES): eight memory streams. Elsewhere (another architecture, another compiler)
- * every piece is a memcpy. The GIL is released during a copy of RELEASE_GIL_BYTES or more. Every index is checked against
+ * of the next block is prefetched; eight memory streams are kept in flight: 4-page stretches are
+ * copied two at a time (KVF_EIGHT_PAGES: two of a block, or a block of one stretch with the next
+ * block), blocks of 1, 2 or 4 pages 8, 4 or 2 at a time (KVF_GROUP_PAGES). Elsewhere (another
+ * architecture, another compiler) every piece is a memcpy. The GIL is released during a copy of RELEASE_GIL_BYTES or more. Every index is checked against
  * nblocks before the first byte moves (IndexError).
  */
 #define PY_SSIZE_T_CLEAN
@@ -375,9 +375,7 @@ static inline void prefetch_pages(const char *block, size_t nbytes) {
             /* Whole blocks of one stretch (and up to 4 pages more: a latent of 576 bf16 values  \
              * a token is 4.5 pages a block), each into two destinations (an MLA latent for two    \
              * receivers), two blocks at a time: the bench's MLA row's two sender ranks, sends   \
-             * alternated in one process, medians of 40: 29.8 -> 24.8 ms. (Head slices copied    \
-             * twice, replicated heads, gained nothing from two blocks at a time, nor from       \
-             * destinations in registers, nor from 512 bytes to each copy in turn.) */            \
+             * alternated in one process, medians of 40: 29.8 -> 24.8 ms. */                      \
             const size_t piece = w->piece;                                                         \
             char *c0 = w->dsts[0], *c1 = w->dsts[1];                                               \
             Py_ssize_t i = 0;                                                                      \
