@@ -232,6 +232,17 @@ static inline void prefetch_pages(const char *block, size_t nbytes) {
         __builtin_prefetch(block + p * KVF_PAGE, 0, 3);
 }
 
+/* b[k] = blocks i + k (k < group) of `w`'s walk over `src`; the pages of the `group` blocks
+ * after them (`nbytes` each) are asked for meanwhile (prefetch_pages). */
+static inline void group_blocks(const struct walk *w, const char *src, Py_ssize_t i, Py_ssize_t group,
+                                size_t nbytes, const char **b) {
+    for (Py_ssize_t k = 0; k < group; k++) {
+        b[k] = src + kvf_block(w, i + k) * w->block_stride;
+        if (i + group + k < w->n)
+            prefetch_pages(src + kvf_block(w, i + group + k) * w->block_stride, nbytes);
+    }
+}
+
 #define KVF_STREAM_KERNEL(name, isa, unit, copy128, copy_unit)                                     \
     __attribute__((target(isa))) static inline void name##_piece(char *dst, const char *src,      \
                                                                  size_t n) {                      \
@@ -349,11 +360,7 @@ static inline void prefetch_pages(const char *block, size_t nbytes) {
                                                           : 0;                                     \
                 if (group && i + group <= w->n) { /* blocks of a stretch or less: 8 pages at once */ \
                     const char *b[8];                                                              \
-                    for (Py_ssize_t k = 0; k < group; k++) {                                       \
-                        b[k] = src + kvf_block(w, i + k) * w->block_stride;                        \
-                        if (i + group + k < w->n)                                                  \
-                            prefetch_pages(src + kvf_block(w, i + group + k) * w->block_stride, span); \
-                    }                                                                              \
+                    group_blocks(w, src, i, group, span, b);                                       \
                     name##_tiled_group(w->dsts, b, span, part, w->piece_shift, w->row_shift,       \
                                        (size_t)w->nsplit, (size_t)w->replicas);                    \
                     for (Py_ssize_t j = 0; j < w->nsplit * w->replicas; j++)                       \
@@ -425,11 +432,7 @@ static inline void prefetch_pages(const char *block, size_t nbytes) {
                 Py_ssize_t group = piece == KVF_PAGE ? 8 : piece == 2 * KVF_PAGE ? 4 : 0;          \
                 if (group && aligned && i + group <= w->n) { /* blocks of 1 or 2 pages: 8 at once */ \
                     const char *b[8];                                                              \
-                    for (Py_ssize_t k = 0; k < group; k++) {                                       \
-                        b[k] = src + kvf_block(w, i + k) * w->block_stride;                        \
-                        if (i + group + k < w->n)                                                  \
-                            prefetch_pages(src + kvf_block(w, i + group + k) * w->block_stride, piece); \
-                    }                                                                              \
+                    group_blocks(w, src, i, group, piece, b);                                      \
                     if (group == 8)                                                                \
                         KVF_GROUP_PAGES(8, 1, k, y, copy128(dst + k * piece + y, b[k] + y))        \
                     else                                                                           \
