@@ -18,7 +18,7 @@ less than wall time. Every scenario checks crc32s of what arrived against what w
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import attrs
@@ -156,7 +156,22 @@ def one_repetition(sender: Peer, receiver: Peer, scenario: Scenario, timeout: fl
         sent = sender.call(scenario.send_cmd, timeout, **scenario.send(index))
     finally:
         got = receiver.result(ident, timeout + 30)
+    _check_waiting(scenario, got)
     return float(got["t_done"] - sent["t_go"])
+
+
+def _check_waiting(scenario: Scenario, got: Mapping[str, Any]) -> None:
+    """Say so when a receiver announced before every rank asked for its payload (the sender
+    then started against a rank still starting: that repetition measured more than the path)."""
+    missing = got.get("ranks_not_waiting") or 0
+    if missing:
+        logger.warning(
+            "%s: %s receiver rank(s) had not asked for their payload when the sender started "
+            "(after %.1f s); this repetition includes their start",
+            scenario.label,
+            missing,
+            got.get("announce_wait_s", 0.0),
+        )
 
 
 def run_scenario(
@@ -199,6 +214,7 @@ def run_scenario(
                 logger.info("receiver after a failed send: %s", late)
             raise
         got = receiver.result(ident, timeout + 30)
+        _check_waiting(scenario, got)
         if not timed:
             continue
         if limit_s is not None:

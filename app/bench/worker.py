@@ -24,7 +24,7 @@ from typing import Any
 import attrs
 
 from kvferry.app.bench.proc import PARENT_ENV
-from kvferry.app.bench.worker_kv import KvCommands, cpu_s, faults, memory_kb, reset_peak_rss
+from kvferry.app.bench.worker_kv import GetWaits, KvCommands, cpu_s, faults, memory_kb, reset_peak_rss
 
 __all__ = ["Worker", "main", "end_with_parent", "faults", "memory_kb", "reset_peak_rss"]
 
@@ -41,6 +41,7 @@ class Worker(KvCommands):
     managers: dict[str, dict[int, Any]] = attrs.field(factory=dict)
     put_stamps: list = attrs.field(factory=list)
     plan_geometries: dict[tuple[str, Any], Any] = attrs.field(factory=dict)
+    get_waits: GetWaits = attrs.field(factory=GetWaits)
     kinds: dict[str, str] = attrs.field(factory=dict)
     socket: Any = None
     context: Any = None

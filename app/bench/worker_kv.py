@@ -14,7 +14,11 @@ import threading
 import time
 from typing import Any
 
-__all__ = ["KvCommands", "cpu_s", "faults", "memory_kb", "reset_peak_rss", "stamped"]
+__all__ = ["KvCommands", "GetWaits", "cpu_s", "faults", "memory_kb", "reset_peak_rss", "stamped", "watched"]
+
+#: How long a receive command waits for its ranks to ask for their payloads before it
+#: announces anyway (a connector whose receive never calls a ``get*`` method; reported).
+ANNOUNCE_WAIT_S = 5.0
 
 
 def cpu_s() -> float:
@@ -96,6 +100,62 @@ def stamped(connector: Any, stamps: list) -> Any:
     return Stamped()
 
 
+class GetWaits:
+    """How many threads of a receive command have asked their connector for a payload (entered
+    one of its ``get*`` methods, :func:`watched`) or ended, so that the command announces that
+    it waits only once every rank's request is on its way to the sender. Each thread counts
+    once per round (:meth:`reset`), however many gets it makes."""
+
+    def __init__(self) -> None:
+        self._cond = threading.Condition()
+        self._count = 0
+        self._round = 0
+        self._mine = threading.local()
+
+    def reset(self) -> None:
+        """A new round: no thread has asked yet."""
+        with self._cond:
+            self._count = 0
+            self._round += 1
+
+    def entered(self) -> None:
+        """The calling thread asks for a payload now (or ended)."""
+        with self._cond:
+            if getattr(self._mine, "round", None) == self._round:
+                return
+            self._mine.round = self._round
+            self._count += 1
+            self._cond.notify_all()
+
+    def count(self) -> int:
+        with self._cond:
+            return self._count
+
+    def wait(self, count: int, timeout_s: float) -> bool:
+        """True once ``count`` threads have entered this round; False after ``timeout_s``."""
+        with self._cond:
+            return self._cond.wait_for(lambda: self._count >= count, timeout_s)
+
+
+def watched(connector: Any, waits: GetWaits) -> Any:
+    """``connector`` seen through a proxy that tells ``waits`` when a thread calls one of its
+    ``get*`` methods (the receiving managers' connector in the benchmark worker)."""
+
+    class Watched:
+        def __getattr__(self, name: str) -> Any:
+            value = getattr(connector, name)
+            if not (name.startswith("get") and callable(value)):
+                return value
+
+            def call(*args: Any, **kwargs: Any) -> Any:
+                waits.entered()
+                return value(*args, **kwargs)
+
+            return call
+
+    return Watched()
+
+
 class KvCommands:
     """``kv_*`` and ``mgr_*`` commands; mixed into the worker, whose attributes they use
     (``connectors``, ``kinds``, ``managers``, ``caches``, ``announce``)."""
@@ -108,6 +168,8 @@ class KvCommands:
     put_stamps: list
     #: The cache geometry of the last plan per ``(cache, heads)``, kept as a send path keeps it.
     plan_geometries: dict[tuple[str, Any], Any]
+    #: Which receiving threads have asked for their payloads (see :func:`watched`).
+    get_waits: GetWaits
 
     def announce(self) -> None:  # replaced per command by the channel
         """Tell the orchestrator this receive command now waits."""
@@ -281,7 +343,9 @@ class KvCommands:
             old.close()  # injected connectors stay open: they belong to this worker
 
         def connector(c: str) -> Any:
-            return stamped(self.connectors[c], self.put_stamps) if role == "sender" else self.connectors[c]
+            if role == "sender":
+                return stamped(self.connectors[c], self.put_stamps)
+            return watched(self.connectors[c], self.get_waits)
 
         self.managers[name] = {
             r: KVTransferManager(config, tp_rank=r, tp_size=size, connector=connector(c)) for r, c in zip(ranks, names)
@@ -332,15 +396,17 @@ class KvCommands:
         """``receive`` each item (``{"rank", "rid"}``), hold the results, stamp the time, then
         read every byte (crc32, untimed) and release them (waiting until each pool took its
         buffer back, so the next repetition reuses the same pages). Each rank receives its items
-        in order; several ranks receive at once, one thread each, as a TP group's ranks do in
-        processes of their own (docs/benchmarks.md). The typed API's default receive (zero-copy:
-        the tensors view the pool until released), or with ``copy`` the copying one
-        (``zero_copy=False``, the compat layer's)."""
+        in order, in a thread of its own, as a TP group's ranks do in processes of their own
+        (docs/benchmarks.md); the command announces that it waits once every rank has asked its
+        connector for its first payload (:func:`watched`), so the sender starts against ranks
+        that wait, not ranks still starting (``announce_wait_s`` in the result: how long that
+        took; ``ranks_not_waiting``: ranks that had not asked by :data:`ANNOUNCE_WAIT_S`). The
+        typed API's default receive (zero-copy: the tensors view the pool until released), or
+        with ``copy`` the copying one (``zero_copy=False``, the compat layer's)."""
         from kvferry.app.bench.payload import kv_crc
         from kvferry.core.errors import TransferError
 
         info = None if sender is None else {"host": sender["host"], "zmq_port": sender["port"]}
-        self.announce()
         f0, c0 = faults(), cpu_s()
         deadline = time.monotonic() + timeout_s
         got: list[Any] = [None] * len(items)
@@ -367,18 +433,23 @@ class KvCommands:
                         return
             except BaseException as exc:  # raised in the command's thread below
                 raised.append(exc)
+            finally:  # a rank that ended before it asked does not hold the announcement up
+                waits.entered()
 
-        if len(by_rank) == 1:
-            receive_rank(next(iter(by_rank.values())))
-        else:
-            threads = [
-                threading.Thread(target=receive_rank, args=(ats,), name=f"bench-recv-{rank}", daemon=True)
-                for rank, ats in by_rank.items()
-            ]
-            for thread in threads:
-                thread.start()
-            for thread in threads:  # every receive has the deadline; the join a margin past it
-                thread.join(max(deadline - time.monotonic(), 0.0) + 30.0)
+        waits = self.get_waits
+        waits.reset()
+        threads = [
+            threading.Thread(target=receive_rank, args=(ats,), name=f"bench-recv-{rank}", daemon=True)
+            for rank, ats in by_rank.items()
+        ]
+        t_start = time.monotonic()
+        for thread in threads:
+            thread.start()
+        not_waiting = 0 if waits.wait(len(threads), ANNOUNCE_WAIT_S) else len(threads) - waits.count()
+        announce_wait = time.monotonic() - t_start
+        self.announce()
+        for thread in threads:  # every receive has the deadline; the join a margin past it
+            thread.join(max(deadline - time.monotonic(), 0.0) + 30.0)
         held = [r for r in got if r is not None and r.ok]
         # a rank's failed receive is the reason; an item without a result (never asked for after
         # its rank failed, or its thread still running at the join) only when there is none
@@ -410,4 +481,6 @@ class KvCommands:
             "faults": faults() - f0,
             "nbytes": total,
             "cpu_s": cpu,
+            "announce_wait_s": announce_wait,
+            "ranks_not_waiting": not_waiting,
         }

@@ -113,3 +113,86 @@ def test_a_rank_that_gets_nothing_fails_the_command_after_the_others_are_release
     assert "rank 0" in str(out["error"])
     health = sender.connectors["s1"].health()
     assert health["released"] == 1 and health["live_regions"] == 0, health
+
+
+class _Gated:
+    """A manager whose ``receive`` waits for ``gate`` before it starts (a rank still starting)."""
+
+    def __init__(self, inner: Any, gate: threading.Event) -> None:
+        self._inner, self._gate = inner, gate
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._inner, name)
+
+    def receive(self, *args: Any, **kwargs: Any) -> Any:
+        assert self._gate.wait(20.0)
+        return self._inner.receive(*args, **kwargs)
+
+
+def _announcing(receiver: Worker) -> threading.Event:
+    """Replace the receiver's announcement (the channel's, in a worker process) by an event."""
+    announced = threading.Event()
+    receiver.announce = announced.set  # type: ignore[method-assign]
+    return announced
+
+
+def test_the_receive_announces_only_once_every_rank_asks_for_its_payload(tp_2_2) -> None:
+    """Rank 0 is held before it asks its connector: the command must not announce that it
+    waits (the sender would start against a rank not waiting yet) until rank 0 asks; then it
+    announces, and both ranks receive what was sent to them."""
+    sender, receiver = tp_2_2
+    sends, recvs, expected = tp_items("v", 0, 2, 2, Geometry(**GEOMETRY).heads)
+    gate = threading.Event()
+    announced = _announcing(receiver)
+    receiver.managers["g"][0] = _Gated(receiver.managers["g"][0], gate)
+    thread, out = _receive_in_background(receiver, recvs, 20.0)
+    early = announced.wait(0.5)
+    gate.set()
+    assert announced.wait(10.0), "no announcement after every rank asked"
+    assert not early, "announced while rank 0 had not asked for its payload"
+    sender.cmd_mgr_send("g", "main", sends)
+    thread.join(30.0)
+    assert "error" not in out, out.get("error")
+    result = out["result"]
+    want = [sender.cmd_expected_crc(c, r, heads=None if h is None else list(h))["crc"] for c, r, h in expected]
+    assert result["crc"] == want
+    assert result["ranks_not_waiting"] == 0
+    assert result["announce_wait_s"] >= 0.5
+
+
+def test_a_rank_that_never_asks_delays_the_announcement_by_a_bound_and_is_reported(tp_2_2, monkeypatch) -> None:
+    """A rank whose receive never reaches its connector within ANNOUNCE_WAIT_S: the command
+    announces anyway at that bound and says how many ranks were not waiting."""
+    from kvferry.app.bench import worker_kv
+
+    monkeypatch.setattr(worker_kv, "ANNOUNCE_WAIT_S", 0.3)
+    sender, receiver = tp_2_2
+    sends, recvs, _ = tp_items("w", 0, 2, 2, Geometry(**GEOMETRY).heads)
+    gate = threading.Event()
+    announced = _announcing(receiver)
+    receiver.managers["g"][1] = _Gated(receiver.managers["g"][1], gate)
+    thread, out = _receive_in_background(receiver, recvs, 20.0)
+    assert announced.wait(10.0)
+    gate.set()
+    sender.cmd_mgr_send("g", "main", sends)
+    thread.join(30.0)
+    assert "error" not in out, out.get("error")
+    assert out["result"]["ranks_not_waiting"] == 1
+    assert 0.3 <= out["result"]["announce_wait_s"] < 10.0
+
+
+def test_get_waits_counts_each_thread_once_a_round() -> None:
+    from kvferry.app.bench.worker_kv import GetWaits
+
+    waits = GetWaits()
+    waits.entered()
+    waits.entered()  # the same thread again: still one
+    assert waits.count() == 1
+    other = threading.Thread(target=waits.entered)
+    other.start()
+    other.join(10.0)
+    assert waits.wait(2, 10.0) and waits.count() == 2
+    waits.reset()
+    assert waits.count() == 0 and not waits.wait(1, 0.0)
+    waits.entered()  # a new round counts this thread again
+    assert waits.count() == 1
