@@ -7,15 +7,21 @@ when its modules are collected, saying why, before they are imported."""
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 from typing import Any
 
 import pytest
 from interpreters import SUITES, engine_python, problem
+from shm_leftovers import Sweep, remove_orphans
 
 HERE = Path(__file__).resolve().parent
 #: Why a suite's modules were skipped at collection, by suite (for the summary).
 _SKIPPED: dict[str, str] = {}
+SHM_DIR = "/dev/shm"
+#: /dev/shm's names when an engine session started, and what its end swept (for the summary).
+_SHM_BEFORE: list[set[str]] = []
+_SWEPT: list[Sweep] = []
 
 
 class _SuiteModule(pytest.Module):
@@ -55,12 +61,26 @@ def pytest_ignore_collect(collection_path: Path, config: pytest.Config) -> bool 
     return None
 
 
+def pytest_sessionstart(session: pytest.Session) -> None:
+    if _asked_for(session.config) and os.path.isdir(SHM_DIR):
+        _SHM_BEFORE.append(set(os.listdir(SHM_DIR)))
+
+
 def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
     if exitstatus == pytest.ExitCode.NO_TESTS_COLLECTED and _SKIPPED:  # all skipped, as the tests would
         session.exitstatus = pytest.ExitCode.OK
+    if _SHM_BEFORE:  # what engines killed by the tests left in memory (shm_leftovers)
+        _SWEPT.append(remove_orphans(SHM_DIR, _SHM_BEFORE[0]))
 
 
 def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter, config: pytest.Config) -> None:
+    for sweep in _SWEPT:
+        if sweep.removed or sweep.kept:
+            terminalreporter.write_line(
+                f"{SHM_DIR}: removed {len(sweep.removed)} file(s) ({sweep.removed_bytes / 1e6:.0f} MB) that engine "
+                f"processes killed in these tests left (psm_*, sem.mp-*, vllm_dist_*); {len(sweep.kept)} still held "
+                "by a live process, kept"
+            )
     for suite, reason in sorted(_SKIPPED.items()):
         terminalreporter.write_line(f"tests/engines/{suite} not run: {reason}")
     if not _asked_for(config):
