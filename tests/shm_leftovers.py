@@ -1,10 +1,11 @@
 """Files the engines' processes leave in /dev/shm when a test kills them (SIGKILL: no cleanup of
 theirs runs): torch's shared-memory manager (``psm_*``), multiprocessing's named semaphores
 (``sem.mp-*``), vLLM CPU's TP broadcast buffers (``vllm_dist_*``): five runs of the engine
-suites on one machine had left 58 of them, 4.3 GB of memory. The engine suites' session removes the ones that
-appeared during the session and that no live process still holds open or maps
-(:func:`remove_orphans`); kvferry's own segments are not among the names (its reaper and the
-resource tracker remove those, and a kvferry file left behind is a bug to see, not to sweep)."""
+suites on one machine had left 58 of them, 4.3 GB of memory. The engine suites' session
+removes the ones that appeared during the session and that no live process still holds open
+or maps (:func:`remove_orphans`); kvferry's own segments are not among the names (its reaper
+and the resource tracker remove those, and a kvferry file left behind is a bug to see, not to
+sweep)."""
 
 from __future__ import annotations
 
