@@ -62,18 +62,22 @@ def _receive_in_background(receiver: Worker, items: list[dict], timeout_s: float
     return thread, out
 
 
-class _Signalling:
-    """A manager whose ``receive`` sets ``done`` when it returns."""
+class _Hooked:
+    """A manager whose ``receive`` waits for ``gate`` before it starts (a rank still starting)
+    and sets ``done`` when it returns (each when given)."""
 
-    def __init__(self, inner: Any, done: threading.Event) -> None:
-        self._inner, self._done = inner, done
+    def __init__(self, inner: Any, *, gate: threading.Event | None = None, done: threading.Event | None = None) -> None:
+        self._inner, self._gate, self._done = inner, gate, done
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._inner, name)
 
     def receive(self, *args: Any, **kwargs: Any) -> Any:
+        if self._gate is not None:
+            assert self._gate.wait(20.0)
         result = self._inner.receive(*args, **kwargs)
-        self._done.set()
+        if self._done is not None:
+            self._done.set()
         return result
 
 
@@ -84,7 +88,7 @@ def test_a_later_ranks_payload_is_received_while_an_earlier_rank_still_waits(tp_
     sender, receiver = tp_2_2
     sends, recvs, expected = tp_items("t", 0, 2, 2, Geometry(**GEOMETRY).heads)
     rank1_done = threading.Event()
-    receiver.managers["g"][1] = _Signalling(receiver.managers["g"][1], rank1_done)
+    receiver.managers["g"][1] = _Hooked(receiver.managers["g"][1], done=rank1_done)
     thread, out = _receive_in_background(receiver, recvs, 20.0)
     sender.cmd_mgr_send("g", "main", [s for s in sends if s["rank"] == 1])
     received_first = rank1_done.wait(15.0)
@@ -115,37 +119,25 @@ def test_a_rank_that_gets_nothing_fails_the_command_after_the_others_are_release
     assert health["released"] == 1 and health["live_regions"] == 0, health
 
 
-class _Gated:
-    """A manager whose ``receive`` waits for ``gate`` before it starts (a rank still starting)."""
-
-    def __init__(self, inner: Any, gate: threading.Event) -> None:
-        self._inner, self._gate = inner, gate
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._inner, name)
-
-    def receive(self, *args: Any, **kwargs: Any) -> Any:
-        assert self._gate.wait(20.0)
-        return self._inner.receive(*args, **kwargs)
-
-
-def _announcing(receiver: Worker) -> threading.Event:
-    """Replace the receiver's announcement (the channel's, in a worker process) by an event."""
-    announced = threading.Event()
+def _receive_with_rank_held(tp: tuple[Worker, Worker], tag: str, rank: int) -> tuple[Any, ...]:
+    """Start receiving request ``tag`` on both ranks with rank ``rank`` held before it asks its
+    connector until ``gate`` is set; the command's announcement (the channel's, in a worker
+    process) sets ``announced``. Returns ``(sends, expected, gate, announced, thread, out)``."""
+    _, receiver = tp
+    sends, recvs, expected = tp_items(tag, 0, 2, 2, Geometry(**GEOMETRY).heads)
+    gate, announced = threading.Event(), threading.Event()
     receiver.announce = announced.set  # type: ignore[method-assign]
-    return announced
+    receiver.managers["g"][rank] = _Hooked(receiver.managers["g"][rank], gate=gate)
+    thread, out = _receive_in_background(receiver, recvs, 20.0)
+    return sends, expected, gate, announced, thread, out
 
 
 def test_the_receive_announces_only_once_every_rank_asks_for_its_payload(tp_2_2) -> None:
     """Rank 0 is held before it asks its connector: the command must not announce that it
     waits (the sender would start against a rank not waiting yet) until rank 0 asks; then it
     announces, and both ranks receive what was sent to them."""
-    sender, receiver = tp_2_2
-    sends, recvs, expected = tp_items("v", 0, 2, 2, Geometry(**GEOMETRY).heads)
-    gate = threading.Event()
-    announced = _announcing(receiver)
-    receiver.managers["g"][0] = _Gated(receiver.managers["g"][0], gate)
-    thread, out = _receive_in_background(receiver, recvs, 20.0)
+    sender, _ = tp_2_2
+    sends, expected, gate, announced, thread, out = _receive_with_rank_held(tp_2_2, "v", 0)
     early = announced.wait(0.5)
     gate.set()
     assert announced.wait(10.0), "no announcement after every rank asked"
@@ -166,12 +158,8 @@ def test_a_rank_that_never_asks_delays_the_announcement_by_a_bound_and_is_report
     from kvferry.app.bench import worker_kv
 
     monkeypatch.setattr(worker_kv, "ANNOUNCE_WAIT_S", 0.3)
-    sender, receiver = tp_2_2
-    sends, recvs, _ = tp_items("w", 0, 2, 2, Geometry(**GEOMETRY).heads)
-    gate = threading.Event()
-    announced = _announcing(receiver)
-    receiver.managers["g"][1] = _Gated(receiver.managers["g"][1], gate)
-    thread, out = _receive_in_background(receiver, recvs, 20.0)
+    sender, _ = tp_2_2
+    sends, _, gate, announced, thread, out = _receive_with_rank_held(tp_2_2, "w", 1)
     assert announced.wait(10.0)
     gate.set()
     sender.cmd_mgr_send("g", "main", sends)
