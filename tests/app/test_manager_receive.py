@@ -7,6 +7,7 @@ the schedule (10 ms doubling to 500 ms) while advancing the clock, so no test re
 
 from __future__ import annotations
 
+import time
 import types
 from typing import Any
 
@@ -154,14 +155,14 @@ def test_spec7_blocking_get_is_preferred_over_polling(kit, memory_connector, mak
 def test_a_sender_found_dead_ends_the_receive_at_once_as_sender_gone(
     kit, memory_connector, make_receiver, fake_time
 ) -> None:
-    class DeadSender(kit.BlockingSpyConnector):
-        def get_blocking(self, *args: Any, **kwargs: Any) -> Any:
-            super().get_blocking(*args, **kwargs)  # recorded; the key is not there
-            raise SenderUnavailable("the sender at ipc://x is gone (its process ended)")
-
-    spy = DeadSender(memory_connector)
+    # the connector's blocking get finds the sender dead at once (as the shm and zmq ones do);
+    # the get is recorded and raises, without waiting out its timeout on the empty pool
+    spy = kit.BlockingSpyConnector(memory_connector)
+    spy.get_error = SenderUnavailable("the sender at ipc://x is gone (its process ended)")
     receiver = make_receiver(spy, config=kit.receiver_config(recv_timeout=30.0))
+    start = time.monotonic()
     result = receiver.receive("lost")
+    assert time.monotonic() - start < 10.0  # not the 30 s timeout, on any clock
     assert result.outcome.kind is ReceiveKind.SENDER_GONE and not result.ok and result.payload is None
     assert "gone" in result.outcome.detail and result.outcome.missing_keys == ("omni_0_to_1_kv_cache_lost",)
     assert fake_time.elapsed == 0.0 and fake_time.sleeps == [] and len(spy.gets) == 1  # no wait, no retry
