@@ -117,13 +117,21 @@ def _receiver(**extra: Any) -> Any:
 
 def _get_in_a_thread(receiver: Any, meta: dict, timeout_s: float) -> tuple[threading.Thread, dict[str, Any]]:
     """``receiver.get_blocking`` of KEY started in a thread; once it ends, the dict holds what
-    it returned (``got``) and how long it took (``elapsed``)."""
+    it returned (``got``) or the kvferry error it raised (``raised``: the blocking get's typed
+    exceptions, e.g. SenderUnavailable when the sender's connection drops), and how long it took
+    (``elapsed``)."""
+    from kvferry.core.errors import KVFerryError
+
     out: dict[str, Any] = {}
 
     def get() -> None:
         start = time.monotonic()
-        out["got"] = receiver.get_blocking("0", "1", KEY, meta, timeout_s=timeout_s)
-        out["elapsed"] = time.monotonic() - start
+        try:
+            out["got"] = receiver.get_blocking("0", "1", KEY, meta, timeout_s=timeout_s)
+        except KVFerryError as exc:
+            out["raised"] = exc
+        finally:
+            out["elapsed"] = time.monotonic() - start
 
     thread = threading.Thread(target=get)
     thread.start()
@@ -193,8 +201,12 @@ def test_frozen_sender_ends_in_a_typed_miss_by_the_deadline_and_frees_the_payloa
 @pytest.mark.slow
 def test_sender_killed_during_a_large_read_ends_by_the_transfer_deadline(workers) -> None:
     """The sender dies once it has handed out the claim (its READ starts at once): the get ends
-    within the transfer deadline with a typed reason, or, if the READ won the race, with the
-    whole payload. Never a hang, never partial bytes handed over."""
+    within the transfer deadline with a typed reason (a miss with its failure recorded, or
+    SenderUnavailable raised when the dropped connection is seen first, as get_blocking
+    documents), or, if the READ won the race, with the whole payload. Never a hang, never
+    partial bytes handed over."""
+    from kvferry.core.errors import SenderUnavailable
+
     nbytes = 48 * MiB
     sender = workers("sender", config("sender", port=0, pool_bytes=nbytes + MiB), 7, nbytes)
     meta = sender.read()["ready"]
@@ -207,7 +219,10 @@ def test_sender_killed_during_a_large_read_ends_by_the_transfer_deadline(workers
         thread.join(30.0)
         assert not thread.is_alive()
         assert out["elapsed"] < 5.0 + 2.0 + 5.0  # transfer deadline + control grace + slack
-        if out["got"] is None:
+        if "raised" in out:
+            assert isinstance(out["raised"], SenderUnavailable), out["raised"]
+            assert receiver.health()["room"] >= nbytes  # nothing of the payload kept
+        elif out["got"] is None:
             assert receiver.last_failure(KEY) in ("transfer_failed", "sender_unavailable", "expired")
             assert receiver.health()["room"] >= nbytes  # the failed read gave its pool space back
         else:
@@ -247,6 +262,7 @@ def test_sender_frozen_during_a_large_read_ends_the_blocking_get_by_its_deadline
         finally:
             os.kill(ready["pid"], signal.SIGCONT)
         assert not thread.is_alive()
+        assert "raised" not in out, out.get("raised")  # a frozen sender's connection stays up
         if out["got"] is None:
             assert receiver.last_failure(KEY) == "timeout"
             # the get's 1 s, the read's control grace 1 s, the unanswered Done 1 s, and slack
