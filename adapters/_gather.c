@@ -20,8 +20,9 @@
  * of the next block is prefetched; eight memory streams are kept in flight: 4-page stretches are
  * copied two at a time (KVF_EIGHT_PAGES: two of a block, or a block of one stretch with the next
  * block), blocks of 1, 2 or 4 pages 8, 4 or 2 at a time (KVF_GROUP_PAGES). Elsewhere (another
- * architecture, another compiler) every piece is a memcpy. The GIL is released during a copy of RELEASE_GIL_BYTES or more. Every index is checked against
- * nblocks before the first byte moves (IndexError).
+ * architecture, another compiler) every piece is a memcpy. The GIL is released during a copy of
+ * RELEASE_GIL_BYTES or more. Every index is checked against nblocks before the first byte moves
+ * (IndexError).
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>

@@ -17,7 +17,7 @@ from typing import Any
 __all__ = ["KvCommands", "GetWaits", "cpu_s", "faults", "memory_kb", "reset_peak_rss", "stamped", "watched"]
 
 #: How long a receive command waits for its ranks to ask for their payloads before it
-#: announces anyway (a connector whose receive never calls a ``get*`` method; reported).
+#: announces anyway (a connector whose receive never calls one of :data:`PAYLOAD_GETS`; reported).
 ANNOUNCE_WAIT_S = 5.0
 
 
@@ -102,7 +102,7 @@ def stamped(connector: Any, stamps: list) -> Any:
 
 class GetWaits:
     """How many threads of a receive command have asked their connector for a payload (entered
-    one of its ``get*`` methods, :func:`watched`) or ended, so that the command announces that
+    one of its payload gets, :func:`watched`) or ended, so that the command announces that
     it waits only once every rank's request is on its way to the sender. Each thread counts
     once per round (:meth:`reset`), however many gets it makes."""
 
@@ -137,14 +137,18 @@ class GetWaits:
             return self._cond.wait_for(lambda: self._count >= count, timeout_s)
 
 
+#: The connector methods that ask for a payload (the Connector, BlockingGet and GetMany abilities).
+PAYLOAD_GETS = frozenset(("get", "get_blocking", "get_many"))
+
+
 def watched(connector: Any, waits: GetWaits) -> Any:
     """``connector`` seen through a proxy that tells ``waits`` when a thread calls one of its
-    ``get*`` methods (the receiving managers' connector in the benchmark worker)."""
+    :data:`PAYLOAD_GETS` (the receiving managers' connector in the benchmark worker)."""
 
     class Watched:
         def __getattr__(self, name: str) -> Any:
             value = getattr(connector, name)
-            if not (name.startswith("get") and callable(value)):
+            if name not in PAYLOAD_GETS:
                 return value
 
             def call(*args: Any, **kwargs: Any) -> Any:
