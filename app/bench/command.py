@@ -60,6 +60,13 @@ def configure(parser: argparse.ArgumentParser) -> Callable[[argparse.Namespace],
         help="leave the caches and the memcpy buffers on 4 KiB pages (default: moved onto transparent huge "
         "pages, as kvferry's vLLM connector does with vLLM's CPU cache)",
     )
+    add(
+        "--no-pin",
+        dest="pin_cpus",
+        action="store_false",
+        help="leave the peer processes where the OS puts them (default: the sending stage on one half of the "
+        "CPUs, the receiving stages on the other, as deployed stages run on cores of their own)",
+    )
     add("--timeout", type=float, default=None, help="seconds to wait for a peer process (default 120)")
     add("--seed", type=int, default=0, help="seed of the synthetic cache (default 0)")
     add("--quiet", action="store_true", help="no progress lines on stderr")
@@ -180,6 +187,7 @@ def settings_from_args(args: argparse.Namespace) -> BenchSettings:
             "seed": args.seed,
             "runs": 1 if args.runs is None else args.runs,
             "huge_pages": args.huge_pages,
+            "pin_cpus": args.pin_cpus,
         },
     )
 

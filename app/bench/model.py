@@ -189,6 +189,9 @@ class BenchSettings:
     ``huge_pages``: the caches and the memcpy limit's buffers are moved onto transparent huge
     pages (:func:`kvferry.adapters.platform.advise_huge_pages`), as kvferry's vLLM connector
     does with vLLM's CPU cache; False: 4 KiB pages, an engine's cache without that advice.
+    ``pin_cpus``: the sending stage's peer runs on one half of the CPUs, the receiving stages'
+    peers on the other (:mod:`kvferry.app.bench.placement`), as deployed stages run on cores
+    of their own; False: where the OS puts them.
     """
 
     geometry: Geometry
@@ -201,6 +204,7 @@ class BenchSettings:
     timeout_s: float = 120.0
     runs: int = 1
     huge_pages: bool = True
+    pin_cpus: bool = True
 
     def __attrs_post_init__(self) -> None:
         for name, low in (("reps", 1), ("warmup", 0), ("requests", 1), ("readiness_reps", 1), ("runs", 1)):
@@ -229,6 +233,7 @@ class BenchSettings:
             "seed": self.seed,
             "runs": self.runs,
             "huge_pages": self.huge_pages,
+            "pin_cpus": self.pin_cpus,
         }
 
 

@@ -15,6 +15,7 @@ from typing import Any
 import attrs
 
 from kvferry.app.bench.model import BenchSettings, Geometry, Stat
+from kvferry.app.bench.placement import Placement
 from kvferry.app.bench.proc import Peer
 from kvferry.app.bench.scenarios import (
     Scenario,
@@ -98,11 +99,20 @@ class RunState:
     figure_paths: dict[str, str] = attrs.Factory(dict)
     #: limit name -> one repetition of it (returns seconds), for :data:`PAIR_LIMITS`
     limits: dict[str, Callable[[], float]] = attrs.Factory(dict)
+    #: Where the peers run (:mod:`kvferry.app.bench.placement`); None: where the OS puts them.
+    placement: Placement | None = None
+    #: peer name -> the CPUs the peer itself reports it may run on (None: no CPU affinity)
+    peer_cpus: dict[str, list[int] | None] = attrs.Factory(dict)
 
     def peer(self, name: str) -> Peer:
-        """Start a peer process (torch limited to ``threads``); closed by :meth:`close_peer`."""
-        peer = Peer.start(name, env={"OMP_NUM_THREADS": str(self.threads), "KVFERRY_BENCH_THREADS": str(self.threads)})
+        """Start a peer process (torch limited to ``threads``), on its side's CPUs of
+        :attr:`placement`; closed by :meth:`close_peer`. Waits for its first answer (the CPUs
+        it runs on, kept in :attr:`peer_cpus`)."""
+        env = {"OMP_NUM_THREADS": str(self.threads), "KVFERRY_BENCH_THREADS": str(self.threads)}
+        cpus = None if self.placement is None else self.placement.cpus_for(name)
+        peer = Peer.start(name, env=env, cpus=cpus)
         self.peers.append(peer)
+        self.peer_cpus[name] = peer.call("cpus", self.settings.timeout_s)["cpus"]
         return peer
 
     def close_peer(self, peer: Peer) -> None:

@@ -21,14 +21,14 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from typing import Any
 
 import attrs
 
 from kvferry.core.errors import ConfigError, TransferError, TransferTimeout
 
-__all__ = ["PARENT_ENV", "Peer", "read_lines", "set_launcher"]
+__all__ = ["PARENT_ENV", "Peer", "pin", "read_lines", "set_launcher"]
 
 _MAX_LINE = 64 << 20
 #: The environment variable naming the bench process that drives a worker: the worker ends
@@ -38,6 +38,21 @@ PARENT_ENV = "KVFERRY_BENCH_PARENT"
 #: Starts a peer process: ``launcher(argv, **Popen keywords)`` returns a Popen-like object
 #: (``stdin``, ``stdout``, ``pid``, ``poll``, ``wait``, ``kill``, ``returncode``).
 _launcher: Callable[..., Any] = subprocess.Popen
+
+
+def pin(pid: int, cpus: Collection[int]) -> None:
+    """Restrict process ``pid`` to ``cpus``: every thread it has now (``/proc/{pid}/task``),
+    and so every thread it starts later. OSError when the OS refuses."""
+    try:
+        tids = [int(t) for t in os.listdir(f"/proc/{pid}/task")]
+    except (OSError, ValueError):
+        tids = [pid]
+    for tid in tids or [pid]:
+        try:
+            os.sched_setaffinity(tid, cpus)
+        except ProcessLookupError:  # a thread that ended meanwhile
+            if tid == pid:
+                raise
 
 
 def set_launcher(launcher: Callable[..., Any] | None) -> Callable[..., Any]:
@@ -76,8 +91,10 @@ class Peer:
     _pending: dict[int, list[dict[str, Any]]] = attrs.field(factory=dict, repr=False)
 
     @classmethod
-    def start(cls, name: str, *, env: dict[str, str] | None = None) -> Peer:
-        """Start a worker (it imports torch: allow a few seconds before its first answer)."""
+    def start(cls, name: str, *, env: dict[str, str] | None = None, cpus: Collection[int] | None = None) -> Peer:
+        """Start a worker (it imports torch: allow a few seconds before its first answer),
+        on ``cpus`` when given (:func:`pin`; ConfigError, the worker stopped, when the OS
+        refuses)."""
         errors = tempfile.TemporaryFile(prefix="kvferry-bench-")
         proc = _launcher(
             [sys.executable, "-m", "kvferry.app.bench.worker"],
@@ -87,7 +104,16 @@ class Peer:
             env={**os.environ, PARENT_ENV: str(os.getpid()), **(env or {})},
             close_fds=True,
         )
-        return cls(name, proc, errors)
+        peer = cls(name, proc, errors)
+        if cpus is not None:
+            try:
+                pin(proc.pid, cpus)
+            except OSError as exc:
+                peer.close(timeout_s=2.0)
+                raise ConfigError(
+                    f"bench peer {name!r} cannot be placed on CPUs {sorted(cpus)}: {exc}; run with --no-pin"
+                ) from None
+        return peer
 
     @property
     def pid(self) -> int:

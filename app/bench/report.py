@@ -269,6 +269,9 @@ def render_table(report: dict[str, Any]) -> str:
     huge = (report.get("notes") or {}).get("cache_huge_pages")
     if huge:
         lines.append(f"sender's cache: {huge}")
+    placement = machine.get("placement")
+    if placement:
+        lines.append(f"placement: {placement['line']}")
     lines.append("")
     figures = report["figures"]
     rows = []

@@ -53,6 +53,7 @@ from kvferry.app.bench.model import (
 )
 from kvferry.app.bench.pairs import MAX_SPREAD, PairedRatio, paired_ratio, quartiles, relative_spread, verdict
 from kvferry.app.bench.paths import COPYING, PAIR_LIMITS, RunState, connector_paths, mooncake_raw, nixl_pair
+from kvferry.app.bench.placement import plan_placement
 from kvferry.app.bench.proc import Peer
 from kvferry.app.bench.scenarios import Scenario, one_repetition
 from kvferry.core.errors import KVFerryError
@@ -185,7 +186,9 @@ def run_once(
     say = progress or (lambda line: None)
     previous_threads = torch.get_num_threads()
     torch.set_num_threads(threads)
-    run = RunState(settings, threads, say)
+    placement, where = plan_placement(settings.pin_cpus)
+    say(f"placement: {where}")
+    run = RunState(settings, threads, say, placement=placement)
     started = time.monotonic()
     machine = machine_info(threads)
     try:
@@ -194,6 +197,12 @@ def run_once(
         for peer in list(run.peers):
             run.close_peer(peer)
         torch.set_num_threads(previous_threads)
+    machine["placement"] = {
+        "pinned": placement is not None,
+        "line": where,
+        **(placement.to_json() if placement is not None else {}),
+        "peers": dict(run.peer_cpus),  # what each peer itself reported
+    }
     return _report(run, machine, time.monotonic() - started)
 
 

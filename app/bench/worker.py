@@ -71,6 +71,11 @@ class Worker(KvCommands):
     def cmd_rss_peak(self) -> dict[str, Any]:
         return memory_kb()
 
+    def cmd_cpus(self) -> dict[str, Any]:
+        """The CPUs this process may run on (None where the OS has no CPU affinity)."""
+        getter = getattr(os, "sched_getaffinity", None)
+        return {"cpus": None if getter is None else sorted(getter(0))}
+
     def cmd_cpu(self) -> dict[str, Any]:
         """CPU seconds of this process so far (every thread: a connector's serving thread too)."""
         return {"cpu_s": cpu_s()}

@@ -224,6 +224,8 @@ def test_no_huge_pages_leaves_the_caches_on_small_pages() -> None:
     configure(parser)
     assert settings_from_args(parser.parse_args(["--quick"])).huge_pages is True
     assert settings_from_args(parser.parse_args(["--quick", "--no-huge-pages"])).huge_pages is False
+    assert settings_from_args(parser.parse_args(["--quick"])).pin_cpus is True
+    assert settings_from_args(parser.parse_args(["--quick", "--no-pin"])).pin_cpus is False
 
 
 def test_a_cache_on_huge_pages_holds_the_same_bytes() -> None:
@@ -342,6 +344,19 @@ def test_tiny_run_reports_every_ratio_as_a_finite_number(tiny_run: tuple[int, st
     for key in ("cpu_model", "cores", "memory_gb", "torch", "pyzmq"):
         assert report["machine"][key]
     assert all(name in table for name in RATIO_NAMES)
+    # where the peers ran: each reports the CPUs the kernel lets it use
+    placement = report["machine"]["placement"]
+    assert f"placement: {placement['line']}" in table
+    assert report["settings"]["pin_cpus"] is True
+    allowed = sorted(os.sched_getaffinity(0))
+    peers = placement["peers"]
+    assert "sender" in peers and any(name.startswith("receiver") for name in peers)
+    if len(allowed) >= 2:
+        assert placement["pinned"] and set(placement["sender"]).isdisjoint(placement["receiver"])
+        for name, cpus in peers.items():
+            assert cpus == placement["sender" if name == "sender" else "receiver"], name
+    else:
+        assert not placement["pinned"] and all(cpus == allowed for cpus in peers.values())
 
 
 @pytest.mark.slow
