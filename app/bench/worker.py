@@ -62,7 +62,7 @@ class Worker(KvCommands):
         fields = {k: geometry[k] for k in ("layers", "tokens", "heads", "head_dim", "dtype", "block_size")}
         cache = make_paged_cache(Geometry(**fields), requests, seed=seed, huge_pages=huge_pages)
         self.caches[name] = cache
-        huge = None if cache.huge_pages is None else cache.huge_pages.describe()
+        huge = cache.describe_huge_pages()
         return {"blocks": cache.num_blocks, "huge_pages": huge, **memory_kb()}
 
     def cmd_rss_reset(self) -> dict[str, Any]:

@@ -21,6 +21,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from kvferry.adapters.platform import HUGE_PAGE
 from kvferry.adapters.torch_frames import decode_payload, encode_bytes
 from kvferry.app.bench.model import RATIO_NAMES, TARGETS, BenchSettings, Geometry, Stat, compute_ratios, ratio_of
 from kvferry.app.bench.pairs import quartiles
@@ -230,14 +231,25 @@ def test_no_huge_pages_leaves_the_caches_on_small_pages() -> None:
 
 def test_a_cache_on_huge_pages_holds_the_same_bytes() -> None:
     """The bench's cache moved onto huge pages is the same cache (same seed, same bytes, same
-    block ids) with what was done attached; without the option nothing is attached."""
+    block ids) with what was done attached, each layer from a 2 MiB boundary in whole 2 MiB
+    pages of its own; without the option nothing is attached and the layers are plain."""
     g = Geometry(2, 2048, 4, 128)  # 4.3 MB a layer: whole 2 MiB pages fit
     plain = make_paged_cache(g, 2, seed=4)
     huge = make_paged_cache(g, 2, seed=4, huge_pages=True)
-    assert plain.huge_pages is None and huge.huge_pages is not None
-    assert huge.huge_pages.total == sum(t.nbytes for t in huge.layers)
+    assert plain.huge_pages is None and huge.huge_pages is not None and plain.describe_huge_pages() is None
     assert huge.block_ids == plain.block_ids
     assert all(torch.equal(a.view(torch.int16), b.view(torch.int16)) for a, b in zip(plain.layers, huge.layers))
+    for layer in huge.layers:
+        start, end = layer.data_ptr(), layer.data_ptr() + layer.nbytes
+        storage = layer.untyped_storage()
+        assert start % HUGE_PAGE == 0  # from a boundary ...
+        whole_end = -(-end // HUGE_PAGE) * HUGE_PAGE  # ... to the end of its last page, all its own
+        assert storage.data_ptr() <= start and whole_end <= storage.data_ptr() + storage.nbytes()
+    assert len({t.untyped_storage().data_ptr() for t in huge.layers}) == len(huge.layers)
+    assert huge.huge_pages.total == sum(t.untyped_storage().nbytes() for t in huge.layers)
+    line = huge.describe_huge_pages()
+    assert line is not None and line.startswith(f"layers of {sum(t.nbytes for t in huge.layers) >> 20} MB")
+    assert "MB on huge pages" in line
 
 
 #: A bench in miniature: one worker, blocked in a command (accept, 120 s), its pid printed.
