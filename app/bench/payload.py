@@ -107,8 +107,8 @@ def make_paged_cache(
     ``huge_pages`` the written layers are then moved onto transparent huge pages (as kvferry's
     vLLM connector does with an engine's cache; :func:`~kvferry.adapters.platform.advise_huge_pages`),
     each layer allocated from a 2 MiB boundary and padded to whole 2 MiB pages: an engine's layer
-    of gigabytes is on huge pages but for its two edge pages, while these layers of 8-16 MB
-    would otherwise keep a quarter of a small layer on 4 KiB pages (docs/benchmarks.md).
+    of gigabytes is on huge pages but for its two edge pages, while these layers of 8-64 MB
+    would otherwise keep 3-25% of their bytes on 4 KiB pages (docs/benchmarks.md).
     """
     if requests < 1 or spare_blocks < 0:
         raise ConfigError("need requests >= 1 and spare_blocks >= 0")
