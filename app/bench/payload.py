@@ -27,7 +27,7 @@ import attrs
 import torch
 
 from kvferry.adapters.paged_cache import CacheGeometry, ExtractionPlan, ExtractionSkipped, plan_extraction
-from kvferry.adapters.platform import HUGE_PAGE, HugePages, advise_huge_pages
+from kvferry.adapters.platform import HUGE_PAGE, HugePages, advise_huge_pages, huge_page_span
 from kvferry.adapters.torch_frames import (
     DecodedKV,
     dest_spans,
@@ -140,9 +140,11 @@ def _layer_tensor(shape: tuple[int, ...], dtype: torch.dtype, *, aligned: bool) 
     if not aligned:
         return torch.empty(shape, dtype=dtype)
     nbytes = math.prod(shape) * dtype.itemsize
-    padded = -(-nbytes // HUGE_PAGE) * HUGE_PAGE
-    raw = torch.empty(padded + HUGE_PAGE, dtype=torch.uint8)
-    skip = -raw.data_ptr() % HUGE_PAGE
+    pages = -(-nbytes // HUGE_PAGE)
+    raw = torch.empty((pages + 1) * HUGE_PAGE, dtype=torch.uint8)  # a page more: room to align
+    span = huge_page_span(raw.data_ptr(), raw.numel())
+    assert span is not None and span[1] >= pages * HUGE_PAGE  # pages + 1 pages of bytes hold pages whole ones
+    skip = span[0] - raw.data_ptr()
     return raw[skip : skip + nbytes].view(dtype).view(shape)
 
 

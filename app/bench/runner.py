@@ -53,7 +53,7 @@ from kvferry.app.bench.model import (
 )
 from kvferry.app.bench.pairs import MAX_SPREAD, PairedRatio, paired_ratio, quartiles, relative_spread, verdict
 from kvferry.app.bench.paths import COPYING, PAIR_LIMITS, RunState, connector_paths, mooncake_raw, nixl_pair
-from kvferry.app.bench.placement import plan_placement
+from kvferry.app.bench.placement import SENDER_PEER, plan_placement
 from kvferry.app.bench.proc import Peer
 from kvferry.app.bench.scenarios import Scenario, one_repetition
 from kvferry.core.errors import KVFerryError
@@ -214,7 +214,7 @@ def _measure(run: RunState) -> None:
     g = s.geometry
     t = s.timeout_s
     run.progress(f"payload: {g.describe()}; {s.reps} reps after {s.warmup} warm-up")
-    sender = run.peer("sender")
+    sender = run.peer(SENDER_PEER)
     receiver = run.peer("receiver")
     small = attrs.evolve(g, **SMALL)
     # a sender cache for `requests` requests (>= 2: the TP cases read one request per rank)
