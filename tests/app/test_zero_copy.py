@@ -21,7 +21,7 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from kvferry.adapters.connectors.pool_buffer import PooledBuffer, tie_release, wait_for_gc_releases
+from kvferry.adapters.connectors.pool_buffer import PooledBuffer, tie_region, tie_release, wait_for_gc_releases
 from kvferry.app.manager import KVTransferManager
 from kvferry.app.receive import ReceiveResult
 from kvferry.app.registry import create_connector
@@ -271,6 +271,25 @@ def test_tied_release_follows_the_last_view() -> None:
     assert calls == ["released", "soon"]
     with pytest.raises(ValueError):
         tie_release(base[::2], lambda: None)
+
+
+def test_a_region_tied_by_address_reads_its_bytes_and_holds_its_mapping() -> None:
+    calls: list[str] = []
+    base = torch.arange(64, dtype=torch.uint8)
+    expected = base[8:24].tolist()
+    tensor, finalizer = tie_region(base, base.data_ptr() + 8, 16, lambda: calls.append("released"))
+    assert tensor.data_ptr() == base.data_ptr() + 8 and tensor.tolist() == expected
+    del base  # the owner keeps it: the bytes stay readable
+    gc.collect()
+    assert tensor.tolist() == expected and calls == [] and finalizer.alive
+    del tensor
+    settled()
+    assert calls == ["released"]
+    keep = torch.full((32,), 7, dtype=torch.uint8)
+    buffer = PooledBuffer.tied_region(keep, keep.data_ptr(), 32, on_release=lambda: calls.append("sync"))
+    assert buffer.tied_to_views and buffer.nbytes == 32 and int(buffer.tensor.sum()) == 7 * 32
+    buffer.release()
+    assert calls == ["released", "sync"] and buffer.released
 
 
 def test_a_result_built_without_buffers_releases_nothing() -> None:

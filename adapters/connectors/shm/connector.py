@@ -302,7 +302,10 @@ class ShmConnector:
         ticket = grant.get("ticket")
         problem = check_grant(grant)
         segment = self._segment(endpoint, grant["seg"]) if problem is None else None
-        if segment is not None and grant["off"] + grant["size"] > segment.nbytes:
+        # the buffer's owner holds this tensor, so the mapping cannot close under the buffer
+        # (an unmap that came first left an empty tensor: refused like a region outside it)
+        mapped = segment.tensor if segment is not None else None
+        if mapped is not None and grant["off"] + grant["size"] > mapped.numel():
             problem = "grant outside the mapped segment"
         if problem is not None or segment is None:
             self._count("bad_grants")
@@ -310,7 +313,6 @@ class ShmConnector:
             if isinstance(ticket, int):
                 client.notify(_release_message(grant))
             return None
-        view = segment.tensor[grant["off"] : grant["off"] + grant["size"]]
         self._count("gets_hit")
         client.prepare_releases()
         message = _release_message(grant)
@@ -343,7 +345,10 @@ class ShmConnector:
                     ticket,
                 )
 
-        return PooledBuffer.tied(view, on_release=release, on_release_soon=release_soon), grant["size"]
+        buffer = PooledBuffer.tied_region(
+            mapped, segment.address + grant["off"], grant["size"], on_release=release, on_release_soon=release_soon
+        )
+        return buffer, grant["size"]
 
     def flush_releases(self, timeout_s: float | None = None) -> bool:
         """Wait until every sender this receiver talks to processed the releases sent so far

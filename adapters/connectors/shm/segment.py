@@ -188,12 +188,17 @@ class Segment:
     tensor: torch.Tensor
     #: handed to the resource tracker (see the module's doc): taken back by discard_segment
     tracked: bool = False
+    #: The mapping's first address in this process (``tensor``'s, read once).
+    address: int = attrs.field(init=False)
+
+    @address.default
+    def _address(self) -> int:
+        return int(self.tensor.data_ptr())
 
     @property
     def address_range(self) -> tuple[int, int]:
         """``(first, one past last)`` address of the mapping in this process."""
-        start = self.tensor.data_ptr()
-        return start, start + self.nbytes
+        return self.address, self.address + self.nbytes
 
     def unmap(self) -> bool:
         """Drop the mapping; False when views of it are still alive (it then goes with them)."""
@@ -208,7 +213,10 @@ class Segment:
 def _map(fd: int, nbytes: int, populate: bool) -> tuple[mmap.mmap, torch.Tensor]:
     flags = mmap.MAP_SHARED | (getattr(mmap, "MAP_POPULATE", 0) if populate else 0)
     mapping = mmap.mmap(fd, nbytes, flags=flags, prot=mmap.PROT_READ | mmap.PROT_WRITE)
-    return mapping, torch.frombuffer(mapping, dtype=torch.uint8)
+    # through a memoryview the tensor holds: an export of the mapping while any view of the
+    # tensor lives, so closing the mapping then fails (BufferError) instead of unmapping memory
+    # a view still reads (torch.frombuffer of the mmap itself keeps no export)
+    return mapping, torch.frombuffer(memoryview(mapping), dtype=torch.uint8)
 
 
 def create_segment(namespace: str, port: int | None, nbytes: int, shm_dir: str = SHM_DIR) -> Segment:

@@ -846,6 +846,26 @@ def test_a_forged_grant_on_a_receivers_bell_is_dropped_and_counted(space) -> Non
         buffer.release()
 
 
+def test_a_buffer_holds_its_mapping_and_a_grant_on_an_unmapped_segment_is_refused(space) -> None:
+    """A received buffer views the segment without a view of its own in between: it reads the
+    sender's bytes and keeps the mapping while it lives, even once the receiver dropped the
+    segment (a sender that restarted). A grant that then names the dropped segment is refused
+    and counted, its ticket given back, instead of a view of memory no longer mapped."""
+    with make(space, "sender") as sender, make(space, "receiver", sender_port=PORT) as receiver:
+        assert sender.put("0", "1", "a", b"first bytes")[0] and sender.put("0", "1", "b", b"second")[0]
+        buffer, size = receiver.get("0", "1", "a")
+        (segment,) = receiver._segments.values()
+        start, stop = segment.address_range
+        assert size == 11 and start <= buffer.tensor.data_ptr() < stop
+        assert not segment.unmap()  # the buffer holds the mapping: it stays until the buffer goes
+        assert bytes(buffer.tensor.numpy()) == b"first bytes"
+        assert receiver.get("0", "1", "b") is None
+        assert receiver.health()["bad_grants"] == 1
+        buffer.release()
+        ledger = sender._sender.pool.ledger
+        eventually(lambda: ledger.stats()["live_regions"] == 0, "both regions given back")
+
+
 def test_granted_tickets_are_read_off_either_kind_of_reply() -> None:
     grant = {"ok": True, "seg": "s", "seg_bytes": 64, "off": 0, "size": 8, "ticket": 7}
     assert granted_tickets({"id": 1, **grant}) == [(7, "s")]
