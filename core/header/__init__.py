@@ -56,11 +56,15 @@ from kvferry.core.header.values import (
     TensorSpec,
     _checked,
     _checked_as,
+    _CheckedEntries,
     _element_info,
     _exact,
     _fail,
+    _header_with_entries,
     _size_memo,
     _trusted_descriptor,
+    _with_checksums,
+    checksum_slots,
     tensor_name,
 )
 
@@ -224,6 +228,9 @@ class PayloadLayout:
     align: int
     checksums_pending: bool
     _rendered: bytes = attrs.field(repr=False)
+    #: Where each present tensor's checksum digits are in the rendered header (None: unknown,
+    #: :meth:`with_checksums` renders the header again).
+    _ck_at: tuple[int, ...] | None = attrs.field(default=None, repr=False, eq=False)
 
     @property
     def header_bytes(self) -> bytes:
@@ -237,6 +244,16 @@ class PayloadLayout:
         present = self.header.present
         if self.header.checksum_algorithm is None or len(values) != len(present):
             raise ConfigError(f"expected {len(present)} checksums for a checksummed layout")
+        entries = self.header.tensors
+        if self._ck_at is not None and type(entries) is _CheckedEntries and len(self._ck_at) == len(present):
+            # the checksums' digits written where the rendered header has them: the same bytes
+            # as rendering it again with these checksums, for a fraction of the work
+            masked = [int(v) & 0xFFFFFFFF for v in values]
+            written = bytearray(self._rendered)
+            for at, value in zip(self._ck_at, masked):
+                written[at : at + 8] = b"%08x" % value
+            header = _header_with_entries(self.header, _with_checksums(entries, masked))
+            return attrs.evolve(self, header=header, checksums_pending=False, rendered=bytes(written))
         it = iter(values)
         tensors = _checked(
             [
@@ -278,6 +295,12 @@ class LayoutTemplate:
     version: bool
     checksums: str | None
     td_text: str = attrs.field(repr=False)
+    #: Where each present descriptor's checksum digits are in ``td_text`` (checksum_slots).
+    ck_slots: tuple[int, ...] | None = attrs.field(init=False, repr=False, eq=False)
+
+    @ck_slots.default
+    def _ck_slots(self) -> tuple[int, ...] | None:
+        return checksum_slots(self.td_text, self.entries)
 
     def layout(self, request_id: str, block_ids: Sequence[int], metadata: Mapping[str, Any]) -> PayloadLayout:
         """The full layout of one payload; ConfigError for a bad request id, ids or metadata."""
@@ -292,11 +315,16 @@ class LayoutTemplate:
             FORMAT_VERSION if self.version else None,
             self.checksums,
         )
-        rendered = _frame(_header_text(header, self.td_text), self.align)
+        text = _header_text(header, self.td_text)
+        rendered = _frame(text, self.align)
         start = len(rendered)
         spans = tuple(None if s is None else (start + s[0], s[1]) for s in self.rel_spans)
+        ck_at = None
+        if self.ck_slots is not None and text.isascii():  # ASCII (as json writes it): bytes = chars
+            td_at = PREFIX_NBYTES + text.rindex(',"td":') + len(',"td":')  # td follows the metadata
+            ck_at = tuple(td_at + slot for slot in self.ck_slots)
         return PayloadLayout(
-            header, start, spans, start + self.data_nbytes, self.align, self.checksums is not None, rendered
+            header, start, spans, start + self.data_nbytes, self.align, self.checksums is not None, rendered, ck_at
         )
 
 

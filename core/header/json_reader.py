@@ -3,9 +3,11 @@
 The object is read with the standard library's own scanner one top-level value at a time, so
 the raw text of ``td`` is known. A ``td`` text validated before (identical characters, hence an
 identical parse and an identical verdict) is handed back as :class:`_Reused` with its validated
-descriptors instead of being parsed again; any other is parsed and, once the decoder has
-validated it, remembered (:func:`_remember`). Anything this reader does not accept is handed to
-``json.loads`` as a whole, which decides. The memo is a few immutable values, replaced whole.
+descriptors instead of being parsed again; so is a text that differs from one only in its
+checksums' hex digits (each request's own), with those checksums read into the descriptors;
+any other is parsed and, once the decoder has validated it, remembered (:func:`_remember`).
+Anything this reader does not accept is handed to ``json.loads`` as a whole, which decides.
+The memo is a few immutable values, replaced whole.
 """
 
 from __future__ import annotations
@@ -17,7 +19,14 @@ from typing import TYPE_CHECKING, Any
 
 import attrs
 
-from kvferry.core.header.values import TensorDescriptor, _CheckedEntries, _fail, _short
+from kvferry.core.header.values import (
+    TensorDescriptor,
+    _CheckedEntries,
+    _fail,
+    _short,
+    _with_checksums,
+    checksum_slots,
+)
 
 if TYPE_CHECKING:
     from kvferry.core.header.decode import DecodeLimits
@@ -34,22 +43,54 @@ class _Reused:
 
 _MEMO_SIZE = 8  # distinct layouts remembered
 _MEMO_MAX_TEXT = 256 * 1024  # longer td texts are validated every time (bounds the memo's memory)
-#: ``(td text, entries, widest shape)``, newest first; replaced whole, never mutated.
-_memo: tuple[tuple[str, _CheckedEntries, int], ...] = ()
+_HEX8 = re.compile("[0-9a-f]{8}")
+
+
+@attrs.frozen
+class _Known:
+    """A validated ``td`` text: its entries, widest shape and, for checksummed entries written
+    as the encoder writes them, where the checksums' digits are (:func:`checksum_slots`)."""
+
+    raw: str
+    entries: _CheckedEntries
+    ndim: int
+    slots: tuple[int, ...] | None
+
+
+#: Validated ``td`` texts, newest first; replaced whole, never mutated.
+_memo: tuple[_Known, ...] = ()
 
 
 def _recall(text: str, at: int, limits: DecodeLimits) -> tuple[_Reused, int] | None:
-    for raw, entries, ndim in _memo:
-        if text.startswith(raw, at) and len(entries) <= limits.max_tensors and ndim <= limits.max_ndim:
+    for known in _memo:
+        raw, entries = known.raw, known.entries
+        if len(entries) > limits.max_tensors or known.ndim > limits.max_ndim:
+            continue
+        if text.startswith(raw, at):
             return _Reused(entries), at + len(raw)  # a JSON array is self-delimiting
+        if known.slots is not None and _same_but_checksums(text, at, known):
+            values = [int(text[at + slot : at + slot + 8], 16) for slot in known.slots]
+            return _Reused(_with_checksums(entries, values)), at + len(raw)
     return None
+
+
+def _same_but_checksums(text: str, at: int, known: _Known) -> bool:
+    """Whether ``text`` from ``at`` is ``known.raw`` but for 8 lowercase hex digits in each of
+    its checksum slots: the same tensors, other checksums (each read as the decoder reads it)."""
+    raw, done = known.raw, 0
+    for slot in known.slots or ():
+        if not text.startswith(raw[done:slot], at + done) or not _HEX8.fullmatch(text, at + slot, at + slot + 8):
+            return False
+        done = slot + 8
+    return text.startswith(raw[done:], at + done)
 
 
 def _remember(raw: str, entries: Any) -> None:
     global _memo
     if type(entries) is _CheckedEntries and len(raw) <= _MEMO_MAX_TEXT:
         ndim = max((len(e.shape) for e in entries if type(e) is TensorDescriptor), default=0)
-        _memo = ((raw, entries, ndim),) + tuple(m for m in _memo if m[0] != raw)[: _MEMO_SIZE - 1]
+        known = _Known(raw, entries, ndim, checksum_slots(raw, entries))
+        _memo = (known,) + tuple(m for m in _memo if m.raw != raw)[: _MEMO_SIZE - 1]
 
 
 # --------------------------------------------------------------------------- the JSON object

@@ -283,6 +283,41 @@ def _trusted_descriptor(
     return d
 
 
+#: A present descriptor's checksum as the encoder writes it: the last field of its object.
+_CHECKSUM_FIELD = re.compile(r',"c":"([0-9a-f]{8})"\}')
+
+
+def checksum_slots(td_text: str, entries: Any) -> tuple[int, ...] | None:
+    """Where the 8 hex digits of each present descriptor's checksum are in ``td_text`` (the
+    ``td`` array's JSON text ``entries`` were read from or rendered to), in entry order; None
+    unless ``entries`` are checksummed :class:`_CheckedEntries` and the text names ``"c"``
+    exactly once per present descriptor, each last in its object in the encoder's form and
+    equal to its checksum. A text equal to ``td_text`` but for other hex digits in these
+    slots describes the same tensors with those checksums (:func:`_with_checksums`)."""
+    if type(entries) is not _CheckedEntries or entries.checksummed is not True:
+        return None
+    present = [e for e in entries if type(e) is TensorDescriptor]
+    if td_text.count('"c":') != len(present):  # a "c" anywhere else (strings escape their quotes)
+        return None
+    found = list(_CHECKSUM_FIELD.finditer(td_text))
+    if len(found) != len(present) or any(int(m.group(1), 16) != e.checksum for m, e in zip(found, present)):
+        return None
+    return tuple(m.start(1) for m in found)
+
+
+def _with_checksums(entries: _CheckedEntries, values: Iterable[int]) -> _CheckedEntries:
+    """Checksummed ``entries`` with the present descriptors' checksums replaced by ``values``
+    (u32s the caller checked), in order: every other invariant is unchanged, so kept."""
+    it = iter(values)
+    out: list[Entry] = [
+        _trusted_descriptor(e.name, e.layer, e.dtype, e.shape, e.offset, e.nbytes, next(it))
+        if type(e) is TensorDescriptor
+        else e
+        for e in entries
+    ]
+    return _checked_as(out, entries.min_layers, entries.checksummed, entries.rel_spans, entries.data_end)
+
+
 def _checked_as(
     entries: Iterable[Entry],
     min_layers: int,
@@ -357,3 +392,17 @@ class PayloadHeader:
     @property
     def present(self) -> tuple[TensorDescriptor, ...]:
         return tuple(t for t in self.tensors if isinstance(t, TensorDescriptor))
+
+
+_HEADER_FIELDS = tuple(a.name for a in attrs.fields(PayloadHeader))
+
+
+def _header_with_entries(header: PayloadHeader, tensors: _CheckedEntries) -> PayloadHeader:
+    """``header`` with ``tensors`` that :func:`_with_checksums` made from its own: its
+    invariants hold as they did, so the copy is not checked again (the metadata dict is shared;
+    a header's metadata is not mutated)."""
+    copy = _new(PayloadHeader)
+    for name in _HEADER_FIELDS:
+        _set(copy, name, getattr(header, name))
+    _set(copy, "tensors", tensors)
+    return copy

@@ -5,7 +5,10 @@
 - the top-level JSON reader == ``json.loads`` (or it declines, and json.loads decides);
 - the column-wise descriptor check == the per-descriptor check (or it declines);
 - a decode that reuses a remembered ``td`` == a decode with nothing remembered, for valid and
-  mutated headers alike (a float or a bool where an int was remembered is still refused).
+  mutated headers alike (a float or a bool where an int was remembered is still refused);
+- checksums written into the rendered header in place == the header rendered again with them;
+  a ``td`` that differs from a remembered one only in its checksums is read from the memo with
+  those checksums, exactly as a fresh decode reads it.
 """
 
 from __future__ import annotations
@@ -14,8 +17,9 @@ import json
 import random
 import struct
 
+import attrs
 import pytest
-from hypothesis import given, settings
+from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
 from kvferry.core.errors import ConfigError, PayloadError
@@ -34,7 +38,7 @@ from kvferry.core.header import (
 )
 from kvferry.core.header import decode as header_decode
 from kvferry.core.header import json_reader as header_json
-from kvferry.core.header.values import _checked
+from kvferry.core.header.values import _checked, checksum_slots
 
 PROPERTY = settings(max_examples=100, deadline=None)
 DTYPES = sorted(DTYPE_ITEMSIZE)
@@ -309,4 +313,65 @@ def test_the_memo_is_bounded() -> None:
     n, specs = kv_tensor_specs(big, [])
     layout = plan_layout("r", [], {}, n, specs, align=1)
     decode_header(layout.header_bytes, total_len=layout.total_nbytes)
-    assert all(len(m[0]) <= header_json._MEMO_MAX_TEXT for m in header_json._memo)
+    assert all(len(m.raw) <= header_json._MEMO_MAX_TEXT for m in header_json._memo)
+
+
+# ------------------------------------------------------------------- checksums in place
+def _checksummed_layout(plan: dict) -> object:
+    n, specs = kv_tensor_specs(plan["keys"], plan["values"])
+    return plan_layout(plan["rid"], plan["bids"], plan["meta"], n, specs, **{**_options(plan), "checksums": "crc32"})
+
+
+u32s = st.lists(st.integers(0, 2**40), min_size=24, max_size=24)  # > u32: the layout keeps the low 32 bits
+
+
+@PROPERTY
+@given(kv_plans(), u32s)
+def test_checksums_written_in_place_equal_the_header_rendered_again(plan: dict, values: list[int]) -> None:
+    layout = _checksummed_layout(plan)
+    present = len(layout.header.present)
+    values = values[:present]
+    assert (layout._ck_at is not None) == (present > 0)  # every rendered template header has its slots
+    fast = layout.with_checksums(values)
+    again = attrs.evolve(layout, ck_at=None).with_checksums(values)  # the header rendered from scratch
+    assert fast.header_bytes == again.header_bytes and fast.header == again.header and fast == again
+    assert [t.checksum for t in fast.header.present] == [v & 0xFFFFFFFF for v in values]
+    assert decode_header(fast.header_bytes, total_len=fast.total_nbytes).header == fast.header
+
+
+@PROPERTY
+@given(kv_plans(), u32s, st.data())
+def test_a_td_differing_only_in_checksums_is_read_from_the_memo(plan: dict, values: list[int], data) -> None:
+    layout = _checksummed_layout(plan)
+    present = len(layout.header.present)
+    assume(present > 0)
+    first = layout.with_checksums([1] * present)
+    second = layout.with_checksums(values[:present])
+    saved, header_json._memo = header_json._memo, ()
+    try:
+        decode_header(first.header_bytes, total_len=first.total_nbytes)  # remembers its td
+        remembered = header_json._memo
+        got = decode_header(second.header_bytes, total_len=second.total_nbytes)
+        assert header_json._memo is remembered  # read from the memo: nothing parsed or remembered
+        assert got == _fresh(second.header_bytes + bytes(second.total_nbytes - second.data_start))
+        assert [t.checksum for t in got.header.present] == [v & 0xFFFFFFFF for v in values[:present]]
+        # a checksum the decoder refuses (not 8 lowercase hex digits) is not taken from the memo
+        at = data.draw(st.sampled_from(second._ck_at)) + data.draw(st.integers(0, 7))
+        for bad in (b"A", b"g", b'"'):
+            raw = bytearray(second.header_bytes + bytes(second.total_nbytes - second.data_start))
+            raw[at : at + 1] = bad
+            outcome = _outcome(bytes(raw))
+            assert outcome == _fresh(bytes(raw)) and isinstance(outcome, tuple)  # refused, as fresh
+    finally:
+        header_json._memo = saved
+
+
+def test_checksum_slots_are_found_only_in_the_encoders_form() -> None:
+    tpl = kv_layout_template([("int8", (4,)), None], [("int8", (4,))], checksums="crc32")
+    slots = checksum_slots(tpl.td_text, tpl.entries)
+    assert slots is not None and [tpl.td_text[s : s + 8] for s in slots] == ["00000000"] * 2
+    spaced = json.dumps(json.loads(tpl.td_text))  # the same descriptors, other whitespace
+    assert checksum_slots(spaced, tpl.entries) is None
+    assert checksum_slots(tpl.td_text.replace('"x":true', '"x":true,"c":"00000000"'), tpl.entries) is None
+    plain = kv_layout_template([("int8", (4,))], [("int8", (4,))])
+    assert checksum_slots(plain.td_text, plain.entries) is None and plain.ck_slots is None
