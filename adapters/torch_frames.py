@@ -276,41 +276,29 @@ def finish_payload_in(dest: torch.Tensor, layout: PayloadLayout) -> PayloadLayou
     """Write the header and zero the padding into ``dest`` once the tensor bytes are in place.
 
     Pending checksums are computed from ``dest`` itself (a host copy for device buffers).
-    Returns the layout as written (with its checksums).
+    Returns the layout as written (with its checksums). A host buffer is read and written
+    through one byte view of it (never a copy): on a small request a torch op per span cost
+    more than its bytes.
     """
     _check_dest(dest, layout)
-    if dest.device.type == "cpu":  # one byte view of the buffer (never a copy): no torch op per span
-        return _finish_on_host(dest.numpy().data, layout)
+    host = dest.numpy().data if dest.device.type == "cpu" else None
     if layout.checksums_pending:
         algorithm = layout.header.checksum_algorithm
         assert algorithm is not None  # pending checksums were planned with an algorithm
         layout = layout.with_checksums(
             [
-                compute_checksum(algorithm, host_byte_view(dest[s[0] : s[0] + s[1]]))
-                for s in layout.spans
-                if s is not None
+                compute_checksum(algorithm, host[a : a + n] if host is not None else host_byte_view(dest[a : a + n]))
+                for a, n in (s for s in layout.spans if s is not None)
             ]
         )
-    header = torch.frombuffer(bytearray(layout.header_bytes), dtype=torch.uint8)
-    dest[: layout.data_start].copy_(header)
+    if host is not None:
+        host[: layout.data_start] = layout.header_bytes
+        for start, stop in layout.gaps():
+            host[start:stop] = bytes(stop - start)
+        return layout
+    dest[: layout.data_start].copy_(torch.frombuffer(bytearray(layout.header_bytes), dtype=torch.uint8))
     for start, stop in layout.gaps():
         dest[start:stop].zero_()
-    return layout
-
-
-def _finish_on_host(view: memoryview, layout: PayloadLayout) -> PayloadLayout:
-    """:func:`finish_payload_in` on ``view``, the host buffer's bytes: checksums read from its
-    slices, the header and the zero padding written through it (a small request's payload is a
-    few microseconds of bytes; a torch op per span cost more than the bytes)."""
-    if layout.checksums_pending:
-        algorithm = layout.header.checksum_algorithm
-        assert algorithm is not None  # pending checksums were planned with an algorithm
-        layout = layout.with_checksums(
-            [compute_checksum(algorithm, view[s[0] : s[0] + s[1]]) for s in layout.spans if s is not None]
-        )
-    view[: layout.data_start] = layout.header_bytes
-    for start, stop in layout.gaps():
-        view[start:stop] = bytes(stop - start)
     return layout
 
 

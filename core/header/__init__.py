@@ -64,6 +64,7 @@ from kvferry.core.header.values import (
     _size_memo,
     _trusted_descriptor,
     _with_checksums,
+    checksum_digits,
     checksum_slots,
     tensor_name,
 )
@@ -135,7 +136,7 @@ def _descriptor_text(entry: Entry) -> str:
             + ',"b":'
             + _INT(entry.nbytes)
         )
-        return text + ("}" if entry.checksum is None else ',"c":' + _STR(f"{entry.checksum:08x}") + "}")
+        return text + ("}" if entry.checksum is None else ',"c":' + _STR(checksum_digits(entry.checksum)) + "}")
     if type(entry) is AbsentTensor and type(entry.name) is str:
         return '{"n":' + _STR(entry.name) + ',"x":true}'
     return _ENCODE(_enc_descriptor(entry))  # unusual value types: let json render them
@@ -251,7 +252,7 @@ class PayloadLayout:
             masked = [int(v) & 0xFFFFFFFF for v in values]
             written = bytearray(self._rendered)
             for at, value in zip(self._ck_at, masked):
-                written[at : at + 8] = b"%08x" % value
+                written[at : at + 8] = checksum_digits(value).encode("ascii")
             header = _header_with_entries(self.header, _with_checksums(entries, masked))
             return attrs.evolve(self, header=header, checksums_pending=False, rendered=bytes(written))
         it = iter(values)

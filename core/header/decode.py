@@ -18,7 +18,6 @@ All sizes are in bytes.
 from __future__ import annotations
 
 import operator
-import re
 import struct
 from collections.abc import Callable
 from itertools import chain, repeat
@@ -29,6 +28,7 @@ import attrs
 from kvferry.core.errors import ConfigError
 from kvferry.core.header.json_reader import _parse, _remember, _Reused
 from kvferry.core.header.values import (
+    _HEX8_RE,
     _MAX_INT,
     _MEMO_NDIM,
     _NAME_MAX,
@@ -49,13 +49,13 @@ from kvferry.core.header.values import (
     _short,
     _size_memo,
     _trusted_descriptor,
+    checksum_digits,
 )
 from kvferry.core.phrases import phrase
 
 __all__ = ["HEADER_FIELDS", "DESCRIPTOR_FIELDS", "DecodeLimits", "DecodedHeader", "decode_header"]
 
 _PREFIX = struct.Struct(">I")
-_HEX8_RE = re.compile(r"[0-9a-f]{8}")
 
 
 @attrs.frozen
@@ -192,7 +192,7 @@ DESCRIPTOR_FIELDS: tuple[_Field, ...] = (
     _Field("s", "shape", lambda v, c: _dec_shape(v, c[0], c[1]), list),
     _Field("o", "offset", lambda v, c: _want_span_int(v, "offset o", c[2], c[1])),
     _Field("b", "nbytes", lambda v, c: _want_span_int(v, "byte count b", c[2], c[1])),
-    _Field("c", "checksum", lambda v, c: _dec_checksum(v, c[1]), lambda v: f"{v:08x}", required=False),
+    _Field("c", "checksum", lambda v, c: _dec_checksum(v, c[1]), checksum_digits, required=False),
 )
 
 

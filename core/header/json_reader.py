@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING, Any
 import attrs
 
 from kvferry.core.header.values import (
+    _HEX8_RE,
     TensorDescriptor,
     _CheckedEntries,
     _fail,
@@ -43,7 +44,6 @@ class _Reused:
 
 _MEMO_SIZE = 8  # distinct layouts remembered
 _MEMO_MAX_TEXT = 256 * 1024  # longer td texts are validated every time (bounds the memo's memory)
-_HEX8 = re.compile("[0-9a-f]{8}")
 
 
 @attrs.frozen
@@ -79,7 +79,7 @@ def _same_but_checksums(text: str, at: int, known: _Known) -> bool:
     its checksum slots: the same tensors, other checksums (each read as the decoder reads it)."""
     raw, done = known.raw, 0
     for slot in known.slots or ():
-        if not text.startswith(raw[done:slot], at + done) or not _HEX8.fullmatch(text, at + slot, at + slot + 8):
+        if not text.startswith(raw[done:slot], at + done) or not _HEX8_RE.fullmatch(text, at + slot, at + slot + 8):
             return False
         done = slot + 8
     return text.startswith(raw[done:], at + done)

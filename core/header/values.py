@@ -283,8 +283,16 @@ def _trusted_descriptor(
     return d
 
 
+#: A descriptor's checksum as written: exactly 8 lowercase hex digits (:func:`checksum_digits`).
+_HEX8_RE = re.compile(r"[0-9a-f]{8}")
 #: A present descriptor's checksum as the encoder writes it: the last field of its object.
-_CHECKSUM_FIELD = re.compile(r',"c":"([0-9a-f]{8})"\}')
+_CHECKSUM_FIELD = re.compile(r',"c":"(' + _HEX8_RE.pattern + r')"\}')
+
+
+def checksum_digits(value: int) -> str:
+    """How a checksum is written in a header: 8 lowercase hex digits (what :data:`_HEX8_RE`
+    accepts back)."""
+    return f"{value:08x}"
 
 
 def checksum_slots(td_text: str, entries: Any) -> tuple[int, ...] | None:
