@@ -39,7 +39,14 @@ from kvferry.adapters.connectors.pool_buffer import PooledBuffer, release_soon
 from kvferry.adapters.torch_decode import host_byte_view, verify_arrived
 from kvferry.adapters.torch_frames import DecodedKV, decode_payload, merge_layers, slice_layers
 from kvferry.core.addressing import get_metadata
-from kvferry.core.errors import KVFerryError, LeaseExpired, PayloadError, SenderUnavailable
+from kvferry.core.errors import (
+    FailedAtSender,
+    KVFerryError,
+    LeaseExpired,
+    PayloadError,
+    SenderUnavailable,
+    UnreadableGrant,
+)
 from kvferry.core.head_slices import applied_head_slice, fan_out_slice, tp_head_slice_record
 from kvferry.core.header import DecodeLimits
 from kvferry.core.ids import is_dummy_request, recv_keys
@@ -334,10 +341,11 @@ class ReceivePath:
         got: list[Any] = []
         expired: list[str] = []
         gone: list[str] = []
+        unreadable: list[str] = []
         refused: list[Refusal] = []
         handed: list[Any] = []  # pool buffers a zero-copy result took over
         try:
-            missing = self._wait_all(connector, keys, metas, deadline, got, expired, refused, gone)
+            missing = self._wait_all(connector, keys, metas, deadline, got, expired, refused, gone, unreadable)
             names = tuple(k for k, _ in keys)
 
             def failed(kind: ReceiveKind, detail: str) -> ReceiveResult:
@@ -354,6 +362,9 @@ class ReceivePath:
                 return failed(ReceiveKind.SENDER_GONE, gone[0])
             if expired:
                 return failed(ReceiveKind.EXPIRED, expired[0])
+            if unreadable:
+                logger.error("request %s: %s", request_id, unreadable[0])
+                return failed(ReceiveKind.ERROR, unreadable[0])
             if missing:
                 return failed(ReceiveKind.TIMED_OUT, f"{len(missing)} of {len(keys)} keys missing")
             return self._assemble(request_id, keys, got, target_device, start, handed if zero_copy else None)
@@ -380,6 +391,7 @@ class ReceivePath:
         expired: list,
         refused: list,
         gone: list,
+        unreadable: list,
     ) -> tuple[str, ...]:
         """Fill ``got`` with ``(data, size)`` per key in order; return the keys still missing.
 
@@ -387,7 +399,9 @@ class ReceivePath:
         ``expired``): the request cannot complete. So does a refusal marker (the sender could
         not send; its :class:`~kvferry.core.refusal.Refusal` goes to ``refused``), and a sender
         the connector found dead (SenderUnavailable from a blocking get; its reason goes to
-        ``gone``)."""
+        ``gone``), a key its sender recorded it will never publish (FailedAtSender: a refusal in
+        ``refused``) and a grant this receiver cannot read (UnreadableGrant, to
+        ``unreadable``): none of them can come by waiting."""
         blocking = self._is_blocking(connector)
         pending = list(range(len(keys)))
         results: dict[int, Any] = {}
@@ -403,6 +417,12 @@ class ReceivePath:
                 except SenderUnavailable as exc:  # the sender died: the key cannot come
                     gone.append(f"{keys[i][0]}: {exc}")
                     break
+                except FailedAtSender as exc:  # the sender recorded that it will not publish the key
+                    refused.append(Refusal(exc.kind, str(exc), "see the sender's log for why it failed the key"))
+                    break
+                except UnreadableGrant as exc:  # granted, but not readable here: asking again cannot help
+                    unreadable.append(f"{keys[i][0]}: {exc}")
+                    break
                 if result is not None:
                     results[i] = result
                     pending.remove(i)
@@ -412,7 +432,7 @@ class ReceivePath:
                         break
                 elif blocking:
                     break  # the deadline passed while blocked on this key
-            if not pending or expired or refused or gone:
+            if not pending or expired or refused or gone or unreadable:
                 break
             remaining = deadline.remaining(self.clock.monotonic())
             if remaining <= 0.0:

@@ -43,6 +43,7 @@ from kvferry.core.errors import (
     SenderUnavailable,
     TransferError,
     TransferTimeout,
+    UnreadableGrant,
 )
 from kvferry.core.head_slices import (
     TP_HEAD_SLICE_KEY,
@@ -248,6 +249,7 @@ __all__ = [
     "LeaseEntry",
     "LeaseExpired",
     "FailedAtSender",
+    "UnreadableGrant",
     "LeaseTable",
     "LegacyKey",
     "MAX_PORT",

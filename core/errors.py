@@ -25,6 +25,7 @@ __all__ = [
     "PoolFullError",
     "LeaseExpired",
     "FailedAtSender",
+    "UnreadableGrant",
     "BindError",
 ]
 
@@ -93,6 +94,13 @@ class FailedAtSender(TransferError):
         self.kind: str = kind
         self.reason: str = reason
         super().__init__(message)
+
+
+class UnreadableGrant(TransferError):
+    """The sender granted a payload that this receiver cannot read where the grant says it is
+    (its shared memory cannot be mapped here, or the mapping went under the grant). The grant
+    was given back; asking again cannot help, so a blocking get raises it at once instead of
+    waiting out its deadline."""
 
 
 class BindError(TransferError, OSError):

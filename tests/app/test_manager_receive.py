@@ -18,6 +18,7 @@ from kvferry.adapters.torch_frames import encode_bytes, encode_frames
 from kvferry.app.manager import KVTransferManager
 from kvferry.core.errors import ConnectorUnavailable, SenderUnavailable
 from kvferry.core.outcomes import ReceiveKind, SkipReason
+from kvferry.core.tombstones import failure_record
 
 BLOCK_SETS = ([3, 1, 5], [0], [7, 8, 9, 10, 11], [2, 4], [11, 0, 6], [1, 2, 3, 4])
 SEQ_LENS = (10, 3, 20, 5, 12, 13)
@@ -171,6 +172,22 @@ def test_a_sender_found_dead_ends_the_receive_at_once_as_sender_gone(
 
 
 # ------------------------------------------------------------------------------ sender info
+def test_a_key_its_sender_failed_is_refused_at_once_not_an_unexpected_error(
+    kit, memory_connector, make_receiver, fake_time, caplog
+) -> None:
+    # a sender that records it will never publish a key (a connector's failure record, as the
+    # vLLM connector's save path writes one): the blocking get raises FailedAtSender, which the
+    # receive reports as the sender's refusal (kind and reason kept), with no traceback
+    assert memory_connector.publish_failure("0", "1", "omni_0_to_1_kv_cache_doomed", failure_record("put", "no room"))
+    receiver = make_receiver(memory_connector, config=kit.receiver_config(recv_timeout=30.0))
+    result = receiver.receive("doomed")
+    assert result.outcome.kind is ReceiveKind.REFUSED and not result.ok, result.outcome
+    assert result.outcome.detail.startswith("put: ") and "no room" in result.outcome.detail
+    assert fake_time.elapsed == 0.0 and fake_time.sleeps == []
+    assert not [r for r in caplog.records if r.exc_info]
+    assert receiver.counters.snapshot()["recv.refused"] == 1
+
+
 def test_spec2_3_key_metadata_names_each_source_rank_endpoint(kit, memory_connector, make_receiver) -> None:
     model = kit.PagedModel()
     kit.send_all(model, memory_connector, 4, 2, {"r": {"block_ids": [1, 2], "seq_len": 8}})

@@ -20,6 +20,7 @@ import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from waits import eventually
 
 from kvferry.adapters.connectors.pool_buffer import PooledBuffer, tie_region, tie_release, wait_for_gc_releases
 from kvferry.app.manager import KVTransferManager
@@ -336,6 +337,40 @@ def test_shm_copying_receive_releases_without_waiting(kit, shm_pair, make_receiv
     assert result.ok and result.buffers == ()
     assert receiver_conn.flush_releases(5.0) and sender.health()["used_bytes"] == 0
     kit.assert_kv_equal(result.payload, *model.expected([1, 2], 8))
+
+
+def test_shm_grant_the_receiver_cannot_map_ends_the_receive_at_once(kit, make_receiver, caplog) -> None:
+    """A receiving stage whose shm directory is not its sender's (the usual cause: a container
+    that does not share /dev/shm) gets an ``error`` outcome naming ``shm_dir`` and the fix from
+    its first grant, not a timeout at its deadline (the grant drained the key: asking again
+    finds nothing); the sender gets the region back. A receiver on the sender's directory
+    receives the same sender's next request bit-exact."""
+    base = tempfile.mkdtemp(prefix="kvfz-", dir="/tmp")
+    elsewhere = tempfile.mkdtemp(prefix="kvfz-shm-", dir="/tmp")
+    common = {"type": "shm", "namespace": f"z{os.getpid()}n{next(_SPACES)}", "runtime_dir": base}
+    sender = create_connector({**common, "role": "sender", "port": 50151, "pool_bytes": 4 << 20})
+    far = create_connector({**common, "role": "receiver", "sender_port": 50151, "shm_dir": elsewhere})
+    near = create_connector({**common, "role": "receiver", "sender_port": 50151})
+    try:
+        model = kit.PagedModel()
+        kit.send_all(model, sender, 1, 1, {"a": {"block_ids": [1, 2], "seq_len": 8}})
+        kit.send_all(model, sender, 1, 1, {"b": {"block_ids": [3], "seq_len": 5}})
+        result = make_receiver(far).receive("a", timeout_s=30)
+        assert result.outcome.kind is ReceiveKind.ERROR, result.outcome
+        assert "cannot read" in result.outcome.detail and "shm_dir" in result.outcome.detail
+        assert far.health()["bad_grants"] == 1
+        assert not [r for r in caplog.records if r.exc_info]  # an outcome, not an unexpected fault
+        good = make_receiver(near).receive("b", timeout_s=30)
+        assert good.ok, good.outcome
+        kit.assert_kv_equal(good.payload, *model.expected([3], 5))
+        good.release(wait=True)
+        eventually(lambda: sender.health()["used_bytes"] == 0, "both regions back at the sender")
+    finally:
+        near.close()
+        far.close()
+        sender.close()
+        shutil.rmtree(base, ignore_errors=True)
+        shutil.rmtree(elsewhere, ignore_errors=True)
 
 
 # ------------------------------------------------------------------------------- zmq streams

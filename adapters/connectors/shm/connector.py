@@ -57,7 +57,7 @@ from kvferry.adapters.connectors.shm.segment import (
     sender_gone,
 )
 from kvferry.core.addressing import resolve_get_source
-from kvferry.core.errors import ConfigError, LeaseExpired, PayloadError, SenderUnavailable
+from kvferry.core.errors import ConfigError, LeaseExpired, PayloadError, SenderUnavailable, UnreadableGrant
 from kvferry.core.ports import PutResult
 from kvferry.core.tombstones import FAILED_REASON, FAILURE_FIELD, decode_failure, failed_error
 from kvferry.core.validate import check_port
@@ -296,9 +296,14 @@ class ShmConnector:
                     return None
                 raise failed_error(key, failure, endpoint)
             return None
-        return self._view(endpoint, client, reply)
+        return self._view(endpoint, client, reply, key if wait_s > 0 else None)
 
-    def _view(self, endpoint: str, client: ControlClient, grant: dict[str, Any]) -> tuple[Any, int] | None:
+    def _view(
+        self, endpoint: str, client: ControlClient, grant: dict[str, Any], blocking_key: str | None = None
+    ) -> tuple[Any, int] | None:
+        """The granted region as a pool buffer; an unusable grant is counted (``bad_grants``),
+        logged and given back, then None, or for a blocking get of ``blocking_key``
+        UnreadableGrant (the key is drained: waiting for it cannot help)."""
         ticket = grant.get("ticket")
         problem = check_grant(grant)
         segment = self._segment(endpoint, grant["seg"]) if problem is None else None
@@ -312,6 +317,13 @@ class ShmConnector:
             logger.warning("shm grant unusable (%s): %s", problem or "segment not mappable", grant)
             if isinstance(ticket, int):
                 client.notify(_release_message(grant))
+            if blocking_key is not None:
+                raise UnreadableGrant(
+                    f"the sender at {endpoint} granted {blocking_key!r} in shared memory this receiver cannot read "
+                    f"({problem or 'segment ' + repr(grant.get('seg')) + ' not mappable'}); fix: run the receiver "
+                    f"where the sender's shm_dir ({self.config.shm_dir}) is the same directory (same host, same "
+                    "IPC namespace, same user), or use the zmq connector between hosts"
+                )
             return None
         self._count("gets_hit")
         client.prepare_releases()
@@ -428,8 +440,10 @@ class ShmConnector:
     ) -> tuple[Any, int] | None:
         """Wait up to ``timeout_s`` seconds; the sender answers when the key is published.
         Raises LeaseExpired at once when the sender says the key expired unread,
-        FailedAtSender at once when it recorded a failure for the key (also while waiting), and
-        SenderUnavailable when the sender's process is found dead (see the module doc)."""
+        FailedAtSender at once when it recorded a failure for the key (also while waiting),
+        UnreadableGrant at once when its grant cannot be read here (the segment cannot be
+        mapped: another shm directory, host or user), and SenderUnavailable when the sender's
+        process is found dead (see the module doc)."""
         return self._fetch(metadata, get_key, max(0.0, float(timeout_s)))
 
     def mapped_range(self, segment_name: str) -> tuple[int, int] | None:

@@ -7,6 +7,7 @@ import gc
 import itertools
 import logging
 import os
+import re
 import shutil
 import socket
 import stat
@@ -58,7 +59,7 @@ from kvferry.adapters.connectors.shm.segment import (
 from kvferry.adapters.connectors.shm.server import Reader, ReaderRegistry
 from kvferry.app.registry import create_connector
 from kvferry.core.control import Rejection
-from kvferry.core.errors import BindError, ConfigError, ConnectorUnavailable
+from kvferry.core.errors import BindError, ConfigError, ConnectorUnavailable, UnreadableGrant
 
 PORT = 50151
 _COUNTER = itertools.count()
@@ -864,6 +865,32 @@ def test_a_buffer_holds_its_mapping_and_a_grant_on_an_unmapped_segment_is_refuse
         buffer.release()
         ledger = sender._sender.pool.ledger
         eventually(lambda: ledger.stats()["live_regions"] == 0, "both regions given back")
+
+
+def test_a_blocking_get_granted_a_segment_it_cannot_map_fails_at_once(space) -> None:
+    """A receiver whose shm directory is not the sender's (another host's /dev/shm, a container
+    that does not share it) is granted a segment it cannot map: a blocking get raises
+    UnreadableGrant naming the setting to change instead of answering None (its caller would
+    ask again until its deadline for a key the grant drained); the grant is counted and given
+    back. A non-blocking get answers None as before. A receiver on the sender's directory reads
+    the same sender's next key (the payloads were readable: the directory made the difference)."""
+    elsewhere = tempfile.mkdtemp(prefix="kvft-shm-", dir="/tmp")
+    try:
+        with make(space, "sender") as sender, make(space, "receiver", sender_port=PORT, shm_dir=elsewhere) as far:
+            for key, data in (("k", b"first"), ("j", b"second"), ("i", b"third")):
+                assert sender.put("0", "1", key, data)[0]
+            with pytest.raises(UnreadableGrant, match=r"'k'.*shm_dir \(" + re.escape(elsewhere)):
+                far.get_blocking("0", "1", "k", timeout_s=60)
+            assert far.get("0", "1", "j") is None
+            assert far.health()["bad_grants"] == 2
+            ledger = sender._sender.pool.ledger
+            eventually(lambda: ledger.stats()["live_regions"] == 1, "both unreadable grants given back")
+            with make(space, "receiver", sender_port=PORT) as near:
+                buffer, size = near.get_blocking("0", "1", "i", timeout_s=60)
+                assert bytes(buffer.tensor.numpy()) == b"third" and size == 5
+                buffer.release()
+    finally:
+        shutil.rmtree(elsewhere)
 
 
 def test_granted_tickets_are_read_off_either_kind_of_reply() -> None:
