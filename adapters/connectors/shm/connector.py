@@ -67,6 +67,10 @@ __all__ = ["SHM_DEFAULT_POOL_BYTES", "ShmConfig", "ShmConnector"]
 logger = logging.getLogger(__name__)
 
 
+#: Unreadable keys a receiver remembers for a later blocking get (the oldest are forgotten).
+_UNREADABLE_KEPT = 4096
+
+
 def _release_message(grant: dict[str, Any]) -> dict[str, Any]:
     """The release of a grant's ticket, naming its segment (a restarted sender ignores it)."""
     message: dict[str, Any] = {"op": "release", "ticket": grant["ticket"]}
@@ -91,6 +95,9 @@ class ShmConnector:
     _batch: threading.local = attrs.field(init=False, factory=threading.local)
     _closed: bool = attrs.field(init=False, default=False)
     counters: dict[str, int] = attrs.field(init=False, factory=dict)
+    #: Keys whose grant this receiver could not read, with why (oldest first, bounded): the
+    #: grant drained the key, so a blocking get of it raises at once (once) instead of waiting.
+    _unreadable: dict[str, str] = attrs.field(init=False, factory=dict)
 
     @classmethod
     def from_config(cls, config: Mapping[str, Any]) -> ShmConnector:
@@ -253,6 +260,10 @@ class ShmConnector:
     def _fetch(self, metadata: Mapping[str, Any] | None, key: str, wait_s: float) -> tuple[Any, int] | None:
         if self._closed:
             return None
+        if wait_s > 0 and self._unreadable:
+            why = self._unreadable.pop(key, None)
+            if why is not None:  # an earlier non-blocking get drained it: it cannot come
+                raise UnreadableGrant(why)
         if self._sender is not None and metadata is None and self._default_endpoint is None:
             pool = self._sender.pool  # a sender reading its own pool: no round trip
             ticket = pool.take_blocking(key, wait_s) if wait_s > 0 else pool.take(key)
@@ -296,14 +307,15 @@ class ShmConnector:
                     return None
                 raise failed_error(key, failure, endpoint)
             return None
-        return self._view(endpoint, client, reply, key if wait_s > 0 else None)
+        return self._view(endpoint, client, reply, key, blocking=wait_s > 0)
 
     def _view(
-        self, endpoint: str, client: ControlClient, grant: dict[str, Any], blocking_key: str | None = None
+        self, endpoint: str, client: ControlClient, grant: dict[str, Any], key: str, blocking: bool = False
     ) -> tuple[Any, int] | None:
-        """The granted region as a pool buffer; an unusable grant is counted (``bad_grants``),
-        logged and given back, then None, or for a blocking get of ``blocking_key``
-        UnreadableGrant (the key is drained: waiting for it cannot help)."""
+        """The granted region of ``key`` as a pool buffer. An unusable grant is counted
+        (``bad_grants``), logged and given back; a blocking get then raises UnreadableGrant (the
+        grant drained the key: waiting for it cannot help), a non-blocking one answers None and
+        the next blocking get of the key raises it."""
         ticket = grant.get("ticket")
         problem = check_grant(grant)
         segment = self._segment(endpoint, grant["seg"]) if problem is None else None
@@ -317,13 +329,17 @@ class ShmConnector:
             logger.warning("shm grant unusable (%s): %s", problem or "segment not mappable", grant)
             if isinstance(ticket, int):
                 client.notify(_release_message(grant))
-            if blocking_key is not None:
-                raise UnreadableGrant(
-                    f"the sender at {endpoint} granted {blocking_key!r} in shared memory this receiver cannot read "
-                    f"({problem or 'segment ' + repr(grant.get('seg')) + ' not mappable'}); fix: run the receiver "
-                    f"where the sender's shm_dir ({self.config.shm_dir}) is the same directory (same host, same "
-                    "IPC namespace, same user), or use the zmq connector between hosts"
-                )
+            why = (
+                f"the sender at {endpoint} granted {key!r} in shared memory this receiver cannot read "
+                f"({problem or 'segment ' + repr(grant.get('seg')) + ' not mappable'}); fix: run the receiver where "
+                f"the sender's shm_dir ({self.config.shm_dir}) is the same directory (same host, same IPC "
+                "namespace, same user), or use the zmq connector between hosts"
+            )
+            if blocking:
+                raise UnreadableGrant(why)
+            while len(self._unreadable) >= _UNREADABLE_KEPT:
+                self._unreadable.pop(next(iter(self._unreadable)), None)
+            self._unreadable[key] = why
             return None
         self._count("gets_hit")
         client.prepare_releases()
@@ -400,13 +416,13 @@ class ShmConnector:
                 self._count("miss_no_reply" if reply is None else "bad_grants")
                 out.extend([None] * len(part))
                 continue
-            for entry in entries:
+            for key, entry in zip(part, entries):
                 if not isinstance(entry, dict) or not entry.get("ok"):
                     reason = entry.get("reason", "unknown") if isinstance(entry, dict) else "unknown"
                     self._count(f"miss_{reason}")
                     out.append(None)
                 else:
-                    out.append(self._view(endpoint, client, entry))
+                    out.append(self._view(endpoint, client, entry, key))
         return out
 
     @contextlib.contextmanager

@@ -872,19 +872,25 @@ def test_a_blocking_get_granted_a_segment_it_cannot_map_fails_at_once(space) -> 
     that does not share it) is granted a segment it cannot map: a blocking get raises
     UnreadableGrant naming the setting to change instead of answering None (its caller would
     ask again until its deadline for a key the grant drained); the grant is counted and given
-    back. A non-blocking get answers None as before. A receiver on the sender's directory reads
-    the same sender's next key (the payloads were readable: the directory made the difference)."""
+    back. A non-blocking get (``get``, ``get_many``) answers None as before, and the next
+    blocking get of such a key raises at once instead of waiting for a key that cannot come
+    (the vLLM loader asks ``get_many`` first). A receiver on the sender's directory reads the
+    same sender's next key (the payloads were readable: the directory made the difference)."""
     elsewhere = tempfile.mkdtemp(prefix="kvft-shm-", dir="/tmp")
     try:
         with make(space, "sender") as sender, make(space, "receiver", sender_port=PORT, shm_dir=elsewhere) as far:
-            for key, data in (("k", b"first"), ("j", b"second"), ("i", b"third")):
+            for key, data in (("k", b"first"), ("j", b"second"), ("h", b"fourth"), ("i", b"third")):
                 assert sender.put("0", "1", key, data)[0]
             with pytest.raises(UnreadableGrant, match=r"'k'.*shm_dir \(" + re.escape(elsewhere)):
                 far.get_blocking("0", "1", "k", timeout_s=60)
             assert far.get("0", "1", "j") is None
-            assert far.health()["bad_grants"] == 2
+            assert far.get_many("0", "1", ["h", "absent"]) == [None, None]
+            assert far.health()["bad_grants"] == 3
+            for key in ("j", "h"):  # each raises once, at once (a 60 s wait without the record)
+                with pytest.raises(UnreadableGrant, match=f"'{key}'"):
+                    far.get_blocking("0", "1", key, timeout_s=60)
             ledger = sender._sender.pool.ledger
-            eventually(lambda: ledger.stats()["live_regions"] == 1, "both unreadable grants given back")
+            eventually(lambda: ledger.stats()["live_regions"] == 1, "the unreadable grants given back")
             with make(space, "receiver", sender_port=PORT) as near:
                 buffer, size = near.get_blocking("0", "1", "i", timeout_s=60)
                 assert bytes(buffer.tensor.numpy()) == b"third" and size == 5

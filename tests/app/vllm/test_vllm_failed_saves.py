@@ -15,6 +15,7 @@ from page_kit import caches, memory_params, names, wait_for
 from kvferry.app.registry import create_connector
 from kvferry.app.vllm.params import ConnectorSettings, parse_decode_params
 from kvferry.app.vllm.worker import LoadJob, PageWorker, SaveJob
+from kvferry.core.errors import UnreadableGrant
 from kvferry.core.policy import RetryPolicy
 
 BS, HEADS, HEAD, LAYERS, BLOCKS = 32, 4, 32, 3, 16
@@ -207,3 +208,36 @@ def test_over_a_connector_without_records_the_decode_still_waits_out_its_timeout
         gate.set()
         d.close()
         p.close()
+
+
+class _Unreadable:
+    """The decode's connector whose blocking gets meet a grant they cannot read, as the shm
+    connector raises it when the prefill's segment cannot be mapped here (another shm_dir)."""
+
+    def __init__(self, inner: Any) -> None:
+        self.inner = inner
+
+    def get_blocking(self, *args: Any, **kw: Any) -> Any:
+        raise UnreadableGrant("the sender at ipc://p granted 'k' in shared memory this receiver cannot read")
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.inner, name)
+
+
+def test_a_grant_the_decode_cannot_read_fails_its_load_at_once() -> None:
+    """A layer whose grant the decode cannot read (UnreadableGrant from the connector's
+    blocking get) fails the load as ``unavailable`` within ``FAST_S`` of its 30 s timeout, its
+    blocks reported failed, instead of waiting for a key the grant drained."""
+    name = f"vllm-failed-{next(names)}"
+    d = _worker(name, False, lambda cfg: _Unreadable(create_connector(cfg)), load_timeout_s=LOAD_TIMEOUT_S)
+    d.register(caches(LAYERS, BLOCKS, HEADS, BS, HEAD))
+    try:
+        started = time.monotonic()
+        d.start_loads([_job(name)])
+        _, failed = _wait_loaded(d)
+        seconds = time.monotonic() - started
+        assert seconds < FAST_S, seconds
+        assert failed == set(D_BLOCKS)
+        assert d.stats.peek() == {"failures_unavailable": 1}
+    finally:
+        d.close()
