@@ -261,7 +261,8 @@ class ShmConnector:
         if self._closed:
             return None
         if wait_s > 0 and self._unreadable:
-            why = self._unreadable.pop(key, None)
+            with self._lock:
+                why = self._unreadable.pop(key, None)
             if why is not None:  # an earlier non-blocking get drained it: it cannot come
                 raise UnreadableGrant(why)
         if self._sender is not None and metadata is None and self._default_endpoint is None:
@@ -337,9 +338,10 @@ class ShmConnector:
             )
             if blocking:
                 raise UnreadableGrant(why)
-            while len(self._unreadable) >= _UNREADABLE_KEPT:
-                self._unreadable.pop(next(iter(self._unreadable)), None)
-            self._unreadable[key] = why
+            with self._lock:
+                while len(self._unreadable) >= _UNREADABLE_KEPT:
+                    self._unreadable.pop(next(iter(self._unreadable)))
+                self._unreadable[key] = why
             return None
         self._count("gets_hit")
         client.prepare_releases()
