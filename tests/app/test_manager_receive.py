@@ -171,7 +171,6 @@ def test_a_sender_found_dead_ends_the_receive_at_once_as_sender_gone(
     assert snap["recv.sender_gone"] == 1 and snap["errors"] == 1 and snap.get("timeouts", 0) == 0
 
 
-# ------------------------------------------------------------------------------ sender info
 def test_a_key_its_sender_failed_is_refused_at_once_not_an_unexpected_error(
     kit, memory_connector, make_receiver, fake_time, caplog
 ) -> None:
@@ -188,6 +187,7 @@ def test_a_key_its_sender_failed_is_refused_at_once_not_an_unexpected_error(
     assert receiver.counters.snapshot()["recv.refused"] == 1
 
 
+# ------------------------------------------------------------------------------ sender info
 def test_spec2_3_key_metadata_names_each_source_rank_endpoint(kit, memory_connector, make_receiver) -> None:
     model = kit.PagedModel()
     kit.send_all(model, memory_connector, 4, 2, {"r": {"block_ids": [1, 2], "seq_len": 8}})
