@@ -326,13 +326,14 @@ class ShmConnector:
         if mapped is not None and grant["off"] + grant["size"] > mapped.numel():
             problem = "grant outside the mapped segment"
         if problem is not None or segment is None:
+            problem = problem or f"segment {grant['seg']!r} not mappable"
             self._count("bad_grants")
-            logger.warning("shm grant unusable (%s): %s", problem or "segment not mappable", grant)
+            logger.warning("shm grant unusable (%s): %s", problem, grant)
             if isinstance(ticket, int):
                 client.notify(_release_message(grant))
             why = (
                 f"the sender at {endpoint} granted {key!r} in shared memory this receiver cannot read "
-                f"({problem or 'segment ' + repr(grant.get('seg')) + ' not mappable'}); fix: run the receiver where "
+                f"({problem}); fix: run the receiver where "
                 f"the sender's shm_dir ({self.config.shm_dir}) is the same directory (same host, same IPC "
                 "namespace, same user), or use the zmq connector between hosts"
             )

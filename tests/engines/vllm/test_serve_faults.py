@@ -39,7 +39,7 @@ from harness import free_base_port, prompts, vllm_python
 from serve_harness import Served, free_gib, make_serve_model, ready, serve_kv, start_proxy, start_server
 from waits import eventually
 
-from kvferry.adapters.connectors.shm.segment import pid_alive, reap_namespace
+from kvferry.adapters.connectors.shm.segment import parse_segment_name, pid_alive, reap_namespace
 from kvferry.app.bench.engine.served import greedy_request
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(1200)]
@@ -201,8 +201,9 @@ def _segments() -> dict[str, bool]:
     reaper decides it: a zombie, a SIGKILLed engine core not yet reaped, does not)."""
     out = {}
     for name in os.listdir("/dev/shm"):
-        if name.startswith(f"kvferry-{NS}-"):
-            out[name] = pid_alive(int(name.split("-")[2]))
+        parsed = parse_segment_name(name)
+        if parsed is not None and parsed[0] == NS:
+            out[name] = pid_alive(parsed[1])
     return out
 
 
