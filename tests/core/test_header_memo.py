@@ -336,7 +336,10 @@ def test_checksums_written_in_place_equal_the_header_rendered_again(plan: dict, 
     again = attrs.evolve(layout, ck_at=None).with_checksums(values)  # the header rendered from scratch
     assert fast.header_bytes == again.header_bytes and fast.header == again.header and fast == again
     assert [t.checksum for t in fast.header.present] == [v & 0xFFFFFFFF for v in values]
-    assert decode_header(fast.header_bytes, total_len=fast.total_nbytes).header == fast.header
+    # compared as rendered: a NaN in the metadata (JSON allows it) is not equal to itself, and the
+    # decoder's NaN is json's own object, not the one the header was made with
+    decoded = decode_header(fast.header_bytes, total_len=fast.total_nbytes).header
+    assert encode_header(decoded) == encode_header(fast.header)
 
 
 @PROPERTY
