@@ -33,6 +33,7 @@ import attrs
 
 from kvferry.core.errors import ConfigError, RoutingError
 from kvferry.core.ids import parse_connector_key, parse_legacy_key
+from kvferry.core.recent import Recent
 from kvferry.core.validate import check_int, check_seconds
 
 __all__ = [
@@ -180,13 +181,16 @@ class LeaseTable:
     hold_s: float | None = attrs.field(
         default=None, validator=_hold_validator, on_setattr=attrs.setters.frozen
     )  # fixed: the deadlines of tickets already taken were computed with it
-    history: int = attrs.field(default=4096)
+    history: int = attrs.field(default=4096, validator=lambda _, a, v: check_int(a.name, v, 1))
     _by_key: dict[str, _Record] = attrs.field(init=False, factory=dict)
     #: request id -> its readable keys, in publication order (what ``drop_request`` drops)
     _by_request: dict[str, dict[str, None]] = attrs.field(init=False, factory=dict)
     _held: dict[int, _Record] = attrs.field(init=False, factory=dict)  # entry_id -> not freed
     _tickets: dict[int, _Record] = attrs.field(init=False, factory=dict)
-    _gone: dict[str, str] = attrs.field(init=False, factory=dict)
+    #: why each of the last ``history`` gone keys left (what :meth:`status` answers for them)
+    _gone: Recent[str, str] = attrs.field(
+        init=False, default=attrs.Factory(lambda table: Recent(table.history), takes_self=True)
+    )
     _failures: dict[str, Any] = attrs.field(init=False, factory=dict)
     _next_id: int = attrs.field(init=False, default=1)
     #: ``(time, entry_id, ticket_id)``: when an unread lease (ticket 0) or a ticket's hold runs
@@ -206,12 +210,8 @@ class LeaseTable:
         return value
 
     def _forget_later(self, key: str, why: str) -> None:
-        self._gone.pop(key, None)
         self._failures.pop(key, None)
-        self._gone[key] = why
-        while len(self._gone) > self.history:
-            oldest = next(iter(self._gone))
-            del self._gone[oldest]
+        for oldest in self._gone.note(key, why):
             self._failures.pop(oldest, None)
 
     def _unlist(self, record: _Record, state: str) -> None:
@@ -456,7 +456,7 @@ class LeaseTable:
         ``"failed"``), or ``"unknown"`` (never published, or forgotten beyond ``history``)."""
         if key in self._by_key:
             return EntryState.PUBLISHED
-        return self._gone.get(key, "unknown")
+        return self._gone.get(key) or "unknown"
 
     def entry(self, key: str) -> LeaseEntry | None:
         """Snapshot of the readable entry under ``key``, if any."""

@@ -45,6 +45,7 @@ from kvferry.adapters.connectors.mooncake.receive import (
 from kvferry.core.errors import ConfigError, LeaseExpired, PoolFullError, SenderUnavailable
 from kvferry.core.policy import SENDER_DOWN_GRACE_S
 from kvferry.core.pool import PoolLedger, Region, RegionAllocator, request_id_of_key
+from kvferry.core.recent import Recent
 from kvferry.core.tombstones import FAILED_REASON, SenderFailure, failed_error
 
 __all__ = ["MooncakeConnector", "MooncakePoolBuffer", "MooncakeReservation"]
@@ -155,7 +156,7 @@ class MooncakeConnector:
     _receive: ReceiveSide = attrs.field(init=False)
     _lock: threading.Lock = attrs.field(init=False, factory=threading.Lock)
     _default_sender: tuple[str, int] | None = attrs.field(init=False, default=None)
-    _failures: dict[str, str] = attrs.field(init=False, factory=dict)
+    _failures: Recent[str, str] = attrs.field(init=False, factory=lambda: Recent(_FAILURE_MEMORY))
     _counters: dict[str, int] = attrs.field(init=False, factory=dict)
     _closed: bool = attrs.field(init=False, default=False)
     _closing: threading.Event = attrs.field(init=False, factory=threading.Event)
@@ -474,10 +475,7 @@ class MooncakeConnector:
 
     def _miss(self, key: str, reason: str) -> None:
         self._count(f"miss_{reason}")
-        self._failures.pop(key, None)
-        self._failures[key] = reason
-        while len(self._failures) > _FAILURE_MEMORY:
-            del self._failures[next(iter(self._failures))]
+        self._failures.note(key, reason)
         return None
 
     def _count(self, name: str, by: int = 1) -> None:

@@ -33,6 +33,7 @@ from kvferry.adapters.connectors.mooncake.engine import EnginePool
 from kvferry.core.addressing import resolve_get_source
 from kvferry.core.policy import SenderLiveness
 from kvferry.core.pool import Region, RegionAllocator
+from kvferry.core.recent import Recent
 from kvferry.core.tombstones import SenderFailure
 
 __all__ = [
@@ -143,22 +144,23 @@ class ReceiveSide:
     _busy: set[PeerChannel] = attrs.field(init=False, factory=set)
     _lock: threading.Lock = attrs.field(init=False, factory=threading.Lock)
     _closed: bool = attrs.field(init=False, default=False)
-    _liveness: dict[tuple[str, int], SenderLiveness] = attrs.field(init=False, factory=dict)
+    _liveness: Recent[tuple[str, int], SenderLiveness] = attrs.field(init=False, factory=lambda: Recent(_MAX_ENDPOINTS))
 
     def _reached(self, where: Endpoint) -> None:
         with self._lock:
-            live = self._liveness.pop((where.host, where.port), None) or SenderLiveness()
+            live = self._liveness.get((where.host, where.port)) or SenderLiveness()
             live.reached()
-            self._liveness[(where.host, where.port)] = live  # most recent last
-            while len(self._liveness) > _MAX_ENDPOINTS:
-                del self._liveness[next(iter(self._liveness))]
+            self._liveness.note((where.host, where.port), live)  # the newest
 
     def _failed(self, where: Endpoint, failure: Failure) -> str:
         """``failure``'s reason, or ``sender_gone`` when the sender is to be given up on."""
         if failure.reason != "sender_unavailable":
             return failure.reason
         with self._lock:
-            live = self._liveness.setdefault((where.host, where.port), SenderLiveness())
+            live = self._liveness.get((where.host, where.port))
+            if live is None:  # noted, so a sender that never answers is bounded like the others
+                live = SenderLiveness()
+                self._liveness.note((where.host, where.port), live)
             gone = live.failed(self.clock(), dropped=failure.dropped)
         return SENDER_GONE if gone else failure.reason
 

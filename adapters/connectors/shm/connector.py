@@ -59,6 +59,7 @@ from kvferry.adapters.connectors.shm.segment import (
 from kvferry.core.addressing import resolve_get_source
 from kvferry.core.errors import ConfigError, LeaseExpired, PayloadError, SenderUnavailable, UnreadableGrant
 from kvferry.core.ports import PutResult
+from kvferry.core.recent import Recent
 from kvferry.core.tombstones import FAILED_REASON, FAILURE_FIELD, decode_failure, failed_error
 from kvferry.core.validate import check_port
 
@@ -97,7 +98,7 @@ class ShmConnector:
     counters: dict[str, int] = attrs.field(init=False, factory=dict)
     #: Keys whose grant this receiver could not read, with why (oldest first, bounded): the
     #: grant drained the key, so a blocking get of it raises at once (once) instead of waiting.
-    _unreadable: dict[str, str] = attrs.field(init=False, factory=dict)
+    _unreadable: Recent[str, str] = attrs.field(init=False, factory=lambda: Recent(_UNREADABLE_KEPT))
 
     @classmethod
     def from_config(cls, config: Mapping[str, Any]) -> ShmConnector:
@@ -340,9 +341,7 @@ class ShmConnector:
             if blocking:
                 raise UnreadableGrant(why)
             with self._lock:
-                while len(self._unreadable) >= _UNREADABLE_KEPT:
-                    self._unreadable.pop(next(iter(self._unreadable)))
-                self._unreadable[key] = why
+                self._unreadable.note(key, why)
             return None
         self._count("gets_hit")
         client.prepare_releases()
