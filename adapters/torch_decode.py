@@ -285,40 +285,50 @@ def _decode_head(read: Any, total: int, limits: DecodeLimits) -> DecodedHeader:
     return decode_header(head, total_len=total, limits=limits)
 
 
-def _tensors(data: Any, limits: DecodeLimits) -> tuple[DecodedHeader, list]:
-    """The validated header and ``[(slot, tensor)]`` of every present tensor."""
+def _tensors(data: Any, limits: DecodeLimits) -> tuple[DecodedHeader, list, memoryview | None]:
+    """The validated header, ``[(slot, tensor)]`` of every present tensor and, for one host
+    buffer, its bytes (a tensor's are ``[data_start + offset, + nbytes)`` of them: what its
+    checksum is computed over, without asking torch for a view of each tensor)."""
     if isinstance(data, torch.Tensor) and data.device.type != "cpu":
         if data.dtype != torch.uint8 or data.dim() != 1:
             raise PayloadError(f"invalid KV payload: {phrase('device_tensor')}")
         decoded = _decode_head(lambda a, n: bytes(data[a : a + n].cpu().numpy()), data.numel(), limits)
-        return decoded, [
-            (slot, _typed_view(data, decoded.data_start + slot[2].offset, slot[2], copy_if_misaligned=True))
-            for run in _runs(decoded.header.tensors)
-            for slot in run.slots
-        ]
+        return (
+            decoded,
+            [
+                (slot, _typed_view(data, decoded.data_start + slot[2].offset, slot[2], copy_if_misaligned=True))
+                for run in _runs(decoded.header.tensors)
+                for slot in run.slots
+            ],
+            None,
+        )
     if isinstance(data, (list, tuple)):
         frames = _Frames([_as_view(f) for f in data])
         decoded = _decode_head(frames.head, frames.total, limits)
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", UserWarning)  # read-only input: documented, see module doc
-            return decoded, [
-                (slot, frames.tensor(decoded.data_start + slot[2].offset, slot[2]))
-                for run in _runs(decoded.header.tensors)
-                for slot in run.slots
-            ]
+            return (
+                decoded,
+                [
+                    (slot, frames.tensor(decoded.data_start + slot[2].offset, slot[2]))
+                    for run in _runs(decoded.header.tensors)
+                    for slot in run.slots
+                ],
+                None,
+            )
     view = _as_view(data)
     decoded = decode_header(view, limits=limits)
     out: list = []
     if isinstance(data, torch.Tensor):  # writable memory: nothing to warn about
         for run in _runs(decoded.header.tensors):
             out.extend(zip(run.slots, _host_run(data, view, decoded.data_start, run)))
-        return decoded, out
+        return decoded, out, view
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", UserWarning)  # read-only input: documented, see module doc
         base = torch.frombuffer(view, dtype=torch.uint8)
         for run in _runs(decoded.header.tensors):
             out.extend(zip(run.slots, _host_run(base, view, decoded.data_start, run)))
-    return decoded, out
+    return decoded, out, view
 
 
 def _is_pool_buffer(data: Any) -> bool:
@@ -337,7 +347,7 @@ def decode_payload(
     the bytes. Every malformed input raises PayloadError."""
     if not isinstance(data, (bytes, bytearray, memoryview, torch.Tensor, list, tuple)) and _is_pool_buffer(data):
         data = data.tensor
-    decoded, tensors = _tensors(data, limits)
+    decoded, tensors, view = _tensors(data, limits)
     h = decoded.header
     check = verify and h.checksum_algorithm is not None
     keys: list[torch.Tensor | None] = [None] * h.num_layers
@@ -346,6 +356,9 @@ def decode_payload(
     for (is_key, layer, desc), tensor in tensors:
         if check and defer_verify and desc.checksum is not None:
             unverified[(is_key, layer)] = (desc.name, desc.checksum)
+        elif check and view is not None:
+            start = decoded.data_start + desc.offset
+            verify_checksum(h, desc, view[start : start + desc.nbytes])
         elif check:
             verify_checksum(h, desc, host_byte_view(tensor))
         (keys if is_key else values)[layer] = tensor

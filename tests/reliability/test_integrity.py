@@ -51,11 +51,11 @@ def _tensor(dtype: str, shape: tuple[int, ...], seed: int) -> torch.Tensor:
     tokens=st.integers(1, 5),
     align=st.sampled_from([1, 8, 64]),
     pick=st.randoms(use_true_random=False),
-    split=st.booleans(),
+    form=st.sampled_from(["bytes", "frames", "tensor"]),
     algorithm=st.sampled_from(["crc32", "crc32c"]),
 )
 def test_any_flipped_tensor_byte_is_rejected_naming_that_tensor(
-    layers: int, dtype: str, tokens: int, align: int, pick: random.Random, split: bool, algorithm: str
+    layers: int, dtype: str, tokens: int, align: int, pick: random.Random, form: str, algorithm: str
 ) -> None:
     keys = [_tensor(dtype, (tokens, 2, 2), i) for i in range(layers)]
     values = [_tensor(dtype, (tokens, 2, 2), 100 + i) for i in range(layers)]
@@ -66,7 +66,11 @@ def test_any_flipped_tensor_byte_is_rejected_naming_that_tensor(
     victim = decoded.header.tensors[index].name
     data = bytearray(raw)
     data[start + pick.randrange(nbytes)] ^= 1 << pick.randrange(8)
-    container: Any = [bytes(data[: start + 1]), bytes(data[start + 1 :])] if split else bytes(data)
+    container: Any = {  # a pool buffer's uint8 tensor is read through its own byte view
+        "bytes": lambda: bytes(data),
+        "frames": lambda: [bytes(data[: start + 1]), bytes(data[start + 1 :])],
+        "tensor": lambda: torch.frombuffer(data, dtype=torch.uint8),
+    }[form]()
     with pytest.raises(PayloadError, match=rf"tensor '{victim}'.*{algorithm} mismatch"):
         decode_payload(container)
     assert decode_payload(raw).key_cache[0] is not None  # the untouched payload decodes
