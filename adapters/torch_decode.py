@@ -212,13 +212,23 @@ def _runs(entries: tuple) -> tuple[_Run, ...]:
 
 
 def _host_run(base: torch.Tensor, view: memoryview, data_start: int, run: _Run) -> Any:
-    """The run's tensors as views of ``base`` (= ``view``, 1-D uint8): one as_strided + unbind."""
+    """The run's tensors as views of ``base`` (= ``view``, 1-D uint8): the buffer viewed as the
+    run's dtype, one as_strided and an unbind (three torch calls for a run of any length: a
+    small request pays per call); a buffer whose size or start the dtype does not divide is
+    narrowed to the run first."""
     count, itemsize = len(run.slots), run.dtype.itemsize
     first = data_start + run.start
     if not run.nbytes:
         return [torch.empty(run.shape, dtype=run.dtype) for _ in run.slots]
     if (base.storage_offset() + first) % itemsize:  # misaligned (packed reference payloads)
         return [_from_host(view, data_start + s[2].offset, s[2]) for s in run.slots]
+    offset = base.storage_offset()
+    if offset % itemsize == 0 and base.numel() % itemsize == 0:  # the whole buffer as the dtype
+        at = (offset + first) // itemsize  # as_strided's offset counts from the storage's start
+        typed = base.view(run.dtype)
+        if count == 1:
+            return (typed.as_strided(run.shape, run.strides, at),)
+        return typed.as_strided((count, *run.shape), (run.step // itemsize, *run.strides), at).unbind(0)
     typed = base.narrow(0, first, run.step * (count - 1) + run.nbytes).view(run.dtype)
     if count == 1:
         return (typed.view(run.shape),)
@@ -285,10 +295,14 @@ def _decode_head(read: Any, total: int, limits: DecodeLimits) -> DecodedHeader:
     return decode_header(head, total_len=total, limits=limits)
 
 
-def _tensors(data: Any, limits: DecodeLimits) -> tuple[DecodedHeader, list, memoryview | None]:
+def _tensors(
+    data: Any, limits: DecodeLimits, host_bytes: memoryview | None = None
+) -> tuple[DecodedHeader, list, memoryview | None]:
     """The validated header, ``[(slot, tensor)]`` of every present tensor and, for one host
     buffer, its bytes (a tensor's are ``[data_start + offset, + nbytes)`` of them: what its
-    checksum is computed over, without asking torch for a view of each tensor)."""
+    checksum is computed over, without asking torch for a view of each tensor).
+    ``host_bytes``: those bytes when the caller has them already (a pool buffer's), so a
+    host tensor is not asked for its numpy view."""
     if isinstance(data, torch.Tensor) and data.device.type != "cpu":
         if data.dtype != torch.uint8 or data.dim() != 1:
             raise PayloadError(f"invalid KV payload: {phrase('device_tensor')}")
@@ -316,7 +330,10 @@ def _tensors(data: Any, limits: DecodeLimits) -> tuple[DecodedHeader, list, memo
                 ],
                 None,
             )
-    view = _as_view(data)
+    if host_bytes is not None and isinstance(data, torch.Tensor) and len(host_bytes) == data.numel():
+        view = host_bytes
+    else:
+        view = _as_view(data)
     decoded = decode_header(view, limits=limits)
     out: list = []
     if isinstance(data, torch.Tensor):  # writable memory: nothing to warn about
@@ -345,9 +362,11 @@ def decode_payload(
     unless ``verify=False``; with ``defer_verify=True`` they are not verified here but listed in
     ``DecodedKV.unverified`` for the caller to check (:func:`verify_deferred`) before it trusts
     the bytes. Every malformed input raises PayloadError."""
+    host_bytes = None
     if not isinstance(data, (bytes, bytearray, memoryview, torch.Tensor, list, tuple)) and _is_pool_buffer(data):
+        host_bytes = getattr(data, "host_bytes", None)
         data = data.tensor
-    decoded, tensors, view = _tensors(data, limits)
+    decoded, tensors, view = _tensors(data, limits, host_bytes)
     h = decoded.header
     check = verify and h.checksum_algorithm is not None
     keys: list[torch.Tensor | None] = [None] * h.num_layers

@@ -134,8 +134,14 @@ def _header_only(data: Any) -> bool:
     it (a marker carries no tensor bytes). Read from the length prefix alone, so an ordinary small
     payload is not decoded twice; frames (a list) are left to the decode."""
     tensor = getattr(data, "tensor", None) if not isinstance(data, torch.Tensor) else data
+    known = getattr(data, "host_bytes", None)  # a tied pool buffer's bytes: no torch call
     try:
-        view = host_byte_view(tensor) if isinstance(tensor, torch.Tensor) else memoryview(data).cast("B")
+        if isinstance(known, memoryview):
+            view = known
+        elif isinstance(tensor, torch.Tensor):
+            view = host_byte_view(tensor)
+        else:
+            view = memoryview(data).cast("B")
     except TypeError:
         return True
     if view.nbytes < 4:

@@ -115,14 +115,24 @@ def tie_region(
     """:func:`tie_release` of the ``nbytes`` host bytes at ``address``, which ``keep`` (held by
     the owner) keeps mapped: a pool hands out a region of a mapping it holds without making a
     view of it first (a torch op, several microseconds on a small request's path)."""
+    tensor, finalizer, _ = _tie(keep, address, nbytes, release)
+    return tensor, finalizer
+
+
+def _tie(
+    keep: Any, address: int, nbytes: int, release: Callable[[], None]
+) -> tuple[torch.Tensor, weakref.finalize, memoryview]:
+    """:func:`tie_region`, and a byte view of the same bytes (the numpy array the tensor is
+    made from already is one: reading a header through it costs no torch call)."""
     owner = _Exported()
     owner.keep = keep
     owner.__array_interface__ = {"shape": (nbytes,), "typestr": "|u1", "data": (address, False), "version": 3}
-    tensor = torch.from_numpy(np.asarray(owner))
+    array = np.asarray(owner)
+    tensor = torch.from_numpy(array)
     _ensure_worker()
     finalizer = weakref.finalize(owner, _defer, release)
     finalizer.atexit = False
-    return tensor, finalizer
+    return tensor, finalizer, array.data
 
 
 def release_soon(item: Any) -> None:
@@ -141,6 +151,8 @@ def release_soon(item: Any) -> None:
 class PooledBuffer:
     """Received data living in a pool: ``tensor`` is a 1-D uint8 view; ``release()`` is
     idempotent and lets the pool reuse the region. Also a context manager (releases on exit).
+    ``host_bytes``: the same bytes as a memoryview, when the buffer was made with one (a tied
+    buffer: the decoder and the marker check read the header through it, not through torch).
 
     ``on_release`` waits until the pool took the region back; ``on_release_soon`` (optional)
     only sends the release on its way. Exactly one of them runs, once, whoever asks first
@@ -151,6 +163,7 @@ class PooledBuffer:
     _on_release: Callable[[], None] | None = attrs.field(alias="on_release")
     _on_release_soon: Callable[[], None] | None = attrs.field(default=None, alias="on_release_soon")
     _finalizer: weakref.finalize | None = attrs.field(default=None, alias="finalizer")
+    host_bytes: memoryview | None = attrs.field(default=None, repr=False)
     _done: bool = attrs.field(init=False, default=False)
 
     @classmethod
@@ -161,8 +174,8 @@ class PooledBuffer:
         untied buffer over ``view`` when it cannot be tied (not a CPU contiguous uint8 view)."""
         if not can_tie(view):
             return cls(view, on_release=on_release, on_release_soon=on_release_soon)
-        tensor, finalizer = tie_release(view, on_release_soon or on_release)
-        return cls(tensor, on_release=on_release, on_release_soon=on_release_soon, finalizer=finalizer)
+        tensor, finalizer, host = _tie(view, view.data_ptr(), int(view.numel()), on_release_soon or on_release)
+        return cls(tensor, on_release=on_release, on_release_soon=on_release_soon, finalizer=finalizer, host_bytes=host)
 
     @classmethod
     def tied_region(
@@ -175,8 +188,8 @@ class PooledBuffer:
     ) -> PooledBuffer:
         """:meth:`tied` of the ``nbytes`` host bytes at ``address`` of a mapping ``keep`` holds
         (:func:`tie_region`)."""
-        tensor, finalizer = tie_region(keep, address, nbytes, on_release_soon or on_release)
-        return cls(tensor, on_release=on_release, on_release_soon=on_release_soon, finalizer=finalizer)
+        tensor, finalizer, host = _tie(keep, address, nbytes, on_release_soon or on_release)
+        return cls(tensor, on_release=on_release, on_release_soon=on_release_soon, finalizer=finalizer, host_bytes=host)
 
     @property
     def nbytes(self) -> int:

@@ -29,6 +29,7 @@ from kvferry.adapters.torch_frames import (
     slice_layers,
     write_payload_into,
 )
+from kvferry.adapters.connectors.pool_buffer import PooledBuffer
 from kvferry.core.errors import ConfigError, PayloadError, RoutingError
 from kvferry.core.header import DTYPE_ITEMSIZE
 
@@ -76,7 +77,18 @@ def test_allow_list_matches_torch_itemsizes() -> None:
         dtype_name(torch.uint16)
 
 
-INPUT_KINDS = ["bytes", "bytearray", "memoryview", "cpu_tensor", "offset_tensor", "pool", "frames", "rechunked"]
+INPUT_KINDS = [
+    "bytes",
+    "bytearray",
+    "memoryview",
+    "cpu_tensor",
+    "offset_tensor",
+    "pool",
+    "tied",
+    "tied_offset",
+    "frames",
+    "rechunked",
+]
 
 
 def as_input(kind: str, encoded, rng: random.Random):
@@ -93,6 +105,12 @@ def as_input(kind: str, encoded, rng: random.Random):
         return torch.frombuffer(bytearray(b"x" + joined), dtype=torch.uint8)[1:]
     if kind == "pool":
         return Pool(torch.frombuffer(bytearray(joined), dtype=torch.uint8))
+    if kind in ("tied", "tied_offset"):  # a pool's tied buffer: the decoder reads its host_bytes
+        skip = 1 if kind == "tied_offset" else 0  # at an odd address: every run misaligned
+        region = torch.frombuffer(bytearray(b"x" * skip + joined), dtype=torch.uint8)[skip:]
+        buffer = PooledBuffer.tied(region, on_release=lambda: None)
+        assert buffer.host_bytes is not None and len(buffer.host_bytes) == len(joined)
+        return buffer
     if kind == "frames":
         return list(encoded.frames)
     cuts = sorted(rng.sample(range(1, len(joined)), min(6, len(joined) - 1)))
@@ -131,7 +149,8 @@ def test_arbitrary_layer_sets_round_trip_through_any_chunking(keys, values, alig
     encoded = encode_frames("r", k, v, [], {}, align=align)
     joined = b"".join(encoded.frames)
     assert len(joined) == encoded.nbytes == encoded.layout.total_nbytes
-    for kind in ("bytes", "cpu_tensor", "offset_tensor", "frames", "rechunked") if len(joined) > 1 else ("bytes",):
+    kinds = ("bytes", "cpu_tensor", "offset_tensor", "tied", "tied_offset", "frames", "rechunked")
+    for kind in kinds if len(joined) > 1 else ("bytes",):
         decoded = decode_payload(as_input(kind, encoded, rng))
         assert all(same_bits(a, b) for a, b in zip(k, decoded.key_cache))
         expect_v = v + [None] * (len(k) - len(v))
