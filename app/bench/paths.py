@@ -77,6 +77,9 @@ PAIR_LIMITS: dict[str, str] = {
     "hetero_2_4": TP_HOMO,
     "replicated_2_8": TP_HOMO,
     "mla_2_4": TP_HOMO,
+    # the small request's readiness: a bare wake between the same two CPUs (runner.WAKE)
+    "shm_readiness_e2e": "wake",
+    "zmq_readiness_e2e": "wake",
 }
 
 

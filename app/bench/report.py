@@ -47,6 +47,7 @@ _FIGURE_LABELS: tuple[tuple[str, str], ...] = (
     ("nixl_e2e_n", "kvferry nixl e2e, N requests"),
     ("shm_e2e_1_copy", "copying receive: shm e2e, 1 request"),
     ("zmq_e2e_1_copy", "copying receive: zmq tcp e2e, 1 request"),
+    ("wake", "limit: a bare wake, one datagram to a waiting peer"),
     ("readiness_shm", "readiness, small request, shm (from the put)"),
     ("readiness_shm_from_call", "readiness, small request, shm (from the send call)"),
     ("readiness_shm_copy", "readiness, small request, shm, copying receive"),
@@ -185,6 +186,22 @@ def _noise_line(report: dict[str, Any]) -> str:
     )  # fmt: skip
 
 
+def _wake_line(report: dict[str, Any]) -> str:
+    """The small request's floor, each run: the bare wake between the peers' CPUs (median) and
+    the readiness from the send call in such wakes (the median of the pairs)."""
+    runs = report.get("runs") or ()
+    floors = [r.get("wake_floor") or {} for r in runs] if len(runs) > 1 else [report.get("wake_floor") or {}]
+    if not any(floors):
+        return ""
+    each = lambda key, form: " / ".join("n/a" if f.get(key) is None else form(f[key]) for f in floors)  # noqa: E731
+    return (
+        f"wake floor (one datagram to the waiting receiver, between the shm readiness repetitions; "
+        f"{'each run' if len(floors) > 1 else 'median'}): {each('p50_ms', lambda v: f'{1e3 * v:.0f} us')}, "
+        f"spread {each('spread', lambda v: f'{100 * v:.0f}%')}; readiness from the send call = "
+        f"{each('readiness_in_wakes', lambda v: f'{v:.1f}')} wakes"
+    )
+
+
 def _ratio_rows(report: dict[str, Any]) -> list[str]:
     """The ratio table: value, target, verdict (met / missed / unsteady) and spread (paired:
     the spread of the ratio's interleaved pairs); with several runs, every run's value and
@@ -211,7 +228,7 @@ def _ratio_rows(report: dict[str, Any]) -> list[str]:
     )
     header = ["ratio", "median" if several else "value", "target", "verdict"]
     header += ["each run", "each"] if several else ["spread"]
-    return [*_rows([*header, "from"], rows), summary, _noise_line(report)]
+    return [*_rows([*header, "from"], rows), summary, _noise_line(report), _wake_line(report)]
 
 
 def connector_pair_lines(report: dict[str, Any]) -> list[str]:

@@ -58,7 +58,7 @@ from kvferry.app.bench.proc import Peer
 from kvferry.app.bench.scenarios import Scenario, one_repetition
 from kvferry.core.errors import KVFerryError
 
-__all__ = ["run_bench", "run_once", "machine_info", "RATIO_INPUTS", "PAIRED_RATIOS", "SMALL", "RAW_TCP"]
+__all__ = ["run_bench", "run_once", "machine_info", "RATIO_INPUTS", "PAIRED_RATIOS", "SMALL", "RAW_TCP", "WAKE"]
 
 logger = logging.getLogger(__name__)
 
@@ -70,6 +70,9 @@ class _SmallRequest(TypedDict):
 
 #: The raw TCP limit's path label.
 RAW_TCP = "raw tcp (sendall / recv_into a reused buffer)"
+#: The small request's floor: one datagram from the sender peer to the receiver peer blocked
+#: waiting for it (figure ``wake``; alternated with the readiness rows, see ``PAIR_LIMITS``).
+WAKE = "wake floor (one datagram to a waiting peer)"
 #: The small request of the readiness measurement: 1 layer, 16 tokens.
 SMALL: _SmallRequest = {"layers": 1, "tokens": 16}
 #: Which figures each ratio is computed from (for the report).
@@ -278,7 +281,10 @@ def _measure(run: RunState) -> None:
     if "raw_tcp" in run.stats:  # the raw TCP pair stays connected: one repetition between zmq's
         raw = Scenario(RAW_TCP, "tcp_send", "tcp_recv", lambda i: {}, lambda i: {}, g.nbytes)
         run.limits["raw_tcp"] = lambda: one_repetition(sender, receiver, raw, t)
-    else:
+    wake = _wake(run, sender, receiver)
+    if wake is not None:  # one bare wake before each repetition of the readiness rows
+        run.limits["wake"] = lambda: one_repetition(sender, receiver, wake, t)
+    if not run.limits.keys() & {"raw_tcp", "wake"}:
         run.close_peer(receiver)
 
     pool = max(s.requests, 4) * (g.nbytes + (1 << 20)) + (64 << 20)
@@ -289,6 +295,7 @@ def _measure(run: RunState) -> None:
             nixl_pair(run)
         connector_paths(run, sender, name, pool, small)
     run.limits.pop("raw_tcp", None)
+    run.limits.pop("wake", None)
     run.close_peer(receiver)
 
 
@@ -307,6 +314,22 @@ def _raw_tcp(run: RunState, sender: Peer, receiver: Peer) -> None:
     run.scenario(
         sender, receiver, Scenario(RAW_TCP, "tcp_send", "tcp_recv", lambda i: {}, lambda i: {}, g.nbytes), "raw_tcp"
     )
+
+
+def _wake(run: RunState, sender: Peer, receiver: Peer) -> Scenario | None:
+    """The bare wake between the two peers (figure ``wake``): the sender's command sends one
+    datagram to the receiver's, which announced and blocked waiting for it; the scenario for
+    its steps between the readiness rows' repetitions, or None when it could not be set up."""
+    t = run.settings.timeout_s
+    try:
+        name = receiver.call("bell_bind", t)["name"]
+        sender.call("bell_connect", t, name=name)
+    except KVFerryError as exc:
+        run.failures[WAKE] = " ".join(str(exc).split())[:800]
+        run.progress(f"{WAKE}: FAILED ({run.failures[WAKE][:200]})")
+        return None
+    scenario = Scenario(WAKE, "bell_ring", "bell_wait", lambda i: {}, lambda i: {}, 0, reps=run.settings.readiness_reps)
+    return scenario if run.scenario(sender, receiver, scenario, "wake") is not None else None
 
 
 def _gbps(stat: Stat, nbytes: int) -> dict[str, float]:
@@ -454,6 +477,11 @@ def _pairs(run: RunState, ratios: dict[str, float]) -> dict[str, Any]:
         ratios[name] = paired.value
         spreads[name] = paired.spread
         bounds[name] = (paired.low, paired.high)
+    paired_limits = set(limit_samples)
+    for figure, limit_name in PAIR_LIMITS.items():  # limits no ratio divides by: their noise too
+        steps = run.stats.get(f"{figure}_limit")
+        if steps is not None and limit_name not in paired_limits:
+            limit_samples.setdefault(limit_name, []).extend(steps.samples)
     for name in RATIO_NAMES:  # the rest: the larger spread of the figures it divides
         if name not in spreads:
             inputs = [run.stats[f] for f in RATIO_INPUTS.get(name, ()) if f in run.stats]
@@ -468,7 +496,22 @@ def _pairs(run: RunState, ratios: dict[str, float]) -> dict[str, Any]:
         },
         "noise": {name: _finite(relative_spread(samples)) for name, samples in limit_samples.items()},
         "max_spread": MAX_SPREAD,
+        "wake_floor": _wake_floor(run),
     }
+
+
+def _wake_floor(run: RunState) -> dict[str, float | None]:
+    """The bare wake taken between the shm readiness row's repetitions: its median (ms), its
+    spread, and the readiness from the send call in wakes (the median of each repetition's
+    readiness over the wake just before it): a host whose wakes slow moves the first and not
+    the last; a slower small-request path moves the last. Empty when the wake was not taken."""
+    steps, ready = run.stats.get("shm_readiness_e2e_limit"), run.stats.get("readiness_shm_from_call")
+    if steps is None:
+        return {}
+    out = {"p50_ms": steps.median * 1e3, "spread": _finite(relative_spread(steps.samples))}
+    if ready is not None and len(ready.samples) == len(steps.samples):
+        out["readiness_in_wakes"] = _finite(paired_ratio(ready.samples, steps.samples).value)
+    return out
 
 
 #: Optional connectors' ratios against their own limit, measured as interleaved pairs:

@@ -93,6 +93,7 @@ def combine_reports(reports: Sequence[dict[str, Any]], *, seconds: float | None 
             "verdicts": dict(report.get("verdicts", {})),
             "spreads": dict(report.get("spreads", {})),
             "noise": dict(report.get("noise", {})),
+            "wake_floor": dict(report.get("wake_floor") or {}),
             "extra_ratios": dict(report.get("extra_ratios", {})),
             "connector_pairs": dict(report.get("connector_pairs", {})),
             "failures": dict(report.get("failures", {})),

@@ -49,6 +49,7 @@ class Worker(KvCommands):
     tcp_listener: Any = None
     tcp: Any = None
     tcp_buffer: Any = None
+    bell: Any = None
 
     # ------------------------------------------------------------------ setup and memory
     def cmd_setup(
@@ -198,6 +199,44 @@ class Worker(KvCommands):
             raise TransferError("raw tcp: the bytes that arrived are not the ones sent")
         return {"t_done": t_done, "nbytes": got, "cpu_s": cpu}
 
+    # ------------------------------------------------------------------ the wake floor
+    def cmd_bell_bind(self) -> dict[str, Any]:
+        """Bind a datagram socket in the abstract namespace (no file; the name is this
+        process's, so no two peers share it); its name, without the leading NUL, for
+        :meth:`cmd_bell_connect`."""
+        import socket
+
+        self.bell = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+        name = f"kvferry-bench-bell-{os.getpid()}-{id(self):x}"
+        self.bell.bind("\0" + name)
+        return {"name": name}
+
+    def cmd_bell_connect(self, name: str) -> dict[str, Any]:
+        import socket
+
+        self.bell = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+        self.bell.connect("\0" + name)
+        return {}
+
+    def cmd_bell_ring(self) -> dict[str, Any]:
+        """One datagram to the waiting peer: the least a sender does to hand a request over."""
+        t_go = time.monotonic()
+        self.bell.send(b"!")
+        return {"t_go": t_go, "t_end": time.monotonic()}
+
+    def cmd_bell_wait(self, timeout_s: float) -> dict[str, Any]:
+        """Announce, block until the datagram comes, stamp the time: the bare wake of a process
+        waiting on the other side (what every kvferry receive pays before its own work)."""
+        from kvferry.core.errors import TransferTimeout
+
+        self.bell.settimeout(timeout_s)
+        self.announce()
+        try:
+            self.bell.recv(16)
+        except TimeoutError:
+            raise TransferTimeout(f"wake floor: no datagram within {timeout_s} s") from None
+        return {"t_done": time.monotonic()}
+
     def cmd_base_send(self, cache: str, request: int) -> dict[str, Any]:
         """The baseline sender: naive extraction, tobytes + join, default (copying) send."""
         from kvferry.app.bench.payload import baseline_encode, baseline_extract
@@ -225,7 +264,7 @@ class Worker(KvCommands):
     def close(self) -> None:
         for name in list(self.connectors):
             self.cmd_kv_close(name)
-        for sock in (self.tcp, self.tcp_listener):
+        for sock in (self.tcp, self.tcp_listener, self.bell):
             if sock is not None:
                 sock.close()
         if self.socket is not None:

@@ -146,7 +146,12 @@ def test_tiny_two_runs_report_each_run_and_the_medians(tiny_run: tuple[int, str,
     for run in report["runs"]:
         assert set(run["verdicts"]) == set(RATIO_NAMES)
         assert all(v in ("met", "missed", "unsteady", "none") for v in run["verdicts"].values())
-        assert set(run["noise"]) == {"memcpy", "raw_tcp", "homo_2_2"} and all(v >= 0 for v in run["noise"].values())
+        assert set(run["noise"]) == {"memcpy", "raw_tcp", "homo_2_2", "wake"}
+        assert all(v >= 0 for v in run["noise"].values())
+        # the small request's floor: the bare wake between the readiness repetitions, and the
+        # readiness from the send call counted in such wakes (a path that includes one)
+        floor = run["wake_floor"]
+        assert floor["p50_ms"] > 0 and floor["spread"] >= 0 and floor["readiness_in_wakes"] > 0
     for name in PAIRED_RATIOS:
         assert report["verdict_runs"][name] == [run["verdicts"][name] for run in report["runs"]]
     last = report["runs"][-1]
@@ -168,6 +173,11 @@ def test_tiny_two_runs_report_each_run_and_the_medians(tiny_run: tuple[int, str,
     for figure in ("shm_e2e_1", "shm_e2e_n", "zmq_e2e_1", "extraction", *tp_figures):  # every limit step alongside
         assert report["figures"][f"{figure}_limit"]["n"] == 4, figure
     assert "noise (the limits' own spread" in table and "verdict" in table and "paired" not in table
+    # the wake floor: measured on its own, and one step before each readiness repetition
+    assert report["figures"]["wake"]["n"] == 6 and "limit: a bare wake" in table  # 3 a run
+    for figure in ("shm_readiness_e2e", "zmq_readiness_e2e"):
+        assert report["figures"][f"{figure}_limit"]["n"] == 6, figure
+    assert "wake floor (one datagram to the waiting receiver" in table
     # the kernel's TCP limit sits beside raw zmq, and the zmq path is compared with both
     assert report["figures"]["raw_tcp"]["gbps"]["median"] > 0
     assert "raw tcp" in table and "limit: raw zmq" in table and "each run" in table

@@ -20,7 +20,7 @@ import pytest
 from kvferry.app.bench.model import Geometry
 from kvferry.app.bench.scenarios import tp_items
 from kvferry.app.bench.worker import Worker
-from kvferry.core.errors import TransferError
+from kvferry.core.errors import TransferError, TransferTimeout
 
 GEOMETRY = {"layers": 2, "tokens": 64, "heads": 4, "head_dim": 128, "dtype": "bfloat16", "block_size": 16}
 _SPACES = itertools.count()
@@ -184,3 +184,28 @@ def test_get_waits_counts_each_thread_once_a_round() -> None:
     assert waits.count() == 0 and not waits.wait(1, 0.0)
     waits.entered()  # a new round counts this thread again
     assert waits.count() == 1
+
+
+def test_the_wake_floors_bell_wakes_the_waiting_peer_and_a_silent_one_times_out() -> None:
+    """The small request's floor (figure ``wake``): the receiver announces, then blocks until
+    the sender's one datagram comes; with nothing rung the wait ends at its timeout, typed."""
+    sender, receiver, other = Worker(), Worker(), Worker()
+    announced = threading.Event()
+    receiver.announce = announced.set
+    out: dict[str, Any] = {}
+    try:
+        name = receiver.cmd_bell_bind()["name"]
+        assert other.cmd_bell_bind()["name"] != name  # two peers never share a bell
+        sender.cmd_bell_connect(name)
+        waiter = threading.Thread(target=lambda: out.update(receiver.cmd_bell_wait(20.0)), daemon=True)
+        waiter.start()
+        assert announced.wait(20.0)
+        assert "t_done" not in out  # announced, still waiting: nothing was rung yet
+        sent = sender.cmd_bell_ring()
+        waiter.join(20.0)
+        assert not waiter.is_alive() and sent["t_go"] <= out["t_done"]
+        with pytest.raises(TransferTimeout):  # the control: nobody rings
+            receiver.cmd_bell_wait(0.05)
+    finally:
+        for worker in (sender, receiver, other):
+            worker.close()
