@@ -40,6 +40,7 @@ from kvferry.adapters.paged_gather import (
     DEVICE_MAX_RUNS,
     MAX_SPLIT,
     STRIDED_MAX_RUNS,
+    BlockIds,
     BlockSite,
     Destination,
     GatherMethod,
@@ -598,7 +599,7 @@ def plan_extraction(
     if geometry is None or not geometry.fits(layers, block_size, spec):
         geometry = CacheGeometry.of(layers, block_size, spec)
     valid_by_bound: dict[int, tuple[int, ...]] = {}
-    indexes: dict[tuple[torch.device, int, int], torch.Tensor] = {}  # (device, bound, full)
+    indexes: dict[tuple[torch.device, int, int], BlockIds] = {}  # (device, bound, full)
     runs: dict[tuple[int, int], tuple[tuple[int, int, int], ...]] = {}  # (bound, full)
     #: (bound, block tokens, device) -> the request's gather fields, None for zero tokens
     selections: dict[tuple[int, int, torch.device], tuple[Any, ...] | None] = {}
@@ -613,9 +614,7 @@ def plan_extraction(
         fields = None
         if tokens:
             if (blocks.device, bound, full) not in indexes:
-                indexes[blocks.device, bound, full] = torch.tensor(
-                    valid[:full], dtype=torch.int64, device=blocks.device
-                )
+                indexes[blocks.device, bound, full] = BlockIds(valid[:full], blocks.device)
             if (bound, full) not in runs:
                 runs[bound, full] = block_runs(valid[:full])
             picked = valid[: full + (1 if tail else 0)]

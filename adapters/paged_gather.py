@@ -13,6 +13,7 @@ tensor is at least :data:`STREAM_MIN_BYTES`; :data:`NATIVE_GATHER` says whether 
 
 from __future__ import annotations
 
+import array
 import functools
 import math
 import os
@@ -37,6 +38,7 @@ __all__ = [
     "DEVICE_MAX_RUNS",
     "STRIDED_MAX_RUNS",
     "TensorGather",
+    "BlockIds",
     "BlockSite",
     "HostSpan",
     "Destination",
@@ -213,19 +215,55 @@ def _layout_of(
     return _NativeLayout(stride[0] * itemsize, math.prod(shape[1:]) * itemsize, full, tail)
 
 
-def _native_layout(
-    blocks: torch.Tensor, index: torch.Tensor, full_blocks: int, tail_tokens: int
-) -> _NativeLayout | None:
-    """The layout for the native gather; None unless both are on the CPU, ``index`` is a
-    contiguous int64 tensor of ``full_blocks`` ids and a block needs at most three strided
-    dimensions. About 3 us (cached per geometry): planning computes it for every tensor."""
-    if (
-        not (blocks.is_cpu and index.is_cpu)
-        or index.dtype != torch.int64
-        or index.numel() != full_blocks
-        or not index.is_contiguous()
-        or blocks.dim() < 2
-    ):
+class BlockIds:
+    """A gather's whole-block ids as the copies need them: an int64 array whose address the
+    native gather reads (no torch call: making a tensor is the costliest step of planning a
+    small request, tens of microseconds on a process that was idle), and the int64 tensor on
+    the blocks' device that the torch methods read, made on first use and kept."""
+
+    __slots__ = ("ids", "device", "_host", "_tensor")
+
+    def __init__(self, ids: Sequence[int], device: torch.device | str = "cpu") -> None:
+        self.ids = tuple(ids)
+        self.device = torch.device(device) if isinstance(device, str) else device
+        self._host = array.array("q", self.ids)
+        self._tensor: torch.Tensor | None = None
+
+    def __len__(self) -> int:
+        return len(self.ids)
+
+    @property
+    def is_cpu(self) -> bool:
+        return self.device.type == "cpu"
+
+    def address(self) -> int:
+        """Where the ids lie, one int64 each (valid while this object lives)."""
+        return self._host.buffer_info()[0]
+
+    def tensor(self) -> torch.Tensor:
+        if self._tensor is None:
+            self._tensor = torch.tensor(self.ids, dtype=torch.int64, device=self.device)
+        return self._tensor
+
+    def same_ids(self, other: BlockIds) -> bool:
+        return self is other or (self.ids == other.ids and self.device == other.device)
+
+
+def block_ids_of(index: torch.Tensor | BlockIds) -> BlockIds:
+    """``index`` as :class:`BlockIds` (a 1-D integer tensor's values, on its device)."""
+    if isinstance(index, BlockIds):
+        return index
+    made = BlockIds([int(i) for i in index.reshape(-1).tolist()], index.device)
+    if index.dtype == torch.int64 and index.dim() == 1 and index.is_contiguous():
+        made._tensor = index  # the caller's tensor serves the torch methods as it is
+    return made
+
+
+def _native_layout(blocks: torch.Tensor, index: BlockIds, full_blocks: int, tail_tokens: int) -> _NativeLayout | None:
+    """The layout for the native gather; None unless the blocks and ids are on the CPU, there
+    are ``full_blocks`` ids and a block needs at most three strided dimensions. About 3 us
+    (cached per geometry): planning computes it for every tensor."""
+    if not (blocks.is_cpu and index.is_cpu) or len(index) != full_blocks or blocks.dim() < 2:
         return None
     return _layout_of(tuple(blocks.shape), blocks.stride(), blocks.element_size(), tail_tokens)
 
@@ -287,8 +325,9 @@ class TensorGather:
     ``blocks``: the normalised ``[num_blocks, block_tokens, *token_shape]`` view into the cache
     (any strides, e.g. narrowed on the heads); ``block_ids``: the blocks read (``full_blocks``
     whole ones, then one partial block of ``tail_tokens`` tokens when that is > 0); ``index``:
-    the whole blocks' ids, int64 on the cache's device; ``runs``: their runs of consecutive ids
-    as ``(dst_block, src_block, count)`` (``paged_cache.block_runs``).
+    the whole blocks' ids (:class:`BlockIds` on the cache's device; a 1-D integer tensor given
+    to the constructor is converted); ``runs``: their runs of consecutive ids as
+    ``(dst_block, src_block, count)`` (``paged_cache.block_runs``).
     """
 
     layer: int
@@ -298,7 +337,7 @@ class TensorGather:
     tokens: int
     full_blocks: int
     tail_tokens: int
-    index: torch.Tensor = attrs.field(repr=False)
+    index: BlockIds = attrs.field(repr=False, converter=block_ids_of)
     runs: tuple[tuple[int, int, int], ...] = attrs.field(repr=False)
     #: Output shape ``(tokens, *token_shape)`` and bytes.
     shape: tuple[int, ...] = attrs.field(init=False)
@@ -332,12 +371,12 @@ class TensorGather:
         tokens: int,
         full_blocks: int,
         tail_tokens: int,
-        index: torch.Tensor,
+        index: BlockIds,
         runs: tuple[tuple[int, int, int], ...],
     ) -> TensorGather:
         """The gather the constructor builds over ``site.blocks``, with the fields derived from
         the view taken from ``site`` instead of computed again. ``index`` must be what planning
-        makes: the first ``full_blocks`` ids, a contiguous int64 tensor on the blocks' device.
+        makes: the first ``full_blocks`` ids, :class:`BlockIds` on the blocks' device.
         About 1.5 us against the constructor's 4 (a plan makes one per tensor per request)."""
         gather = object.__new__(cls)
         put = object.__setattr__  # frozen: how attrs' own __init__ sets fields (_GATHER_SLOTS)
@@ -469,15 +508,15 @@ class TensorGather:
                 for at, src, count in self.runs:
                     dst.narrow(0, at, count).copy_(self.blocks.narrow(0, src, count))
             elif chosen == "staged":
-                dst.copy_(torch.index_select(self.blocks, 0, self.index))
+                dst.copy_(torch.index_select(self.blocks, 0, self.index.tensor()))
             else:
                 rows, dst_rows = _byte_rows(self.blocks), _byte_rows(dst)
                 if rows is not None and dst_rows is not None:
                     width = min(_row_width(rows), _row_width(dst_rows))
                     wide = _WIDTH_DTYPE[width]
-                    torch.index_select(rows.view(wide), 0, self.index, out=dst_rows.view(wide))
+                    torch.index_select(rows.view(wide), 0, self.index.tensor(), out=dst_rows.view(wide))
                 else:  # strided blocks: element-wise gather, still no temporary
-                    torch.index_select(self.blocks, 0, self.index, out=dst)
+                    torch.index_select(self.blocks, 0, self.index.tensor(), out=dst)
         if self.tail_tokens:
             last = self.blocks.select(0, self.block_ids[self.full_blocks])
             out.narrow(0, self.full_blocks * block_shape[0], self.tail_tokens).copy_(
@@ -499,7 +538,7 @@ class TensorGather:
         self._check_tail_id()
         calls: list[NativeCall] = []
         if self.full_blocks:
-            where = (out.data_ptr(), self.blocks.data_ptr(), self.index.data_ptr(), self.full_blocks)
+            where = (out.data_ptr(), self.blocks.data_ptr(), self.index.address(), self.full_blocks)
             walk = (self.blocks.shape[0], layout.block_stride, *layout.full, self._stream)
             calls.append((native.gather, (*where, *walk)))
         if self.tail_tokens:
@@ -568,7 +607,7 @@ def split_stride(gathers: Sequence[TensorGather]) -> int | None:
             or g.full_blocks != first.full_blocks
             or g.tail_tokens != first.tail_tokens
             or (g.block_ids is not first.block_ids and g.block_ids != first.block_ids)
-            or (g.index is not first.index and not torch.equal(g.index, first.index))
+            or not g.index.same_ids(first.index)
         ):
             return None
     return stride
@@ -606,7 +645,7 @@ def split_calls(
                     tuple([o.data_ptr() for o in outs]),
                     stride,
                     first.blocks.data_ptr(),
-                    first.index.data_ptr(),
+                    first.index.address(),
                     first.full_blocks,
                     first.blocks.shape[0],
                     layout.block_stride,

@@ -9,6 +9,7 @@ when the extension is missing or switched off.
 
 from __future__ import annotations
 
+import ctypes
 import os
 import subprocess
 import sys
@@ -178,7 +179,7 @@ def test_a_gather_on_a_site_is_what_the_constructor_builds(view, seq_extra, drop
     ids = tuple(range(view.shape[0]))
     full = max(0, len(ids) - 1 - min(drop, len(ids) - 1))
     tail = min(seq_extra, max(0, view.shape[1] - 1)) if view.dim() > 1 else 0
-    index = torch.tensor(ids[:full], dtype=torch.int64)
+    index = paged_gather.BlockIds(ids[:full])
     runs = ((0, 0, full),) if full else ()
     tokens = full * view.shape[1] + tail
     picked = ids[: full + (1 if tail else 0)]
@@ -190,7 +191,7 @@ def test_a_gather_on_a_site_is_what_the_constructor_builds(view, seq_extra, drop
     mine, theirs = attrs.asdict(got, recurse=False), attrs.asdict(made, recurse=False)
     assert mine.keys() == theirs.keys()
     for name, value in mine.items():
-        if isinstance(value, torch.Tensor):  # blocks and index: the very ones given
+        if isinstance(value, (torch.Tensor, paged_gather.BlockIds)):  # blocks and index: the very ones given
             assert value is theirs[name], name
         else:
             assert value == theirs[name], name
@@ -744,3 +745,27 @@ def test_a_span_that_could_write_outside_its_buffer_is_refused_when_made(buffer,
     with pytest.raises(ConfigError):
         paged_gather.HostSpan(buffer, offset, torch.int16, shape)
     assert paged_gather.HostSpan(torch.zeros(100, dtype=torch.uint8), 0, torch.int16, (50,)).tensor().numel() == 50
+
+
+@settings(max_examples=100, deadline=None)
+@given(st.lists(st.integers(0, 2**40), max_size=40))
+def test_block_ids_lie_at_their_address_as_int64_and_make_the_torch_index_once(ids) -> None:
+    """What the native gather reads at :meth:`BlockIds.address` is the ids, one int64 each
+    (read back independently through ctypes); the torch methods' tensor holds the same values,
+    int64 on the device, made on first use and kept; a tensor given instead is converted by
+    value (a contiguous int64 one kept as the torch index itself)."""
+    made = paged_gather.BlockIds(ids)
+    assert len(made) == len(ids) and made.ids == tuple(ids) and made.is_cpu
+    if ids:
+        assert list((ctypes.c_int64 * len(ids)).from_address(made.address())) == ids
+    tensor = made.tensor()
+    assert tensor.dtype == torch.int64 and tensor.tolist() == ids and made.tensor() is tensor
+    given_tensor = torch.tensor(ids, dtype=torch.int64)
+    converted = paged_gather.block_ids_of(given_tensor)
+    assert converted.ids == tuple(ids) and converted.tensor() is given_tensor
+    small = [i % 2**31 for i in ids]
+    narrow = paged_gather.block_ids_of(torch.tensor(small, dtype=torch.int32))
+    assert narrow.ids == tuple(small) and narrow.tensor().dtype == torch.int64
+    assert narrow.same_ids(paged_gather.BlockIds(small))
+    assert paged_gather.block_ids_of(made) is made
+    assert not made.same_ids(paged_gather.BlockIds([*ids, 1]))

@@ -492,11 +492,13 @@ def test_head_sliced_gathers_equal_naive_concatenation_of_the_slice(method, geom
 
 def gather_fields(gather):
     """Every field of a gather, comparable across plans: the blocks by place and geometry (the
-    very view of the cache), the index (each plan's own tensor) by its values."""
+    very view of the cache), the index (each plan's own) by its ids, device and the tensor the
+    torch methods read."""
     out = {}
     for name, value in attrs.asdict(gather, recurse=False).items():
         if name == "index":
-            value = (value.dtype, value.device, value.is_contiguous(), value.tolist())
+            tensor = value.tensor()
+            value = (value.device, value.ids, tensor.dtype, tensor.device, tensor.is_contiguous(), tensor.tolist())
         elif isinstance(value, torch.Tensor):
             value = (value.data_ptr(), tuple(value.shape), value.stride(), value.dtype)
         out[name] = value

@@ -13,6 +13,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from kvferry.adapters.connectors.pool_buffer import PooledBuffer
 from kvferry.adapters.torch_frames import (
     TORCH_DTYPES,
     decode_payload,
@@ -29,7 +30,6 @@ from kvferry.adapters.torch_frames import (
     slice_layers,
     write_payload_into,
 )
-from kvferry.adapters.connectors.pool_buffer import PooledBuffer
 from kvferry.core.errors import ConfigError, PayloadError, RoutingError
 from kvferry.core.header import DTYPE_ITEMSIZE
 
