@@ -272,16 +272,20 @@ def _dest_places(dest: torch.Tensor, layout: PayloadLayout, *, spans: bool) -> l
     return out
 
 
-def finish_payload_in(dest: torch.Tensor, layout: PayloadLayout) -> PayloadLayout:
+def finish_payload_in(dest: torch.Tensor, layout: PayloadLayout, host_bytes: memoryview | None = None) -> PayloadLayout:
     """Write the header and zero the padding into ``dest`` once the tensor bytes are in place.
 
     Pending checksums are computed from ``dest`` itself (a host copy for device buffers).
     Returns the layout as written (with its checksums). A host buffer is read and written
     through one byte view of it (never a copy): on a small request a torch op per span cost
-    more than its bytes.
+    more than its bytes. ``host_bytes``: that view when the caller has it (a pool
+    reservation's, the same bytes as ``dest``), so ``dest`` is not asked for one.
     """
     _check_dest(dest, layout)
-    host = dest.numpy().data if dest.device.type == "cpu" else None
+    if host_bytes is not None and dest.device.type == "cpu" and len(host_bytes) == dest.numel():
+        host: memoryview | None = host_bytes
+    else:
+        host = dest.numpy().data if dest.device.type == "cpu" else None
     if layout.checksums_pending:
         algorithm = layout.header.checksum_algorithm
         assert algorithm is not None  # pending checksums were planned with an algorithm

@@ -430,7 +430,7 @@ class SendPath:
                         reservations[k].buffer[src.data_start : src.total_nbytes]
                     )
             for reservation, layout in zip(reservations, layouts):
-                finish_payload_in(reservation.buffer, layout)
+                finish_payload_in(reservation.buffer, layout, getattr(reservation, "host_bytes", None))
         except BaseException:
             for reservation in reservations:
                 reservation.abort()

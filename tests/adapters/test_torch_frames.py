@@ -330,9 +330,19 @@ def test_gather_into_dest_views_then_finish_equals_encode_bytes() -> None:
             for view, tensor in zip(dest_views(dest, layout), tensors):
                 if view is not None:
                     view.copy_(tensor)  # extraction gathers straight into the destination
+            expected = encode_bytes("r", keys, values, [3], meta, align=64, checksums=checksums)
             final = finish_payload_in(dest, layout)
-            assert bytes(dest.numpy()) == encode_bytes("r", keys, values, [3], meta, align=64, checksums=checksums)
+            assert bytes(dest.numpy()) == expected
             assert final.header_bytes == bytes(dest[: final.data_start].numpy())
+            # through the caller's byte view of the same bytes (a pool reservation's host_bytes)
+            dest[: final.data_start] = 0
+            whole = pool.numpy().data
+            assert finish_payload_in(dest, layout, whole[start : start + layout.total_nbytes]) == final
+            assert bytes(dest.numpy()) == expected
+            # a view that is not the buffer's size is not trusted: the buffer's own is read
+            dest[: final.data_start] = 0
+            finish_payload_in(dest, layout, memoryview(bytearray(layout.total_nbytes + 1)))
+            assert bytes(dest.numpy()) == expected
 
 
 def test_write_payload_into_checks_its_arguments() -> None:

@@ -171,7 +171,9 @@ class MemoryConnector:
             ok, size, meta = inner()
             return (ok, size, {"key": put_key, "size": size}) if ok else (ok, size, meta)
 
-        return PoolReservation(reservation.buffer, commit=commit, abort=reservation.abort)
+        return PoolReservation(
+            reservation.buffer, commit=commit, abort=reservation.abort, host_bytes=reservation.host_bytes
+        )
 
     def cleanup(self, request_id: str) -> None:
         self.pool.cleanup(request_id)

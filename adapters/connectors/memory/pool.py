@@ -176,11 +176,14 @@ def put_failure(reason: str, detail: str) -> tuple[bool, int, dict[str, Any]]:
 
 @attrs.define(eq=False)
 class PoolReservation:
-    """A writable region reserved in a pool; exactly one of commit/abort takes effect."""
+    """A writable region reserved in a pool; exactly one of commit/abort takes effect.
+    ``host_bytes``: the region's bytes as a memoryview when the pool is host memory (the
+    payload's header is written through it, not through a numpy view of ``buffer``)."""
 
     buffer: Any
     _commit: Callable[[], PutResult] = attrs.field(alias="commit")
     _abort: Callable[[], None] = attrs.field(alias="abort")
+    host_bytes: memoryview | None = attrs.field(default=None, repr=False)
     _result: PutResult | None = attrs.field(init=False, default=None)
 
     def commit(self) -> PutResult:
@@ -212,6 +215,7 @@ class LocalPool:
     _objects: dict[int, bytes] = attrs.field(init=False, factory=dict)
     _closed: bool = attrs.field(init=False, default=False)
     counters: dict[str, int] = attrs.field(init=False, factory=dict)
+    _host: memoryview | None = attrs.field(init=False, default=None, repr=False)  # storage's bytes
 
     @classmethod
     def create(
@@ -346,16 +350,21 @@ class LocalPool:
             region = self._reserve_locked(nbytes)
             if isinstance(region, AllocationFailure):
                 self._raise_full(region)
+        host = None
         if self.storage is None:
             buffer = torch.empty(nbytes, dtype=torch.uint8)
         else:
             buffer = self.storage[region.offset : region.offset + nbytes]
+            if self._host is None and self.storage.is_contiguous():
+                self._host = self.storage.numpy().data  # once: every region is a slice of it
+            if self._host is not None:
+                host = self._host[region.offset : region.offset + nbytes]
 
         def commit() -> PutResult:
             payload = buffer.numpy().tobytes() if self.storage is None else None
             return self.publish(key, region, payload)
 
-        return PoolReservation(buffer, commit=commit, abort=lambda: self.abort_region(region))
+        return PoolReservation(buffer, commit=commit, abort=lambda: self.abort_region(region), host_bytes=host)
 
     def take(self, key: str, holder: Any = IN_PROCESS) -> Ticket | None:
         """Take one read of ``key`` now (None: absent, consumed, expired or closed).

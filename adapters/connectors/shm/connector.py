@@ -169,7 +169,9 @@ class ShmConnector:
             ok, size, meta = inner()
             return (True, size, self._metadata(put_key, size)) if ok else (ok, size, meta)
 
-        return PoolReservation(reservation.buffer, commit=commit, abort=reservation.abort)
+        return PoolReservation(
+            reservation.buffer, commit=commit, abort=reservation.abort, host_bytes=reservation.host_bytes
+        )
 
     def publish_failure(self, from_stage: Any, to_stage: Any, put_key: str, failure: Any) -> bool:
         """Sender: record that ``put_key`` will never come (the FailureRecords ability): no

@@ -1070,3 +1070,22 @@ def test_reaper_removes_only_dead_owners_files(space) -> None:
             assert live.put("0", "1", "k", b"v")[0]
     finally:
         os.unlink(other_ns)
+
+
+def test_a_reservations_host_bytes_are_its_buffers_bytes(space) -> None:
+    """The header goes into a reservation through ``host_bytes`` (no numpy view of the
+    buffer): every region's memoryview is exactly its buffer's bytes, in both directions, and
+    a payload written through it is what the receiver gets."""
+    with make(space, "sender") as sender, make(space, "receiver", sender_port=PORT) as receiver:
+        for size, fill in ((100, 1), (4096, 2), (7, 3)):
+            reservation = sender.reserve("0", "1", f"k{size}", size)
+            host, buffer = reservation.host_bytes, reservation.buffer
+            assert host is not None and len(host) == buffer.numel() == size
+            host[:] = bytes([fill]) * size  # written through the view: the tensor sees it
+            assert bytes(buffer.numpy()) == bytes([fill]) * size
+            buffer[-1] = 9  # written through the tensor: the view sees it
+            assert host[-1] == 9
+            assert reservation.commit()[0]
+            got = receiver.get_blocking("0", "1", f"k{size}", timeout_s=10.0)
+            assert got is not None and bytes(got[0].tensor.numpy()) == bytes([fill]) * (size - 1) + b"\t"
+            got[0].release()
