@@ -476,7 +476,7 @@ class ReceivePath:
                 hold = _hold_of(data)
                 holds.append(hold)
                 handed.append(data)
-                sources.append(hold.tensor)
+                sources.append(hold)  # decoded as a pool buffer: through its host_bytes when it has them
             else:
                 sources.append(data)
         result: ReceiveResult | None = None

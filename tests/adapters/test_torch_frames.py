@@ -471,3 +471,36 @@ def test_the_pool_buffer_check_agrees_with_the_protocol() -> None:
     cases = [pooled, with_both(), tensor_only(), release_only(), object(), b"x", torch.zeros(2), [b"a"]]
     assert [_is_pool_buffer(c) for c in cases] == [isinstance(c, PoolBuffer) for c in cases]
     assert [isinstance(c, PoolBuffer) for c in cases][:2] == [True, True]  # control: both kinds occur
+
+
+def test_a_tied_buffer_and_a_reserved_region_are_read_without_a_numpy_view(monkeypatch) -> None:
+    """The small request's path asks torch for no numpy view: a tied pool buffer decodes (and
+    passes the refusal-marker check) through its ``host_bytes``, and a payload's header is
+    written into a reservation through the caller's view. With the view absent, the same calls
+    do ask torch (the control: the patch below does catch them)."""
+    from kvferry.app.receive import _header_only
+
+    keys, values, meta = _model_like_kv(tokens=200)  # more tensor bytes than a marker's padding
+    raw = encode_bytes("r", keys, values, [3], meta)
+    tied = PooledBuffer.tied(torch.frombuffer(bytearray(raw), dtype=torch.uint8), on_release=lambda: None)
+    layout, tensors = plan_tensors("r", keys, values, [3], meta)
+    dest = torch.zeros(layout.total_nbytes, dtype=torch.uint8)
+    for view, tensor in zip(dest_views(dest, layout), tensors):
+        if view is not None:
+            view.copy_(tensor)
+    host = dest.numpy().data
+
+    def refuse(self: torch.Tensor) -> None:
+        raise AssertionError("a numpy view was asked for")
+
+    monkeypatch.setattr(torch.Tensor, "numpy", refuse)
+    assert not _header_only(tied)
+    decoded = decode_payload(tied)
+    assert all(same_bits(a, b) for a, b in zip(keys, decoded.key_cache))
+    finish_payload_in(dest, layout, host)
+    with pytest.raises(AssertionError, match="numpy view"):
+        decode_payload(tied.tensor)
+    with pytest.raises(AssertionError, match="numpy view"):
+        finish_payload_in(dest, layout)
+    monkeypatch.undo()
+    assert bytes(dest.numpy()) == raw
