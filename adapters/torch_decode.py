@@ -40,6 +40,7 @@ __all__ = [
     "dtype_name",
     "torch_dtype",
     "host_byte_view",
+    "given_bytes",
     "DecodedKV",
     "decode_payload",
     "verify_deferred",
@@ -74,6 +75,16 @@ def torch_dtype(name: str) -> torch.dtype:
         return TORCH_DTYPES[name]
     except KeyError:
         raise PayloadError(f"invalid KV payload: dtype {name!r} is not available in this torch") from None
+
+
+def given_bytes(known: Any, tensor: torch.Tensor) -> memoryview | None:
+    """``known`` when it can stand for a host ``uint8`` tensor's bytes without asking torch
+    (a pool's memoryview of the same memory, handed over by the buffer's owner): a memoryview
+    of exactly the tensor's length, the tensor on the CPU. None otherwise: the caller then asks
+    the tensor for its own view."""
+    if isinstance(known, memoryview) and tensor.device.type == "cpu" and len(known) == tensor.numel():
+        return known
+    return None
 
 
 def host_byte_view(tensor: torch.Tensor) -> memoryview:
@@ -330,10 +341,8 @@ def _tensors(
                 ],
                 None,
             )
-    if host_bytes is not None and isinstance(data, torch.Tensor) and len(host_bytes) == data.numel():
-        view = host_bytes
-    else:
-        view = _as_view(data)
+    known = given_bytes(host_bytes, data) if isinstance(data, torch.Tensor) else None
+    view = known if known is not None else _as_view(data)
     decoded = decode_header(view, limits=limits)
     out: list = []
     if isinstance(data, torch.Tensor):  # writable memory: nothing to warn about

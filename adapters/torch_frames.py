@@ -30,6 +30,7 @@ from kvferry.adapters.torch_decode import (
     _typed_view,
     decode_payload,
     dtype_name,
+    given_bytes,
     host_byte_view,
     torch_dtype,
 )
@@ -282,10 +283,9 @@ def finish_payload_in(dest: torch.Tensor, layout: PayloadLayout, host_bytes: mem
     reservation's, the same bytes as ``dest``), so ``dest`` is not asked for one.
     """
     _check_dest(dest, layout)
-    if host_bytes is not None and dest.device.type == "cpu" and len(host_bytes) == dest.numel():
-        host: memoryview | None = host_bytes
-    else:
-        host = dest.numpy().data if dest.device.type == "cpu" else None
+    host = given_bytes(host_bytes, dest)
+    if host is None and dest.device.type == "cpu":
+        host = dest.numpy().data
     if layout.checksums_pending:
         algorithm = layout.header.checksum_algorithm
         assert algorithm is not None  # pending checksums were planned with an algorithm

@@ -36,7 +36,7 @@ import torch
 
 from kvferry.adapters.checksums import arrived_checksums
 from kvferry.adapters.connectors.pool_buffer import PooledBuffer, release_soon
-from kvferry.adapters.torch_decode import host_byte_view, verify_arrived
+from kvferry.adapters.torch_decode import given_bytes, host_byte_view, verify_arrived
 from kvferry.adapters.torch_frames import DecodedKV, decode_payload, merge_layers, slice_layers
 from kvferry.core.addressing import get_metadata
 from kvferry.core.errors import (
@@ -134,9 +134,10 @@ def _header_only(data: Any) -> bool:
     it (a marker carries no tensor bytes). Read from the length prefix alone, so an ordinary small
     payload is not decoded twice; frames (a list) are left to the decode."""
     tensor = getattr(data, "tensor", None) if not isinstance(data, torch.Tensor) else data
-    known = getattr(data, "host_bytes", None)  # a tied pool buffer's bytes: no torch call
+    # a tied pool buffer's own bytes: no torch call
+    known = given_bytes(getattr(data, "host_bytes", None), tensor) if isinstance(tensor, torch.Tensor) else None
     try:
-        if isinstance(known, memoryview):
+        if known is not None:
             view = known
         elif isinstance(tensor, torch.Tensor):
             view = host_byte_view(tensor)
