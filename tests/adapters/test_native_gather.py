@@ -500,6 +500,48 @@ def test_whole_blocks_of_4_page_stretches_copy_the_same_bytes(kernel, tokens, of
     assert bool((pool[offset + size :] == 0xA5).all()) and bool((pool[:offset] == 0xA5).all())
 
 
+def _page_aligned(nbytes: int) -> torch.Tensor:
+    """``nbytes`` of uint8 starting on a 4 KiB boundary (a slice of a larger buffer)."""
+    raw = torch.empty(nbytes + 4096, dtype=torch.uint8)
+    skip = -raw.data_ptr() % 4096
+    return raw[skip : skip + nbytes]
+
+
+#: How far a destination lies past its page-aligned source within a page: each order of steps
+#: the streaming kernels pick from it (adapters/_gather.c, kvf_ahead, kvf_order): forward four
+#: pages at a time (0 and 3904-4095), backward (1-511), two groups of four stepped together
+#: (256-3903), and the edges of each band.
+AHEAD = (0, 32, 64, 224, 256, 480, 512, 2048, 3872, 3904, 4032, 4064)
+
+
+@pytest.mark.parametrize("tokens", STRETCH_TOKENS)
+@pytest.mark.parametrize("ahead", AHEAD)
+def test_whole_blocks_copy_the_same_bytes_wherever_the_destination_lies_in_a_page(kernel, tokens, ahead):
+    """Whole page-aligned blocks (4 and 8 KiB: 8 or 4 at a time; 16, 20 and 36 KiB: 4-page
+    stretches and a rest) into a destination ``ahead`` bytes past them within a page: every
+    order the kernels pick to keep a store from stalling the next loads writes exactly the
+    blocks' bytes, in id order, and nothing outside the destination."""
+    block = tokens * 4 * 128 * 2
+    blocks = 24
+    cache = _page_aligned(2 * blocks * block).view(torch.int16)
+    cache.copy_(
+        torch.randint(-(2**15), 2**15, cache.shape, dtype=torch.int16, generator=torch.Generator().manual_seed(ahead))
+    )
+    cache = cache.view(torch.bfloat16).view(2, blocks, tokens, 4, 128)
+    ids = torch.randperm(blocks, generator=torch.Generator().manual_seed(tokens))[:17].tolist()
+    plan = plan_extraction([cache], ids, 17 * tokens, tokens, cache_dtype="bfloat16")
+    size = plan.keys[0].nbytes
+    pool = _page_aligned(ahead + size + 4096)
+    pool.fill_(0xA5)
+    dest = pool[ahead : ahead + size].view(torch.bfloat16).view(plan.keys[0].shape)
+    assert (dest.data_ptr() - cache.data_ptr()) % 4096 == ahead
+    value = torch.empty(plan.values[0].shape, dtype=torch.bfloat16)
+    plan.gather_all(([dest], [value]), method="native")
+    assert same_bits(dest, torch.cat([cache[0, b] for b in ids]))
+    assert same_bits(value, torch.cat([cache[1, b] for b in ids]))
+    assert bool((pool[ahead + size :] == 0xA5).all()) and bool((pool[:ahead] == 0xA5).all())
+
+
 @pytest.mark.parametrize("tokens", STRETCH_TOKENS)
 @pytest.mark.parametrize("slices", [2, 4])
 def test_split_blocks_of_4_page_stretches_and_a_rest_write_each_slice(kernel, split_calls, tokens, slices):
