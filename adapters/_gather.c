@@ -491,7 +491,9 @@ static inline void group_blocks(const struct walk *w, const char *src, Py_ssize_
             /* Whole blocks of one stretch (and up to 4 pages more: a latent of 576 bf16 values  \
              * a token is 4.5 pages a block), each into two destinations (an MLA latent for two    \
              * receivers), two blocks at a time: the bench's MLA row's two sender ranks, sends   \
-             * alternated in one process, medians of 40: 29.8 -> 24.8 ms. */                      \
+             * alternated in one process, medians of 40: 29.8 -> 24.8 ms. Stretch by stretch     \
+             * where a copy lies within a few lines past a block in a page (kvf_ahead): 0.23-0.38x \
+             * -> 1.05-1.12x memcpy at 0-64 bytes ahead (docs/extraction.md). */                  \
             const size_t piece = w->piece;                                                         \
             char *c0 = w->dsts[0], *c1 = w->dsts[1];                                               \
             Py_ssize_t i = 0;                                                                      \
@@ -500,15 +502,22 @@ static inline void group_blocks(const struct walk *w, const char *src, Py_ssize_
                 const char *b = src + kvf_block(w, i + 1) * w->block_stride;                       \
                 for (Py_ssize_t k = i + 2; k < i + 4 && k < w->n; k++)                             \
                     prefetch_pages(src + kvf_block(w, k) * w->block_stride, piece);                \
-                KVF_EIGHT_PAGES(y,                                                                 \
-                                {                                                                  \
-                                    copy128(c0 + y, a + y);                                        \
-                                    copy128(c1 + y, a + y);                                        \
-                                },                                                                 \
-                                {                                                                  \
-                                    copy128(c0 + piece + y, b + y);                                \
-                                    copy128(c1 + piece + y, b + y);                                \
-                                })                                                                 \
+                if (kvf_pair_ok(c0, a, c1, b) && kvf_pair_ok(c0 + piece, a, c1 + piece, b))       \
+                    KVF_EIGHT_PAGES(y,                                                             \
+                                    {                                                              \
+                                        copy128(c0 + y, a + y);                                    \
+                                        copy128(c1 + y, a + y);                                    \
+                                    },                                                             \
+                                    {                                                              \
+                                        copy128(c0 + piece + y, b + y);                            \
+                                        copy128(c1 + piece + y, b + y);                            \
+                                    })                                                             \
+                else { /* a copy within a few lines of a block in a page: see kvf_ahead */         \
+                    name##_stretch(c0, a);                                                         \
+                    name##_stretch(c1, a);                                                         \
+                    name##_stretch(c0 + piece, b);                                                 \
+                    name##_stretch(c1 + piece, b);                                                 \
+                }                                                                                  \
                 if (piece > 4 * KVF_PAGE) { /* the rest of each block, to each copy */             \
                     const size_t four = 4 * KVF_PAGE, rest = piece - four;                         \
                     name##_piece(c0 + four, a + four, rest);                                       \

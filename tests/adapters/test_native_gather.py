@@ -559,6 +559,44 @@ def test_split_blocks_of_4_page_stretches_and_a_rest_write_each_slice(kernel, sp
 
 
 # ------------------------------------------- copies: one read of a slice for several receivers
+@pytest.mark.parametrize("tokens", (16, 20))
+@pytest.mark.parametrize("aheads", [(0, 0), (64, 2048), (2048, 2048), (2048, 4032), (480, 3904)])
+def test_whole_blocks_copied_twice_wherever_the_copies_lie_in_a_page(kernel, tokens, aheads):
+    """One slice into two destinations (an MLA latent for two receivers), two blocks at a time,
+    with each copy ``aheads[c]`` bytes past the page-aligned blocks within a page: where either
+    copy lies within a few lines past a block the kernels copy stretch by stretch instead
+    (adapters/_gather.c, kvf_ahead); both orders write each copy's blocks in id order and
+    nothing outside it."""
+    from kvferry.adapters.paged_cache import gather_slices
+
+    block = tokens * 4 * 128 * 2
+    cache = _page_aligned(2 * 24 * block).view(torch.int16)
+    cache.copy_(torch.randint(-(2**15), 2**15, cache.shape, dtype=torch.int16))
+    cache = cache.view(torch.bfloat16).view(2, 24, tokens, 4, 128)
+    ids = torch.randperm(24, generator=torch.Generator().manual_seed(tokens))[:17].tolist()
+    plan = plan_extraction([cache], ids, 17 * tokens, tokens, cache_dtype="bfloat16")
+    size = plan.keys[0].nbytes
+    pools = [_page_aligned(4096 + size + 4096) for _ in range(4)]
+    views = []
+    for n, pool in enumerate(pools):  # copy 0's keys and values, then copy 1's
+        pool.fill_(0xA5)
+        ahead = aheads[n // 2]
+        views.append(pool[ahead : ahead + size].view(torch.bfloat16).view(plan.keys[0].shape))
+        assert (views[-1].data_ptr() - cache.data_ptr()) % 4096 == ahead
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # "auto" picks the native gather on one thread
+    try:
+        gather_slices([plan], [([views[0]], [views[1]]), ([views[2]], [views[3]])], 2)
+    finally:
+        torch.set_num_threads(threads)
+    for c in (0, 2):
+        assert same_bits(views[c], torch.cat([cache[0, b] for b in ids])), c
+        assert same_bits(views[c + 1], torch.cat([cache[1, b] for b in ids])), c
+    for n, pool in enumerate(pools):
+        start = aheads[n // 2]
+        assert bool((pool[:start] == 0xA5).all()) and bool((pool[start + size :] == 0xA5).all())
+
+
 @pytest.mark.parametrize("tokens", STRETCH_TOKENS)
 @pytest.mark.parametrize("offset", [0, 16], ids=["aligned", "unaligned"])
 def test_whole_blocks_copied_twice_write_each_copy(kernel, tokens, offset):
