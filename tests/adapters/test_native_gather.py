@@ -559,6 +559,22 @@ def test_split_blocks_of_4_page_stretches_and_a_rest_write_each_slice(kernel, sp
 
 
 # ------------------------------------------- copies: one read of a slice for several receivers
+def _copied_twice_on_one_thread(plan, views, cache, ids):
+    """Gather ``plan``'s one layer into two copies (``views``: copy 0's keys and values, then
+    copy 1's) on one thread, where "auto" picks the native gather, and check each copy holds
+    the blocks ``ids`` of ``cache`` in id order."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        assert plan.keys[0].choose_method(views[0].device) == "native"
+        gather_slices([plan], [([views[0]], [views[1]]), ([views[2]], [views[3]])], 2)
+    finally:
+        torch.set_num_threads(threads)
+    for c in (0, 2):
+        assert same_bits(views[c], torch.cat([cache[0, b] for b in ids])), c
+        assert same_bits(views[c + 1], torch.cat([cache[1, b] for b in ids])), c
+
+
 @pytest.mark.parametrize("tokens", (16, 20))
 @pytest.mark.parametrize("aheads", [(0, 0), (64, 2048), (2048, 2048), (2048, 4032), (480, 3904)])
 def test_whole_blocks_copied_twice_wherever_the_copies_lie_in_a_page(kernel, tokens, aheads):
@@ -567,8 +583,6 @@ def test_whole_blocks_copied_twice_wherever_the_copies_lie_in_a_page(kernel, tok
     copy lies within a few lines past a block the kernels copy stretch by stretch instead
     (adapters/_gather.c, kvf_ahead); both orders write each copy's blocks in id order and
     nothing outside it."""
-    from kvferry.adapters.paged_cache import gather_slices
-
     block = tokens * 4 * 128 * 2
     cache = _page_aligned(2 * 24 * block).view(torch.int16)
     cache.copy_(torch.randint(-(2**15), 2**15, cache.shape, dtype=torch.int16))
@@ -583,15 +597,7 @@ def test_whole_blocks_copied_twice_wherever_the_copies_lie_in_a_page(kernel, tok
         ahead = aheads[n // 2]
         views.append(pool[ahead : ahead + size].view(torch.bfloat16).view(plan.keys[0].shape))
         assert (views[-1].data_ptr() - cache.data_ptr()) % 4096 == ahead
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)  # "auto" picks the native gather on one thread
-    try:
-        gather_slices([plan], [([views[0]], [views[1]]), ([views[2]], [views[3]])], 2)
-    finally:
-        torch.set_num_threads(threads)
-    for c in (0, 2):
-        assert same_bits(views[c], torch.cat([cache[0, b] for b in ids])), c
-        assert same_bits(views[c + 1], torch.cat([cache[1, b] for b in ids])), c
+    _copied_twice_on_one_thread(plan, views, cache, ids)
     for n, pool in enumerate(pools):
         start = aheads[n // 2]
         assert bool((pool[:start] == 0xA5).all()) and bool((pool[start + size :] == 0xA5).all())
@@ -606,8 +612,6 @@ def test_whole_blocks_copied_twice_write_each_copy(kernel, tokens, offset):
     (blocks of 1, 2 or 9 pages; destinations 16 bytes past a 64-byte boundary, unless the
     stores are 16 bytes wide) through the general walk: each copy holds the blocks in id order,
     23 of them (the last one alone), and nothing past its end is written."""
-    from kvferry.adapters.paged_cache import gather_slices
-
     cache = torch.randint(-(2**15), 2**15, (2, 40, tokens, 4, 128), dtype=torch.int16).view(torch.bfloat16)
     ids = torch.randperm(40, generator=torch.Generator().manual_seed(tokens + 1))[:23].tolist()
     plan = plan_extraction([cache], ids, 23 * tokens, tokens, cache_dtype="bfloat16")
@@ -619,16 +623,7 @@ def test_whole_blocks_copied_twice_write_each_copy(kernel, tokens, offset):
         return pool[start : start + size].view(torch.bfloat16).view(plan.keys[0].shape)
 
     views = [place(pool) for pool in pools]
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)  # "auto" picks the native gather on one thread
-    try:
-        assert plan.keys[0].choose_method(views[0].device) == "native"
-        gather_slices([plan], [([views[0]], [views[1]]), ([views[2]], [views[3]])], 2)
-    finally:
-        torch.set_num_threads(threads)
-    for c in (0, 2):
-        assert same_bits(views[c], torch.cat([cache[0, b] for b in ids])), c
-        assert same_bits(views[c + 1], torch.cat([cache[1, b] for b in ids])), c
+    _copied_twice_on_one_thread(plan, views, cache, ids)
     for pool, view in zip(pools, views):
         end = view.data_ptr() - pool.data_ptr() + size
         assert bool((pool[end:] == 0xA5).all())
