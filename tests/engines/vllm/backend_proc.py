@@ -109,10 +109,30 @@ def _mla(verdict) -> dict:
     return {"ok": ok, "control_differs": control, "stride_order": "LBHNC"}
 
 
+def _one_kernel_library() -> None:
+    """Load the build of vLLM's kernels this CPU gets, and keep a GPU backend's import from
+    loading another. vLLM CPU ships three (``_C``: AVX-512 with BF16, ``_C_AVX512``,
+    ``_C_AVX2``), each registering torch's ``_C`` namespace; the ROCm platform module, imported
+    by a ROCm backend's class, runs ``import vllm._C`` for its side effect. Where the platform
+    loaded another build (an AVX2-only host), that second registration aborts the process
+    (``Only a single TORCH_LIBRARY can be used to register the namespace _C``), so the walk
+    ended with no output. Only the import's side effect is wanted there, and that library is
+    loaded already: ``vllm._C`` is then bound to an empty module."""
+    import types
+
+    from vllm.platforms import current_platform
+
+    current_platform.import_kernels()
+    if "vllm._C" not in sys.modules:
+        sys.modules["vllm._C"] = types.ModuleType("vllm._C")
+
+
 def main(out: str) -> None:
     import torch
     from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
     from vllm.v1.attention.backends.registry import AttentionBackendEnum
+
+    _one_kernel_library()
 
     from kvferry.app.vllm.backends import backend_name
     from kvferry.core.backends import backend_layout
