@@ -321,9 +321,13 @@ def _token_hashes(worker, block_ids, num_tokens):
     return {"isa": isa, "block_size": bs, "hashes": out, "last_load": loads}
 
 
-def _group_labels(llm) -> list[str]:
+def _group_specs(llm) -> tuple:
     connector = llm.llm_engine.engine_core.engine_core.scheduler.connector
-    return [g.label for g in getattr(connector, "groups", ())]
+    return tuple(getattr(connector, "groups", ()))
+
+
+def _group_labels(llm) -> list[str]:
+    return [g.label for g in _group_specs(llm)]
 
 
 def _blocks(msg: dict, num_tokens: int | None, block_size: int) -> list[int]:
@@ -353,9 +357,14 @@ def inspection_ops(cfg: dict):
             "tokens": lambda llm, m: {
                 "ranks": llm.collective_rpc(_token_hashes, args=(_blocks(m, m["num_tokens"], bs), m["num_tokens"]))
             },
-            # the KV cache groups the connector found, the jobs' pages per group, the Mamba
-            # state blocks saved and written
-            "groups": lambda llm, m: {"groups": _group_labels(llm), "jobs": GROUP_JOBS, "states": STATES},
+            # the KV cache groups the connector found (and the tokens a page of each holds),
+            # the jobs' pages per group, the Mamba state blocks saved and written
+            "groups": lambda llm, m: {
+                "groups": _group_labels(llm),
+                "block_sizes": [g.block_size for g in _group_specs(llm)],
+                "jobs": GROUP_JOBS,
+                "states": STATES,
+            },
         }
 
     return ops
