@@ -257,17 +257,16 @@ static inline size_t kvf_ahead(const char *dst, const char *src) {
     return (size_t)((uintptr_t)dst - (uintptr_t)src) & (KVF_PAGE - 1);
 }
 
+/* The two bands: a destination this far ahead of a source lets two groups of 4 pages be
+ * stepped together (kvf_pairable), or has one group walked backward (kvf_backward). */
+static inline int kvf_pairable(size_t ahead) { return ahead >= KVF_PAIR_LOW && ahead < KVF_PAIR_HIGH; }
+static inline int kvf_backward(size_t ahead) { return ahead && ahead < KVF_BACKWARD_BELOW; }
+
 /* Two stretches a -> da and b -> db may be stepped together: every destination lies
  * KVF_PAIR_LOW to KVF_PAIR_HIGH bytes past both sources within a page. */
 static inline int kvf_pair_ok(const char *da, const char *sa, const char *db, const char *sb) {
-    const char *dsts[2] = {da, db}, *srcs[2] = {sa, sb};
-    for (int i = 0; i < 2; i++)
-        for (int j = 0; j < 2; j++) {
-            size_t ahead = kvf_ahead(dsts[i], srcs[j]);
-            if (ahead < KVF_PAIR_LOW || ahead >= KVF_PAIR_HIGH)
-                return 0;
-        }
-    return 1;
+    return kvf_pairable(kvf_ahead(da, sa)) && kvf_pairable(kvf_ahead(da, sb))
+           && kvf_pairable(kvf_ahead(db, sa)) && kvf_pairable(kvf_ahead(db, sb));
 }
 
 /* The order of copy4s steps for 8 sources into 8 consecutive destination pages (which share
@@ -279,10 +278,8 @@ static inline int kvf_order(const char *dst, const char *const *srcs, int m) {
     int paired = 1, backward = 0;
     for (int i = 0; i < m; i++) {
         size_t ahead = kvf_ahead(dst, srcs[i]);
-        if (ahead < KVF_PAIR_LOW || ahead >= KVF_PAIR_HIGH)
-            paired = 0;
-        if (ahead && ahead < KVF_BACKWARD_BELOW)
-            backward = 1;
+        paired &= kvf_pairable(ahead);
+        backward |= kvf_backward(ahead);
     }
     return paired ? KVF_PAIRED : backward ? KVF_BACKWARD : KVF_FORWARD;
 }
@@ -329,8 +326,7 @@ static inline void group_blocks(const struct walk *w, const char *src, Py_ssize_
      * walked backward through the page where the destination lies 1 to KVF_BACKWARD_BELOW - 1   \
      * bytes past the source within a page (kvf_ahead), forward otherwise. */                   \
     __attribute__((target(isa))) static inline void name##_stretch(char *dst, const char *src) { \
-        size_t ahead = kvf_ahead(dst, src);                                                        \
-        if (ahead && ahead < KVF_BACKWARD_BELOW) {                                                 \
+        if (kvf_backward(kvf_ahead(dst, src))) {                                                   \
             dst += KVF_PAGE, src += KVF_PAGE;                                                      \
             for (int step = 0; step < KVF_PAGE / 128; step++) {                                    \
                 dst -= 128, src -= 128;                                                            \
