@@ -13,8 +13,9 @@ path; default kvferry's, ``module`` null for one of vLLM's own), ``kv_buffer_dev
 ``policy`` (``kv_load_failure_policy``; vLLM's default without it); ``prefix_caching`` (default
 off), ``tp`` (tensor_parallel_size, default 1), ``dtype`` (default bfloat16), ``kv_cache_dtype``
 (default auto), ``block_size``,
-``max_len`` (max_model_len), ``max_num_seqs`` (defaults: :data:`TINY`, 4) and
-``attention_backend`` (vLLM's choice without it).
+``max_len`` (max_model_len), ``max_num_seqs`` (defaults: :data:`TINY`, 4),
+``max_num_batched_tokens`` (default: ``max_len``, at least 2048; below a prompt's length vLLM
+computes the prompt in chunks of it) and ``attention_backend`` (vLLM's choice without it).
 
 Ops: ``generate`` (``prompts``, ``params`` (kv_transfer_params or null each), ``max_tokens``,
 optionally ``logprobs`` (how many top tokens' log-probabilities to return per output token);
@@ -128,7 +129,7 @@ def build_llm(cfg: dict[str, Any]) -> Any:
         kv_cache_dtype=cfg.get("kv_cache_dtype", "auto"),
         max_model_len=max_len,
         max_num_seqs=int(cfg.get("max_num_seqs", 4)),
-        max_num_batched_tokens=max(max_len, 2048),
+        max_num_batched_tokens=int(cfg.get("max_num_batched_tokens", max(max_len, 2048))),
         enable_prefix_caching=bool(cfg.get("prefix_caching", False)),  # off: every local run computes its prompt
         kv_transfer_config=kv,
         tensor_parallel_size=int(cfg.get("tp", 1)),

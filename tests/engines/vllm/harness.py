@@ -192,10 +192,12 @@ def two_models(root: Path, op: str, *args: object) -> dict[str, Any]:
 
 
 def start_on(env: dict[str, Any], name: str, model: str, role: str, cpu: str) -> Instance:
-    """An instance of ``env[model]`` in ``role`` on core ``cpu``, logging to ``root/name.log``."""
+    """An instance of ``env[model]`` in ``role`` on core ``cpu``, logging to ``root/name.log``;
+    ``env["engine"]``, where set, adds to its serve config (e.g. ``max_num_batched_tokens``)."""
+    cfg = {"model": str(env[model]), "kv_role": role, "extra": {"base_port": env["base"], "load_timeout_s": 10}}
     return Instance(
         env["py"],
-        {"model": str(env[model]), "kv_role": role, "extra": {"base_port": env["base"], "load_timeout_s": 10}},
+        {**cfg, **env.get("engine", {})},
         cpu=cpu,
         log=Path(env["root"]) / f"{name}.log",
     )
