@@ -41,6 +41,7 @@ from waits import eventually
 
 from kvferry.adapters.connectors.shm.segment import parse_segment_name, pid_alive, reap_namespace
 from kvferry.app.bench.engine.served import greedy_request
+from kvferry.app.vllm.records import FAILURE_KINDS
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(1200)]
 
@@ -308,7 +309,7 @@ def test_a_64_stream_load_leaves_nothing_held(cluster: Cluster) -> None:
     prefills = [c.servers["prefill1"], c.servers["prefill2"]]
     decode = c.servers["decode"]
     idle = {k: _threads(_metrics(s)) for k, s in c.servers.items()}
-    before = [_metrics(p) for p in prefills]
+    before, decode_before = [_metrics(p) for p in prefills], _metrics(decode)
     load = prompts(LOAD_LENGTHS, seed=8)
     t0 = time.monotonic()
     got = _load(c.proxy, load)
@@ -316,15 +317,31 @@ def test_a_64_stream_load_leaves_nothing_held(cluster: Cluster) -> None:
     bad = [(len(p), o.error) for p, o in zip(load, got) if not o.ok]
     assert not bad, bad
     c.reference = {tuple(p): o.tokens for p, o in zip(load, got)}
-    # every entry (a layer of a request) was read by the decode and freed by its release:
-    # nothing held, nothing expired; the prefill's blocks are free
+    # every entry (a layer of a request) was freed once: read by the decode and released, or
+    # (a load that failed, counted on the decode, and recomputed) dropped by its lease; nothing
+    # held, the prefill's blocks are free
     afters = [_until(p, lambda m: _held(m) == (0, 0, 0), 30)[0] for p in prefills]
+    decode_after = _metrics(decode)
 
     def delta(name: str) -> float:
         return sum(_count(a, name) - _count(b, name) for a, b in zip(afters, before))
 
     sent, released, expired = delta("requests_sent"), delta("pool_entries_released"), delta("pool_entries_expired")
-    assert sent == len(load) and released == len(load) * LAYERS and expired == 0, (sent, released, expired)
+    loaded = _count(decode_after, "requests_loaded") - _count(decode_before, "requests_loaded")
+    failed = {k: _failures(decode_after, k) - _failures(decode_before, k) for k in FAILURE_KINDS}
+    failed = {k: v for k, v in failed.items() if v}
+    counts = {"sent": sent, "released": released, "expired": expired, "loaded": loaded, "failed": failed}
+    assert sent == len(load) and released + expired == len(load) * LAYERS, counts
+    # a load fails only by the clock: its KV not published within load_timeout_s (a save
+    # queued behind the others on the prefills' shared core), or its lease (lease_s) run out
+    # before the decode's scheduler took the request up; the decode counts each and
+    # recomputes it (the tokens above), so every request is loaded or counted failed, and
+    # only a failed one's layers can go unreleased. On the hosts this ran on: none failed on
+    # AVX-512 ones, 2-12 of 64 on an AVX2-only one (docs/vllm.md, "Faults under load")
+    assert set(failed) <= {"timeout", "expired"}, counts
+    assert loaded + sum(failed.values()) == len(load), counts
+    assert expired <= sum(failed.values()) * LAYERS, counts
+    assert loaded >= len(load) // 2, counts  # the load is mostly handed off, not recomputed
     assert all(a["kv_cache_usage"] == 0 for a in afters), afters
     # /dev/shm: the two live pools' segments, no other
     segs = _segments()
@@ -336,7 +353,9 @@ def test_a_64_stream_load_leaves_nothing_held(cluster: Cluster) -> None:
     assert idle["decode"] <= now["decode"] <= idle["decode"] + LOAD_THREADS, (idle, now)
     c.timings["decode_threads_after_load"] = now["decode"]
     ttft = sorted(o.end - o.start for o in got)
-    _report(c, "load", wall_s=round(wall, 1), slowest_s=round(ttft[-1], 2), threads_idle=idle, threads_after=now)
+    _report(
+        c, "load", wall_s=round(wall, 1), slowest_s=round(ttft[-1], 2), threads_idle=idle, threads_after=now, **counts
+    )
     assert _threads(_metrics(decode)) == now["decode"]  # stable, not growing
 
 
