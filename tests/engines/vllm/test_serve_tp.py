@@ -33,6 +33,7 @@ from serve_harness import (
     counters_when,
     kvferry_counters,
     make_serve_model,
+    not_plain,
     pd_behind_proxy,
     plain_reference,
     serve_kv,
@@ -71,7 +72,8 @@ def env(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
     plain = plain_reference(
         py, model, root, STARTUP_S, state["prompts"], state["burst"], TOKENS, name="plain_tp2", cpu="0|1", args=TP
     )
-    state["reference"], state["batched"] = plain["reference"], plain["batched"]
+    state["plain"] = plain
+    state["timings"]["plain_batch_gaps"] = plain["batch_gaps"]
     state["timings"]["startup_plain_tp2_s"] = round(plain["startup_s"], 1)
     yield state
     print("timings:", state["timings"])
@@ -105,7 +107,8 @@ def test_tp2_completions_through_the_proxy_equal_a_plain_tp2_server(env: dict[st
     p0, d0 = kvferry_counters(prefill), kvferry_counters(decode)
     for p in env["prompts"]:
         got = proxy.complete(p, TOKENS)["token_ids"]
-        assert got == env["reference"][tuple(p)], f"{len(p)} tokens: {got} != {env['reference'][tuple(p)]}"
+        ref = env["plain"]["reference"][tuple(p)]
+        assert got == ref, f"{len(p)} tokens: {got} != {ref}"
     n, total = len(env["prompts"]), sum(len(p) for p in env["prompts"])
     # each of the two ranks sends and loads every request: vLLM adds the ranks' counters (a
     # rank's save that ends after the step of the counter request shows with a later step)
@@ -153,8 +156,10 @@ def test_a_burst_larger_than_the_pool_waits_or_recomputes_and_never_gives_wrong_
     finally:
         os.kill(core, signal.SIGCONT)
     assert pressed(full), full
-    wrong = [len(p) for p, g in zip(burst, got) if g != env["reference"][tuple(p)] and g != env["batched"][tuple(p)]]
+    wrong, ties = not_plain(env["plain"], list(zip(burst, got)))
+    env["timings"]["burst_ties"] = ties
     assert not wrong, f"{len(wrong)} of {len(burst)} streams differ from the plain server's tokens: {wrong}"
+    assert len(ties) <= len(burst) // 4, ties
     settled, _ = counters_when(
         prefill,
         lambda c: (
