@@ -416,14 +416,14 @@ class MooncakeConnector:
                 self._miss(key, outcome if isinstance(outcome, str) else FAILED_REASON)
                 out.append(None)
             else:
-                self._failures.pop(key, None)
-                self._count("hits")
+                self._hit(key)
                 out.append(outcome)
         return out
 
     def last_failure(self, get_key: str) -> str | None:
         """Why the last get of ``get_key`` returned None (None after a success or never)."""
-        return self._failures.get(get_key)
+        with self._lock:
+            return self._failures.get(get_key)
 
     def _get(self, key: str, metadata: Mapping[str, Any] | None, wait_s: float) -> Any:
         self._count("gets")
@@ -449,8 +449,7 @@ class MooncakeConnector:
                     f"or it answered before and has been unreachable for {SENDER_DOWN_GRACE_S} s"
                 )
             return None
-        self._failures.pop(key, None)
-        self._count("hits")
+        self._hit(key)
         return outcome
 
     def _fetch_until(self, key: str, where: Endpoint, wait_s: float) -> Any:
@@ -474,9 +473,16 @@ class MooncakeConnector:
             pause = min(pause * 2, _RETRY_MAX_S)
 
     def _miss(self, key: str, reason: str) -> None:
-        self._count(f"miss_{reason}")
-        self._failures.note(key, reason)
+        # the loader's threads get at once: the table of failures is shared, as the counters are
+        with self._lock:
+            self._counters[f"miss_{reason}"] = self._counters.get(f"miss_{reason}", 0) + 1
+            self._failures.note(key, reason)
         return None
+
+    def _hit(self, key: str) -> None:
+        with self._lock:
+            self._counters["hits"] = self._counters.get("hits", 0) + 1
+            self._failures.pop(key, None)
 
     def _count(self, name: str, by: int = 1) -> None:
         with self._lock:
