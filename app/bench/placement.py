@@ -13,7 +13,9 @@ extraction, the codec figures) stays where the OS puts it.
   one side), the cores split in two halves;
 - :func:`core_of`: which physical core each CPU is, from sysfs (each CPU its own core where
   sysfs does not say);
-- :func:`plan_placement`: the split of this process's CPUs, or why there is none.
+- :func:`plan_placement`: the split of this process's CPUs, or why there is none;
+- :func:`instance_cpus`: the same split as the core bindings of a decode and a prefill vLLM CPU
+  instance beside each other (``kvferry demo --engine vllm``, ``kvferry bench --engine vllm``).
 """
 
 from __future__ import annotations
@@ -25,7 +27,7 @@ from typing import Any
 
 import attrs
 
-__all__ = ["Placement", "split_cpus", "core_of", "plan_placement", "SENDER_PEER"]
+__all__ = ["Placement", "InstanceCpus", "split_cpus", "core_of", "plan_placement", "instance_cpus", "SENDER_PEER"]
 
 #: The peer that runs the sending stage; every other peer runs a receiving one.
 SENDER_PEER = "sender"
@@ -94,3 +96,35 @@ def plan_placement(enabled: bool) -> tuple[Placement | None, str]:
     if placement is None:
         return None, f"not pinned (one CPU: {allowed})"
     return placement, f"sender on CPUs {sorted(placement.sender)}, receivers on {sorted(placement.receiver)}"
+
+
+@attrs.frozen
+class InstanceCpus:
+    """Core bindings (vLLM CPU's ``VLLM_CPU_OMP_THREADS_BIND``) of a decode and a prefill
+    instance run beside each other; None leaves an instance to vLLM's default."""
+
+    decode: str | None
+    prefill: str | None
+
+    @property
+    def tp2(self) -> str | None:
+        """A TP 2 instance's binding: its rank 0 on the decode's CPUs, rank 1 on the prefill's."""
+        return None if self.decode is None or self.prefill is None else f"{self.decode}|{self.prefill}"
+
+    def to_json(self) -> dict[str, str | None]:
+        return {"decode": self.decode, "prefill": self.prefill}
+
+
+def _cpu_list(cpus: Iterable[int]) -> str:
+    return ",".join(str(c) for c in sorted(cpus))
+
+
+def instance_cpus(placement: Placement | None = None) -> InstanceCpus:
+    """The decode on the first half of this process's CPUs and the prefill on the other, whole
+    cores each (:func:`split_cpus`; ``placement`` where given instead); both left to vLLM's
+    default where there is no split (one CPU, no CPU affinity)."""
+    if placement is None:
+        placement, _ = plan_placement(True)
+    if placement is None:
+        return InstanceCpus(None, None)
+    return InstanceCpus(_cpu_list(placement.sender), _cpu_list(placement.receiver))

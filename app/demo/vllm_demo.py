@@ -32,6 +32,7 @@ from typing import Any
 import attrs
 
 from kvferry.adapters.platform import free_base_port
+from kvferry.app.bench.placement import instance_cpus
 
 __all__ = [
     "VllmPromptResult",
@@ -203,15 +204,6 @@ def _missing_extra() -> str | None:
     return None
 
 
-def _cores() -> tuple[str | None, str | None]:
-    """(prefill, decode) core binding: one core each where there are two, else vLLM's default."""
-    n = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-    if n < 2:
-        return None, None
-    cores = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else list(range(n))
-    return str(cores[-1]), str(cores[0])
-
-
 def run_vllm_demo(args: argparse.Namespace) -> int:
     """Run the engine demo for parsed ``args`` (``--requests``, ``--min-tokens``,
     ``--max-tokens``, ``--seed``, ``--timeout``, ``--json``); returns the exit status."""
@@ -242,7 +234,8 @@ def _run(args: argparse.Namespace, tmp: Path, lengths: list[int]) -> int:
     )
     # kv_recompute_threshold 0: the demo hands off its prompts, short or not
     extra = {"base_port": free_base_port(), "load_timeout_s": args.timeout, "kv_recompute_threshold": 0}
-    p_cpu, d_cpu = _cores()
+    cpus = instance_cpus()
+    p_cpu, d_cpu = cpus.prefill, cpus.decode
     start_s = max(600.0, args.timeout)
     say = (lambda *_: None) if args.json else (lambda text: print(text, file=sys.stderr, flush=True))
     say("kvferry demo --engine vllm: starting a decode and a prefill vLLM instance (a minute or two)")

@@ -26,6 +26,7 @@ from typing import Any
 import attrs
 
 from kvferry.adapters.platform import free_base_port, free_port
+from kvferry.app.bench.placement import instance_cpus
 
 __all__ = [
     "Side",
@@ -94,7 +95,7 @@ class Side:
     """One instance: its serve config (without ``model``), core binding and extra environment."""
 
     cfg: Mapping[str, Any]
-    cpu: str
+    cpu: str | None
     env: Mapping[str, str] = attrs.field(factory=dict)
 
 
@@ -148,10 +149,12 @@ def groups(names: tuple[str, ...], timeout_s: float, storage: str = "") -> list[
     """The groups that measure rows ``names`` (ports chosen now: free on loopback)."""
     out: list[Group] = []
     want = set(names)
+    cpus = instance_cpus()
+    dc, pc = cpus.decode, cpus.prefill
     if "local" in want:
-        out.append(Group("local", Side({}, "0"), (RowSpec("local", "local"),)))
+        out.append(Group("local", Side({}, dc), (RowSpec("local", "local"),)))
     if "floor" in want:
-        out.append(Group("floor", Side({"prefix_caching": True}, "0"), (RowSpec("floor", "floor"),)))
+        out.append(Group("floor", Side({"prefix_caching": True}, dc), (RowSpec("floor", "floor"),)))
     kinds: tuple[tuple[str, dict[str, Any], dict[str, Any]], ...] = (
         ("kvferry_shm", {"type": "shm"}, {}),
         ("kvferry_zmq", {"type": "zmq"}, {}),
@@ -163,7 +166,7 @@ def groups(names: tuple[str, ...], timeout_s: float, storage: str = "") -> list[
     for name, conn, more in kinds:
         if name in want:
             d, p = _kvferry(conn, timeout_s, **more)
-            out.append(Group(name, Side(d, "0"), (RowSpec(name, "remote"),), prefill=Side(p, "1")))
+            out.append(Group(name, Side(d, dc), (RowSpec(name, "remote"),), prefill=Side(p, pc)))
     if "example" in want:
         cfg: dict[str, Any] = {
             "connector": "ExampleConnector",
@@ -173,9 +176,9 @@ def groups(names: tuple[str, ...], timeout_s: float, storage: str = "") -> list[
         out.append(
             Group(
                 "example",
-                Side({**cfg, "kv_role": "kv_consumer"}, "0"),
+                Side({**cfg, "kv_role": "kv_consumer"}, dc),
                 (RowSpec("example", "remote"),),
-                prefill=Side({**cfg, "kv_role": "kv_producer"}, "1"),
+                prefill=Side({**cfg, "kv_role": "kv_producer"}, pc),
                 needs_dir=True,
             )
         )
@@ -190,11 +193,9 @@ def groups(names: tuple[str, ...], timeout_s: float, storage: str = "") -> list[
         out.append(
             Group(
                 "mooncake",
-                Side({**cfg, "kv_role": "kv_consumer"}, "0", {"VLLM_MOONCAKE_BOOTSTRAP_PORT": str(free_port())}),
+                Side({**cfg, "kv_role": "kv_consumer"}, dc, {"VLLM_MOONCAKE_BOOTSTRAP_PORT": str(free_port())}),
                 (RowSpec("mooncake", "remote"),),
-                prefill=Side(
-                    {**cfg, "kv_role": "kv_producer"}, "1", {"VLLM_MOONCAKE_BOOTSTRAP_PORT": str(free_port())}
-                ),
+                prefill=Side({**cfg, "kv_role": "kv_producer"}, pc, {"VLLM_MOONCAKE_BOOTSTRAP_PORT": str(free_port())}),
                 bootstrap_port=port,
             )
         )
@@ -204,19 +205,19 @@ def groups(names: tuple[str, ...], timeout_s: float, storage: str = "") -> list[
         out.append(
             Group(
                 "nixl",
-                Side({**cfg, "kv_role": "kv_consumer"}, "0", {**env, "VLLM_NIXL_SIDE_CHANNEL_PORT": str(free_port())}),
+                Side({**cfg, "kv_role": "kv_consumer"}, dc, {**env, "VLLM_NIXL_SIDE_CHANNEL_PORT": str(free_port())}),
                 (RowSpec("nixl", "remote"),),
                 prefill=Side(
-                    {**cfg, "kv_role": "kv_producer"}, "1", {**env, "VLLM_NIXL_SIDE_CHANNEL_PORT": str(free_port())}
+                    {**cfg, "kv_role": "kv_producer"}, pc, {**env, "VLLM_NIXL_SIDE_CHANNEL_PORT": str(free_port())}
                 ),
             )
         )
     tp_rows = tuple(RowSpec(n, m) for n, m in (("local_tp2", "local"), ("kvferry_shm_tp2", "remote")) if n in want)
     if tp_rows:
         d, p = _kvferry({"type": "shm"}, timeout_s, tp=2)
-        # D's two ranks on both cores ("0|1": the default binding fails on CPU); P beside rank 1
-        prefill = Side(p, "1") if "kvferry_shm_tp2" in want else None
-        out.append(Group("tp2", Side(d, "0|1"), tp_rows, prefill=prefill))
+        # D's two ranks on both halves (InstanceCpus.tp2: the default binding fails on CPU); P beside rank 1
+        prefill = Side(p, pc) if "kvferry_shm_tp2" in want else None
+        out.append(Group("tp2", Side(d, cpus.tp2), tp_rows, prefill=prefill))
     return out
 
 

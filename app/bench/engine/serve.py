@@ -48,6 +48,7 @@ from kvferry.app.bench.engine.served import (
     start_proxy,
     start_server,
 )
+from kvferry.app.bench.placement import instance_cpus
 
 __all__ = [
     "ROWS",
@@ -290,6 +291,7 @@ class _ServeBench:
         self.model = tmp / "model"
         self.proxy = Path(args.proxy) if getattr(args, "proxy", None) else PROXY
         self.failures: list[str] = []
+        self.cpus = instance_cpus()
 
     def say(self, text: str) -> None:
         if not self.args.quiet:
@@ -333,7 +335,7 @@ class _ServeBench:
             self.say(f"{name}: starting the servers")
             decode: Served | None = None
             if name == "plain":
-                target = start_server(self.py, self.model, name="plain", root=self.logs, cpu="0")
+                target = start_server(self.py, self.model, name="plain", root=self.logs, cpu=self.cpus.decode)
                 opened.append(target)
                 ready(STARTUP_S, target)
                 row["startup_s"] = {"server": round(target.startup_s, 1)}
@@ -343,7 +345,8 @@ class _ServeBench:
                     bootstrap = free_port()
                     opened.append(self.bootstrap(bootstrap))
                 servers: list[Served] = []
-                for role, side, cpu in (("kv_producer", "prefill", "1"), ("kv_consumer", "decode", "0")):
+                sides = (("kv_producer", "prefill", self.cpus.prefill), ("kv_consumer", "decode", self.cpus.decode))
+                for role, side, cpu in sides:
                     env = _server_env(name)
                     cfg = kv_config(name, role, base, bootstrap)
                     servers.append(
@@ -570,7 +573,7 @@ def run_serve(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
         "input_len": args.input_len,
         "output_len": args.output_len,
         "seed": args.seed,
-        "cores": {"prefill": "1", "decode": "0", "plain": "0"},
+        "cores": {**instance_cpus().to_json(), "plain": instance_cpus().decode},
         "load_before": _uptime(),
         "vllm": vllm_version(),
         "rows": {},

@@ -84,18 +84,14 @@ def make_serve_model(py: str, path: Path, seed: int) -> Path:
     return path
 
 
-def server_env(cpu: str, more: Mapping[str, str] | None = None) -> dict[str, str]:
+def server_env(cpu: str | None, more: Mapping[str, str] | None = None) -> dict[str, str]:
     """A server's environment: this one's, vLLM's default multiprocess engine core, bound to
-    cores ``cpu``, with ``more`` on top."""
+    cores ``cpu`` (None: vLLM's default binding), with ``more`` on top."""
     env = dict(os.environ)
     env.pop("VLLM_ENABLE_V1_MULTIPROCESSING", None)  # the default multiprocess engine core, as served
-    env.update(
-        VLLM_PLUGINS="none",
-        VLLM_CPU_KVCACHE_SPACE="1",
-        VLLM_HOST_IP="127.0.0.1",
-        VLLM_CPU_OMP_THREADS_BIND=cpu,
-        PYTHONUNBUFFERED="1",
-    )
+    env.update(VLLM_PLUGINS="none", VLLM_CPU_KVCACHE_SPACE="1", VLLM_HOST_IP="127.0.0.1", PYTHONUNBUFFERED="1")
+    if cpu is not None:
+        env["VLLM_CPU_OMP_THREADS_BIND"] = cpu
     env.update(more or {})
     return env
 
@@ -268,13 +264,14 @@ def start_server(
     *,
     name: str,
     root: Path,
-    cpu: str,
+    cpu: str | None,
     kv: Mapping[str, Any] | None = None,
     args: Sequence[str] = (),
     port: int | None = None,
     env: Mapping[str, str] | None = None,
 ) -> Served:
-    """``vllm serve`` of ``model`` (served as ``m``) bound to cores ``cpu`` (``"0|1"`` for TP 2),
+    """``vllm serve`` of ``model`` (served as ``m``) bound to cores ``cpu`` (``"0|1"`` for TP 2;
+    None: vLLM's default),
     with ``kv`` as its ``--kv-transfer-config`` and ``args`` after the common ones, on ``port``
     (an OS-chosen one when None; a restarted server takes its predecessor's), ``env`` added to
     its environment."""

@@ -12,7 +12,15 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from kvferry.app.bench.placement import SENDER_PEER, Placement, core_of, plan_placement, split_cpus
+from kvferry.app.bench.placement import (
+    SENDER_PEER,
+    InstanceCpus,
+    Placement,
+    core_of,
+    instance_cpus,
+    plan_placement,
+    split_cpus,
+)
 from kvferry.app.bench.proc import Peer, set_launcher
 from kvferry.core.errors import ConfigError
 
@@ -55,6 +63,33 @@ def test_two_cpus_one_each_and_siblings_kept_together() -> None:
     p = Placement(frozenset({0}), frozenset({1}))
     assert p.cpus_for(SENDER_PEER) == {0} and p.cpus_for("receiver-shm") == {1}
     assert p.to_json() == {"sender": [0], "receiver": [1]}
+
+
+@given(st.dictionaries(st.integers(0, 255), st.integers(0, 7), min_size=2, max_size=24))
+def test_two_vllm_instances_bind_to_the_two_halves(cores: dict[int, int]) -> None:
+    # the demo's and the engine bench's instances: the decode on the split's first half, the
+    # prefill on the other, as VLLM_CPU_OMP_THREADS_BIND lists (CPUs in order, commas)
+    placement = split_cpus(cores)
+    assert placement is not None
+    cpus = instance_cpus(placement)
+    assert cpus.decode is not None and cpus.prefill is not None
+
+    def listed(binding: str) -> list[int]:
+        out = [int(c) for c in binding.split(",")]
+        assert out == sorted(set(out))
+        return out
+
+    assert set(listed(cpus.decode)) == placement.sender and set(listed(cpus.prefill)) == placement.receiver
+    assert cpus.tp2 == f"{cpus.decode}|{cpus.prefill}"
+    assert cpus.to_json() == {"decode": cpus.decode, "prefill": cpus.prefill}
+
+
+def test_without_a_split_vllm_binds_the_instances_itself() -> None:
+    assert InstanceCpus(None, None).tp2 is None and InstanceCpus("0", None).tp2 is None
+    assert instance_cpus(Placement(frozenset({0}), frozenset({1}))) == InstanceCpus("0", "1")
+    placement, _ = plan_placement(True)
+    expected = InstanceCpus(None, None) if placement is None else instance_cpus(placement)
+    assert instance_cpus() == expected
 
 
 def test_sysfs_names_each_cpus_core(tmp_path: pathlib.Path) -> None:
