@@ -337,7 +337,8 @@ def test_a_64_stream_load_leaves_nothing_held(cluster: Cluster) -> None:
     # before the decode's scheduler took the request up; the decode counts each and
     # recomputes it (the tokens above), so every request is loaded or counted failed, and
     # only a failed one's layers can go unreleased. On the hosts this ran on: none failed on
-    # AVX-512 ones, 2-12 of 64 on an AVX2-only one (docs/vllm.md, "Faults under load")
+    # AVX-512 ones, 3 and 8 of 64 in two runs on an AVX2-only one (docs/vllm.md, "Faults under
+    # load")
     assert set(failed) <= {"timeout", "expired"}, counts
     assert loaded + sum(failed.values()) == len(load), counts
     assert expired <= sum(failed.values()) * LAYERS, counts
