@@ -475,18 +475,21 @@ class MooncakeConnector:
     def _miss(self, key: str, reason: str) -> None:
         # the loader's threads get at once: the table of failures is shared, as the counters are
         with self._lock:
-            self._counters[f"miss_{reason}"] = self._counters.get(f"miss_{reason}", 0) + 1
+            self._count_locked(f"miss_{reason}")
             self._failures.note(key, reason)
         return None
 
     def _hit(self, key: str) -> None:
         with self._lock:
-            self._counters["hits"] = self._counters.get("hits", 0) + 1
+            self._count_locked("hits")
             self._failures.pop(key, None)
 
     def _count(self, name: str, by: int = 1) -> None:
         with self._lock:
-            self._counters[name] = self._counters.get(name, 0) + by
+            self._count_locked(name, by)
+
+    def _count_locked(self, name: str, by: int = 1) -> None:
+        self._counters[name] = self._counters.get(name, 0) + by
 
     # -- both ------------------------------------------------------------------------------
 

@@ -48,7 +48,7 @@ from kvferry.app.bench.engine.served import (
     start_proxy,
     start_server,
 )
-from kvferry.app.bench.placement import instance_cpus
+from kvferry.app.bench.placement import InstanceCpus, instance_cpus
 
 __all__ = [
     "ROWS",
@@ -281,7 +281,7 @@ def _external(server: Served) -> dict[str, float]:
 
 
 class _ServeBench:
-    def __init__(self, args: argparse.Namespace, tmp: Path, err: TextIO) -> None:
+    def __init__(self, args: argparse.Namespace, tmp: Path, err: TextIO, cpus: InstanceCpus) -> None:
         self.args = args
         self.tmp = tmp
         self.err = err
@@ -291,7 +291,7 @@ class _ServeBench:
         self.model = tmp / "model"
         self.proxy = Path(args.proxy) if getattr(args, "proxy", None) else PROXY
         self.failures: list[str] = []
-        self.cpus = instance_cpus()
+        self.cpus = cpus
 
     def say(self, text: str) -> None:
         if not self.args.quiet:
@@ -561,6 +561,7 @@ def run_serve(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
         print(why, file=err)
         return 2
     started = time.monotonic()
+    cpus = instance_cpus()
     report: dict[str, Any] = {
         "engine": "vllm",
         "mode": "serve",
@@ -573,13 +574,13 @@ def run_serve(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
         "input_len": args.input_len,
         "output_len": args.output_len,
         "seed": args.seed,
-        "cores": {**instance_cpus().to_json(), "plain": instance_cpus().decode},
+        "cores": {**cpus.to_json(), "plain": cpus.decode},
         "load_before": _uptime(),
         "vllm": vllm_version(),
         "rows": {},
     }
     with tempfile.TemporaryDirectory(prefix="kvferry-bench-serve-") as tmp_name:
-        bench = _ServeBench(args, Path(tmp_name), err)
+        bench = _ServeBench(args, Path(tmp_name), err, cpus)
         bench.say("making the tiny model")
         make_serve_model(bench.py, bench.model, args.seed)
         for name in names:
