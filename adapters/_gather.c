@@ -40,6 +40,9 @@
 
 #define STREAM_MIN_PIECE 256
 
+/* The step kernels (copy128, copy4s) are inlined wherever they are used: see copy4s_avx512. */
+#define KVF_INLINE __attribute__((always_inline)) inline
+
 /* A copy this small keeps the GIL: releasing it lets another Python thread (a connector's
  * serving loop) take it, and getting it back costs more than the copy (a small request's send
  * call, interleaved A/B: 4 % faster holding it). Larger copies release it, so other threads run
@@ -246,10 +249,14 @@ static inline void prefetch_pages(const char *block, size_t nbytes) {
  * the steps follows from kvf_ahead (name##_stretch, name##_two_stretches, kvf_order):
  * measured at 64-byte offsets, one stretch walked forward ran 0.85-1.14x memcpy but for
  * 32-448 bytes ahead (0.20-0.57x), walked backward 0.81-0.99x but for 3712 and more (0.29-0.72x)
- * and 32 (0.51x); two stretches stepped together 0.93-1.29x at 256-3904 bytes
- * (docs/extraction.md, "Where the destination lies in a page"). */
+ * and 32 (0.51x); two stretches stepped together 0.93-1.29x at 256-3904 bytes. Those figures
+ * came from a build that kept copy4s's vectors on the stack (see copy4s_avx512). With them in
+ * registers (AMD EPYC Zen 3, AVX2, medians of 7 paired with memcpy): forward 1.03-1.07x at 0
+ * and 3584-4032, 0.16-0.56x at 32-512; backward 0.76-0.88x at 32-448, 0.22-0.46x at 3712 and
+ * more; stepped together 0.92-1.06x at 384-3968 but 0.37-0.44x at 256-320, hence the pair band
+ * from 384 (docs/extraction.md, "Where the destination lies in a page"). */
 #define KVF_BACKWARD_BELOW 512
-#define KVF_PAIR_LOW 256
+#define KVF_PAIR_LOW 384
 #define KVF_PAIR_HIGH (KVF_PAGE - 192)
 
 /* How far dst lies past src within a page: (dst - src) mod 4096. */
@@ -595,32 +602,45 @@ static inline void group_blocks(const struct walk *w, const char *src, Py_ssize_
         _mm_sfence();                                                                              \
     }
 
-__attribute__((target("avx512f"))) static inline void unit_avx512(char *dst, const char *src) {
+__attribute__((target("avx512f"))) static KVF_INLINE void unit_avx512(char *dst, const char *src) {
     _mm512_stream_si512((void *)dst, _mm512_loadu_si512((const void *)src));
 }
-__attribute__((target("avx512f"))) static inline void copy128_avx512(char *dst, const char *src) {
+__attribute__((target("avx512f"))) static KVF_INLINE void copy128_avx512(char *dst, const char *src) {
     __m512i a = _mm512_loadu_si512((const void *)src);
     __m512i b = _mm512_loadu_si512((const void *)(src + 64));
     _mm512_stream_si512((void *)dst, a);
     _mm512_stream_si512((void *)(dst + 64), b);
 }
 /* copy4s: 128 bytes from each of s[0..3], all read before any is written, to the same offset
- * of 4 consecutive destination pages (see kvf_ahead); copy4: from 4 consecutive source pages. */
-__attribute__((target("avx512f"))) static inline void copy4s_avx512(char *dst, const char *const *s) {
-    __m512i v[8];
-    for (int p = 0; p < 4; p++)
-        for (int k = 0; k < 2; k++)
-            v[2 * p + k] = _mm512_loadu_si512((const void *)(s[p] + 64 * k));
-    for (int p = 0; p < 4; p++)
-        for (int k = 0; k < 2; k++)
-            _mm512_stream_si512((void *)(dst + p * KVF_PAGE + 64 * k), v[2 * p + k]);
+ * of 4 consecutive destination pages (see kvf_ahead); copy4: from 4 consecutive source pages.
+ * Written out register by register and always inlined: as loops over an array of vectors, GCC
+ * 12 -O3 kept the loops where it inlined them into the whole-block kernel and put the array on
+ * the stack, so each step went through 512 bytes of stack (16 plain stores and 16 loads more),
+ * whose offset in a page, fixed by where the stack lay, 4K-aliased with the sources: 16 KiB
+ * blocks ran 0.67-0.74x memcpy at 256-3712 bytes ahead in one build and 0.96-1.06x in another
+ * of the same source that kept them in registers (docs/extraction.md). */
+#define KVF_LOAD2_512(v, p)                                                                        \
+    __m512i v##0 = _mm512_loadu_si512((const void *)(p));                                         \
+    __m512i v##1 = _mm512_loadu_si512((const void *)((p) + 64))
+#define KVF_STORE2_512(d, v)                                                                       \
+    _mm512_stream_si512((void *)(d), v##0);                                                        \
+    _mm512_stream_si512((void *)((d) + 64), v##1)
+__attribute__((target("avx512f"))) static KVF_INLINE void copy4s_avx512(char *dst, const char *const *s) {
+    KVF_LOAD2_512(a, s[0]);
+    KVF_LOAD2_512(b, s[1]);
+    KVF_LOAD2_512(c, s[2]);
+    KVF_LOAD2_512(e, s[3]);
+    KVF_STORE2_512(dst, a);
+    KVF_STORE2_512(dst + KVF_PAGE, b);
+    KVF_STORE2_512(dst + 2 * KVF_PAGE, c);
+    KVF_STORE2_512(dst + 3 * KVF_PAGE, e);
 }
 KVF_STREAM_KERNEL(gather_nt_avx512, "avx512f", 64, copy128_avx512, copy4s_avx512, unit_avx512)
 
-__attribute__((target("avx2"))) static inline void unit_avx2(char *dst, const char *src) {
+__attribute__((target("avx2"))) static KVF_INLINE void unit_avx2(char *dst, const char *src) {
     _mm256_stream_si256((__m256i *)dst, _mm256_loadu_si256((const __m256i *)src));
 }
-__attribute__((target("avx2"))) static inline void copy128_avx2(char *dst, const char *src) {
+__attribute__((target("avx2"))) static KVF_INLINE void copy128_avx2(char *dst, const char *src) {
     __m256i a = _mm256_loadu_si256((const __m256i *)src);
     __m256i b = _mm256_loadu_si256((const __m256i *)(src + 32));
     __m256i c = _mm256_loadu_si256((const __m256i *)(src + 64));
@@ -630,21 +650,33 @@ __attribute__((target("avx2"))) static inline void copy128_avx2(char *dst, const
     _mm256_stream_si256((__m256i *)(dst + 64), c);
     _mm256_stream_si256((__m256i *)(dst + 96), d);
 }
-__attribute__((target("avx2"))) static inline void copy4s_avx2(char *dst, const char *const *s) {
-    __m256i v[16]; /* the 16 vector registers AVX2 has */
-    for (int p = 0; p < 4; p++)
-        for (int k = 0; k < 4; k++)
-            v[4 * p + k] = _mm256_loadu_si256((const __m256i *)(s[p] + 32 * k));
-    for (int p = 0; p < 4; p++)
-        for (int k = 0; k < 4; k++)
-            _mm256_stream_si256((__m256i *)(dst + p * KVF_PAGE + 32 * k), v[4 * p + k]);
+/* The 16 vector registers AVX2 has: 4 of each source. */
+#define KVF_LOAD4_256(v, p)                                                                        \
+    __m256i v##0 = _mm256_loadu_si256((const __m256i *)(p));                                      \
+    __m256i v##1 = _mm256_loadu_si256((const __m256i *)((p) + 32));                               \
+    __m256i v##2 = _mm256_loadu_si256((const __m256i *)((p) + 64));                               \
+    __m256i v##3 = _mm256_loadu_si256((const __m256i *)((p) + 96))
+#define KVF_STORE4_256(d, v)                                                                       \
+    _mm256_stream_si256((__m256i *)(d), v##0);                                                     \
+    _mm256_stream_si256((__m256i *)((d) + 32), v##1);                                              \
+    _mm256_stream_si256((__m256i *)((d) + 64), v##2);                                              \
+    _mm256_stream_si256((__m256i *)((d) + 96), v##3)
+__attribute__((target("avx2"))) static KVF_INLINE void copy4s_avx2(char *dst, const char *const *s) {
+    KVF_LOAD4_256(a, s[0]);
+    KVF_LOAD4_256(b, s[1]);
+    KVF_LOAD4_256(c, s[2]);
+    KVF_LOAD4_256(e, s[3]);
+    KVF_STORE4_256(dst, a);
+    KVF_STORE4_256(dst + KVF_PAGE, b);
+    KVF_STORE4_256(dst + 2 * KVF_PAGE, c);
+    KVF_STORE4_256(dst + 3 * KVF_PAGE, e);
 }
 KVF_STREAM_KERNEL(gather_nt_avx2, "avx2", 32, copy128_avx2, copy4s_avx2, unit_avx2)
 
-__attribute__((target("sse2"))) static inline void unit_sse2(char *dst, const char *src) {
+__attribute__((target("sse2"))) static KVF_INLINE void unit_sse2(char *dst, const char *src) {
     _mm_stream_si128((__m128i *)dst, _mm_loadu_si128((const __m128i *)src));
 }
-__attribute__((target("sse2"))) static inline void copy128_sse2(char *dst, const char *src) {
+__attribute__((target("sse2"))) static KVF_INLINE void copy128_sse2(char *dst, const char *src) {
     for (int i = 0; i < 128; i += 64) {
         __m128i a = _mm_loadu_si128((const __m128i *)(src + i));
         __m128i b = _mm_loadu_si128((const __m128i *)(src + i + 16));
@@ -657,16 +689,29 @@ __attribute__((target("sse2"))) static inline void copy128_sse2(char *dst, const
     }
 }
 /* SSE2 has 16 registers, 256 bytes: 64 bytes of each of the 4 sources read, then written, twice. */
-__attribute__((target("sse2"))) static inline void copy4s_sse2(char *dst, const char *const *s) {
-    for (int half = 0; half < 128; half += 64) {
-        __m128i v[16];
-        for (int p = 0; p < 4; p++)
-            for (int k = 0; k < 4; k++)
-                v[4 * p + k] = _mm_loadu_si128((const __m128i *)(s[p] + half + 16 * k));
-        for (int p = 0; p < 4; p++)
-            for (int k = 0; k < 4; k++)
-                _mm_stream_si128((__m128i *)(dst + p * KVF_PAGE + half + 16 * k), v[4 * p + k]);
-    }
+#define KVF_LOAD4_128(v, p)                                                                        \
+    __m128i v##0 = _mm_loadu_si128((const __m128i *)(p));                                         \
+    __m128i v##1 = _mm_loadu_si128((const __m128i *)((p) + 16));                                  \
+    __m128i v##2 = _mm_loadu_si128((const __m128i *)((p) + 32));                                  \
+    __m128i v##3 = _mm_loadu_si128((const __m128i *)((p) + 48))
+#define KVF_STORE4_128(d, v)                                                                       \
+    _mm_stream_si128((__m128i *)(d), v##0);                                                        \
+    _mm_stream_si128((__m128i *)((d) + 16), v##1);                                                 \
+    _mm_stream_si128((__m128i *)((d) + 32), v##2);                                                 \
+    _mm_stream_si128((__m128i *)((d) + 48), v##3)
+__attribute__((target("sse2"))) static KVF_INLINE void copy4s_sse2_half(char *dst, const char *const *s, size_t half) {
+    KVF_LOAD4_128(a, s[0] + half);
+    KVF_LOAD4_128(b, s[1] + half);
+    KVF_LOAD4_128(c, s[2] + half);
+    KVF_LOAD4_128(e, s[3] + half);
+    KVF_STORE4_128(dst + half, a);
+    KVF_STORE4_128(dst + KVF_PAGE + half, b);
+    KVF_STORE4_128(dst + 2 * KVF_PAGE + half, c);
+    KVF_STORE4_128(dst + 3 * KVF_PAGE + half, e);
+}
+__attribute__((target("sse2"))) static KVF_INLINE void copy4s_sse2(char *dst, const char *const *s) {
+    copy4s_sse2_half(dst, s, 0);
+    copy4s_sse2_half(dst, s, 64);
 }
 KVF_STREAM_KERNEL(gather_nt_sse2, "sse2", 16, copy128_sse2, copy4s_sse2, unit_sse2)
 

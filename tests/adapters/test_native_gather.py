@@ -509,9 +509,9 @@ def _page_aligned(nbytes: int) -> torch.Tensor:
 
 #: How far a destination lies past its page-aligned source within a page: each order of steps
 #: the streaming kernels pick from it (adapters/_gather.c, kvf_ahead, kvf_order): forward four
-#: pages at a time (0 and 3904-4095), backward (1-511), two groups of four stepped together
-#: (256-3903), and the edges of each band.
-AHEAD = (0, 32, 64, 224, 256, 480, 512, 2048, 3872, 3904, 4032, 4064)
+#: pages at a time (0 and 3904-4095), backward (1-383 and, where a group is not all paired,
+#: 384-511), two groups of four stepped together (384-3903), and the edges of each band.
+AHEAD = (0, 32, 64, 256, 352, 384, 480, 512, 2048, 3872, 3904, 4032, 4064)
 
 
 @pytest.mark.parametrize("tokens", STRETCH_TOKENS)
