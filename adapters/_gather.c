@@ -405,20 +405,18 @@ static inline void group_blocks(const struct walk *w, const char *src, Py_ssize_
                         KVF_TILED_STORE(copy128, dsts, a, xa, sa, y, pshift, rshift, nsplit, reps),\
                         KVF_TILED_STORE(copy128, dsts, b, xb, sb, y, pshift, rshift, nsplit, reps))\
     }                                                                                              \
-    /* Tiled blocks of 1, 2 or 4 pages, 8, 4 or 2 of them read together (before: a 2-page block \
-     * was one stream of 2 pages). 512 scattered 8 KiB blocks split in two, one process, the     \
-     * builds alternated, medians of 40: 0.324-0.372 -> 0.237-0.240 ms a tensor; each slice      \
-     * written twice (replicated heads) 0.422-0.492 -> 0.408-0.411 ms; 4 KiB blocks (128-byte    \
-     * slices) no change (0.65-0.73 ms: not bound by the reads). */                              \
+    /* Tiled blocks of 1 page, 8 of them read together. Blocks of 2 or 4 pages were read 4 or  \
+     * 2 at a time too (measured faster on an earlier build); with copy4s in registers, on AMD  \
+     * EPYC Zen 3 (AVX2), 235 MB of scattered 16 KiB blocks split in two (512-byte slices), one \
+     * block at a time ran 0.82-0.95x memcpy against 0.55-0.80x two at a time (four placements \
+     * of the destinations, two processes each); split in four, each slice written twice,      \
+     * 0.85-0.90x against 0.78-0.90x; 8 KiB blocks split in two 1.30-1.42x against 1.13-1.41x  \
+     * (x memcpy of the bytes: 256-byte slices of a 117 MB cache). 4 KiB blocks (128-byte      \
+     * slices) 8 at a time 0.77-0.80x against 0.60-0.86x one at a time. */                     \
     __attribute__((target(isa))) static inline void name##_tiled_group(                           \
-        char **dsts, const char *const *b, size_t span, size_t part, int pshift, int rshift,      \
-        size_t nsplit, size_t reps) {                                                             \
-        if (span == KVF_PAGE)                                                                      \
-            KVF_TILED_GROUP(copy128, 8, 1, dsts, b, part, pshift, rshift, nsplit, reps);           \
-        else if (span == 2 * KVF_PAGE)                                                             \
-            KVF_TILED_GROUP(copy128, 4, 2, dsts, b, part, pshift, rshift, nsplit, reps);           \
-        else                                                                                       \
-            KVF_TILED_GROUP(copy128, 2, 4, dsts, b, part, pshift, rshift, nsplit, reps);           \
+        char **dsts, const char *const *b, size_t part, int pshift, int rshift, size_t nsplit,    \
+        size_t reps) {                                                                             \
+        KVF_TILED_GROUP(copy128, 8, 1, dsts, b, part, pshift, rshift, nsplit, reps);               \
     }                                                                                              \
     __attribute__((target(isa))) static inline void name##_tiled(char **dsts, const char *src,    \
                                                                  size_t span, int pshift,         \
@@ -466,14 +464,11 @@ static inline void group_blocks(const struct walk *w, const char *src, Py_ssize_
         if (w->nsplit && w->row_shift) {                                                           \
             size_t span = (size_t)w->d2 * (size_t)w->s2, part = (size_t)w->d2 * w->piece;          \
             for (Py_ssize_t i = 0; i < w->n; i++) {                                                \
-                Py_ssize_t group = span == KVF_PAGE       ? 8                                      \
-                                   : span == 2 * KVF_PAGE ? 4                                      \
-                                   : span == 4 * KVF_PAGE ? 2                                      \
-                                                          : 0;                                     \
-                if (group && i + group <= w->n) { /* blocks of a stretch or less: 8 pages at once */ \
+                Py_ssize_t group = span == KVF_PAGE ? 8 : 0;                                       \
+                if (group && i + group <= w->n) { /* blocks of one page: 8 at once */              \
                     const char *b[8];                                                              \
                     group_blocks(w, src, i, group, span, b);                                       \
-                    name##_tiled_group(w->dsts, b, span, part, w->piece_shift, w->row_shift,       \
+                    name##_tiled_group(w->dsts, b, part, w->piece_shift, w->row_shift,             \
                                        (size_t)w->nsplit, (size_t)w->replicas);                    \
                     for (Py_ssize_t j = 0; j < w->nsplit * w->replicas; j++)                       \
                         w->dsts[j] += group * part;                                                \
