@@ -251,8 +251,8 @@ static inline void prefetch_pages(const char *block, size_t nbytes) {
  * 32-448 bytes ahead (0.20-0.57x), walked backward 0.81-0.99x but for 3712 and more (0.29-0.72x)
  * and 32 (0.51x); two stretches stepped together 0.93-1.29x at 256-3904 bytes. Those figures
  * came from a build that kept copy4s's vectors on the stack (see copy4s_avx512). With them in
- * registers (AMD EPYC Zen 3, AVX2, medians of 7 paired with memcpy): forward 1.03-1.07x at 0
- * and 3584-4032, 0.16-0.56x at 32-512; backward 0.76-0.88x at 32-448, 0.22-0.46x at 3712 and
+ * registers (AMD EPYC Zen 3, AVX2, medians of 7 paired with memcpy): forward 1.01-1.07x at 0
+ * and 3584-4032, 0.16-0.92x at 32-640; backward 0.76-0.88x at 32-448, 0.22-0.46x at 3712 and
  * more; stepped together 0.92-1.06x at 384-3968 but 0.37-0.44x at 256-320, hence the pair band
  * from 384 (docs/extraction.md, "Where the destination lies in a page"). */
 #define KVF_BACKWARD_BELOW 512
@@ -408,7 +408,7 @@ static inline void group_blocks(const struct walk *w, const char *src, Py_ssize_
     /* Tiled blocks of 1 page, 8 of them read together. Blocks of 2 or 4 pages were read 4 or  \
      * 2 at a time too (measured faster on an earlier build); with copy4s in registers, on AMD  \
      * EPYC Zen 3 (AVX2), 235 MB of scattered 16 KiB blocks split in two (512-byte slices), one \
-     * block at a time ran 0.82-0.95x memcpy against 0.55-0.80x two at a time (four placements \
+     * block at a time ran 0.82-0.95x memcpy against 0.55-0.80x two at a time (five placements \
      * of the destinations, two processes each); split in four, each slice written twice,      \
      * 0.85-0.90x against 0.78-0.90x; 8 KiB blocks split in two 1.30-1.42x against 1.13-1.41x  \
      * (x memcpy of the bytes: 256-byte slices of a 117 MB cache). 4 KiB blocks (128-byte      \
@@ -610,10 +610,10 @@ __attribute__((target("avx512f"))) static KVF_INLINE void copy128_avx512(char *d
  * of 4 consecutive destination pages (see kvf_ahead); copy4: from 4 consecutive source pages.
  * Written out register by register and always inlined: as loops over an array of vectors, GCC
  * 12 -O3 kept the loops where it inlined them into the whole-block kernel and put the array on
- * the stack, so each step went through 512 bytes of stack (16 plain stores and 16 loads more),
- * whose offset in a page, fixed by where the stack lay, 4K-aliased with the sources: 16 KiB
- * blocks ran 0.67-0.74x memcpy at 256-3712 bytes ahead in one build and 0.96-1.06x in another
- * of the same source that kept them in registers (docs/extraction.md). */
+ * the stack, so each step went through 512 bytes of stack (16 plain stores and 16 loads more,
+ * beside the 16 streaming stores): 16 KiB blocks ran 0.67-0.74x memcpy at 512-3712 bytes ahead
+ * in that build (six processes) and 0.96-1.06x in a build of the same source with one more
+ * global test in it, which kept them in registers (docs/extraction.md). */
 #define KVF_LOAD2_512(v, p)                                                                        \
     __m512i v##0 = _mm512_loadu_si512((const void *)(p));                                         \
     __m512i v##1 = _mm512_loadu_si512((const void *)((p) + 64))
