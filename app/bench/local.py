@@ -70,8 +70,8 @@ def timed_pairs(limit: Callable[[], float], fn: Callable[[], Any], reps: int, wa
 #: aliasing (docs/extraction.md); glibc's memcpy of 235 MB measured (AMD EPYC Zen 3, huge
 #: pages, medians of 7) 13.2-13.6 ms at 0 and 1024-4032 bytes, 60.9 ms at 64, 63.8 at 128, 46.7
 #: at 256, 33.8 at 512. Two buffers of torch's own usually both start 64 bytes into a page (0
-#: apart), but not always: one run of ``kvferry bench --runs 3`` drew 64-128 and timed memcpy
-#: at 61 ms, every ratio over it 4x too kind. The limit is the machine's copy at its best, so
+#: apart), but not always: one run of ``kvferry bench --runs 3`` timed memcpy at 61 ms in every
+#: repetition, every ratio over it 4x too kind. The limit is the machine's copy at its best, so
 #: its buffers are placed: the source on a page boundary, the destination this far past one.
 MEMCPY_AHEAD = 2048
 
