@@ -620,16 +620,20 @@ __attribute__((target("avx512f"))) static KVF_INLINE void copy128_avx512(char *d
 #define KVF_STORE2_512(d, v)                                                                       \
     _mm512_stream_si512((void *)(d), v##0);                                                        \
     _mm512_stream_si512((void *)((d) + 64), v##1)
-__attribute__((target("avx512f"))) static KVF_INLINE void copy4s_avx512(char *dst, const char *const *s) {
-    KVF_LOAD2_512(a, s[0]);
-    KVF_LOAD2_512(b, s[1]);
-    KVF_LOAD2_512(c, s[2]);
-    KVF_LOAD2_512(e, s[3]);
-    KVF_STORE2_512(dst, a);
-    KVF_STORE2_512(dst + KVF_PAGE, b);
-    KVF_STORE2_512(dst + 2 * KVF_PAGE, c);
-    KVF_STORE2_512(dst + 3 * KVF_PAGE, e);
-}
+/* copy4s for one instruction set from its LOAD and STORE macros (4 sources' bytes into named
+ * registers, then streamed out to 4 consecutive destination pages). */
+#define KVF_DEFINE_COPY4S(name, isa, LOAD, STORE)                                                  \
+    __attribute__((target(isa))) static KVF_INLINE void name(char *dst, const char *const *s) {   \
+        LOAD(a, s[0]);                                                                             \
+        LOAD(b, s[1]);                                                                             \
+        LOAD(c, s[2]);                                                                             \
+        LOAD(e, s[3]);                                                                             \
+        STORE(dst, a);                                                                             \
+        STORE(dst + KVF_PAGE, b);                                                                  \
+        STORE(dst + 2 * KVF_PAGE, c);                                                              \
+        STORE(dst + 3 * KVF_PAGE, e);                                                              \
+    }
+KVF_DEFINE_COPY4S(copy4s_avx512, "avx512f", KVF_LOAD2_512, KVF_STORE2_512)
 KVF_STREAM_KERNEL(gather_nt_avx512, "avx512f", 64, copy128_avx512, copy4s_avx512, unit_avx512)
 
 __attribute__((target("avx2"))) static KVF_INLINE void unit_avx2(char *dst, const char *src) {
@@ -656,16 +660,7 @@ __attribute__((target("avx2"))) static KVF_INLINE void copy128_avx2(char *dst, c
     _mm256_stream_si256((__m256i *)((d) + 32), v##1);                                              \
     _mm256_stream_si256((__m256i *)((d) + 64), v##2);                                              \
     _mm256_stream_si256((__m256i *)((d) + 96), v##3)
-__attribute__((target("avx2"))) static KVF_INLINE void copy4s_avx2(char *dst, const char *const *s) {
-    KVF_LOAD4_256(a, s[0]);
-    KVF_LOAD4_256(b, s[1]);
-    KVF_LOAD4_256(c, s[2]);
-    KVF_LOAD4_256(e, s[3]);
-    KVF_STORE4_256(dst, a);
-    KVF_STORE4_256(dst + KVF_PAGE, b);
-    KVF_STORE4_256(dst + 2 * KVF_PAGE, c);
-    KVF_STORE4_256(dst + 3 * KVF_PAGE, e);
-}
+KVF_DEFINE_COPY4S(copy4s_avx2, "avx2", KVF_LOAD4_256, KVF_STORE4_256)
 KVF_STREAM_KERNEL(gather_nt_avx2, "avx2", 32, copy128_avx2, copy4s_avx2, unit_avx2)
 
 __attribute__((target("sse2"))) static KVF_INLINE void unit_sse2(char *dst, const char *src) {
@@ -694,19 +689,11 @@ __attribute__((target("sse2"))) static KVF_INLINE void copy128_sse2(char *dst, c
     _mm_stream_si128((__m128i *)((d) + 16), v##1);                                                 \
     _mm_stream_si128((__m128i *)((d) + 32), v##2);                                                 \
     _mm_stream_si128((__m128i *)((d) + 48), v##3)
-__attribute__((target("sse2"))) static KVF_INLINE void copy4s_sse2_half(char *dst, const char *const *s, size_t half) {
-    KVF_LOAD4_128(a, s[0] + half);
-    KVF_LOAD4_128(b, s[1] + half);
-    KVF_LOAD4_128(c, s[2] + half);
-    KVF_LOAD4_128(e, s[3] + half);
-    KVF_STORE4_128(dst + half, a);
-    KVF_STORE4_128(dst + KVF_PAGE + half, b);
-    KVF_STORE4_128(dst + 2 * KVF_PAGE + half, c);
-    KVF_STORE4_128(dst + 3 * KVF_PAGE + half, e);
-}
+KVF_DEFINE_COPY4S(copy4s_sse2_64, "sse2", KVF_LOAD4_128, KVF_STORE4_128)
 __attribute__((target("sse2"))) static KVF_INLINE void copy4s_sse2(char *dst, const char *const *s) {
-    copy4s_sse2_half(dst, s, 0);
-    copy4s_sse2_half(dst, s, 64);
+    const char *second[4] = {s[0] + 64, s[1] + 64, s[2] + 64, s[3] + 64};
+    copy4s_sse2_64(dst, s);
+    copy4s_sse2_64(dst + 64, second);
 }
 KVF_STREAM_KERNEL(gather_nt_sse2, "sse2", 16, copy128_sse2, copy4s_sse2, unit_sse2)
 
