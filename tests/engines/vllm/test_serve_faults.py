@@ -51,6 +51,7 @@ LOAD_TIMEOUT_S = 5.0
 LEASE_S = 10.0
 LAYERS = 4
 LOAD_THREADS = 2  # the decode's load pool (ConnectorSettings.load_threads' default)
+RELEASE_THREADS = 1  # a process's thread for releases the garbage collector queues (pool_buffer)
 STARTUP_S = 400
 LOAD_LENGTHS = [64 + i * (2040 - 64) // 63 for i in range(64)]
 #: this module's shm namespace: its segments and sockets are its own (other suites may run)
@@ -347,11 +348,13 @@ def test_a_64_stream_load_leaves_nothing_held(cluster: Cluster) -> None:
     # /dev/shm: the two live pools' segments, no other
     segs = _segments()
     assert len(segs) == 2 and all(segs.values()), segs
-    # threads: each prefill at its idle number; the decode's load pool (threads made on first
-    # use, kept) at most its size more
+    # threads: each prefill at its idle number; the decode at most its load pool's size more
+    # (threads made on first use, kept) and the process's one release thread (kvferry-gc-release,
+    # started when the first received buffer is tied to its tensors: pool_buffer.tie_region).
+    # CI on an AVX2-only host saw 0 -> 3: both load threads and the release thread
     now = {k: _threads(_metrics(s)) for k, s in c.servers.items()}
     assert now["prefill1"] == idle["prefill1"] and now["prefill2"] == idle["prefill2"], (idle, now)
-    assert idle["decode"] <= now["decode"] <= idle["decode"] + LOAD_THREADS, (idle, now)
+    assert idle["decode"] <= now["decode"] <= idle["decode"] + LOAD_THREADS + RELEASE_THREADS, (idle, now)
     c.timings["decode_threads_after_load"] = now["decode"]
     ttft = sorted(o.end - o.start for o in got)
     _report(
