@@ -650,16 +650,19 @@ __attribute__((target("avx2"))) static KVF_INLINE void copy128_avx2(char *dst, c
     _mm256_stream_si256((__m256i *)(dst + 96), d);
 }
 /* The 16 vector registers AVX2 has: 4 of each source. */
-#define KVF_LOAD4_256(v, p)                                                                        \
-    __m256i v##0 = _mm256_loadu_si256((const __m256i *)(p));                                      \
-    __m256i v##1 = _mm256_loadu_si256((const __m256i *)((p) + 32));                               \
-    __m256i v##2 = _mm256_loadu_si256((const __m256i *)((p) + 64));                               \
-    __m256i v##3 = _mm256_loadu_si256((const __m256i *)((p) + 96))
-#define KVF_STORE4_256(d, v)                                                                       \
-    _mm256_stream_si256((__m256i *)(d), v##0);                                                     \
-    _mm256_stream_si256((__m256i *)((d) + 32), v##1);                                              \
-    _mm256_stream_si256((__m256i *)((d) + 64), v##2);                                              \
-    _mm256_stream_si256((__m256i *)((d) + 96), v##3)
+/* 4 vectors of type T from p (w bytes each) into v0..v3; the 4 streamed out to d. */
+#define KVF_LOAD4(T, load, w, v, p)                                                                \
+    T v##0 = load((const T *)(p));                                                                 \
+    T v##1 = load((const T *)((p) + (w)));                                                         \
+    T v##2 = load((const T *)((p) + 2 * (w)));                                                     \
+    T v##3 = load((const T *)((p) + 3 * (w)))
+#define KVF_STORE4(T, stream, w, d, v)                                                             \
+    stream((T *)(d), v##0);                                                                        \
+    stream((T *)((d) + (w)), v##1);                                                                \
+    stream((T *)((d) + 2 * (w)), v##2);                                                            \
+    stream((T *)((d) + 3 * (w)), v##3)
+#define KVF_LOAD4_256(v, p) KVF_LOAD4(__m256i, _mm256_loadu_si256, 32, v, p)
+#define KVF_STORE4_256(d, v) KVF_STORE4(__m256i, _mm256_stream_si256, 32, d, v)
 KVF_DEFINE_COPY4S(copy4s_avx2, "avx2", KVF_LOAD4_256, KVF_STORE4_256)
 KVF_STREAM_KERNEL(gather_nt_avx2, "avx2", 32, copy128_avx2, copy4s_avx2, unit_avx2)
 
@@ -679,16 +682,8 @@ __attribute__((target("sse2"))) static KVF_INLINE void copy128_sse2(char *dst, c
     }
 }
 /* SSE2 has 16 registers, 256 bytes: 64 bytes of each of the 4 sources read, then written, twice. */
-#define KVF_LOAD4_128(v, p)                                                                        \
-    __m128i v##0 = _mm_loadu_si128((const __m128i *)(p));                                         \
-    __m128i v##1 = _mm_loadu_si128((const __m128i *)((p) + 16));                                  \
-    __m128i v##2 = _mm_loadu_si128((const __m128i *)((p) + 32));                                  \
-    __m128i v##3 = _mm_loadu_si128((const __m128i *)((p) + 48))
-#define KVF_STORE4_128(d, v)                                                                       \
-    _mm_stream_si128((__m128i *)(d), v##0);                                                        \
-    _mm_stream_si128((__m128i *)((d) + 16), v##1);                                                 \
-    _mm_stream_si128((__m128i *)((d) + 32), v##2);                                                 \
-    _mm_stream_si128((__m128i *)((d) + 48), v##3)
+#define KVF_LOAD4_128(v, p) KVF_LOAD4(__m128i, _mm_loadu_si128, 16, v, p)
+#define KVF_STORE4_128(d, v) KVF_STORE4(__m128i, _mm_stream_si128, 16, d, v)
 KVF_DEFINE_COPY4S(copy4s_sse2_64, "sse2", KVF_LOAD4_128, KVF_STORE4_128)
 __attribute__((target("sse2"))) static KVF_INLINE void copy4s_sse2(char *dst, const char *const *s) {
     const char *second[4] = {s[0] + 64, s[1] + 64, s[2] + 64, s[3] + 64};
