@@ -33,7 +33,16 @@ from kvferry.app.bench.payload import (
 )
 from kvferry.core.errors import TransferError
 
-__all__ = ["MEMCPY_AHEAD", "placed", "timed", "timed_pairs", "memcpy_step", "measure_memcpy", "measure_local"]
+__all__ = [
+    "MEMCPY_AHEAD",
+    "placed",
+    "memcpy_buffers",
+    "timed",
+    "timed_pairs",
+    "memcpy_step",
+    "measure_memcpy",
+    "measure_local",
+]
 
 
 def timed(fn: Callable[[], Any], reps: int, warmup: int, clock: Callable[[], float] = time.perf_counter) -> Stat:
@@ -84,7 +93,7 @@ def placed(nbytes: int, offset: int, fill: int) -> torch.Tensor:
     return raw[skip : skip + nbytes]
 
 
-def _memcpy_buffers(nbytes: int, huge_pages: bool) -> tuple[torch.Tensor, torch.Tensor]:
+def memcpy_buffers(nbytes: int, huge_pages: bool) -> tuple[torch.Tensor, torch.Tensor]:
     """The limit's source and destination, touched, the destination :data:`MEMCPY_AHEAD`
     bytes past the source within a page; with ``huge_pages`` on huge pages as the caches it is
     compared with (:func:`kvferry.adapters.platform.advise_huge_pages`)."""
@@ -98,7 +107,7 @@ def _memcpy_buffers(nbytes: int, huge_pages: bool) -> tuple[torch.Tensor, torch.
 def memcpy_step(nbytes: int, huge_pages: bool = False) -> Callable[[], float]:
     """One repetition of the memcpy limit per call (the buffers of :func:`measure_memcpy`,
     allocated and touched once): returns its seconds."""
-    src, dst = _memcpy_buffers(nbytes, huge_pages)
+    src, dst = memcpy_buffers(nbytes, huge_pages)
     s, d = src.data_ptr(), dst.data_ptr()
 
     def step(buffers: tuple[torch.Tensor, torch.Tensor] = (src, dst)) -> float:  # keeps both alive
@@ -117,7 +126,7 @@ def measure_memcpy(
 ) -> Stat:
     """Single-thread ``memcpy`` (``ctypes.memmove``) of ``nbytes`` into a reused, touched buffer
     (timed by ``clock``, see :func:`timed`; ``huge_pages``: both buffers on huge pages)."""
-    src, dst = _memcpy_buffers(nbytes, huge_pages)
+    src, dst = memcpy_buffers(nbytes, huge_pages)
     s, d = src.data_ptr(), dst.data_ptr()
     stat = timed(lambda: ctypes.memmove(d, s, nbytes), reps, warmup, clock)
     if not torch.equal(src[-4096:], dst[-4096:]):

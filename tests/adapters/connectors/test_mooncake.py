@@ -627,6 +627,7 @@ def test_an_idle_channel_to_a_sender_that_died_fails_promptly(make) -> None:
         receiver.get_blocking("0", "1", "gone", meta, timeout_s=10.0)
     assert time.monotonic() - start < SENDER_DOWN_GRACE_S + 2.0  # deadline: 10 s
     assert receiver.last_failure("gone") == "sender_gone"
+    assert receiver.health()["room"] == 1 << 20  # the failed get holds no room of the receiver's pool
 
 
 def test_pool_buffer_release_is_idempotent_and_returns_the_room(make) -> None:

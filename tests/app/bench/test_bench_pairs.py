@@ -7,10 +7,11 @@ import math
 import statistics
 
 import pytest
+import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
-from kvferry.app.bench.local import MEMCPY_AHEAD, _memcpy_buffers, memcpy_step, placed, timed_pairs
+from kvferry.app.bench.local import MEMCPY_AHEAD, memcpy_buffers, memcpy_step, placed, timed_pairs
 from kvferry.app.bench.model import Target
 from kvferry.app.bench.pairs import MAX_SPREAD, paired_ratio, relative_spread, runs_verdict, verdict
 from kvferry.core.errors import ConfigError
@@ -150,12 +151,16 @@ def test_a_placed_buffer_starts_where_asked_in_a_page_and_is_filled(nbytes: int,
     assert bool((buf == fill).all())
 
 
-def test_the_memcpy_limit_copies_between_placed_buffers() -> None:
+@pytest.mark.parametrize("huge_pages", [False, True])
+def test_the_memcpy_limit_copies_between_placed_buffers(huge_pages: bool) -> None:
     """The limit's destination lies MEMCPY_AHEAD bytes past its source within a page, wherever
-    the allocator put them (a few lines past stalls glibc's memcpy 2.5-4.5x: 4K aliasing)."""
-    src, dst = _memcpy_buffers(1 << 20, huge_pages=False)
+    the allocator put them (a few lines past stalls glibc's memcpy 2.5-4.5x: 4K aliasing), on
+    huge pages or not; a step copies the source's bytes over the destination's."""
+    nbytes = 3 << 20
+    src, dst = memcpy_buffers(nbytes, huge_pages=huge_pages)
+    assert src.numel() == dst.numel() == nbytes
     assert src.data_ptr() % 4096 == 0
     assert (dst.data_ptr() - src.data_ptr()) % 4096 == MEMCPY_AHEAD
-    assert 512 <= MEMCPY_AHEAD <= 4096 - 512  # outside the bands where a copy stalls
-    step = memcpy_step(1 << 20)
-    assert step() > 0
+    assert not torch.equal(src, dst)  # filled differently: a copy shows
+    step = memcpy_step(nbytes, huge_pages)
+    assert step() > 0  # (memcpy_step checks its own first copy and raises if it moved nothing)
