@@ -36,6 +36,7 @@ from kvferry.adapters.paged_cache import (
     gather_slices,
     plan_extraction,
 )
+from kvferry.adapters.payload_lane import gather_payload
 from kvferry.adapters.torch_frames import (
     dest_spans,
     encode_bytes,
@@ -153,6 +154,8 @@ class SendPath:
     _is_reservable: Implements = attrs.field(init=False, factory=lambda: Implements(Reservable))
     _takes_frames: Implements = attrs.field(init=False, factory=lambda: Implements(FramesPut))
     _templates: dict[tuple, Any] = attrs.field(init=False, factory=dict)  # see _layout
+    #: payload template -> its native copies over this sender's cache (adapters.payload_lane)
+    _lanes: dict[int, Any] = attrs.field(init=False, factory=dict)
     #: The last request's cache geometry: the next request of the same cache plans with it.
     _geometry: CacheGeometry | None = attrs.field(init=False, default=None, repr=False)
 
@@ -414,11 +417,12 @@ class SendPath:
                 shared = [None] * len(items)
             else:
                 written, copies = gathered, 1
-            views = [dest_spans(reservations[i].buffer, layouts[i]) for i in written]
-            dests = [(v[: items[i][0].num_layers], v[items[i][0].num_layers :]) for v, i in zip(views, written)]
-            if len(written) == 1:
-                items[written[0]][0].gather_all(dests[0])
+            if len(written) == 1:  # one payload: its template's native copies, prepared once
+                i = written[0]
+                gather_payload(items[i][0], reservations[i].buffer, layouts[i], self._lanes)
             else:
+                views = [dest_spans(reservations[i].buffer, layouts[i]) for i in written]
+                dests = [(v[: items[i][0].num_layers], v[items[i][0].num_layers :]) for v, i in zip(views, written)]
                 gather_slices([items[i][0] for i in gathered], dests, copies)
             for i, k in enumerate(shared):
                 if k is not None:  # same tensors, same offsets from the data start: one copy
