@@ -1,23 +1,25 @@
-"""A whole payload's native copies, prepared once per cache and payload template.
+"""A whole payload's native copies, prepared once per cache.
 
 Gathering a request into a payload buffer the general way costs Python per tensor:
 :func:`~kvferry.adapters.torch_frames.dest_spans` makes a span per tensor, then
 :meth:`~kvferry.adapters.paged_cache.ExtractionPlan.gather_all` checks each destination,
 chooses each tensor's method and prepares its native call. About 5 us a tensor when warm, twice
 that after an idle wait, on a model of 28 layers 56 times over (docs/benchmarks.md, "Where the
-shm path's time goes"). Almost all of it is the same for every request of a cache: the blocks'
-addresses, the walk over a block, where each tensor lies from the payload's data start.
+shm path's time goes"). Most of it is the same for every request of a cache: where each
+tensor's blocks are, how a block is walked, how a partial last block of so many tokens is.
 
-A :class:`PayloadLane` keeps those, made once by the general path's own checks and calls, and
-serves every later request that it fits (:meth:`PayloadLane.fits`): the same payload template
-(its descriptors, by identity: the same dtypes, shapes and offsets), the same cache views (the
-plan's gathers read the lane's blocks, by identity: a cache that changed gets a new geometry and
-so new views), one shared selection of blocks, the same split into whole blocks and a tail,
-torch still single-threaded (the general path's choice of the native copy) and the native
-extension still the one it was made with. A request then costs its block ids' address, one
-range check of the ids against every tensor's block count, and the native calls themselves.
-Anything it does not fit takes the general path (:func:`gather_payload`), which stays the
-reference: the bytes written are the same either way (tests/adapters/test_payload_lane.py).
+A :class:`PayloadLane` keeps those for one cache's views (the block views of its
+:class:`~kvferry.adapters.paged_cache.CacheGeometry`) and serves every later request that it
+fits (:meth:`PayloadLane.fits`): the plan's gathers read the lane's views (by identity: a cache
+that changed gets a new geometry and so new views), all with one selection of blocks; torch
+still on one thread (where the general path picks the native copy) and the extension still the
+one it was made with; a payload template (by identity) the general path's checks passed once
+for that many tokens; a buffer that holds the payload, with the tensors' data start aligned for
+the widest dtype; every block id inside every tensor's view. A request then costs that check
+and the native calls, two a tensor at most (the whole blocks, the partial last one), each with
+the destination read from the layout's spans. Anything it does not fit takes the general path
+(:func:`gather_payload`), which stays the reference: the bytes written are the same either way
+(tests/adapters/test_payload_lane.py).
 """
 
 from __future__ import annotations
@@ -30,99 +32,92 @@ import torch
 
 from kvferry.adapters import paged_gather
 from kvferry.adapters.paged_cache import ExtractionPlan
-from kvferry.adapters.paged_gather import HostSpan, TensorGather
+from kvferry.adapters.paged_gather import BlockSite, HostSpan, TensorGather
 from kvferry.adapters.torch_frames import dest_spans
 from kvferry.core.header import PayloadLayout
 
-__all__ = ["PayloadLane", "gather_payload", "LANES_KEPT"]
+__all__ = ["PayloadLane", "gather_payload", "TEMPLATES_KEPT"]
 
-#: Lanes a caller keeps (one per payload template; all dropped when full).
-LANES_KEPT = 64
+#: Payload templates a lane remembers as checked (all forgotten when full).
+TEMPLATES_KEPT = 64
+#: The key of a caller's lane in the mapping :func:`gather_payload` keeps it in (one lane: the
+#: views of the cache last sent from; a lane of another cache is replaced, not kept beside it,
+#: so an old cache is not held alive by it).
+LANE_KEY = "lane"
 
 
-@attrs.frozen(eq=False)
+@attrs.define(eq=False)
 class PayloadLane:
-    """The native copies of one payload template over one cache's views (see the module doc).
+    """The native copies of every tensor of one cache's payloads (see the module doc).
 
-    ``entries``: the template's descriptors (``layout.header.tensors``, compared by identity);
-    ``blocks``: each present tensor's cache view in wire order (by identity); ``full``: per
-    tensor ``(offset from the data start, source address, the rest of its whole-block call
-    after the block count)``, empty without whole blocks; ``tail``: per tensor ``(offset from
-    the data start, cache view address, block stride, the rest of its tail call)``, empty
-    without a tail; ``unit``: the widest dtype's size (the data start must be a multiple of it,
-    as :func:`~kvferry.adapters.torch_frames.dest_spans` requires for its spans);
-    ``min_blocks``: the fewest blocks any tensor's view holds (every id must be below it)."""
+    ``sites``: each present tensor's block site in wire order (keys, then values; absent layers
+    left out) and ``blocks`` their views (compared by identity with a plan's gathers); ``full``:
+    per tensor the whole-block copy's arguments after the destination, source address, ids and
+    count (``nblocks, block_stride, d0, s0, d1, s1, d2, s2, piece``) and its block's bytes;
+    ``unit``: the widest dtype's size; ``min_blocks``: the fewest blocks a view holds."""
 
-    entries: Any = attrs.field(repr=False)
+    sites: tuple[BlockSite, ...] = attrs.field(repr=False)
     blocks: tuple[torch.Tensor, ...] = attrs.field(repr=False)
     native: Any = attrs.field(repr=False)
-    full_blocks: int
-    tail_tokens: int
-    full: tuple[tuple[int, int, tuple[Any, ...]], ...] = attrs.field(repr=False)
-    tail: tuple[tuple[int, int, int, tuple[Any, ...]], ...] = attrs.field(repr=False)
+    full: tuple[tuple[int, tuple[int, ...], int], ...] = attrs.field(repr=False)
     unit: int
     min_blocks: int
+    #: tail tokens -> per tensor the partial block's walk (``d0, s0, d1, s1, d2, s2, piece``)
+    _tails: dict[int, tuple[tuple[int, ...], ...] | None] = attrs.field(init=False, factory=dict, repr=False)
+    #: id(template descriptors) -> (descriptors, tokens, positions of the present tensors)
+    _templates: dict[int, tuple[Any, int, tuple[int, ...]]] = attrs.field(init=False, factory=dict, repr=False)
 
     @classmethod
-    def of(cls, plan: ExtractionPlan, buffer: torch.Tensor, layout: PayloadLayout) -> PayloadLane | None:
-        """The lane of ``plan``'s template over its cache, made from the general path's own
-        spans, checks and native calls for ``buffer``; None when some tensor would not be
-        gathered natively into it, or the plan's tensors do not share one selection of blocks."""
+    def of(cls, plan: ExtractionPlan) -> PayloadLane | None:
+        """The lane of the cache ``plan`` reads (its geometry's views); None when the general
+        path would not copy every tensor natively to a host buffer, or the plan is not one
+        selection of blocks over its geometry's views."""
         native = paged_gather._native
-        if native is None or torch.get_num_threads() > paged_gather.NATIVE_MAX_THREADS:
-            return None  # torch's copies: the general path
+        geometry = plan.geometry
         gathers = _present(plan)
-        unit = max((g.dtype.itemsize for g in gathers), default=1)
-        if not gathers or buffer.device.type != "cpu" or (buffer.storage_offset() + layout.data_start) % unit:
+        if native is None or geometry is None or not gathers or not _one_thread():
             return None
         first = gathers[0]
-        if any(not _same_selection(g, first) for g in gathers):
-            return None
-        places = dest_spans(buffer, layout)
-        tensors = plan.tensors()
-        if len(places) != len(tensors) or any((g is None) != (s is None) for g, s in zip(tensors, places)):
-            return None  # the general path names what does not match
-        spans = [s for s in places if s is not None]
-        if any(type(s) is not HostSpan for s in spans):
-            return None
-        base = buffer.data_ptr() + layout.data_start
-        full: list[tuple[int, int, tuple[Any, ...]]] = []
-        tail: list[tuple[int, int, int, tuple[Any, ...]]] = []
-        for gather, span in zip(gathers, spans):
-            gather.check_out(span)
-            if gather.choose_method(span.device) != "native":
+        cpu = torch.device("cpu")
+        sites: list[BlockSite] = []
+        full: list[tuple[int, tuple[int, ...], int]] = []
+        for gather in gathers:
+            site = geometry.site(gather.layer, gather.which)
+            if site is None or site.blocks is not gather.blocks or not _same_selection(gather, first):
                 return None
-            calls = gather.native_calls(span)
-            if gather.full_blocks:
-                fn, args = calls[0]
-                if fn is not native.gather:
-                    return None
-                full.append((args[0] - base, args[1], args[4:]))
-            if gather.tail_tokens:
-                fn, args = calls[-1]
-                if fn is not native.gather:
-                    return None
-                stride = args[5]
-                tail.append((args[0] - base, gather.blocks.data_ptr(), stride, args[6:]))
+            layout = site.layout(gather.tail_tokens)
+            if layout is None or gather.choose_method(cpu) != "native":
+                return None
+            sites.append(site)
+            walk = (int(gather.blocks.shape[0]), layout.block_stride, *layout.full)
+            full.append((gather.blocks.data_ptr(), walk, layout.block_bytes))
         return cls(
-            layout.header.tensors,
+            tuple(sites),
             tuple(g.blocks for g in gathers),
             native,
-            first.full_blocks,
-            first.tail_tokens,
             tuple(full),
-            tuple(tail),
-            unit,
+            max(g.dtype.itemsize for g in gathers),
             min(int(g.blocks.shape[0]) for g in gathers),
         )
 
+    def reads(self, plan: ExtractionPlan) -> bool:
+        """Whether ``plan``'s gathers are this lane's views with one selection of blocks, and
+        the native copy is still the general path's choice for them."""
+        if paged_gather._native is not self.native or not _one_thread():
+            return False
+        gathers = _present(plan)
+        if len(gathers) != len(self.blocks):
+            return False
+        first = gathers[0]
+        return all(g.blocks is b and _same_selection(g, first) for g, b in zip(gathers, self.blocks))
+
     def fits(self, plan: ExtractionPlan, buffer: torch.Tensor, layout: PayloadLayout) -> bool:
-        """Whether :meth:`run` writes what the general path would for this request."""
+        """Whether :meth:`run` writes what the general path would for this request (``plan``
+        already :meth:`reads` this lane's views). A template seen for the first time with this
+        many tokens is checked the general path's way (its spans, each tensor's destination)
+        and remembered."""
         if (
-            layout.header.tensors is not self.entries
-            or paged_gather._native is not self.native
-            or torch.get_num_threads() > paged_gather.NATIVE_MAX_THREADS
-            or buffer.device.type != "cpu"
+            buffer.device.type != "cpu"
             or buffer.dtype != torch.uint8
             or buffer.dim() != 1
             or (buffer.numel() > 1 and buffer.stride(0) != 1)
@@ -130,64 +125,97 @@ class PayloadLane:
             or (buffer.storage_offset() + layout.data_start) % self.unit
         ):
             return False
-        gathers = _present(plan)
-        if len(gathers) != len(self.blocks):
-            return False
-        first = gathers[0]
-        if first.full_blocks != self.full_blocks or first.tail_tokens != self.tail_tokens:
-            return False
-        for gather, blocks in zip(gathers, self.blocks):
-            if gather.blocks is not blocks or not _same_selection(gather, first):
+        first = _present(plan)[0]
+        entries = layout.header.tensors
+        known = self._templates.get(id(entries))
+        if known is None or known[0] is not entries or known[1] != first.tokens:
+            present = self._check_template(plan, buffer, layout)
+            if present is None:
                 return False
-        picked = first.block_ids[: self.full_blocks + (1 if self.tail_tokens else 0)]
+            if len(self._templates) >= TEMPLATES_KEPT:
+                self._templates.clear()
+            self._templates[id(entries)] = (entries, first.tokens, present)
+        if first.tail_tokens and self._tail(first.tail_tokens) is None:
+            return False
+        picked = first.block_ids[: first.full_blocks + (1 if first.tail_tokens else 0)]
         return not picked or (min(picked) >= 0 and max(picked) < self.min_blocks)
 
     def run(self, plan: ExtractionPlan, buffer: torch.Tensor, layout: PayloadLayout) -> None:
         """Gather every tensor of ``plan`` into ``buffer`` at ``layout``'s spans (only after
-        :meth:`fits` said yes: nothing is checked again here)."""
+        :meth:`reads` and :meth:`fits` said yes: nothing is checked again here)."""
         first = _present(plan)[0]
-        base = buffer.data_ptr() + layout.data_start
-        gather = self.native.gather
-        if self.full:
-            ids, n = first.index.address(), self.full_blocks
-            for offset, src, rest in self.full:
-                gather(base + offset, src, ids, n, *rest)
-        if self.tail:
-            last = first.block_ids[self.full_blocks]
-            for offset, src, stride, rest in self.tail:
-                gather(base + offset, src + last * stride, 0, 1, 1, stride, *rest)
+        present = self._templates[id(layout.header.tensors)][2]
+        spans, base, gather = layout.spans, buffer.data_ptr(), self.native.gather
+        n, tail, streaming = first.full_blocks, first.tail_tokens, paged_gather.STREAM_MIN_BYTES
+        ids = first.index.address() if n else 0
+        tails = self._tail(tail) if tail else None
+        last = first.block_ids[n] if tail else 0
+        for k, (src, walk, block_bytes) in enumerate(self.full):
+            start, nbytes = spans[present[k]]  # type: ignore[misc]  # present: never None
+            stream = nbytes >= streaming  # as TensorGather's own copies decide
+            if n:
+                gather(base + start, src, ids, n, *walk, stream)
+            if tails is not None:
+                stride = walk[1]
+                gather(base + start + n * block_bytes, src + last * stride, 0, 1, 1, stride, *tails[k], stream)
+
+    def _tail(self, tail_tokens: int) -> tuple[tuple[int, ...], ...] | None:
+        if tail_tokens not in self._tails:
+            layouts = [site.layout(tail_tokens) for site in self.sites]
+            self._tails[tail_tokens] = None if None in layouts else tuple(lay.tail for lay in layouts if lay)
+        return self._tails[tail_tokens]
+
+    def _check_template(
+        self, plan: ExtractionPlan, buffer: torch.Tensor, layout: PayloadLayout
+    ) -> tuple[int, ...] | None:
+        """The positions of the present tensors in ``layout`` when the general path would
+        write every tensor of ``plan`` natively where ``layout`` puts it; None otherwise (or
+        the general path's ConfigError for a destination that does not fit)."""
+        places = dest_spans(buffer, layout)
+        tensors = plan.tensors()
+        if len(places) != len(tensors) or any((g is None) != (s is None) for g, s in zip(tensors, places)):
+            return None  # the general path names what does not match
+        present = tuple(i for i, s in enumerate(places) if s is not None)
+        for i in present:
+            gather, span = tensors[i], places[i]
+            assert gather is not None  # present exactly where the spans are
+            if type(span) is not HostSpan:
+                return None
+            gather.check_out(span)
+            if gather.choose_method(span.device) != "native":
+                return None
+        return present
 
 
 def gather_payload(
     plan: ExtractionPlan,
     buffer: torch.Tensor,
     layout: PayloadLayout,
-    lanes: MutableMapping[int, PayloadLane | None] | None = None,
+    lanes: MutableMapping[str, PayloadLane | None] | None = None,
 ) -> None:
     """Gather every tensor of ``plan`` into ``buffer`` where ``layout`` puts it: through the
-    lane kept in ``lanes`` for this template when it :meth:`~PayloadLane.fits`, else through a
-    new lane (kept there), else the general way (spans and
+    caller's lane (kept in ``lanes``) when ``plan`` reads its cache and the request
+    :meth:`~PayloadLane.fits` it, through a new lane of the plan's cache (replacing the one kept)
+    when it reads another, else the general way (spans and
     :meth:`~kvferry.adapters.paged_cache.ExtractionPlan.gather_all`). ``lanes``: the caller's
-    own (one per sender: a lane holds its cache's views); None keeps none. Raises what the
-    general path raises (ConfigError for a destination that does not fit, IndexError for a
-    block id outside the cache)."""
-    key = id(layout.header.tensors)
-    lane = lanes.get(key) if lanes is not None else None
-    if torch.get_num_threads() > paged_gather.NATIVE_MAX_THREADS:
-        lane = None  # torch's parallel copies: the general path chooses them
-    elif lane is None or not lane.fits(plan, buffer, layout):
-        lane = PayloadLane.of(plan, buffer, layout)
-        if lane is not None and not lane.fits(plan, buffer, layout):
-            lane = None  # e.g. an id outside some tensor's blocks: the general path says which
+    own mapping (one per sender); None keeps no lane. Raises what the general path raises
+    (ConfigError for a destination that does not fit, IndexError for a block id outside the
+    cache)."""
+    lane = lanes.get(LANE_KEY) if lanes is not None else None
+    if lane is None or not lane.reads(plan):
+        lane = PayloadLane.of(plan)
         if lanes is not None and lane is not None:
-            if len(lanes) >= LANES_KEPT:
-                lanes.clear()
-            lanes[key] = lane
-    if lane is None:
-        spans = dest_spans(buffer, layout)
-        plan.gather_all((spans[: plan.num_layers], spans[plan.num_layers :]))
+            lanes[LANE_KEY] = lane
+    if lane is not None and lane.fits(plan, buffer, layout):
+        lane.run(plan, buffer, layout)
         return
-    lane.run(plan, buffer, layout)
+    spans = dest_spans(buffer, layout)
+    plan.gather_all((spans[: plan.num_layers], spans[plan.num_layers :]))
+
+
+def _one_thread() -> bool:
+    """Torch on as few threads as the general path picks the native copy for."""
+    return torch.get_num_threads() <= paged_gather.NATIVE_MAX_THREADS
 
 
 def _present(plan: ExtractionPlan) -> list[TensorGather]:

@@ -154,8 +154,8 @@ class SendPath:
     _is_reservable: Implements = attrs.field(init=False, factory=lambda: Implements(Reservable))
     _takes_frames: Implements = attrs.field(init=False, factory=lambda: Implements(FramesPut))
     _templates: dict[tuple, Any] = attrs.field(init=False, factory=dict)  # see _layout
-    #: payload template -> its native copies over this sender's cache (adapters.payload_lane)
-    _lanes: dict[int, Any] = attrs.field(init=False, factory=dict)
+    #: the native copies of this sender's cache, prepared once (adapters.payload_lane)
+    _lanes: dict[str, Any] = attrs.field(init=False, factory=dict)
     #: The last request's cache geometry: the next request of the same cache plans with it.
     _geometry: CacheGeometry | None = attrs.field(init=False, default=None, repr=False)
 
@@ -417,7 +417,7 @@ class SendPath:
                 shared = [None] * len(items)
             else:
                 written, copies = gathered, 1
-            if len(written) == 1:  # one payload: its template's native copies, prepared once
+            if len(written) == 1:  # one payload: the cache's native copies, prepared once
                 i = written[0]
                 gather_payload(items[i][0], reservations[i].buffer, layouts[i], self._lanes)
             else:

@@ -1,9 +1,9 @@
-"""A payload's native copies prepared once per cache and template (``adapters.payload_lane``).
+"""A payload's native copies prepared once per cache (``adapters.payload_lane``).
 
 Every payload a lane writes is compared byte for byte with the general path (spans and
 ``gather_all``) and, independently, with the request's blocks indexed by torch. The lane is
-reused only where it fits: a second request of the same shape with other blocks, a cache that
-was replaced, more torch threads, another template.
+reused only where it fits: later requests of the cache (other blocks, other lengths), not a
+cache that was replaced, not with more torch threads, not a template it did not check.
 """
 
 from __future__ import annotations
@@ -17,8 +17,9 @@ from hypothesis import strategies as st
 
 from kvferry.adapters import paged_gather
 from kvferry.adapters.paged_cache import ExtractionPlan, plan_extraction
-from kvferry.adapters.payload_lane import PayloadLane, gather_payload
+from kvferry.adapters.payload_lane import LANE_KEY, PayloadLane, gather_payload
 from kvferry.adapters.torch_frames import dest_spans, dest_views
+from kvferry.core.errors import ConfigError
 from kvferry.core.header import PayloadLayout, kv_layout_template
 
 needs_native = pytest.mark.skipif(
@@ -94,40 +95,38 @@ def check_against_cache(out: torch.Tensor, layout: PayloadLayout, cache: list, i
     heads=st.sampled_from([1, 2]),
     dim=st.sampled_from([32, 64, 128]),
     dtype=st.sampled_from([torch.bfloat16, torch.float32]),
-    ids=st.lists(st.integers(0, 11), min_size=1, max_size=6),
-    cut=st.integers(0, 15),
-    other=st.lists(st.integers(0, 11), min_size=1, max_size=6),
+    requests=st.lists(
+        st.tuples(st.lists(st.integers(0, 11), min_size=1, max_size=6), st.integers(0, 15)), min_size=2, max_size=4
+    ),
 )
-def test_a_lane_writes_what_the_general_path_writes_and_serves_the_next_request(
-    layers, block, heads, dim, dtype, ids, cut, other
+def test_a_lane_writes_what_the_general_path_writes_for_every_request_of_its_cache(
+    layers, block, heads, dim, dtype, requests
 ) -> None:
-    cache = flash_cache(layers, 12, block, heads, dim, dtype, seed=len(ids) + cut)
-    seq_len = max(1, len(ids) * block - cut % block)  # a partial last block when cut % block
+    """Requests of one cache, each with its own blocks and length (a partial last block or
+    not): the first makes the lane, every one is served by it, and each payload is the general
+    path's and the blocks' own bytes."""
+    cache = flash_cache(layers, 12, block, heads, dim, dtype, seed=len(requests))
     lanes: dict = {}
-    first = plan_of(cache, ids, seq_len, block)
-    template = kv_layout_template(*first.dtype_shapes())
-    layout = payload_layout(first, template)
-    out = torch.zeros(layout.total_nbytes, dtype=torch.uint8)
-    gather_payload(first, out, layout, lanes)
-    assert torch.equal(out[layout.data_start :], general(first, layout)[layout.data_start :])
-    check_against_cache(out, layout, cache, ids, seq_len)
-    assert len(lanes) == 1
-    (lane,) = lanes.values()
-    # the next request of the same shape: other blocks, the same template and cache views
-    other = (other * len(ids))[: len(ids)]
-    second = plan_of(cache, other, seq_len, block, geometry=first.geometry)
-    layout2 = payload_layout(second, template)
-    out2 = torch.zeros(layout2.total_nbytes, dtype=torch.uint8)
-    gather_payload(second, out2, layout2, lanes)
-    assert list(lanes.values()) == [lane]  # served by the same lane
-    check_against_cache(out2, layout2, cache, other, seq_len)
-    assert torch.equal(out2[layout2.data_start :], general(second, layout2)[layout2.data_start :])
+    geometry, lane = None, None
+    for ids, cut in requests:
+        seq_len = max(1, len(ids) * block - cut % block)  # a partial last block when cut % block
+        plan = plan_of(cache, ids, seq_len, block, geometry=geometry)
+        geometry = plan.geometry
+        layout = payload_layout(plan)
+        out = torch.zeros(layout.total_nbytes, dtype=torch.uint8)
+        gather_payload(plan, out, layout, lanes)
+        assert torch.equal(out[layout.data_start :], general(plan, layout)[layout.data_start :])
+        check_against_cache(out, layout, cache, ids, seq_len)
+        if lane is None:
+            lane = lanes[LANE_KEY]
+        assert list(lanes) == [LANE_KEY] and lanes[LANE_KEY] is lane  # the first request's lane serves all
+        assert lane.reads(plan)
 
 
 @needs_native
 def test_a_lane_is_reused_only_for_the_blocks_it_was_made_over() -> None:
     """A replaced cache (same shapes, new tensors) gets a new geometry, new views and so a new
-    lane; its bytes come from the new cache, not the old one's addresses."""
+    lane in the old one's place; its bytes come from the new cache, not the old one's addresses."""
     ids, seq_len = [3, 1, 4], 40
     old = flash_cache(2, 8, 16, 2, 64, torch.bfloat16, seed=1)
     new = flash_cache(2, 8, 16, 2, 64, torch.bfloat16, seed=2)
@@ -136,14 +135,14 @@ def test_a_lane_is_reused_only_for_the_blocks_it_was_made_over() -> None:
     template = kv_layout_template(*first.dtype_shapes())
     layout = payload_layout(first, template)
     gather_payload(first, torch.zeros(layout.total_nbytes, dtype=torch.uint8), layout, lanes)
-    (before,) = lanes.values()
+    before = lanes[LANE_KEY]
     second = plan_of(new, ids, seq_len, 16, geometry=first.geometry)
-    assert second.geometry is not first.geometry
-    out = torch.zeros(layout.total_nbytes, dtype=torch.uint8)
-    gather_payload(second, out, payload_layout(second, template), lanes)
-    (after,) = lanes.values()
-    assert after is not before
-    check_against_cache(out, payload_layout(second, template), new, ids, seq_len)
+    assert second.geometry is not first.geometry and not before.reads(second)
+    layout2 = payload_layout(second, template)
+    out = torch.zeros(layout2.total_nbytes, dtype=torch.uint8)
+    gather_payload(second, out, layout2, lanes)
+    assert list(lanes) == [LANE_KEY] and lanes[LANE_KEY] is not before
+    check_against_cache(out, layout2, new, ids, seq_len)
     assert not torch.equal(out, general(first, layout))  # the old cache's bytes differ: a control
 
 
@@ -161,22 +160,23 @@ def test_with_more_torch_threads_no_lane_is_kept_and_the_bytes_are_the_same(monk
 
 
 @needs_native
-def test_another_template_or_selection_does_not_take_a_lane() -> None:
-    """A lane answers ``fits`` only for its own template, and a plan reading its views with the
-    same split into whole blocks and tail."""
+def test_a_lane_does_not_fit_a_buffer_a_plan_or_a_template_it_cannot_serve() -> None:
+    """``reads`` only for plans over its views; ``fits`` only for a buffer that holds the
+    payload at an aligned data start and a template whose spans and shapes the plan's
+    tensors fill (checked the general path's way the first time)."""
     cache = flash_cache(2, 8, 16, 2, 64, torch.bfloat16, seed=4)
     plan = plan_of(cache, [1, 2], 32, 16)
     layout = payload_layout(plan)
-    out = torch.zeros(layout.total_nbytes, dtype=torch.uint8)
-    lane = PayloadLane.of(plan, out, layout)
-    assert lane is not None and lane.fits(plan, out, layout)
-    shorter = plan_of(cache, [1, 2], 20, 16, geometry=plan.geometry)  # a tail: another shape
-    assert not lane.fits(shorter, out, payload_layout(shorter))
-    same_shapes = payload_layout(plan)  # an equal template made again: not this lane's
-    assert not lane.fits(plan, out, same_shapes)
-    assert not lane.fits(plan, out[1:], layout)  # a buffer too short, and misaligned
-    sliced = plan.head_slice(0, 2)  # other views of the cache (one head of two)
-    assert not lane.fits(sliced, out, layout)
+    out = torch.zeros(layout.total_nbytes + 8, dtype=torch.uint8)
+    lane = PayloadLane.of(plan)
+    assert lane is not None and lane.reads(plan) and lane.fits(plan, out, layout)
+    assert not lane.fits(plan, out[: layout.total_nbytes - 1], layout)  # too short
+    assert not lane.fits(plan, out[1:], layout)  # the data start misaligned for bf16
+    shorter = plan_of(cache, [1, 2], 20, 16, geometry=plan.geometry)  # 20 tokens: not this template
+    assert lane.reads(shorter)
+    with pytest.raises(ConfigError):  # the general path's own complaint: shapes do not match
+        lane.fits(shorter, out, layout)
+    assert not lane.reads(plan.head_slice(0, 2))  # other views of the cache (one head of two)
 
 
 @needs_native
@@ -197,7 +197,7 @@ def test_a_head_slice_and_an_mla_latent_take_the_path_that_fits_them() -> None:
     out = torch.zeros(layout.total_nbytes, dtype=torch.uint8)
     lanes: dict = {}
     gather_payload(mla, out, layout, lanes)
-    assert len(lanes) == 1
+    assert list(lanes) == [LANE_KEY]
     assert torch.equal(out[layout.data_start :], general(mla, layout)[layout.data_start :])
     want = latent[0][torch.tensor([4, 1])].reshape(-1, 576)[:30]
     (key_view, _) = dest_views(out, layout)
