@@ -266,6 +266,26 @@ class CacheGeometry:
     _slices: dict[tuple[int, int], tuple[tuple[BlockSite | KVFerryError, ...], ...]] = attrs.field(
         init=False, factory=dict, repr=False
     )
+    #: The block count every layer's key and value hold when every layer is usable and their
+    #: views share one block size and device: one selection of a request's blocks then serves
+    #: every tensor (:func:`plan_extraction` makes it once); None otherwise.
+    uniform: int | None = attrs.field(init=False, repr=False)
+
+    @uniform.default
+    def _uniform_default(self) -> int | None:
+        views = [
+            site.blocks
+            for entry in self.sites
+            if not isinstance(entry, str)
+            for site in (entry.key, entry.value)
+            if site is not None
+        ]
+        if not views or any(isinstance(entry, str) or entry.uneven for entry in self.sites):
+            return None
+        first = views[0]
+        if any(v.shape[0] != first.shape[0] or v.shape[1] != first.shape[1] or v.device != first.device for v in views):
+            return None
+        return int(first.shape[0])
 
     @classmethod
     def of(cls, layers: Sequence[Any], block_size: int, layout: LayoutSpec | None) -> CacheGeometry:
@@ -562,6 +582,13 @@ def _check_args(
     return ids, seq_len, block_size
 
 
+def _uniform_key(geometry: CacheGeometry) -> BlockSite:
+    """The first layer's key site of a uniform geometry (every site selects as it does)."""
+    entry = geometry.sites[0]
+    assert not isinstance(entry, str)  # uniform: every layer usable
+    return entry.key
+
+
 def plan_extraction(
     kv_caches: Iterable[Any],
     block_ids: Any,
@@ -625,43 +652,67 @@ def plan_extraction(
     keys: list[TensorGather | None] = [None] * len(layers)
     values: list[TensorGather | None] = [None] * len(layers)
     skipped: list[LayerSkip] = []
-    for layer, entry in enumerate(geometry.sites):
-        if isinstance(entry, str):
-            logger.warning("request %s layer %s skipped: %s", request_id, layer, entry)
-            skipped.append(LayerSkip(layer, "unsupported_layout", entry))
-            continue
-        bound = entry.bound
-        if entry.uneven:
-            assert entry.value is not None  # uneven: a value tensor with another block count
+    uniform = geometry.uniform
+    fields = None
+    if uniform is not None:  # every layer one selection, made once (see CacheGeometry.uniform)
+        valid = valid_block_ids(ids, uniform)
+        if valid:
+            valid_by_bound[uniform] = valid
+            fields = select(_uniform_key(geometry), uniform)
+    if fields is not None:
+        if len(valid) != len(ids):
             logger.warning(
-                "request %s layer %s: key has %s blocks, value %s; using the first %s",
+                "request %s: dropped %s of %s block ids outside [0, %s)",
                 request_id,
-                layer,
-                entry.key.blocks.shape[0],
-                entry.value.blocks.shape[0],
-                bound,
+                len(ids) - len(valid),
+                len(ids),
+                uniform,
             )
-        if bound not in valid_by_bound:
-            valid_by_bound[bound] = valid = valid_block_ids(ids, bound)
-            if len(valid) != len(ids):
+        on_site = TensorGather.on_site
+        for layer, entry in enumerate(geometry.sites):
+            assert not isinstance(entry, str)  # uniform: every layer usable
+            keys[layer] = on_site(entry.key, layer, "key", *fields)
+            if entry.value is not None:
+                values[layer] = on_site(entry.value, layer, "value", *fields)
+    else:
+        valid_by_bound.clear()
+        for layer, entry in enumerate(geometry.sites):
+            if isinstance(entry, str):
+                logger.warning("request %s layer %s skipped: %s", request_id, layer, entry)
+                skipped.append(LayerSkip(layer, "unsupported_layout", entry))
+                continue
+            bound = entry.bound
+            if entry.uneven:
+                assert entry.value is not None  # uneven: a value tensor with another block count
                 logger.warning(
-                    "request %s: dropped %s of %s block ids outside [0, %s)",
+                    "request %s layer %s: key has %s blocks, value %s; using the first %s",
                     request_id,
-                    len(ids) - len(valid),
-                    len(ids),
+                    layer,
+                    entry.key.blocks.shape[0],
+                    entry.value.blocks.shape[0],
                     bound,
                 )
-        if not valid_by_bound[bound]:
-            skipped.append(LayerSkip(layer, "no_valid_blocks", f"no block id in [0, {bound})"))
-            continue
-        k_fields = select(entry.key, bound)
-        v_fields = None if entry.value is None else select(entry.value, bound)
-        if k_fields is None or (v_fields is None and entry.value is not None):
-            skipped.append(LayerSkip(layer, "no_tokens", "the layer would hold zero tokens"))
-            continue
-        keys[layer] = TensorGather.on_site(entry.key, layer, "key", *k_fields)
-        if entry.value is not None and v_fields is not None:
-            values[layer] = TensorGather.on_site(entry.value, layer, "value", *v_fields)
+            if bound not in valid_by_bound:
+                valid_by_bound[bound] = valid = valid_block_ids(ids, bound)
+                if len(valid) != len(ids):
+                    logger.warning(
+                        "request %s: dropped %s of %s block ids outside [0, %s)",
+                        request_id,
+                        len(ids) - len(valid),
+                        len(ids),
+                        bound,
+                    )
+            if not valid_by_bound[bound]:
+                skipped.append(LayerSkip(layer, "no_valid_blocks", f"no block id in [0, {bound})"))
+                continue
+            k_fields = select(entry.key, bound)
+            v_fields = None if entry.value is None else select(entry.value, bound)
+            if k_fields is None or (v_fields is None and entry.value is not None):
+                skipped.append(LayerSkip(layer, "no_tokens", "the layer would hold zero tokens"))
+                continue
+            keys[layer] = TensorGather.on_site(entry.key, layer, "key", *k_fields)
+            if entry.value is not None and v_fields is not None:
+                values[layer] = TensorGather.on_site(entry.value, layer, "value", *v_fields)
     if all(k is None for k in keys):
         logger.warning("request %s skipped: every layer is empty", request_id)
         return ExtractionSkipped(request_id, "all_layers_empty", "no layer yielded a token", tuple(skipped))

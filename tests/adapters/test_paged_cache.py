@@ -13,6 +13,7 @@ from hypothesis import strategies as st
 import kvferry.adapters as adapters_layer
 from kvferry.adapters import paged_cache, paged_gather
 from kvferry.adapters.paged_cache import (
+    CacheGeometry,
     ExtractedKV,
     ExtractionPlan,
     ExtractionSkipped,
@@ -24,6 +25,7 @@ from kvferry.adapters.paged_cache import (
     valid_block_ids,
 )
 from kvferry.core.errors import ConfigError
+from kvferry.core.layouts import layout_spec
 
 PROPERTY = settings(max_examples=60, deadline=None)
 LAYOUTS = ("dim0", "dim1", "packed", "tuple", "list")
@@ -564,6 +566,45 @@ def test_a_plan_from_a_kept_geometry_is_the_plan_read_afresh(case):
                     own = attrs.evolve(fresh, geometry=None).head_slice(offset, slices)  # narrowed on its own
                     same_plans(planned.head_slice(offset, slices), own)
                     same_plans(planned.head_slice(offset, slices), planned.head_slice(offset, slices))
+
+
+@PROPERTY
+@given(requests_of_one_cache())
+def test_a_uniform_cache_is_planned_as_the_per_layer_loop_plans_it(case):
+    """A cache whose layers all hold the same blocks (``CacheGeometry.uniform``) makes one
+    selection for every tensor; the plan is the one the per-layer loop makes (the same geometry
+    with ``uniform`` cleared), every field, skip and warning-worthy id drop alike. Control: the
+    geometry is uniform, the cleared one is not."""
+    layout, num_blocks, block_size, heads, head_dim, dtype, num_layers, requests = case
+    layers = [
+        make_layer(
+            layout,
+            random_blocks(num_blocks, block_size, heads, head_dim, dtype, seed=2 * n),
+            random_blocks(num_blocks, block_size, heads, head_dim, dtype, seed=2 * n + 1),
+        )
+        for n in range(num_layers)
+    ]
+    kwargs = {"cache_dtype": str(dtype), "layout": NAMES[layout]}
+    uniform = CacheGeometry.of(layers, block_size, layout_spec(NAMES[layout], "layout"))
+    looped = CacheGeometry.of(layers, block_size, layout_spec(NAMES[layout], "layout"))
+    object.__setattr__(looped, "uniform", None)  # frozen: the per-layer loop's geometry
+    assert uniform.uniform == num_blocks and looped.uniform is None
+    for n, (ids, seq_len) in enumerate(requests):
+        one = plan_extraction(layers, ids, seq_len, block_size, request_id=f"r{n}", geometry=uniform, **kwargs)
+        each = plan_extraction(layers, ids, seq_len, block_size, request_id=f"r{n}", geometry=looped, **kwargs)
+        same_plans(one, each)
+
+
+def test_a_cache_with_layers_of_different_block_counts_is_not_uniform():
+    """Layers of different block counts leave ``uniform`` None (each layer then selects its own
+    blocks, and ids past a short layer's blocks are dropped for it alone)."""
+    spec = layout_spec("flash", "layout")
+    a = torch.stack([random_blocks(6, 4, 2, 8, seed=1), random_blocks(6, 4, 2, 8, seed=2)])
+    b = torch.stack([random_blocks(5, 4, 2, 8, seed=3), random_blocks(5, 4, 2, 8, seed=4)])
+    assert CacheGeometry.of([a, a], 4, spec).uniform == 6
+    assert CacheGeometry.of([a, b], 4, spec).uniform is None
+    plan = plan_extraction([a, b], [5, 1], 8, 4, cache_dtype="float32", layout="flash")
+    assert plan.keys[0].block_ids == (5, 1) and plan.keys[1].block_ids == (1,)
 
 
 def test_a_geometry_that_no_longer_fits_is_read_again():
