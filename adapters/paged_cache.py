@@ -652,22 +652,26 @@ def plan_extraction(
     keys: list[TensorGather | None] = [None] * len(layers)
     values: list[TensorGather | None] = [None] * len(layers)
     skipped: list[LayerSkip] = []
+
+    def valid_for(bound: int) -> tuple[int, ...]:
+        """The request's ids below ``bound`` (once per bound; a drop is logged)."""
+        if bound not in valid_by_bound:
+            valid_by_bound[bound] = valid = valid_block_ids(ids, bound)
+            if len(valid) != len(ids):
+                logger.warning(
+                    "request %s: dropped %s of %s block ids outside [0, %s)",
+                    request_id,
+                    len(ids) - len(valid),
+                    len(ids),
+                    bound,
+                )
+        return valid_by_bound[bound]
+
     uniform = geometry.uniform
     fields = None
-    if uniform is not None:  # every layer one selection, made once (see CacheGeometry.uniform)
-        valid = valid_block_ids(ids, uniform)
-        if valid:
-            valid_by_bound[uniform] = valid
-            fields = select(_uniform_key(geometry), uniform)
+    if uniform is not None and valid_for(uniform):  # one selection for every layer (CacheGeometry.uniform)
+        fields = select(_uniform_key(geometry), uniform)
     if fields is not None:
-        if len(valid) != len(ids):
-            logger.warning(
-                "request %s: dropped %s of %s block ids outside [0, %s)",
-                request_id,
-                len(ids) - len(valid),
-                len(ids),
-                uniform,
-            )
         on_site = TensorGather.on_site
         for layer, entry in enumerate(geometry.sites):
             assert not isinstance(entry, str)  # uniform: every layer usable
@@ -675,7 +679,6 @@ def plan_extraction(
             if entry.value is not None:
                 values[layer] = on_site(entry.value, layer, "value", *fields)
     else:
-        valid_by_bound.clear()
         for layer, entry in enumerate(geometry.sites):
             if isinstance(entry, str):
                 logger.warning("request %s layer %s skipped: %s", request_id, layer, entry)
@@ -692,17 +695,7 @@ def plan_extraction(
                     entry.value.blocks.shape[0],
                     bound,
                 )
-            if bound not in valid_by_bound:
-                valid_by_bound[bound] = valid = valid_block_ids(ids, bound)
-                if len(valid) != len(ids):
-                    logger.warning(
-                        "request %s: dropped %s of %s block ids outside [0, %s)",
-                        request_id,
-                        len(ids) - len(valid),
-                        len(ids),
-                        bound,
-                    )
-            if not valid_by_bound[bound]:
+            if not valid_for(bound):
                 skipped.append(LayerSkip(layer, "no_valid_blocks", f"no block id in [0, {bound})"))
                 continue
             k_fields = select(entry.key, bound)

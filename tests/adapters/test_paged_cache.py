@@ -535,14 +535,9 @@ def requests_of_one_cache(draw):
     return layout, num_blocks, block_size, heads, head_dim, dtype, layers, [(ids, seq_len), *more]
 
 
-@PROPERTY
-@given(requests_of_one_cache())
-def test_a_plan_from_a_kept_geometry_is_the_plan_read_afresh(case):
-    """Every request of a cache planned with the geometry an earlier plan kept gives the very plan
-    a fresh read gives (every gather field, skips and metadata); so do its head slices. Control:
-    the geometry is reused (same object), not read again."""
-    layout, num_blocks, block_size, heads, head_dim, dtype, num_layers, requests = case
-    layers = [
+def random_layers(layout, num_blocks, block_size, heads, head_dim, dtype, num_layers):
+    """``num_layers`` layers of ``layout``, each of its own random key and value blocks."""
+    return [
         make_layer(
             layout,
             random_blocks(num_blocks, block_size, heads, head_dim, dtype, seed=2 * n),
@@ -550,6 +545,16 @@ def test_a_plan_from_a_kept_geometry_is_the_plan_read_afresh(case):
         )
         for n in range(num_layers)
     ]
+
+
+@PROPERTY
+@given(requests_of_one_cache())
+def test_a_plan_from_a_kept_geometry_is_the_plan_read_afresh(case):
+    """Every request of a cache planned with the geometry an earlier plan kept gives the very plan
+    a fresh read gives (every gather field, skips and metadata); so do its head slices. Control:
+    the geometry is reused (same object), not read again."""
+    layout, num_blocks, block_size, heads, head_dim, dtype, num_layers, requests = case
+    layers = random_layers(layout, num_blocks, block_size, heads, head_dim, dtype, num_layers)
     kwargs = {"cache_dtype": str(dtype), "layout": NAMES[layout]}
     kept = None
     for n, (ids, seq_len) in enumerate(requests):
@@ -576,14 +581,7 @@ def test_a_uniform_cache_is_planned_as_the_per_layer_loop_plans_it(case):
     with ``uniform`` cleared), every field, skip and warning-worthy id drop alike. Control: the
     geometry is uniform, the cleared one is not."""
     layout, num_blocks, block_size, heads, head_dim, dtype, num_layers, requests = case
-    layers = [
-        make_layer(
-            layout,
-            random_blocks(num_blocks, block_size, heads, head_dim, dtype, seed=2 * n),
-            random_blocks(num_blocks, block_size, heads, head_dim, dtype, seed=2 * n + 1),
-        )
-        for n in range(num_layers)
-    ]
+    layers = random_layers(layout, num_blocks, block_size, heads, head_dim, dtype, num_layers)
     kwargs = {"cache_dtype": str(dtype), "layout": NAMES[layout]}
     uniform = CacheGeometry.of(layers, block_size, layout_spec(NAMES[layout], "layout"))
     looped = CacheGeometry.of(layers, block_size, layout_spec(NAMES[layout], "layout"))
