@@ -68,6 +68,17 @@ _TEMPLATES_KEPT = 64
 _SEND_REASONS = {"pool_full": SendReason.POOL_FULL, "error": SendReason.ERROR}
 
 
+def _uniform_shape(plan: ExtractionPlan) -> tuple[str, int, int] | None:
+    """``("uniform", id(geometry), tokens)`` for a plan whose every layer is present over a
+    uniform cache (planned in one selection: each tensor's shape is then its view's token shape
+    after ``tokens``), else None. Plans come from ``plan_extraction`` (a head slice has no
+    geometry)."""
+    geometry, first = plan.geometry, plan.keys[0] if plan.keys else None
+    if geometry is None or geometry.uniform is None or first is None or plan.skipped_layers:
+        return None
+    return ("uniform", id(geometry), first.tokens)
+
+
 def slice_plan_heads(plan: ExtractionPlan, offset_in_shard: int, num_slices: int) -> ExtractionPlan:
     """The same extraction restricted to one head slice (dim 2 of each block view):
     :meth:`~kvferry.adapters.paged_cache.ExtractionPlan.head_slice`, refused for an MLA latent.
@@ -443,7 +454,15 @@ class SendPath:
 
     def _layout(self, plan: ExtractionPlan, meta: dict[str, Any]) -> Any:
         """The payload layout: the part fixed by the tensors' dtypes and shapes (a template) is
-        kept per shape signature, so a request of a shape seen before only renders its header."""
+        kept per shape signature, so a request of a shape seen before only renders its header.
+        A plan of a uniform cache (:attr:`CacheGeometry.uniform`) with every layer present has
+        its shapes fixed by the cache and its token count: its template is found by those two,
+        without listing the tensors' shapes."""
+        uniform = _uniform_shape(plan)
+        if uniform is not None:
+            kept = self._templates.get(uniform)
+            if kept is not None and kept[0] is plan.geometry:
+                return kept[1].layout(plan.request_id, plan.block_ids, meta)
         keys, values = plan.dtype_shapes()
         signature = (tuple(keys), tuple(values))
         template = self._templates.get(signature)
@@ -452,6 +471,10 @@ class SendPath:
             if len(self._templates) >= _TEMPLATES_KEPT:
                 self._templates.clear()
             self._templates[signature] = template
+        if uniform is not None:  # held with its geometry (compared by identity); another cache's go
+            for stale in [k for k, v in self._templates.items() if k[0] == "uniform" and v[0] is not plan.geometry]:
+                del self._templates[stale]
+            self._templates[uniform] = (plan.geometry, template)
         return template.layout(plan.request_id, plan.block_ids, meta)
 
     def _put_reserved(

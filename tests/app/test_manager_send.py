@@ -60,6 +60,26 @@ def test_spec7_send_every_layout_delivers_bit_exact(
     assert result.payload["block_ids"] == [3, 1, 5] and result.payload["request_id"] == "r1"
 
 
+def test_requests_of_every_length_and_a_replaced_cache_arrive_bit_exact(
+    kit, memory_connector, make_sender, make_receiver
+) -> None:
+    """One sender, one cache, requests of several lengths (each a payload template of its own,
+    found again by the cache and its token count when a length comes back), then another cache
+    (new tensors, half the heads), then the first cache again: every payload holds the blocks
+    of the cache it was sent from, in its shapes."""
+    first, second = kit.PagedModel(seed=1), kit.PagedModel(seed=2, heads=4)
+    sender, receiver = make_sender(memory_connector), make_receiver(memory_connector)
+    caches = {id(first): first.rank_cache(), id(second): second.rank_cache()}  # the same tensors each round
+    rounds = [(first, 10), (first, 3), (first, 10), (second, 10), (second, 7), (first, 10)]
+    for n, (model, seq_len) in enumerate(rounds):
+        request = {"block_ids": [3, 1, 5], "seq_len": seq_len}
+        [outcome] = sender.send_requests({f"r{n}": request}, caches[id(model)], model.block_size, "float32")
+        assert outcome.ok, outcome
+        result = receiver.receive(f"r{n}")
+        assert result.ok and result.payload["metadata"]["seq_len"] == seq_len
+        kit.assert_kv_equal(result.payload, *model.expected(request["block_ids"], seq_len))
+
+
 def test_spec4_unusable_layers_skipped_others_sent(kit, memory_connector, make_sender, make_receiver) -> None:
     model = kit.PagedModel()
     cache = model.rank_cache()
