@@ -33,7 +33,7 @@ import torch
 from kvferry.adapters import paged_gather
 from kvferry.adapters.paged_cache import ExtractionPlan
 from kvferry.adapters.paged_gather import BlockSite, HostSpan, TensorGather
-from kvferry.adapters.torch_frames import dest_spans
+from kvferry.adapters.torch_frames import dest_problem, dest_spans
 from kvferry.core.header import PayloadLayout
 
 __all__ = ["PayloadLane", "gather_payload", "TEMPLATES_KEPT"]
@@ -117,15 +117,12 @@ class PayloadLane:
         many tokens is checked the general path's way (its spans, each tensor's destination)
         and remembered."""
         if (
-            buffer.device.type != "cpu"
-            or buffer.dtype != torch.uint8
-            or buffer.dim() != 1
-            or (buffer.numel() > 1 and buffer.stride(0) != 1)
-            or buffer.numel() < layout.total_nbytes
+            dest_problem(buffer, layout) is not None
+            or buffer.device.type != "cpu"
             or (buffer.storage_offset() + layout.data_start) % self.unit
         ):
             return False
-        first = _present(plan)[0]
+        first = _first(plan)
         entries = layout.header.tensors
         known = self._templates.get(id(entries))
         if known is None or known[0] is not entries or known[1] != first.tokens:
@@ -143,7 +140,7 @@ class PayloadLane:
     def run(self, plan: ExtractionPlan, buffer: torch.Tensor, layout: PayloadLayout) -> None:
         """Gather every tensor of ``plan`` into ``buffer`` at ``layout``'s spans (only after
         :meth:`reads` and :meth:`fits` said yes: nothing is checked again here)."""
-        first = _present(plan)[0]
+        first = _first(plan)
         present = self._templates[id(layout.header.tensors)][2]
         spans, base, gather = layout.spans, buffer.data_ptr(), self.native.gather
         n, tail, streaming = first.full_blocks, first.tail_tokens, paged_gather.STREAM_MIN_BYTES
@@ -181,9 +178,7 @@ class PayloadLane:
             assert gather is not None  # present exactly where the spans are
             if type(span) is not HostSpan:
                 return None
-            gather.check_out(span)
-            if gather.choose_method(span.device) != "native":
-                return None
+            gather.check_out(span)  # (the native copy was chosen for each view when the lane was made)
         return present
 
 
@@ -216,6 +211,11 @@ def gather_payload(
 def _one_thread() -> bool:
     """Torch on as few threads as the general path picks the native copy for."""
     return torch.get_num_threads() <= paged_gather.NATIVE_MAX_THREADS
+
+
+def _first(plan: ExtractionPlan) -> TensorGather:
+    """The plan's first present tensor (a plan has one): it carries the selection all share."""
+    return next(g for g in plan.tensors() if g is not None)
 
 
 def _present(plan: ExtractionPlan) -> list[TensorGather]:

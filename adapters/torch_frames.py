@@ -50,6 +50,7 @@ __all__ = [
     "encode_bytes",
     "encode_device_tensor",
     "write_payload_into",
+    "dest_problem",
     "finish_payload_in",
     "dest_views",
     "dest_spans",
@@ -224,11 +225,20 @@ def encode_device_tensor(
     return out
 
 
-def _check_dest(dest: Any, layout: PayloadLayout) -> None:
+def dest_problem(dest: Any, layout: PayloadLayout) -> str | None:
+    """Why ``dest`` cannot hold the payload ``layout`` describes (it must be a contiguous 1-D
+    ``uint8`` tensor of at least ``layout.total_nbytes``), or None when it can."""
     if not isinstance(dest, torch.Tensor) or dest.dtype != torch.uint8 or dest.dim() != 1:
-        raise ConfigError("destination must be a 1-D uint8 tensor")
+        return "destination must be a 1-D uint8 tensor"
     if dest.numel() < layout.total_nbytes or (dest.numel() and dest.stride(0) != 1):
-        raise ConfigError(f"destination must be contiguous and hold {layout.total_nbytes} bytes, has {dest.numel()}")
+        return f"destination must be contiguous and hold {layout.total_nbytes} bytes, has {dest.numel()}"
+    return None
+
+
+def _check_dest(dest: Any, layout: PayloadLayout) -> None:
+    problem = dest_problem(dest, layout)
+    if problem is not None:
+        raise ConfigError(problem)
 
 
 def dest_views(dest: torch.Tensor, layout: PayloadLayout) -> list[torch.Tensor | None]:

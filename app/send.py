@@ -68,15 +68,14 @@ _TEMPLATES_KEPT = 64
 _SEND_REASONS = {"pool_full": SendReason.POOL_FULL, "error": SendReason.ERROR}
 
 
-def _uniform_shape(plan: ExtractionPlan) -> tuple[str, int, int] | None:
-    """``("uniform", id(geometry), tokens)`` for a plan whose every layer is present over a
-    uniform cache (planned in one selection: each tensor's shape is then its view's token shape
-    after ``tokens``), else None. Plans come from ``plan_extraction`` (a head slice has no
-    geometry)."""
+def _uniform_tokens(plan: ExtractionPlan) -> int | None:
+    """The token count of a plan whose every layer is present over a uniform cache (planned in
+    one selection: each tensor's shape is then its view's token shape after it), else None.
+    Plans come from ``plan_extraction`` (a head slice has no geometry)."""
     geometry, first = plan.geometry, plan.keys[0] if plan.keys else None
     if geometry is None or geometry.uniform is None or first is None or plan.skipped_layers:
         return None
-    return ("uniform", id(geometry), first.tokens)
+    return first.tokens
 
 
 def slice_plan_heads(plan: ExtractionPlan, offset_in_shard: int, num_slices: int) -> ExtractionPlan:
@@ -165,6 +164,8 @@ class SendPath:
     _is_reservable: Implements = attrs.field(init=False, factory=lambda: Implements(Reservable))
     _takes_frames: Implements = attrs.field(init=False, factory=lambda: Implements(FramesPut))
     _templates: dict[tuple, Any] = attrs.field(init=False, factory=dict)  # see _layout
+    #: The uniform cache last sent from and its templates by token count (see _layout).
+    _by_tokens: tuple[CacheGeometry | None, dict[int, Any]] = attrs.field(init=False, factory=lambda: (None, {}))
     #: the native copies of this sender's cache, prepared once (adapters.payload_lane)
     _lanes: dict[str, Any] = attrs.field(init=False, factory=dict)
     #: The last request's cache geometry: the next request of the same cache plans with it.
@@ -457,12 +458,11 @@ class SendPath:
         kept per shape signature, so a request of a shape seen before only renders its header.
         A plan of a uniform cache (:attr:`CacheGeometry.uniform`) with every layer present has
         its shapes fixed by the cache and its token count: its template is found by those two,
-        without listing the tensors' shapes."""
-        uniform = _uniform_shape(plan)
-        if uniform is not None:
-            kept = self._templates.get(uniform)
-            if kept is not None and kept[0] is plan.geometry:
-                return kept[1].layout(plan.request_id, plan.block_ids, meta)
+        without listing the tensors' shapes (the templates of one cache at a time are kept so)."""
+        tokens = _uniform_tokens(plan)
+        geometry, by_tokens = self._by_tokens
+        if tokens is not None and geometry is plan.geometry and tokens in by_tokens:
+            return by_tokens[tokens].layout(plan.request_id, plan.block_ids, meta)
         keys, values = plan.dtype_shapes()
         signature = (tuple(keys), tuple(values))
         template = self._templates.get(signature)
@@ -471,10 +471,11 @@ class SendPath:
             if len(self._templates) >= _TEMPLATES_KEPT:
                 self._templates.clear()
             self._templates[signature] = template
-        if uniform is not None:  # held with its geometry (compared by identity); another cache's go
-            for stale in [k for k, v in self._templates.items() if k[0] == "uniform" and v[0] is not plan.geometry]:
-                del self._templates[stale]
-            self._templates[uniform] = (plan.geometry, template)
+        if tokens is not None:
+            if geometry is not plan.geometry or len(by_tokens) >= _TEMPLATES_KEPT:
+                by_tokens = {}  # another cache's (or too many): dropped, not held alive
+                self._by_tokens = (plan.geometry, by_tokens)
+            by_tokens[tokens] = template
         return template.layout(plan.request_id, plan.block_ids, meta)
 
     def _put_reserved(
