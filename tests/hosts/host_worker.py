@@ -76,6 +76,7 @@ def pool_state(health: dict[str, Any] | None) -> dict[str, Any]:
         "entries",
         "parked_lookups",
         "room",
+        "late_reads",
         "pool_bytes",
     )
     out: dict[str, Any] = {}

@@ -71,10 +71,11 @@ NIXL_TRANSFER_S = 1.0
 #: before any test cuts the wire, as a deployment's first requests do (docs/nixl.md).
 
 
-#: nixl: a payload whose reads the cut wire failed stays readable at its sender until its lease
-#: passes (a retry may still read it; its readers' ``Done`` was lost with the wire) and a claim
-#: until its hold: both short here, so that ``given_back`` sees them freed within OK_S.
-NIXL_HOLD_S, NIXL_LEASE_S = 3.0, 8.0
+#: nixl and mooncake: a payload whose reads the cut wire failed stays readable at its sender
+#: until its lease passes (a retry may still read it; its readers' ``Done`` was lost with the
+#: wire) and a claim until its hold: both short here, so that ``given_back`` sees them freed
+#: within OK_S.
+HOLD_S, LEASE_S = 3.0, 8.0
 
 
 def _nixl_options(device: str) -> dict[str, Any]:
@@ -83,8 +84,8 @@ def _nixl_options(device: str) -> dict[str, Any]:
         "ucx_tls": "tcp,self",
         "ucx_net_devices": device,
         "transfer_timeout_s": NIXL_TRANSFER_S,
-        "hold_s": NIXL_HOLD_S,
-        "lease_s": NIXL_LEASE_S,
+        "hold_s": HOLD_S,
+        "lease_s": LEASE_S,
     }
 
 
@@ -101,6 +102,7 @@ def stage(
             pytest.skip(missing)
         # the receiver's engine announces its own host's address (its own config, not the sender's)
         receiver_options = {"connector": {"host": b.addresses["to-a"]}}
+        sender_options = {"connector": {"hold_s": HOLD_S, "lease_s": LEASE_S}}
     if request.param == "nixl":
         missing = nixl_missing()
         if missing:
@@ -217,13 +219,6 @@ def test_wire_cut_after_a_transfer(stage: Any) -> None:
     given_back(stage)
 
 
-#: mooncake: the engine's read of a payload has no deadline of its own (kvferry calls its
-#: synchronous batch read), so a rank whose read is under way when the wire goes silent waits
-#: for the wire; the test brings it back this long after the receive deadline and then
-#: requires every rank to end (typed, all alike) within the slack. docs/deploying.md says so.
-MOONCAKE_RESTORE_S = 1.0
-
-
 def assert_no_claim_lost(stage: Any) -> None:
     """mooncake: every claim the senders handed out was finished by a read (none orphaned by a
     reply the receiver dropped: that payload would stay consumed, its retries "not_found")."""
@@ -235,7 +230,6 @@ def assert_no_claim_lost(stage: Any) -> None:
 
 def test_wire_cut_during_a_transfer(stage: Any) -> None:
     stage.wire.shape(SLOW)
-    restorer = None
     try:
         started = stage.start_receive("during-0", MISS_S)
         for sender in stage.senders:  # each sender rank feeds two receiver ranks
@@ -245,24 +239,19 @@ def test_wire_cut_during_a_transfer(stage: Any) -> None:
         for sender in stage.senders:
             assert sender.read()["ok"]
         stage.wire.cut()  # the parked receivers are being served: bytes are on the wire
-        bound = MISS_S
-        if stage.connector == "mooncake":
-            bound = MISS_S + MOONCAKE_RESTORE_S
-            restorer = threading.Timer(bound - (time.monotonic() - started), stage.wire.restore)
-            restorer.start()
-        replies = stage.finish_receive(started, bound)
-        if stage.connector == "mooncake":  # the reads finish once the wire is back, late or not
-            stage.assert_agreed(replies, "during-0", bound)
-            assert any(r["seconds"] >= bound - 0.5 for r in replies), replies  # it was cut mid-read
-        else:
-            stage.assert_none_received(replies, bound)
-            assert any(r["outcome"] == "timed_out" for r in replies), replies  # it was cut mid-way
+        # every connector's read ends by the deadline (mooncake's and nixl's plus the control
+        # grace): no rank waits for the wire
+        replies = stage.finish_receive(started, MISS_S)
+        stage.assert_none_received(replies, MISS_S)
+        assert any(r["outcome"] == "timed_out" for r in replies), replies  # it was cut mid-way
+        if stage.connector == "mooncake":  # a read the engine could not end is still polled
+            late = [p.get("late_reads", 0) for r in stage.receiver_pools() for p in r.values()]
+            assert sum(late) >= 1, late
     finally:
-        if restorer is not None:
-            restorer.join(OK_S)
         stage.wire.restore()
         stage.wire.shape(None)
-    # the same receiving processes (never restarted): their channels reconnected by themselves
+    # the same receiving processes (never restarted): their channels reconnected by themselves;
+    # a late read ends once the wire is back and gives its pool space back (given_back)
     stage.send("during-1")
     stage.assert_received(stage.receive("during-1", OK_S), "during-1")
     given_back(stage)

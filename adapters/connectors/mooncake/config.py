@@ -19,6 +19,8 @@ protocol       "tcp"        engine transport: ``"tcp"`` or ``"rdma"``
 device_name    ""           RDMA device(s) for the engine (e.g. ``"mlx5_0"``); "" for tcp
 pool_device    "cpu"        where the pool lives: ``"cpu"`` or a torch device (``"cuda:0"``)
 control_timeout_s 2.0       extra seconds to wait for a control reply beyond the long-poll
+transfer_timeout_s 10.0     deadline of one engine read (receiver); must be below ``hold_s``;
+                            default 10 s or half of ``hold_s``, whichever is less
 chunk_bytes    16 MiB       size of one engine transfer request inside a batch
 alignment      64           byte alignment of pool regions (power of two)
 shared_engine  True         share one engine per (host, protocol, device_name) in the process
@@ -81,6 +83,7 @@ class PoolConfig:
     lease_s: float = 120.0
     hold_s: float = 30.0
     control_timeout_s: float = 2.0
+    transfer_timeout_s: float = 10.0
     alignment: int = 64
 
     @classmethod
@@ -95,6 +98,16 @@ class PoolConfig:
         alignment = checks.int("alignment", get("alignment", d.alignment), 1)
         if alignment & (alignment - 1):
             raise ConfigError(f"{cls.WHAT} config 'alignment' must be a power of two, got {alignment}")
+        hold_s = checks.seconds("hold_s", get("hold_s", d.hold_s))
+        transfer_s = get("transfer_timeout_s")
+        if transfer_s is None:
+            transfer_s = min(d.transfer_timeout_s, hold_s / 2)
+        transfer_s = checks.seconds("transfer_timeout_s", transfer_s)
+        if transfer_s >= hold_s:
+            raise ConfigError(
+                f"{cls.WHAT} config 'transfer_timeout_s' ({transfer_s}) must be below 'hold_s' ({hold_s}): "
+                "a claim revoked mid-read would let the sender reuse the region being read"
+            )
         return checks, {
             "role": checks.text("role", get("role", d.role), ROLES),
             "host": checks.text("host", get("host", d.host), empty=False),
@@ -102,8 +115,9 @@ class PoolConfig:
             "pool_bytes": checks.int("pool_bytes", get("pool_bytes", d.pool_bytes), alignment),
             "readers": checks.int("readers", get("readers", d.readers), 1),
             "lease_s": checks.seconds("lease_s", get("lease_s", d.lease_s)),
-            "hold_s": checks.seconds("hold_s", get("hold_s", d.hold_s)),
+            "hold_s": hold_s,
             "control_timeout_s": checks.seconds("control_timeout_s", get("control_timeout_s", d.control_timeout_s)),
+            "transfer_timeout_s": transfer_s,
             "alignment": alignment,
         }
 

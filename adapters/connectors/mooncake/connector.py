@@ -208,6 +208,7 @@ class MooncakeConnector:
             device_name=cfg.device_name,
             device=cfg.pool_device,
             chunk_bytes=cfg.chunk_bytes,
+            transfer_timeout_s=cfg.transfer_timeout_s,
             shared=cfg.shared_engine,
             engine_factory=engine_factory,
         )
@@ -459,8 +460,8 @@ class MooncakeConnector:
         (``sender_gone``) or the wait ends: it returns at its deadline, not sooner, as a
         blocking get does (a caller reads an early None as the deadline passing). Its read of
         a payload claimed in time ends by the deadline plus ``control_timeout_s`` (the grace a
-        control reply has) where the engine can end a read (nixl; a frozen sender holds a READ
-        otherwise for ``transfer_timeout_s``): ``timeout``."""
+        control reply has): ``timeout`` (a read the engine could not end then goes on in the
+        pool's late reads, which give its space back when it ends)."""
         if wait_s <= 0:
             return self._receive.fetch(key, where, 0.0)
         deadline, pause = time.monotonic() + wait_s, _RETRY_FIRST_S
@@ -513,6 +514,7 @@ class MooncakeConnector:
             "protocol": self.config.protocol,
             "pool_bytes": self._pool.pool_bytes,
             "room": self._receive.space.room(),
+            **self._pool.read_stats(),
             **counters,
         }
         if self._sender is not None:

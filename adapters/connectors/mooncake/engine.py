@@ -14,6 +14,14 @@ registered pools (a transfer between two pools of one engine goes through the sa
 Transfers move ``length`` bytes between a local pool address and a peer's
 registered address; they return False on any engine failure (peer gone, address not
 registered), never raise for a remote fault.
+
+A read is bounded: its chunks go out as batches of their own and are polled until they end or
+the read's limit passes (``transfer_timeout_s``, or less where the caller's deadline is nearer).
+The engine cannot end a read it started, so a read still under way at its limit is handed to the
+pool's late reads (:class:`LateReads`), polled until the engine ends it; only then is the local
+space it writes into given back (the caller's ``ended``). The engine's synchronous read, used
+before, had no deadline of its own: a sender host killed mid-read once held a receiving rank
+(and its TP group, in the consensus) past its deadline.
 """
 
 from __future__ import annotations
@@ -37,6 +45,8 @@ __all__ = [
     "start_engine",
     "shared_engine",
     "EnginePool",
+    "LateReads",
+    "poll_pause",
     "bench_raw_transfer",
     "payload_pattern",
     "throughput_summary",
@@ -54,6 +64,14 @@ _SYSTEM_HINT = (
 )
 #: Chunk size (bytes) of one batched transfer request; 16 MiB measured best over loopback TCP.
 DEFAULT_CHUNK_BYTES = 16 << 20
+#: The most seconds one read may take before it is given up on (see :class:`LateReads`).
+DEFAULT_TRANSFER_TIMEOUT_S = 10.0
+#: What the engine's ``transfer_check_status`` says of a batch: still running, done (then freed).
+#: -1 is failed (freed too); -2 the engine's own timeout, which it does not free (a batch id
+#: lost, never polled again).
+_RUNNING, _DONE = 0, 1
+#: Pools closed with reads under way: kept allocated (and registered) until the process exits.
+_KEPT: list[Any] = []
 
 
 def unavailable_message(error: BaseException) -> str:
@@ -103,6 +121,13 @@ def shared_engine(host: str, protocol: str, device_name: str) -> Any:
         return engine
 
 
+def poll_pause(spins: int) -> None:
+    """Pause between two status checks of a transfer in flight: none for the first checks
+    (small reads end within microseconds), then growing to 1 ms (large reads)."""
+    if spins > 64:
+        time.sleep(min(1e-3, 1e-5 * (spins - 64)))
+
+
 def _chunks(length: int, chunk: int) -> list[tuple[int, int]]:
     """``(offset, size)`` pieces covering ``[0, length)`` in order, each <= ``chunk`` bytes."""
     return [(off, min(chunk, length - off)) for off in range(0, length, chunk)]
@@ -140,13 +165,97 @@ class TensorPool:
         False on any remote fault (each pool says how)."""
         raise NotImplementedError
 
-    def read_spans(self, peer: str, spans: Sequence[tuple[int, int, int]], within_s: float | None = None) -> bool:
+    def read_stats(self) -> dict[str, int]:
+        """What a connector's ``health()`` reports of this pool's reads (none here)."""
+        return {}
+
+    def read_spans(
+        self,
+        peer: str,
+        spans: Sequence[tuple[int, int, int]],
+        within_s: float | None = None,
+        ended: Callable[[], None] | None = None,
+    ) -> bool:
         """Every ``(local_offset, remote_addr, length)`` span of ``peer``, all or nothing (False
         at the first that fails). Span by span here; a pool whose engine takes a list of spans
         in one request overrides it. ``within_s``: the most seconds the caller can wait for the
-        read (a blocking get's deadline); a pool whose engine polls a read it started ends it by
-        then (nixl), one whose engine reads synchronously cannot and ignores it (mooncake)."""
-        return all(self.read(peer, off, addr, n) for off, addr, n in spans)
+        read (a blocking get's deadline); the read returns False by then (or by the pool's own
+        transfer deadline, whichever is nearer).
+
+        ``ended``, where the read fails: called once when the pool no longer writes into the
+        spans' local bytes (the caller gives that space back there, never sooner): before this
+        returns, or later, from the pool's own thread, for a read the engine could not end
+        (mooncake: :class:`LateReads`). Never called after a read that succeeded."""
+        ok = all(self.read(peer, off, addr, n) for off, addr, n in spans)
+        if not ok and ended is not None:
+            ended()
+        return ok
+
+
+@attrs.define(eq=False)
+class LateReads:
+    """Reads an engine could not end by their limit: their batches, polled by a thread of their
+    own (started when the first comes, gone when none is left) until the engine ends each, then
+    the read's ``ended`` called (its local space given back). ``in_flight`` of them now,
+    ``abandoned`` and ``ended`` since the start: a pool's health."""
+
+    engine: Any
+    #: seconds between two polls of the late reads (they are rare; none of them is waited on)
+    every_s: float = 0.005
+    abandoned: int = 0
+    ended: int = 0
+    _reads: list[tuple[list[int], Callable[[], None] | None]] = attrs.field(init=False, factory=list)
+    _lock: threading.Lock = attrs.field(init=False, factory=threading.Lock)
+    _thread: threading.Thread | None = attrs.field(init=False, default=None)
+    _stop: threading.Event = attrs.field(init=False, factory=threading.Event)
+
+    @property
+    def in_flight(self) -> int:
+        with self._lock:
+            return len(self._reads)
+
+    def add(self, batches: list[int], ended: Callable[[], None] | None) -> None:
+        """Poll ``batches`` (none polled to its end yet) until each has ended, then call ``ended``."""
+        with self._lock:
+            self.abandoned += 1
+            self._reads.append((list(batches), ended))
+            if self._stop.is_set() or (self._thread is not None and self._thread.is_alive()):
+                return
+            self._thread = threading.Thread(target=self._run, name="kvferry-mooncake-late-reads", daemon=True)
+            self._thread.start()
+
+    def stop(self) -> int:
+        """Stop polling; the reads still under way (their ``ended`` never called)."""
+        self._stop.set()
+        thread = self._thread
+        if thread is not None:
+            thread.join(timeout=10.0)
+        with self._lock:
+            return len(self._reads)
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.every_s):
+            with self._lock:
+                reads = list(self._reads)
+            done = []
+            for read in reads:
+                batches, ended = read
+                # a batch whose status is not "running" was freed by that check: never asked again
+                batches[:] = [b for b in batches if self.engine.transfer_check_status(b) == _RUNNING]
+                if batches:
+                    continue
+                done.append(read)
+                if ended is not None:
+                    try:
+                        ended()
+                    except Exception:  # a caller's hook: this thread must go on polling the others
+                        logger.exception("mooncake: giving back the space of a late read failed")
+            with self._lock:  # a read leaves the count once its space is back
+                self._reads = [r for r in self._reads if all(r is not d for d in done)]
+                self.ended += len(done)
+                if not self._reads:  # add() starts a new thread once this one is gone
+                    self._thread = None
+                    return
 
 
 @attrs.define(eq=False)
@@ -164,7 +273,14 @@ class EnginePool(TensorPool):
     protocol: str
     rpc_port: int
     chunk_bytes: int = DEFAULT_CHUNK_BYTES
+    transfer_timeout_s: float = DEFAULT_TRANSFER_TIMEOUT_S
     _closed: bool = False
+    #: reads started (each of one or more spans), and those still under way at their limit
+    reads: int = attrs.field(init=False, default=0)
+    late: LateReads = attrs.field(init=False)
+
+    def __attrs_post_init__(self) -> None:
+        self.late = LateReads(self.engine)
 
     @classmethod
     def create(
@@ -176,6 +292,7 @@ class EnginePool(TensorPool):
         device_name: str = "",
         device: str = "cpu",
         chunk_bytes: int = DEFAULT_CHUNK_BYTES,
+        transfer_timeout_s: float = DEFAULT_TRANSFER_TIMEOUT_S,
         shared: bool = True,
         engine_factory: Callable[[], Any] | None = None,
     ) -> EnginePool:
@@ -203,17 +320,88 @@ class EnginePool(TensorPool):
         rc = engine.register_memory(tensor.data_ptr(), pool_bytes, location)
         if rc != 0:
             raise ConnectorUnavailable(f"mooncake engine could not register {pool_bytes} bytes: rc {rc}")
-        return cls(engine, tensor, host, protocol, int(engine.get_rpc_port()), chunk_bytes)
+        return cls(engine, tensor, host, protocol, int(engine.get_rpc_port()), chunk_bytes, transfer_timeout_s)
 
     def read(self, peer: str, local_offset: int, remote_addr: int, length: int) -> bool:
-        """Read ``length`` bytes at ``remote_addr`` of ``peer`` ("host:rpc_port") into the pool."""
-        return self._transfer(peer, local_offset, remote_addr, length, write=False)
+        """Read ``length`` bytes at ``remote_addr`` of ``peer`` ("host:rpc_port") into the pool
+        (:meth:`read_spans` of one span: bounded by ``transfer_timeout_s``)."""
+        return self.read_spans(peer, [(local_offset, remote_addr, length)])
+
+    def read_spans(
+        self,
+        peer: str,
+        spans: Sequence[tuple[int, int, int]],
+        within_s: float | None = None,
+        ended: Callable[[], None] | None = None,
+    ) -> bool:
+        """:meth:`TensorPool.read_spans`: every chunk of every span a batch of its own, all
+        submitted, then polled until each ends or the limit (``transfer_timeout_s``, or
+        ``within_s`` where less) passes. A chunk that fails ends the read at once. Chunks still
+        under way then go to the late reads (the engine cannot end them), and ``ended`` is
+        called when the last of them has ended."""
+        for off, _, length in spans:
+            if off < 0 or length < 0 or off + length > self.pool_bytes:
+                raise ConfigError(f"span [{off}, +{length}) lies outside the pool")
+        base, chunk = self.base, self.chunk_bytes
+        pieces = [(base + off + at, addr + at, n) for off, addr, length in spans for at, n in _chunks(length, chunk)]
+        if not pieces:
+            return True
+        if self._closed:
+            if ended is not None:
+                ended()
+            return False
+        limit = self.transfer_timeout_s if within_s is None else min(self.transfer_timeout_s, max(within_s, 0.0))
+        deadline = time.monotonic() + limit
+        self.reads += 1
+        engine, ok, pending = self.engine, True, []
+        for local, remote, n in pieces:
+            try:
+                batch = engine.batch_transfer_async_read(peer, [local], [remote], [n])
+            except (RuntimeError, ValueError, TypeError) as exc:  # engine binding errors
+                logger.warning("mooncake read from %s raised %s", peer, exc)
+                batch = 0
+            if not batch:  # the engine could not start it (peer unknown or unreachable)
+                ok = False
+                break
+            pending.append(batch)
+        spins = 0
+        while pending and ok:
+            still = []
+            for batch in pending:
+                state = engine.transfer_check_status(batch)  # a batch that ended is freed by it
+                if state == _RUNNING:
+                    still.append(batch)
+                elif state != _DONE:
+                    ok = False  # failed, or the engine's own timeout (not freed: see _DONE)
+            pending = still
+            if pending and time.monotonic() >= deadline:
+                ok = False
+                logger.warning("mooncake read from %s not done in %.1f s", peer, limit)
+                break
+            spins += 1
+            poll_pause(spins)
+        if ok:
+            return True
+        if pending:
+            self.late.add(pending, ended)
+        elif ended is not None:
+            ended()
+        return False
+
+    def read_stats(self) -> dict[str, int]:
+        """Reads started (``engine_reads``); those not ended by their limit and still polled
+        until the engine ends them, their pool space given back then (``late_reads``), and
+        since the start (``late_reads_abandoned``, ``late_reads_ended``)."""
+        return {
+            "engine_reads": self.reads,
+            "late_reads": self.late.in_flight,
+            "late_reads_abandoned": self.late.abandoned,
+            "late_reads_ended": self.late.ended,
+        }
 
     def write(self, peer: str, local_offset: int, remote_addr: int, length: int) -> bool:
-        """Write ``length`` pool bytes at ``local_offset`` to ``remote_addr`` of ``peer``."""
-        return self._transfer(peer, local_offset, remote_addr, length, write=True)
-
-    def _transfer(self, peer: str, local_offset: int, remote: int, length: int, *, write: bool) -> bool:
+        """Write ``length`` pool bytes at ``local_offset`` to ``remote_addr`` of ``peer``
+        (the engine's synchronous batch write: the raw bench's limit, no deadline)."""
         if self._closed:
             return False
         if local_offset < 0 or length < 0 or local_offset + length > self.pool_bytes:
@@ -222,21 +410,32 @@ class EnginePool(TensorPool):
             return True
         pieces = _chunks(length, self.chunk_bytes)
         local = [self.base + local_offset + off for off, _ in pieces]
-        remotes = [remote + off for off, _ in pieces]
+        remotes = [remote_addr + off for off, _ in pieces]
         sizes = [size for _, size in pieces]
-        call = self.engine.batch_transfer_sync_write if write else self.engine.batch_transfer_sync_read
         try:
-            rc = call(peer, local, remotes, sizes)
+            rc = self.engine.batch_transfer_sync_write(peer, local, remotes, sizes)
         except (RuntimeError, ValueError, TypeError) as exc:  # engine binding errors
             logger.warning("mooncake transfer with %s raised %s", peer, exc)
             return False
         return rc == 0
 
     def close(self) -> None:
-        """Unregister the pool. Idempotent. The engine object is dropped with the connector."""
+        """Unregister the pool. Idempotent. The engine object is dropped with the connector.
+        A pool with reads still under way stays registered and allocated until the process
+        exits (the engine may still write into it), said in a warning."""
         if self._closed:
             return
         self._closed = True
+        left = self.late.stop()
+        if left:
+            logger.warning(
+                "mooncake pool closed with %d reads still under way: its %d bytes stay registered "
+                "and allocated until the process exits (the engine may still write into them)",
+                left,
+                self.pool_bytes,
+            )
+            _KEPT.append(self.tensor)
+            return
         try:
             self.engine.unregister_memory(self.base)
         except (RuntimeError, ValueError, TypeError) as exc:

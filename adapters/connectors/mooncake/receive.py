@@ -202,9 +202,10 @@ class ReceiveSide:
     ) -> tuple[Any, int] | str | SenderFailure:
         """``(pool buffer, size)``, a reason word, or the sender's failure record (see the
         module doc). ``read_by`` (a ``time.monotonic()`` instant): a blocking get's end; the
-        read of a payload claimed before then ends by then too where the engine can end a read
-        (nixl), and a read ended by it is ``timeout`` (the engine's own limit ends it otherwise:
-        ``transfer_failed``)."""
+        read of a payload claimed before then ends by then too, and a read ended by it is
+        ``timeout`` (the pool's ``transfer_timeout_s`` ends it otherwise: ``transfer_failed``).
+        The region a failed read was given goes back to the space once the engine no longer
+        writes into it (mooncake: maybe later, :class:`~.engine.LateReads`)."""
         peer = self._checkout(where.host, where.port)
         if peer is None:
             return "closed"
@@ -238,14 +239,16 @@ class ReceiveSide:
             self._finish(peer, key, reply.claim, False)
             return "no_room"
         within = None if read_by is None else read_by - time.monotonic()
-        ok = self.pool.read_spans(f"{where.host}:{reply.rpc_port}", reply_reads(reply, region.offset), within)
+        give = functools.partial(self.space.give, region)
+        # a read that fails gives the region back through `give` once nothing writes into it
+        ok = self.pool.read_spans(f"{where.host}:{reply.rpc_port}", reply_reads(reply, region.offset), within, give)
         failure = "" if ok else "timeout" if read_by is not None and time.monotonic() >= read_by else "transfer_failed"
         if ok and _past_pin(self.clock() - got_at, reply.pin_s):
             # the sender may have revoked the claim and reused the region meanwhile
             failure = "expired"
+            give()
         self._finish(peer, key, reply.claim, not failure)
         if failure:
-            self.space.give(region)
             logger.warning("%s get %r of %d bytes from %s: %s", self.name, key, size, where.host, failure)
             return failure
         view = self.pool.tensor[region.offset : region.offset + size]
@@ -294,11 +297,18 @@ class ReceiveSide:
         if broken:
             logger.warning("%s get_many from %s:%d: %s", self.name, where.host, where.port, next(iter(set(out))))
         ok = True
+        given: set[int] = set()  # claims whose regions a failed read gives back (read_spans' `ended`)
         if claimed:
-            by_peer: dict[str, list[tuple[int, int, int]]] = {}
-            for _, reply, region in claimed:
-                by_peer.setdefault(f"{where.host}:{reply.rpc_port}", []).extend(reply_reads(reply, region.offset))
-            ok = all(self.pool.read_spans(name, spans) for name, spans in by_peer.items())
+            by_peer: dict[str, list[tuple[int, wire.LookupReply, Region]]] = {}
+            for i, reply, region in claimed:
+                by_peer.setdefault(f"{where.host}:{reply.rpc_port}", []).append((i, reply, region))
+            for name, group in by_peer.items():
+                spans = [s for _, reply, region in group for s in reply_reads(reply, region.offset)]
+                regions = [region for _, _, region in group]
+                ok = self.pool.read_spans(name, spans, None, functools.partial(self._give_all, regions))
+                if not ok:
+                    given.update(i for i, _, _ in group)
+                    break
         failure = "" if ok else "transfer_failed"
         if ok and claimed and any(_past_pin(self.clock() - got_at, r.pin_s) for _, r, _ in claimed):
             failure = "expired"  # the sender may have revoked a claim and reused its region meanwhile
@@ -322,7 +332,8 @@ class ReceiveSide:
             self._drop_peer(peer)  # its queue may hold stale replies; unconfirmed claims end at their pin time
         for i, reply, region in claimed:
             if failure:
-                self.space.give(region)
+                if i not in given:
+                    self.space.give(region)
                 out[i] = failure
                 continue
             view = self.pool.tensor[region.offset : region.offset + reply.size]
@@ -331,8 +342,11 @@ class ReceiveSide:
             logger.warning("%s get_many of %d payloads from %s: %s", self.name, len(claimed), where.host, failure)
         return out
 
+    def _give_all(self, regions: Sequence[Region]) -> None:
+        for region in regions:
+            self.space.give(region)
+
     def close(self) -> None:
-        """Close every peer channel. Idempotent."""
         """Close idle channels; busy ones are closed by their own thread once the context
         is terminated (their wait ends with ``closed``). Idempotent."""
         with self._lock:

@@ -31,7 +31,7 @@ from typing import Any
 
 import attrs
 
-from kvferry.adapters.connectors.mooncake.engine import TensorPool, pool_tensor
+from kvferry.adapters.connectors.mooncake.engine import TensorPool, poll_pause, pool_tensor
 from kvferry.core.errors import ConfigError, ConnectorUnavailable
 from kvferry.core.validate import check_int
 
@@ -162,13 +162,6 @@ def new_agent(backend: str, options: Mapping[str, str], role: str) -> Any:
             f"nixl backend {backend!r} failed to start with options {dict(options)}: {type(exc).__name__}: {exc}"
         ) from exc
     return agent
-
-
-def _poll_wait(spins: int) -> None:
-    """Pause between two status checks of an in-flight transfer: none for the first checks
-    (small reads finish within microseconds), then growing to 1 ms (large reads)."""
-    if spins > 64:
-        time.sleep(min(1e-3, 1e-5 * (spins - 64)))
 
 
 @attrs.define(eq=False)
@@ -302,10 +295,23 @@ class AgentPool(TensorPool):
         ``local_offset``, within ``transfer_timeout_s``. False on any remote fault."""
         return self.read_spans(peer, [(local_offset, remote_addr, length)])
 
-    def read_spans(self, peer: str, spans: Sequence[tuple[int, int, int]], within_s: float | None = None) -> bool:
+    def read_spans(
+        self,
+        peer: str,
+        spans: Sequence[tuple[int, int, int]],
+        within_s: float | None = None,
+        ended: Callable[[], None] | None = None,
+    ) -> bool:
         """One NIXL READ of several ``(local_offset, remote_addr, length)`` spans (one request),
         ended (False) when not done within ``transfer_timeout_s`` or ``within_s``, whichever
-        is less."""
+        is less; a READ that failed is over when this returns (its handle released, which
+        cancels it): ``ended`` is called before."""
+        ok = self._read_spans(peer, spans, within_s)
+        if not ok and ended is not None:
+            ended()
+        return ok
+
+    def _read_spans(self, peer: str, spans: Sequence[tuple[int, int, int]], within_s: float | None) -> bool:
         if self._closed:
             return False
         for off, _, length in spans:
@@ -341,7 +347,7 @@ class AgentPool(TensorPool):
                     logger.warning("nixl READ from %s not done in %.1f s", agent_name, limit_s)
                     return False
                 spins += 1
-                _poll_wait(spins)
+                poll_pause(spins)
                 state = agent.check_xfer_state(handle)
             if state != "DONE":
                 self._count("transfer_errors")

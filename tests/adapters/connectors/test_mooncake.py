@@ -278,6 +278,22 @@ def test_bad_metadata_is_a_config_error_naming_the_key(meta, word) -> None:
 def test_config_defaults_and_unknown_keys() -> None:
     cfg = MooncakeConfig.from_mapping({"type": "mooncake", "something_else": 1})
     assert (cfg.role, cfg.host, cfg.port, cfg.readers, cfg.protocol) == ("sender", "127.0.0.1", 0, 1, "tcp")
+    assert (cfg.hold_s, cfg.transfer_timeout_s) == (30.0, 10.0)
+
+
+@PROFILE
+@given(st.floats(0.01, 1000.0, allow_nan=False), st.one_of(st.none(), st.floats(0.01, 1000.0, allow_nan=False)))
+def test_a_read_deadline_is_below_the_claims_hold_or_the_config_names_it(hold_s, transfer_s) -> None:
+    """A read may last until its deadline; the sender's claim must pin the region longer, so
+    ``transfer_timeout_s`` is below ``hold_s``: given, or by default 10 s or half the hold."""
+    raw = {"hold_s": hold_s} if transfer_s is None else {"hold_s": hold_s, "transfer_timeout_s": transfer_s}
+    if transfer_s is not None and transfer_s >= hold_s:
+        with pytest.raises(ConfigError, match="'transfer_timeout_s'.*'hold_s'"):
+            MooncakeConfig.from_mapping(raw)
+        return
+    cfg = MooncakeConfig.from_mapping(raw)
+    assert cfg.transfer_timeout_s < cfg.hold_s
+    assert cfg.transfer_timeout_s == (min(10.0, hold_s / 2) if transfer_s is None else transfer_s)
 
 
 @pytest.mark.parametrize(
@@ -294,6 +310,7 @@ def test_config_defaults_and_unknown_keys() -> None:
         ("host", ""),
         ("alignment", 48),
         ("chunk_bytes", 10),
+        ("transfer_timeout_s", 0),
         ("shared_engine", "yes"),
         ("readers", True),
     ],
