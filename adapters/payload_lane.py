@@ -31,12 +31,12 @@ import attrs
 import torch
 
 from kvferry.adapters import paged_gather
-from kvferry.adapters.paged_cache import ExtractionPlan
+from kvferry.adapters.paged_cache import CacheGeometry, ExtractionPlan, gather_slices
 from kvferry.adapters.paged_gather import BlockSite, HostSpan, TensorGather
 from kvferry.adapters.torch_frames import dest_problem, dest_spans
 from kvferry.core.header import PayloadLayout
 
-__all__ = ["PayloadLane", "gather_payload", "TEMPLATES_KEPT"]
+__all__ = ["PayloadLane", "SliceLane", "gather_payload", "gather_slice_payloads", "TEMPLATES_KEPT"]
 
 #: Payload templates a lane remembers as checked (all forgotten when full).
 TEMPLATES_KEPT = 64
@@ -44,6 +44,10 @@ TEMPLATES_KEPT = 64
 #: views of the cache last sent from; a lane of another cache is replaced, not kept beside it,
 #: so an old cache is not held alive by it).
 LANE_KEY = "lane"
+#: Head slices as ``(offset_in_shard, num_slices)``, one per payload gathered.
+Slots = tuple[tuple[int, int], ...]
+#: The key of a caller's slice lane (:func:`gather_slice_payloads`), kept beside its lane.
+SLICE_LANE_KEY = "slices"
 
 
 @attrs.define(eq=False)
@@ -126,7 +130,7 @@ class PayloadLane:
         entries = layout.header.tensors
         known = self._templates.get(id(entries))
         if known is None or known[0] is not entries or known[1] != first.tokens:
-            present = self._check_template(plan, buffer, layout)
+            present = _checked_template(plan, buffer, layout)
             if present is None:
                 return False
             if len(self._templates) >= TEMPLATES_KEPT:
@@ -162,25 +166,6 @@ class PayloadLane:
             self._tails[tail_tokens] = None if None in layouts else tuple(lay.tail for lay in layouts if lay)
         return self._tails[tail_tokens]
 
-    def _check_template(
-        self, plan: ExtractionPlan, buffer: torch.Tensor, layout: PayloadLayout
-    ) -> tuple[int, ...] | None:
-        """The positions of the present tensors in ``layout`` when the general path would
-        write every tensor of ``plan`` natively where ``layout`` puts it; None otherwise (or
-        the general path's ConfigError for a destination that does not fit)."""
-        places = dest_spans(buffer, layout)
-        tensors = plan.tensors()
-        if len(places) != len(tensors) or any((g is None) != (s is None) for g, s in zip(tensors, places)):
-            return None  # the general path names what does not match
-        present = tuple(i for i, s in enumerate(places) if s is not None)
-        for i in present:
-            gather, span = tensors[i], places[i]
-            assert gather is not None  # present exactly where the spans are
-            if type(span) is not HostSpan:
-                return None
-            gather.check_out(span)  # (the native copy was chosen for each view when the lane was made)
-        return present
-
 
 def gather_payload(
     plan: ExtractionPlan,
@@ -206,6 +191,240 @@ def gather_payload(
         return
     spans = dest_spans(buffer, layout)
     plan.gather_all((spans[: plan.num_layers], spans[plan.num_layers :]))
+
+
+@attrs.define(eq=False)
+class SliceLane:
+    """The one-pass fan-out gather (:func:`~kvferry.adapters.paged_cache.gather_slices`) of one
+    cache's head slices, prepared once per cache and set of slices, as :class:`PayloadLane` is
+    for a whole payload.
+
+    ``geometry`` and ``slots`` (the ``(offset_in_shard, num_slices)`` of each slice gathered, in
+    order) name what it serves, ``copies`` how many destinations each slice is written to from its
+    one read; ``blocks[j]``: slice ``j``'s views in wire order (absent layers left out), compared
+    by identity with a request's sliced plans (the geometry's narrowed sites, made once per
+    cache and slice); ``calls``: per tensor the split copy's source (slice 0's view), the bytes
+    from one slice's view to the next (0 for a single slice), the walk after the destination,
+    source, ids and count (``nblocks, block_stride, d0, s0, d1, s1, d2, s2, piece``) and a block's
+    bytes."""
+
+    geometry: CacheGeometry = attrs.field(repr=False)
+    slots: tuple[tuple[int, int], ...]
+    copies: int
+    blocks: tuple[tuple[torch.Tensor, ...], ...] = attrs.field(repr=False)
+    native: Any = attrs.field(repr=False)
+    calls: tuple[tuple[int, int, tuple[int, ...], int], ...] = attrs.field(repr=False)
+    sites: tuple[BlockSite, ...] = attrs.field(repr=False)
+    unit: int
+    min_blocks: int
+    _tails: dict[int, tuple[tuple[int, ...], ...] | None] = attrs.field(init=False, factory=dict, repr=False)
+    #: id(template descriptors) -> (descriptors, tokens, positions of the present tensors)
+    _templates: dict[int, tuple[Any, int, tuple[int, ...]]] = attrs.field(init=False, factory=dict, repr=False)
+
+    @classmethod
+    def of(
+        cls, geometry: CacheGeometry | None, slots: Slots, plans: list[ExtractionPlan], copies: int
+    ) -> SliceLane | None:
+        """The lane of ``plans`` (slice ``slots[j]`` of one request each, made by
+        :meth:`~kvferry.adapters.paged_cache.ExtractionPlan.head_slice` from a plan of
+        ``geometry``); None where the general path would not write every tensor with one native
+        split copy to host buffers (the slices not equal views of one tensor at a fixed
+        distance, more destinations than the native copy takes, torch on more threads)."""
+        native = paged_gather._native
+        if (
+            native is None
+            or geometry is None
+            or not plans
+            or len(plans) != len(slots)
+            or copies < 1
+            or len(plans) * copies > paged_gather.MAX_SPLIT
+            or (len(plans) == 1 and copies == 1)
+            or not _one_thread()
+        ):
+            return None
+        per_slot = [_present(p) for p in plans]
+        count = len(per_slot[0])
+        if not count or any(len(g) != count for g in per_slot):
+            return None
+        first = per_slot[0][0]
+        cpu = torch.device("cpu")
+        narrowed = [geometry.head_slice(*slot) for slot in slots]
+        calls: list[tuple[int, int, tuple[int, ...], int]] = []
+        sites: list[BlockSite] = []
+        for k in range(count):
+            gathers = [g[k] for g in per_slot]
+            views: list[BlockSite] = []
+            for sliced, gather in zip(narrowed, gathers):
+                pair = sliced[gather.layer] if gather.layer < len(sliced) else ()
+                site = pair[0 if gather.which == "key" else 1] if len(pair) == 2 else None
+                if (
+                    not isinstance(site, BlockSite)
+                    or site.blocks is not gather.blocks
+                    or gather.layer != gathers[0].layer
+                    or gather.which != gathers[0].which
+                    or not _same_selection(gather, first)
+                ):
+                    return None
+                views.append(site)
+            layout = views[0].layout(first.tail_tokens)
+            if layout is None or gathers[0].choose_method(cpu) != "native":
+                return None
+            base = views[0].blocks
+            stride = views[1].blocks.data_ptr() - base.data_ptr() if len(views) > 1 else 0
+            if len(views) > 1 and stride <= 0:
+                return None
+            for j, view in enumerate(views[1:], 1):  # equal views at a fixed distance (split_stride's test)
+                b = view.blocks
+                if (
+                    b.data_ptr() != base.data_ptr() + j * stride
+                    or b.shape != base.shape
+                    or b.stride() != base.stride()
+                    or b.dtype != base.dtype
+                    or view.layout(first.tail_tokens) != layout
+                ):
+                    return None
+            sites.append(views[0])
+            walk = (int(base.shape[0]), layout.block_stride, *layout.full)
+            calls.append((base.data_ptr(), stride, walk, layout.block_bytes))
+        return cls(
+            geometry,
+            slots,
+            copies,
+            tuple(tuple(g.blocks for g in gathers) for gathers in per_slot),
+            native,
+            tuple(calls),
+            tuple(sites),
+            max(g.dtype.itemsize for g in per_slot[0]),
+            min(int(g.blocks.shape[0]) for g in per_slot[0]),
+        )
+
+    def serves(self, geometry: CacheGeometry | None, slots: Slots, plans: list[ExtractionPlan], copies: int) -> bool:
+        """Whether ``plans`` are this lane's slices of its cache, with one selection of blocks,
+        and the native copy is still the general path's choice for them."""
+        if (
+            geometry is not self.geometry
+            or slots != self.slots
+            or copies != self.copies
+            or paged_gather._native is not self.native
+            or not _one_thread()
+        ):
+            return False
+        first: TensorGather | None = None
+        for plan, blocks in zip(plans, self.blocks):
+            gathers = _present(plan)
+            if len(gathers) != len(blocks):
+                return False
+            first = first or gathers[0]
+            if not all(g.blocks is b and _same_selection(g, first) for g, b in zip(gathers, blocks)):
+                return False
+        return True
+
+    def fits(self, plans: list[ExtractionPlan], buffers: list[torch.Tensor], layouts: list[PayloadLayout]) -> bool:
+        """Whether :meth:`run` writes what the general path would (``plans`` already
+        :meth:`serves` this lane): every buffer holds its payload, on the host, its data start
+        aligned; every template was checked the general path's way once for this many tokens;
+        every block id inside every view. ``buffers[d]``/``layouts[d]``: destination ``d`` =
+        copy ``d % copies`` of slice ``d // copies``."""
+        first = _first(plans[0])
+        for d, (buffer, layout) in enumerate(zip(buffers, layouts)):
+            if (
+                dest_problem(buffer, layout) is not None
+                or buffer.device.type != "cpu"
+                or (buffer.storage_offset() + layout.data_start) % self.unit
+            ):
+                return False
+            entries = layout.header.tensors
+            known = self._templates.get(id(entries))
+            if known is None or known[0] is not entries or known[1] != first.tokens:
+                present = _checked_template(plans[d // self.copies], buffer, layout)
+                if present is None or len(present) != len(self.calls):
+                    return False
+                if len(self._templates) >= TEMPLATES_KEPT:
+                    self._templates.clear()
+                self._templates[id(entries)] = (entries, first.tokens, present)
+        if first.tail_tokens and self._tail(first.tail_tokens) is None:
+            return False
+        picked = first.block_ids[: first.full_blocks + (1 if first.tail_tokens else 0)]
+        return not picked or (min(picked) >= 0 and max(picked) < self.min_blocks)
+
+    def run(self, plans: list[ExtractionPlan], buffers: list[torch.Tensor], layouts: list[PayloadLayout]) -> None:
+        """Gather every slice into its destinations (only after :meth:`serves` and :meth:`fits`
+        said yes): per tensor one split copy of the whole blocks, then each destination's
+        partial last block."""
+        first = _first(plans[0])
+        places = [
+            (buffer.data_ptr(), layout.spans, self._templates[id(layout.header.tensors)][2])
+            for buffer, layout in zip(buffers, layouts)
+        ]
+        split, gather, copies = self.native.gather_split, self.native.gather, self.copies
+        n, tail, streaming = first.full_blocks, first.tail_tokens, paged_gather.STREAM_MIN_BYTES
+        ids = first.index.address() if n else 0
+        tails = self._tail(tail) if tail else None
+        last = first.block_ids[n] if tail else 0
+        for k, (src, stride, walk, block_bytes) in enumerate(self.calls):
+            dsts = []
+            for base, spans, present in places:
+                start, nbytes = spans[present[k]]  # type: ignore[misc]  # present: never None
+                dsts.append(base + start)
+            stream = nbytes >= streaming  # every slice is as large: as TensorGather decides
+            if n:
+                split(tuple(dsts), stride, src, ids, n, *walk, stream, copies)
+            if tails is not None:
+                step = walk[1]
+                for d, dst in enumerate(dsts):
+                    at = src + (d // copies) * stride + last * step
+                    gather(dst + n * block_bytes, at, 0, 1, 1, step, *tails[k], stream)
+
+    def _tail(self, tail_tokens: int) -> tuple[tuple[int, ...], ...] | None:
+        if tail_tokens not in self._tails:
+            layouts = [site.layout(tail_tokens) for site in self.sites]
+            self._tails[tail_tokens] = None if None in layouts else tuple(lay.tail for lay in layouts if lay)
+        return self._tails[tail_tokens]
+
+
+def gather_slice_payloads(
+    geometry: CacheGeometry | None,
+    slots: tuple[tuple[int, int], ...],
+    plans: list[ExtractionPlan],
+    buffers: list[torch.Tensor],
+    layouts: list[PayloadLayout],
+    copies: int = 1,
+    lanes: MutableMapping[str, Any] | None = None,
+) -> None:
+    """:func:`~kvferry.adapters.paged_cache.gather_slices` of ``plans`` (slice ``slots[j]`` of
+    one request of ``geometry`` each) into payload buffers: destination ``d`` (``buffers[d]`` at
+    ``layouts[d]``) gets slice ``d // copies``. Through the caller's :class:`SliceLane` (kept in
+    ``lanes``) when the request fits it, a new one when the slices or the cache are others, else
+    the general way, which raises what it raises."""
+    lane = lanes.get(SLICE_LANE_KEY) if lanes is not None else None
+    if not isinstance(lane, SliceLane) or not lane.serves(geometry, slots, plans, copies):
+        lane = SliceLane.of(geometry, slots, plans, copies)
+        if lanes is not None and lane is not None:
+            lanes[SLICE_LANE_KEY] = lane
+    if lane is not None and lane.fits(plans, buffers, layouts):
+        lane.run(plans, buffers, layouts)
+        return
+    views = [dest_spans(buffer, layout) for buffer, layout in zip(buffers, layouts)]
+    dests = [(v[: plans[d // copies].num_layers], v[plans[d // copies].num_layers :]) for d, v in enumerate(views)]
+    gather_slices(plans, dests, copies)
+
+
+def _checked_template(plan: ExtractionPlan, buffer: torch.Tensor, layout: PayloadLayout) -> tuple[int, ...] | None:
+    """The positions of the present tensors in ``layout`` when the general path would write
+    every tensor of ``plan`` natively where ``layout`` puts it; None otherwise (or the general
+    path's ConfigError for a destination that does not fit)."""
+    places = dest_spans(buffer, layout)
+    tensors = plan.tensors()
+    if len(places) != len(tensors) or any((g is None) != (s is None) for g, s in zip(tensors, places)):
+        return None  # the general path names what does not match
+    present = tuple(i for i, s in enumerate(places) if s is not None)
+    for i in present:
+        gather, span = tensors[i], places[i]
+        assert gather is not None  # present exactly where the spans are
+        if type(span) is not HostSpan:
+            return None
+        gather.check_out(span)  # (the native copy was chosen for each view when the lane was made)
+    return present
 
 
 def _one_thread() -> bool:

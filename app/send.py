@@ -33,12 +33,10 @@ from kvferry.adapters.paged_cache import (
     CacheGeometry,
     ExtractionPlan,
     ExtractionSkipped,
-    gather_slices,
     plan_extraction,
 )
-from kvferry.adapters.payload_lane import gather_payload
+from kvferry.adapters.payload_lane import gather_payload, gather_slice_payloads
 from kvferry.adapters.torch_frames import (
-    dest_spans,
     encode_bytes,
     encode_device_tensor,
     encode_frames,
@@ -386,7 +384,10 @@ class SendPath:
                 if slot not in sliced:
                     sliced[slot] = slice_plan_heads(plan, *slot)
             filled = self._fill_reserved(
-                connector, [(sliced[slot], j.key, self._metadata(plan, j)) for slot, j in zip(slots, jobs)], same_as
+                connector,
+                [(sliced[slot], j.key, self._metadata(plan, j)) for slot, j in zip(slots, jobs)],
+                same_as,
+                (plan.geometry, tuple(slots)),
             )
         except KVFerryError:  # a full pool, a local fault: each key takes the single path
             return {}
@@ -402,12 +403,15 @@ class SendPath:
         connector: Any,
         items: Sequence[tuple[ExtractionPlan, str, dict[str, Any]]],
         same_as: Sequence[int | None] | None = None,
+        slices: tuple[CacheGeometry | None, tuple[tuple[int, int], ...]] | None = None,
     ) -> list[Any]:
         """Reserve a region per ``(plan, key, metadata)``, gather every plan into its region
         (several: the one-pass ``gather_slices``) and write the headers; the reservations,
         ready to commit. ``same_as[i] = k`` (``k < i``): item ``i`` carries the same tensors as
-        item ``k``, so its tensor bytes are copied from ``k``'s region instead of gathered. Any
-        exception aborts every reservation taken."""
+        item ``k``, so its tensor bytes are copied from ``k``'s region instead of gathered.
+        ``slices``: the items' plans are head slices of one request of this cache geometry,
+        item ``i`` the slice ``(offset_in_shard, num_slices)`` of the tuple's ``i``-th (they are
+        gathered through the sender's slice lane). Any exception aborts every reservation taken."""
         reservations: list[Any] = []
         try:
             layouts = [self._layout(p, meta) for p, _, meta in items]
@@ -433,9 +437,16 @@ class SendPath:
                 i = written[0]
                 gather_payload(items[i][0], reservations[i].buffer, layouts[i], self._lanes)
             else:
-                views = [dest_spans(reservations[i].buffer, layouts[i]) for i in written]
-                dests = [(v[: items[i][0].num_layers], v[items[i][0].num_layers :]) for v, i in zip(views, written)]
-                gather_slices([items[i][0] for i in gathered], dests, copies)
+                geometry, slots = slices if slices is not None else (None, tuple((0, 1) for _ in items))
+                gather_slice_payloads(
+                    geometry,
+                    tuple(slots[i] for i in gathered),
+                    [items[i][0] for i in gathered],
+                    [reservations[i].buffer for i in written],
+                    [layouts[i] for i in written],
+                    copies,
+                    self._lanes if slices is not None else None,
+                )
             for i, k in enumerate(shared):
                 if k is not None:  # same tensors, same offsets from the data start: one copy
                     src, dst = layouts[k], layouts[i]

@@ -17,7 +17,14 @@ from hypothesis import strategies as st
 
 from kvferry.adapters import paged_gather
 from kvferry.adapters.paged_cache import ExtractionPlan, plan_extraction
-from kvferry.adapters.payload_lane import LANE_KEY, PayloadLane, gather_payload
+from kvferry.adapters.payload_lane import (
+    LANE_KEY,
+    SLICE_LANE_KEY,
+    PayloadLane,
+    SliceLane,
+    gather_payload,
+    gather_slice_payloads,
+)
 from kvferry.adapters.torch_frames import dest_spans, dest_views
 from kvferry.core.errors import ConfigError
 from kvferry.core.header import PayloadLayout, kv_layout_template
@@ -202,3 +209,147 @@ def test_a_head_slice_and_an_mla_latent_take_the_path_that_fits_them() -> None:
     want = latent[0][torch.tensor([4, 1])].reshape(-1, 576)[:30]
     (key_view, _) = dest_views(out, layout)
     assert key_view is not None and torch.equal(key_view.view(torch.uint8), want.contiguous().view(torch.uint8))
+
+
+# ------------------------------------------------------------------------- head slices
+def slice_payloads(plan: ExtractionPlan, slots: tuple, copies: int) -> tuple[list, list[PayloadLayout]]:
+    """Each slot's sliced plan, and one zeroed buffer and layout per destination (plan-major)."""
+    plans = [plan.head_slice(*slot) for slot in slots]
+    layouts = [payload_layout(plans[d // copies]) for d in range(len(slots) * copies)]
+    return plans, layouts
+
+
+def general_slices(plans: list, layouts: list[PayloadLayout], copies: int) -> list[torch.Tensor]:
+    outs = [torch.zeros(layout.total_nbytes, dtype=torch.uint8) for layout in layouts]
+    gather_slice_payloads(None, tuple((0, 1) for _ in plans), plans, outs, layouts, copies)  # no lane: general
+    return outs
+
+
+def expected_heads(cache: list, ids: list[int], seq_len: int, which: int, heads: tuple[int, int]) -> list:
+    return [t[:, heads[0] : heads[1]] for t in expected(cache, ids, seq_len, which)]
+
+
+@needs_native
+@settings(max_examples=40, deadline=None)
+@given(
+    layers=st.integers(1, 3),
+    block=st.sampled_from([4, 16]),
+    heads=st.sampled_from([2, 4, 8]),
+    dim=st.sampled_from([32, 64, 128]),
+    dtype=st.sampled_from([torch.bfloat16, torch.float32]),
+    split=st.sampled_from([(2, 1), (4, 1), (2, 2), (1, 2), (1, 3)]),
+    requests=st.lists(
+        st.tuples(st.lists(st.integers(0, 11), min_size=1, max_size=6), st.integers(0, 15)), min_size=2, max_size=4
+    ),
+)
+def test_a_slice_lane_writes_what_the_general_path_writes_for_every_request_of_its_cache(
+    layers, block, heads, dim, dtype, split, requests
+) -> None:
+    """The head slices of requests of one cache (``split``: slices, copies of each), each with
+    its own blocks and length: the first makes the slice lane, every one is served by it, and
+    every destination holds the general path's bytes and its heads of the blocks, by torch."""
+    slices, copies = split
+    if heads % slices:
+        return
+    cache = flash_cache(layers, 12, block, heads, dim, dtype, seed=len(requests) + heads)
+    slots = tuple((j, slices) for j in range(slices)) if slices > 1 else ((0, 1),)
+    lanes: dict = {}
+    geometry, lane = None, None
+    for ids, cut in requests:
+        seq_len = max(1, len(ids) * block - cut % block)
+        plan = plan_of(cache, ids, seq_len, block, geometry=geometry)
+        geometry = plan.geometry
+        plans, layouts = slice_payloads(plan, slots, copies)
+        outs = [torch.zeros(layout.total_nbytes, dtype=torch.uint8) for layout in layouts]
+        gather_slice_payloads(geometry, slots, plans, outs, layouts, copies, lanes)
+        wants = general_slices(plans, layouts, copies)
+        width = heads // slices
+        for d, (out, want, layout) in enumerate(zip(outs, wants, layouts)):
+            assert torch.equal(out[layout.data_start :], want[layout.data_start :]), d
+            j = d // copies
+            views = dest_views(out, layout)
+            for which in (0, 1):
+                tokens = expected_heads(cache, ids, seq_len, which, (j * width, (j + 1) * width))
+                for layer, want_t in enumerate(tokens):
+                    got = views[which * layers + layer]
+                    assert torch.equal(got.view(torch.uint8), want_t.contiguous().view(torch.uint8)), (d, which, layer)
+        if lane is None:
+            lane = lanes[SLICE_LANE_KEY]
+        assert lanes[SLICE_LANE_KEY] is lane and lane.serves(geometry, slots, plans, copies)
+        assert lane.fits(plans, outs, layouts)  # written by the lane, not the general path
+
+
+@needs_native
+def test_a_slice_lane_serves_only_its_cache_its_slices_and_one_thread() -> None:
+    """Another cache (same shapes), other slices, another copy count or more torch threads
+    are not served by a lane made for one; a request it does serve, in a buffer it cannot
+    write to as the general path would (short, misaligned), takes the general path."""
+    ids, seq_len = [3, 1, 4], 40
+    cache = flash_cache(2, 8, 16, 4, 64, torch.bfloat16, seed=1)
+    other = flash_cache(2, 8, 16, 4, 64, torch.bfloat16, seed=2)
+    slots = ((0, 2), (1, 2))
+    plan = plan_of(cache, ids, seq_len, 16)
+    plans, layouts = slice_payloads(plan, slots, 1)
+    lane = SliceLane.of(plan.geometry, slots, plans, 1)
+    assert lane is not None
+    assert lane.serves(plan.geometry, slots, plans, 1)
+    moved = plan_of(other, ids, seq_len, 16, geometry=plan.geometry)
+    assert moved.geometry is not plan.geometry
+    assert not lane.serves(moved.geometry, slots, [moved.head_slice(*s) for s in slots], 1)
+    quarters = ((0, 4), (1, 4))
+    assert not lane.serves(plan.geometry, quarters, [plan.head_slice(*s) for s in quarters], 1)
+    assert not lane.serves(plan.geometry, slots, plans, 2)
+    torch.set_num_threads(2)
+    try:
+        assert not lane.serves(plan.geometry, slots, plans, 1)
+        assert SliceLane.of(plan.geometry, slots, plans, 1) is None
+    finally:
+        torch.set_num_threads(1)
+    outs = [torch.zeros(layout.total_nbytes, dtype=torch.uint8) for layout in layouts]
+    assert lane.fits(plans, outs, layouts)
+    short = [torch.zeros(layout.total_nbytes - 1, dtype=torch.uint8) for layout in layouts]
+    assert not lane.fits(plans, short, layouts)
+    skewed = [torch.zeros(layout.total_nbytes + 1, dtype=torch.uint8)[1:] for layout in layouts]
+    assert not lane.fits(plans, skewed, layouts)
+    # control: the general path writes the skewed buffers (unaligned spans: torch copies)
+    gather_slice_payloads(plan.geometry, slots, plans, skewed, layouts, 1, {})
+    wants = general_slices(plans, layouts, 1)
+    for got, want, layout in zip(skewed, wants, layouts):
+        assert torch.equal(got[layout.data_start :], want[layout.data_start :])
+
+
+@needs_native
+def test_a_slice_lane_checks_each_template_the_general_paths_way_and_reads_only_its_views() -> None:
+    """A template met for the first time with a request's token count is checked as the general
+    path checks it (its complaint raised for one the slices do not fill); a plan of the lane's
+    geometry whose tensor reads other blocks (put together by hand) is not served, and its
+    slices are written from the blocks it reads."""
+    import attrs as attrs_
+
+    cache = flash_cache(2, 8, 16, 4, 64, torch.bfloat16, seed=7)
+    other = flash_cache(2, 8, 16, 4, 64, torch.bfloat16, seed=8)
+    slots = ((0, 2), (1, 2))
+    plan = plan_of(cache, [1, 2], 32, 16)
+    plans, layouts = slice_payloads(plan, slots, 1)
+    lane = SliceLane.of(plan.geometry, slots, plans, 1)
+    assert lane is not None
+    outs = [torch.zeros(layout.total_nbytes, dtype=torch.uint8) for layout in layouts]
+    assert lane.fits(plans, outs, layouts)
+    shorter = plan_of(cache, [1, 2], 20, 16, geometry=plan.geometry)  # 20 tokens: not these templates
+    short_plans = [shorter.head_slice(*s) for s in slots]
+    assert lane.serves(plan.geometry, slots, short_plans, 1)
+    with pytest.raises(ConfigError):  # the general path's own complaint: shapes do not match
+        lane.fits(short_plans, outs, layouts)
+    foreign = plan_of(other, [1, 2], 32, 16)
+    mixed = attrs_.evolve(plan, keys=(foreign.keys[0], *plan.keys[1:]))  # layer 0's keys from `other`
+    mixed_plans = [mixed.head_slice(*s) for s in slots]
+    assert not lane.serves(plan.geometry, slots, mixed_plans, 1)
+    lanes = {SLICE_LANE_KEY: lane}
+    written = [torch.zeros(layout.total_nbytes, dtype=torch.uint8) for layout in layouts]
+    gather_slice_payloads(plan.geometry, slots, mixed_plans, written, layouts, 1, lanes)
+    for j, (out, layout) in enumerate(zip(written, layouts)):
+        got = dest_views(out, layout)[0]  # layer 0's keys
+        want = expected_heads(other, [1, 2], 32, 0, (2 * j, 2 * j + 2))[0]
+        assert got is not None and torch.equal(got.view(torch.uint8), want.contiguous().view(torch.uint8))
+        mine = expected_heads(cache, [1, 2], 32, 0, (2 * j, 2 * j + 2))[0]
+        assert not torch.equal(got.view(torch.uint8), mine.contiguous().view(torch.uint8))  # a control
