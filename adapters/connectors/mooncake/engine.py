@@ -36,6 +36,7 @@ from typing import Any
 import attrs
 
 from kvferry.core.errors import ConfigError, ConnectorUnavailable
+from kvferry.core.recent import Recent
 from kvferry.core.validate import check_int
 
 __all__ = [
@@ -70,6 +71,8 @@ DEFAULT_TRANSFER_TIMEOUT_S = 10.0
 #: -1 is failed (freed too); -2 the engine's own timeout, which it does not free (a batch id
 #: lost, never polled again).
 _RUNNING, _DONE = 0, 1
+#: Peers a pool remembers as reached (the oldest forgotten first: its next read's start is bounded).
+_PEERS_KEPT = 256
 #: Pools closed with reads under way: kept allocated (and registered) until the process exits.
 _KEPT: list[Any] = []
 
@@ -126,6 +129,15 @@ def poll_pause(spins: int) -> None:
     (small reads end within microseconds), then growing to 1 ms (large reads)."""
     if spins > 64:
         time.sleep(min(1e-3, 1e-5 * (spins - 64)))
+
+
+def read_pause(elapsed_s: float) -> None:
+    """Pause between two status checks of a mooncake read that has run ``elapsed_s``: none for
+    its first 10 ms (the engine's own synchronous read spins as long as a read lasts, and a
+    status check lets other threads run; a sleep here would end well after a read of a few
+    megabytes did), then a sleep of a fiftieth of the time so far, at most 1 ms."""
+    if elapsed_s >= 0.01:
+        time.sleep(min(1e-3, elapsed_s / 50))
 
 
 def _chunks(length: int, chunk: int) -> list[tuple[int, int]]:
@@ -193,18 +205,29 @@ class TensorPool:
 
 
 @attrs.define(eq=False)
+class _LateRead:
+    """One read left under way: its batches not yet seen ended, the hook that gives its space
+    back, and whether the engine is still starting it (its batches not known yet)."""
+
+    batches: list[int]
+    ended: Callable[[], None] | None
+    starting: bool = False
+
+
+@attrs.define(eq=False)
 class LateReads:
     """Reads an engine could not end by their limit: their batches, polled by a thread of their
     own (started when the first comes, gone when none is left) until the engine ends each, then
-    the read's ``ended`` called (its local space given back). ``in_flight`` of them now,
-    ``abandoned`` and ``ended`` since the start: a pool's health."""
+    the read's ``ended`` called (its local space given back). A read the engine was still
+    starting at its limit (:meth:`starting`) is polled once its start returns (:meth:`started`).
+    ``in_flight`` of them now, ``abandoned`` and ``ended`` since the start: a pool's health."""
 
     engine: Any
     #: seconds between two polls of the late reads (they are rare; none of them is waited on)
     every_s: float = 0.005
     abandoned: int = 0
     ended: int = 0
-    _reads: list[tuple[list[int], Callable[[], None] | None]] = attrs.field(init=False, factory=list)
+    _reads: list[_LateRead] = attrs.field(init=False, factory=list)
     _lock: threading.Lock = attrs.field(init=False, factory=threading.Lock)
     _thread: threading.Thread | None = attrs.field(init=False, default=None)
     _stop: threading.Event = attrs.field(init=False, factory=threading.Event)
@@ -216,9 +239,25 @@ class LateReads:
 
     def add(self, batches: list[int], ended: Callable[[], None] | None) -> None:
         """Poll ``batches`` (none polled to its end yet) until each has ended, then call ``ended``."""
+        self._keep(_LateRead(list(batches), ended))
+
+    def starting(self, ended: Callable[[], None] | None) -> _LateRead:
+        """A read whose start (the engine's submission) has not returned: kept, not polled,
+        until :meth:`started` gives its batches."""
+        read = _LateRead([], ended, starting=True)
+        self._keep(read)
+        return read
+
+    def started(self, read: _LateRead, batches: list[int]) -> None:
+        """``read``'s start returned with ``batches`` (none: nothing to wait for)."""
+        with self._lock:
+            read.batches[:] = batches
+            read.starting = False
+
+    def _keep(self, read: _LateRead) -> None:
         with self._lock:
             self.abandoned += 1
-            self._reads.append((list(batches), ended))
+            self._reads.append(read)
             if self._stop.is_set() or (self._thread is not None and self._thread.is_alive()):
                 return
             self._thread = threading.Thread(target=self._run, name="kvferry-mooncake-late-reads", daemon=True)
@@ -236,18 +275,17 @@ class LateReads:
     def _run(self) -> None:
         while not self._stop.wait(self.every_s):
             with self._lock:
-                reads = list(self._reads)
+                reads = [r for r in self._reads if not r.starting]
             done = []
             for read in reads:
-                batches, ended = read
                 # a batch whose status is not "running" was freed by that check: never asked again
-                batches[:] = [b for b in batches if self.engine.transfer_check_status(b) == _RUNNING]
-                if batches:
+                read.batches[:] = [b for b in read.batches if self.engine.transfer_check_status(b) == _RUNNING]
+                if read.batches:
                     continue
                 done.append(read)
-                if ended is not None:
+                if read.ended is not None:
                     try:
-                        ended()
+                        read.ended()
                     except Exception:  # a caller's hook: this thread must go on polling the others
                         logger.exception("mooncake: giving back the space of a late read failed")
             with self._lock:  # a read leaves the count once its space is back
@@ -278,6 +316,9 @@ class EnginePool(TensorPool):
     #: reads started (each of one or more spans), and those still under way at their limit
     reads: int = attrs.field(init=False, default=0)
     late: LateReads = attrs.field(init=False)
+    #: peers the engine started a read from without waiting (their connection made)
+    _reached: Recent[str, bool] = attrs.field(init=False, factory=lambda: Recent(_PEERS_KEPT))
+    _peers_lock: threading.Lock = attrs.field(init=False, factory=threading.Lock)
 
     def __attrs_post_init__(self) -> None:
         self.late = LateReads(self.engine)
@@ -353,18 +394,17 @@ class EnginePool(TensorPool):
         limit = self.transfer_timeout_s if within_s is None else min(self.transfer_timeout_s, max(within_s, 0.0))
         deadline = time.monotonic() + limit
         self.reads += 1
-        engine, ok, pending = self.engine, True, []
-        for local, remote, n in pieces:
-            try:
-                batch = engine.batch_transfer_async_read(peer, [local], [remote], [n])
-            except (RuntimeError, ValueError, TypeError) as exc:  # engine binding errors
-                logger.warning("mooncake read from %s raised %s", peer, exc)
-                batch = 0
-            if not batch:  # the engine could not start it (peer unknown or unreachable)
-                ok = False
-                break
-            pending.append(batch)
-        spins = 0
+        if self._peer_reached(peer):
+            pending, ok = self._submit(peer, pieces)
+        else:  # the engine connects to a peer it has not read from in its first submission
+            submitted = self._submit_within(peer, pieces, deadline, ended)
+            if submitted is None:
+                logger.warning("mooncake read from %s: the engine did not start it in %.1f s", peer, limit)
+                return False
+            pending, ok = submitted
+        if ok:
+            self._peer_reached(peer, True)
+        engine, started = self.engine, time.monotonic()
         while pending and ok:
             still = []
             for batch in pending:
@@ -378,15 +418,69 @@ class EnginePool(TensorPool):
                 ok = False
                 logger.warning("mooncake read from %s not done in %.1f s", peer, limit)
                 break
-            spins += 1
-            poll_pause(spins)
+            read_pause(time.monotonic() - started)
         if ok:
             return True
+        self._peer_reached(peer, False)  # its next read's start is bounded again
         if pending:
             self.late.add(pending, ended)
         elif ended is not None:
             ended()
         return False
+
+    def _submit(self, peer: str, pieces: list[tuple[int, int, int]]) -> tuple[list[int], bool]:
+        """Every ``(local address, remote address, length)`` a batch of its own: the batches
+        started, and whether all were (the engine refuses one for an unknown or unreachable
+        peer; the ones before it still run)."""
+        batches: list[int] = []
+        for local, remote, n in pieces:
+            try:
+                batch = self.engine.batch_transfer_async_read(peer, [local], [remote], [n])
+            except (RuntimeError, ValueError, TypeError) as exc:  # engine binding errors
+                logger.warning("mooncake read from %s raised %s", peer, exc)
+                batch = 0
+            if not batch:
+                return batches, False
+            batches.append(batch)
+        return batches, True
+
+    def _submit_within(
+        self, peer: str, pieces: list[tuple[int, int, int]], deadline: float, ended: Callable[[], None] | None
+    ) -> tuple[list[int], bool] | None:
+        """:meth:`_submit` in a thread of its own, waited for until ``deadline``: the engine's
+        first submission to a peer exchanges metadata with it and waits for a peer that does
+        not answer (a frozen process) with no limit of its own. None when it has not returned
+        by then: the read is the late reads' (polled once its submission returns)."""
+        box: list[tuple[list[int], bool]] = []
+        late: list[_LateRead] = []
+        lock, returned = threading.Lock(), threading.Event()
+
+        def run() -> None:
+            result = self._submit(peer, pieces)
+            with lock:
+                box.append(result)
+                read = late[0] if late else None
+            returned.set()
+            if read is not None:
+                self.late.started(read, result[0])
+
+        threading.Thread(target=run, name="kvferry-mooncake-submit", daemon=True).start()
+        returned.wait(max(0.0, deadline - time.monotonic()))
+        with lock:
+            if box:
+                return box[0]
+            late.append(self.late.starting(ended))
+        return None
+
+    def _peer_reached(self, peer: str, reached: bool | None = None) -> bool:
+        """Whether ``peer`` was reached (its reads start without waiting); with ``reached``,
+        remember that first."""
+        with self._peers_lock:
+            if reached is True:
+                self._reached.note(peer, True)
+            elif reached is False:
+                self._reached.pop(peer)
+            return peer in self._reached
 
     def read_stats(self) -> dict[str, int]:
         """Reads started (``engine_reads``); those not ended by their limit and still polled

@@ -39,8 +39,14 @@ class StandInEngine:
         self.freed_asked: list[int] = []
         self.unregistered: list[int] = []
         self.refuse = False
+        self.submitters: list[str] = []  # the thread of each submission
+        self.connect = threading.Event()  # cleared: submissions wait (the peer's handshake hangs)
+        self.connect.set()
 
     def batch_transfer_async_read(self, peer: str, local: list[int], remote: list[int], sizes: list[int]) -> int:
+        self.submitters.append(threading.current_thread().name)
+        if not self.connect.wait(WAIT_S * 4):  # a peer that never answers the engine's handshake
+            return 0
         if self.refuse:
             return 0
         with self.lock:
@@ -212,3 +218,38 @@ def test_late_reads_of_one_pool_end_each_in_its_own_time(reads) -> None:
         assert all(h.calls == (1 if i >= batch - 1 else 0) for i, h in enumerate(hooks))
     wait_for(lambda: p.late.in_flight == 0, "late reads left")
     assert p.late.ended == reads and not engine.freed_asked
+
+
+def test_a_read_whose_start_hangs_returns_by_its_limit_and_is_polled_once_it_starts() -> None:
+    """The engine's first submission to a peer exchanges metadata with it, and waits for a peer
+    that does not answer with no limit of its own: the read still returns False by its limit,
+    its space kept out of use until the submission returns and the batches it started end. A
+    peer reached once is read from without the helper thread; one whose read failed is not."""
+    engine = StandInEngine()
+    p = pool(engine)
+    ended = Ended()
+    engine.connect.clear()
+    start = time.monotonic()
+    assert p.read_spans("peer:1", [(0, 1 << 30, 2 * 4096)], 0.2, ended) is False
+    assert time.monotonic() - start < 0.2 + 1.0
+    assert ended.calls == 0 and p.late.in_flight == 1 and not engine.batches
+    engine.connect.set()  # the handshake completes: both chunks start, still running
+    wait_for(lambda: len(engine.batches) == 2, "the submission did not go on")
+    assert not ended.event.wait(0.1) and p.late.in_flight == 1
+    engine.end(1)
+    engine.end(2)
+    assert ended.event.wait(WAIT_S) and ended.calls == 1
+    wait_for(lambda: p.late.in_flight == 0, "the late read was not dropped")
+    assert engine.submitters == ["kvferry-mooncake-submit"] * 2  # the first contact: bounded
+    # the peer answered but the read failed: its next start is bounded again
+    engine.finish = 1
+    assert p.read_spans("peer:1", [(0, 1 << 30, 4096)], 1.0, ended) is True
+    assert engine.submitters[-1] == "kvferry-mooncake-submit"
+    assert p.read_spans("peer:1", [(0, 1 << 30, 4096)], 1.0, ended) is True  # reached: direct
+    assert engine.submitters[-1] == threading.current_thread().name
+    engine.finish = -1
+    assert p.read_spans("peer:1", [(0, 1 << 30, 4096)], 1.0, ended) is False
+    engine.finish = 1
+    assert p.read_spans("peer:1", [(0, 1 << 30, 4096)], 1.0, ended) is True
+    assert engine.submitters[-1] == "kvferry-mooncake-submit"
+    assert not engine.freed_asked
