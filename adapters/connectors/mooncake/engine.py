@@ -19,9 +19,10 @@ A read is bounded: its chunks go out as batches of their own and are polled unti
 the read's limit passes (``transfer_timeout_s``, or less where the caller's deadline is nearer).
 The engine cannot end a read it started, so a read still under way at its limit is handed to the
 pool's late reads (:class:`LateReads`), polled until the engine ends it; only then is the local
-space it writes into given back (the caller's ``ended``). The engine's synchronous read, used
-before, had no deadline of its own: a sender host killed mid-read once held a receiving rank
-(and its TP group, in the consensus) past its deadline.
+space it writes into given back (the caller's ``ended``). Nor does the engine bound its first
+submission to a peer (a metadata exchange with it): that one runs in a helper thread. The
+engine's synchronous read, used before, had no deadline of its own: a sender host killed
+mid-read once held a receiving rank (and its TP group, in the consensus) past its deadline.
 """
 
 from __future__ import annotations
@@ -376,10 +377,11 @@ class EnginePool(TensorPool):
         ended: Callable[[], None] | None = None,
     ) -> bool:
         """:meth:`TensorPool.read_spans`: every chunk of every span a batch of its own, all
-        submitted, then polled until each ends or the limit (``transfer_timeout_s``, or
-        ``within_s`` where less) passes. A chunk that fails ends the read at once. Chunks still
-        under way then go to the late reads (the engine cannot end them), and ``ended`` is
-        called when the last of them has ended."""
+        submitted (by a helper thread, waited for until the limit, for a peer not read from
+        since its last failed read: :meth:`_submit_within`), then polled until each ends or the
+        limit (``transfer_timeout_s``, or ``within_s`` where less) passes. A chunk that fails
+        ends the read at once. Chunks still under way then go to the late reads (the engine
+        cannot end them), and ``ended`` is called when the last of them has ended."""
         for off, _, length in spans:
             if off < 0 or length < 0 or off + length > self.pool_bytes:
                 raise ConfigError(f"span [{off}, +{length}) lies outside the pool")
