@@ -51,25 +51,78 @@ SLICE_LANE_KEY = "slices"
 
 
 @attrs.define(eq=False)
-class PayloadLane:
-    """The native copies of every tensor of one cache's payloads (see the module doc).
-
-    ``sites``: each present tensor's block site in wire order (keys, then values; absent layers
-    left out) and ``blocks`` their views (compared by identity with a plan's gathers); ``full``:
-    per tensor the whole-block copy's arguments after the destination, source address, ids and
-    count (``nblocks, block_stride, d0, s0, d1, s1, d2, s2, piece``) and its block's bytes;
-    ``unit``: the widest dtype's size; ``min_blocks``: the fewest blocks a view holds."""
+class LaneChecks:
+    """What a lane checks of a request and remembers for the next ones (both lanes: the one home
+    of these checks). ``sites``: the block sites of the tensors, in wire order, whose partial
+    block walks it knows; ``unit``: the widest dtype's size; ``min_blocks``: the fewest blocks a
+    view holds."""
 
     sites: tuple[BlockSite, ...] = attrs.field(repr=False)
-    blocks: tuple[torch.Tensor, ...] = attrs.field(repr=False)
-    native: Any = attrs.field(repr=False)
-    full: tuple[tuple[int, tuple[int, ...], int], ...] = attrs.field(repr=False)
     unit: int
     min_blocks: int
     #: tail tokens -> per tensor the partial block's walk (``d0, s0, d1, s1, d2, s2, piece``)
     _tails: dict[int, tuple[tuple[int, ...], ...] | None] = attrs.field(init=False, factory=dict, repr=False)
     #: id(template descriptors) -> (descriptors, tokens, positions of the present tensors)
     _templates: dict[int, tuple[Any, int, tuple[int, ...]]] = attrs.field(init=False, factory=dict, repr=False)
+
+    def payload_fits(self, plan: ExtractionPlan, buffer: torch.Tensor, layout: PayloadLayout) -> bool:
+        """A host buffer that holds the payload, the tensors' data start aligned for the widest
+        dtype, and a template whose spans and shapes the general path's own checks passed for
+        ``plan`` (checked the first time it is met with this many tokens, then remembered;
+        the general path's ConfigError for one the plan does not fill)."""
+        if (
+            dest_problem(buffer, layout) is not None
+            or buffer.device.type != "cpu"
+            or (buffer.storage_offset() + layout.data_start) % self.unit
+        ):
+            return False
+        tokens = _first(plan).tokens
+        entries = layout.header.tensors
+        known = self._templates.get(id(entries))
+        if known is None or known[0] is not entries or known[1] != tokens:
+            present = _checked_template(plan, buffer, layout)
+            if present is None or len(present) != len(self.sites):
+                return False
+            if len(self._templates) >= TEMPLATES_KEPT:
+                self._templates.clear()
+            self._templates[id(entries)] = (entries, tokens, present)
+        return True
+
+    def selection_fits(self, first: TensorGather) -> bool:
+        """The partial block's walk known for the selection's tail, every id inside every view."""
+        if first.tail_tokens and self.tails(first.tail_tokens) is None:
+            return False
+        picked = first.block_ids[: first.full_blocks + (1 if first.tail_tokens else 0)]
+        return not picked or (min(picked) >= 0 and max(picked) < self.min_blocks)
+
+    def present(self, layout: PayloadLayout) -> tuple[int, ...]:
+        """The positions of the present tensors in ``layout`` (a template :meth:`payload_fits`
+        passed)."""
+        return self._templates[id(layout.header.tensors)][2]
+
+    def tails(self, tail_tokens: int) -> tuple[tuple[int, ...], ...] | None:
+        """Per tensor the walk of a partial block of ``tail_tokens`` tokens; None where one has
+        no native walk."""
+        if tail_tokens not in self._tails:
+            layouts = [site.layout(tail_tokens) for site in self.sites]
+            self._tails[tail_tokens] = None if None in layouts else tuple(lay.tail for lay in layouts if lay)
+        return self._tails[tail_tokens]
+
+
+@attrs.define(eq=False)
+class PayloadLane:
+    """The native copies of every tensor of one cache's payloads (see the module doc).
+
+    ``blocks``: each present tensor's view in wire order (keys, then values; absent layers left
+    out), compared by identity with a plan's gathers; ``full``: per tensor the whole-block
+    copy's arguments after the destination, source address, ids and count (``nblocks,
+    block_stride, d0, s0, d1, s1, d2, s2, piece``) and its block's bytes; ``checks``: what is
+    checked of a request and remembered (:class:`LaneChecks`, over those tensors' sites)."""
+
+    blocks: tuple[torch.Tensor, ...] = attrs.field(repr=False)
+    native: Any = attrs.field(repr=False)
+    full: tuple[tuple[int, tuple[int, ...], int], ...] = attrs.field(repr=False)
+    checks: LaneChecks
 
     @classmethod
     def of(cls, plan: ExtractionPlan) -> PayloadLane | None:
@@ -95,14 +148,10 @@ class PayloadLane:
             sites.append(site)
             walk = (int(gather.blocks.shape[0]), layout.block_stride, *layout.full)
             full.append((gather.blocks.data_ptr(), walk, layout.block_bytes))
-        return cls(
-            tuple(sites),
-            tuple(g.blocks for g in gathers),
-            native,
-            tuple(full),
-            max(g.dtype.itemsize for g in gathers),
-            min(int(g.blocks.shape[0]) for g in gathers),
+        checks = LaneChecks(
+            tuple(sites), max(g.dtype.itemsize for g in gathers), min(int(g.blocks.shape[0]) for g in gathers)
         )
+        return cls(tuple(g.blocks for g in gathers), native, tuple(full), checks)
 
     def reads(self, plan: ExtractionPlan) -> bool:
         """Whether ``plan``'s gathers are this lane's views with one selection of blocks, and
@@ -120,36 +169,17 @@ class PayloadLane:
         already :meth:`reads` this lane's views). A template seen for the first time with this
         many tokens is checked the general path's way (its spans, each tensor's destination)
         and remembered."""
-        if (
-            dest_problem(buffer, layout) is not None
-            or buffer.device.type != "cpu"
-            or (buffer.storage_offset() + layout.data_start) % self.unit
-        ):
-            return False
-        first = _first(plan)
-        entries = layout.header.tensors
-        known = self._templates.get(id(entries))
-        if known is None or known[0] is not entries or known[1] != first.tokens:
-            present = _checked_template(plan, buffer, layout)
-            if present is None:
-                return False
-            if len(self._templates) >= TEMPLATES_KEPT:
-                self._templates.clear()
-            self._templates[id(entries)] = (entries, first.tokens, present)
-        if first.tail_tokens and self._tail(first.tail_tokens) is None:
-            return False
-        picked = first.block_ids[: first.full_blocks + (1 if first.tail_tokens else 0)]
-        return not picked or (min(picked) >= 0 and max(picked) < self.min_blocks)
+        return self.checks.payload_fits(plan, buffer, layout) and self.checks.selection_fits(_first(plan))
 
     def run(self, plan: ExtractionPlan, buffer: torch.Tensor, layout: PayloadLayout) -> None:
         """Gather every tensor of ``plan`` into ``buffer`` at ``layout``'s spans (only after
         :meth:`reads` and :meth:`fits` said yes: nothing is checked again here)."""
         first = _first(plan)
-        present = self._templates[id(layout.header.tensors)][2]
+        present = self.checks.present(layout)
         spans, base, gather = layout.spans, buffer.data_ptr(), self.native.gather
         n, tail, streaming = first.full_blocks, first.tail_tokens, paged_gather.STREAM_MIN_BYTES
         ids = first.index.address() if n else 0
-        tails = self._tail(tail) if tail else None
+        tails = self.checks.tails(tail) if tail else None
         last = first.block_ids[n] if tail else 0
         for k, (src, walk, block_bytes) in enumerate(self.full):
             start, nbytes = spans[present[k]]  # type: ignore[misc]  # present: never None
@@ -159,12 +189,6 @@ class PayloadLane:
             if tails is not None:
                 stride = walk[1]
                 gather(base + start + n * block_bytes, src + last * stride, 0, 1, 1, stride, *tails[k], stream)
-
-    def _tail(self, tail_tokens: int) -> tuple[tuple[int, ...], ...] | None:
-        if tail_tokens not in self._tails:
-            layouts = [site.layout(tail_tokens) for site in self.sites]
-            self._tails[tail_tokens] = None if None in layouts else tuple(lay.tail for lay in layouts if lay)
-        return self._tails[tail_tokens]
 
 
 def gather_payload(
@@ -206,7 +230,7 @@ class SliceLane:
     cache and slice); ``calls``: per tensor the split copy's source (slice 0's view), the bytes
     from one slice's view to the next (0 for a single slice), the walk after the destination,
     source, ids and count (``nblocks, block_stride, d0, s0, d1, s1, d2, s2, piece``) and a block's
-    bytes."""
+    bytes; ``checks``: over slice 0's sites (:class:`LaneChecks`)."""
 
     geometry: CacheGeometry = attrs.field(repr=False)
     slots: tuple[tuple[int, int], ...]
@@ -214,12 +238,7 @@ class SliceLane:
     blocks: tuple[tuple[torch.Tensor, ...], ...] = attrs.field(repr=False)
     native: Any = attrs.field(repr=False)
     calls: tuple[tuple[int, int, tuple[int, ...], int], ...] = attrs.field(repr=False)
-    sites: tuple[BlockSite, ...] = attrs.field(repr=False)
-    unit: int
-    min_blocks: int
-    _tails: dict[int, tuple[tuple[int, ...], ...] | None] = attrs.field(init=False, factory=dict, repr=False)
-    #: id(template descriptors) -> (descriptors, tokens, positions of the present tensors)
-    _templates: dict[int, tuple[Any, int, tuple[int, ...]]] = attrs.field(init=False, factory=dict, repr=False)
+    checks: LaneChecks
 
     @classmethod
     def of(
@@ -293,9 +312,11 @@ class SliceLane:
             tuple(tuple(g.blocks for g in gathers) for gathers in per_slot),
             native,
             tuple(calls),
-            tuple(sites),
-            max(g.dtype.itemsize for g in per_slot[0]),
-            min(int(g.blocks.shape[0]) for g in per_slot[0]),
+            LaneChecks(
+                tuple(sites),
+                max(g.dtype.itemsize for g in per_slot[0]),
+                min(int(g.blocks.shape[0]) for g in per_slot[0]),
+            ),
         )
 
     def serves(self, geometry: CacheGeometry | None, slots: Slots, plans: list[ExtractionPlan], copies: int) -> bool:
@@ -325,41 +346,22 @@ class SliceLane:
         aligned; every template was checked the general path's way once for this many tokens;
         every block id inside every view. ``buffers[d]``/``layouts[d]``: destination ``d`` =
         copy ``d % copies`` of slice ``d // copies``."""
-        first = _first(plans[0])
-        for d, (buffer, layout) in enumerate(zip(buffers, layouts)):
-            if (
-                dest_problem(buffer, layout) is not None
-                or buffer.device.type != "cpu"
-                or (buffer.storage_offset() + layout.data_start) % self.unit
-            ):
-                return False
-            entries = layout.header.tensors
-            known = self._templates.get(id(entries))
-            if known is None or known[0] is not entries or known[1] != first.tokens:
-                present = _checked_template(plans[d // self.copies], buffer, layout)
-                if present is None or len(present) != len(self.calls):
-                    return False
-                if len(self._templates) >= TEMPLATES_KEPT:
-                    self._templates.clear()
-                self._templates[id(entries)] = (entries, first.tokens, present)
-        if first.tail_tokens and self._tail(first.tail_tokens) is None:
+        fit = self.checks.payload_fits
+        if not all(fit(plans[d // self.copies], b, lay) for d, (b, lay) in enumerate(zip(buffers, layouts))):
             return False
-        picked = first.block_ids[: first.full_blocks + (1 if first.tail_tokens else 0)]
-        return not picked or (min(picked) >= 0 and max(picked) < self.min_blocks)
+        return self.checks.selection_fits(_first(plans[0]))
 
     def run(self, plans: list[ExtractionPlan], buffers: list[torch.Tensor], layouts: list[PayloadLayout]) -> None:
         """Gather every slice into its destinations (only after :meth:`serves` and :meth:`fits`
         said yes): per tensor one split copy of the whole blocks, then each destination's
         partial last block."""
         first = _first(plans[0])
-        places = [
-            (buffer.data_ptr(), layout.spans, self._templates[id(layout.header.tensors)][2])
-            for buffer, layout in zip(buffers, layouts)
-        ]
+        positions = self.checks.present
+        places = [(buffer.data_ptr(), layout.spans, positions(layout)) for buffer, layout in zip(buffers, layouts)]
         split, gather, copies = self.native.gather_split, self.native.gather, self.copies
         n, tail, streaming = first.full_blocks, first.tail_tokens, paged_gather.STREAM_MIN_BYTES
         ids = first.index.address() if n else 0
-        tails = self._tail(tail) if tail else None
+        tails = self.checks.tails(tail) if tail else None
         last = first.block_ids[n] if tail else 0
         for k, (src, stride, walk, block_bytes) in enumerate(self.calls):
             dsts = []
@@ -374,12 +376,6 @@ class SliceLane:
                 for d, dst in enumerate(dsts):
                     at = src + (d // copies) * stride + last * step
                     gather(dst + n * block_bytes, at, 0, 1, 1, step, *tails[k], stream)
-
-    def _tail(self, tail_tokens: int) -> tuple[tuple[int, ...], ...] | None:
-        if tail_tokens not in self._tails:
-            layouts = [site.layout(tail_tokens) for site in self.sites]
-            self._tails[tail_tokens] = None if None in layouts else tuple(lay.tail for lay in layouts if lay)
-        return self._tails[tail_tokens]
 
 
 def gather_slice_payloads(
