@@ -174,9 +174,9 @@ class TensorPool:
         return int(self.tensor.numel())
 
     def read(self, peer: str, local_offset: int, remote_addr: int, length: int) -> bool:
-        """Read ``length`` bytes at ``remote_addr`` of ``peer`` into the pool at ``local_offset``;
-        False on any remote fault (each pool says how)."""
-        raise NotImplementedError
+        """Read ``length`` bytes at ``remote_addr`` of ``peer`` into the pool at ``local_offset``
+        (:meth:`read_spans` of one span); False on any remote fault (each pool says how)."""
+        return self.read_spans(peer, [(local_offset, remote_addr, length)])
 
     def read_stats(self) -> dict[str, int]:
         """What a connector's ``health()`` reports of this pool's reads (none here)."""
@@ -189,20 +189,21 @@ class TensorPool:
         within_s: float | None = None,
         ended: Callable[[], None] | None = None,
     ) -> bool:
-        """Every ``(local_offset, remote_addr, length)`` span of ``peer``, all or nothing (False
-        at the first that fails). Span by span here; a pool whose engine takes a list of spans
-        in one request overrides it. ``within_s``: the most seconds the caller can wait for the
+        """Every ``(local_offset, remote_addr, length)`` span of ``peer``, all or nothing
+        (False where one fails). ``within_s``: the most seconds the caller can wait for the
         read (a blocking get's deadline); the read returns False by then (or by the pool's own
-        transfer deadline, whichever is nearer).
+        transfer deadline, whichever is nearer). Each pool reads with its engine.
 
         ``ended``, where the read fails: called once when the pool no longer writes into the
         spans' local bytes (the caller gives that space back there, never sooner): before this
         returns, or later, from the pool's own thread, for a read the engine could not end
         (mooncake: :class:`LateReads`). Never called after a read that succeeded."""
-        ok = all(self.read(peer, off, addr, n) for off, addr, n in spans)
-        if not ok and ended is not None:
-            ended()
-        return ok
+        raise NotImplementedError
+
+    def check_span(self, local_offset: int, length: int) -> None:
+        """ConfigError unless ``[local_offset, local_offset + length)`` lies inside the pool."""
+        if local_offset < 0 or length < 0 or local_offset + length > self.pool_bytes:
+            raise ConfigError(f"span [{local_offset}, +{length}) lies outside the pool")
 
 
 @attrs.define(eq=False)
@@ -364,11 +365,6 @@ class EnginePool(TensorPool):
             raise ConnectorUnavailable(f"mooncake engine could not register {pool_bytes} bytes: rc {rc}")
         return cls(engine, tensor, host, protocol, int(engine.get_rpc_port()), chunk_bytes, transfer_timeout_s)
 
-    def read(self, peer: str, local_offset: int, remote_addr: int, length: int) -> bool:
-        """Read ``length`` bytes at ``remote_addr`` of ``peer`` ("host:rpc_port") into the pool
-        (:meth:`read_spans` of one span: bounded by ``transfer_timeout_s``)."""
-        return self.read_spans(peer, [(local_offset, remote_addr, length)])
-
     def read_spans(
         self,
         peer: str,
@@ -383,8 +379,7 @@ class EnginePool(TensorPool):
         ends the read at once. Chunks still under way then go to the late reads (the engine
         cannot end them), and ``ended`` is called when the last of them has ended."""
         for off, _, length in spans:
-            if off < 0 or length < 0 or off + length > self.pool_bytes:
-                raise ConfigError(f"span [{off}, +{length}) lies outside the pool")
+            self.check_span(off, length)
         base, chunk = self.base, self.chunk_bytes
         pieces = [(base + off + at, addr + at, n) for off, addr, length in spans for at, n in _chunks(length, chunk)]
         if not pieces:
@@ -500,8 +495,7 @@ class EnginePool(TensorPool):
         (the engine's synchronous batch write: the raw bench's limit, no deadline)."""
         if self._closed:
             return False
-        if local_offset < 0 or length < 0 or local_offset + length > self.pool_bytes:
-            raise ConfigError(f"span [{local_offset}, +{length}) lies outside the pool")
+        self.check_span(local_offset, length)
         if length == 0:
             return True
         pieces = _chunks(length, self.chunk_bytes)

@@ -290,11 +290,6 @@ class AgentPool(TensorPool):
             except Exception as exc:
                 logger.debug("nixl: remove_remote_agent(%s) failed: %s", name, exc)
 
-    def read(self, peer: str, local_offset: int, remote_addr: int, length: int) -> bool:
-        """READ ``length`` bytes at ``remote_addr`` of the agent behind ``peer`` into the pool at
-        ``local_offset``, within ``transfer_timeout_s``. False on any remote fault."""
-        return self.read_spans(peer, [(local_offset, remote_addr, length)])
-
     def read_spans(
         self,
         peer: str,
@@ -315,8 +310,7 @@ class AgentPool(TensorPool):
         if self._closed:
             return False
         for off, _, length in spans:
-            if off < 0 or length < 0 or off + length > self.pool_bytes:
-                raise ConfigError(f"span [{off}, +{length}) lies outside the pool")
+            self.check_span(off, length)
         spans = [s for s in spans if s[2] > 0]
         if not spans:
             return True
