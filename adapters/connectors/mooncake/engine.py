@@ -396,7 +396,12 @@ class EnginePool(TensorPool):
         else:  # the engine connects to a peer it has not read from in its first submission
             submitted = self._submit_within(peer, pieces, deadline, ended)
             if submitted is None:
-                logger.warning("mooncake read from %s: the engine did not start it in %.1f s", peer, limit)
+                logger.warning(
+                    "mooncake read from %s: the engine did not start it in %.1f s (the peer does not answer its "
+                    "handshake; the read's space comes back when it does: health late_reads)",
+                    peer,
+                    limit,
+                )
                 return False
             pending, ok = submitted
         if ok:
@@ -413,7 +418,12 @@ class EnginePool(TensorPool):
             pending = still
             if pending and time.monotonic() >= deadline:
                 ok = False
-                logger.warning("mooncake read from %s not done in %.1f s", peer, limit)
+                logger.warning(
+                    "mooncake read from %s not done in %.1f s (the get's deadline, or transfer_timeout_s: raise it "
+                    "for reads that need longer; the space comes back when the engine ends it: health late_reads)",
+                    peer,
+                    limit,
+                )
                 break
             read_pause(time.monotonic() - started)
         if ok:
