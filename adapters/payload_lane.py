@@ -24,7 +24,8 @@ the destination read from the layout's spans. Anything it does not fit takes the
 
 from __future__ import annotations
 
-from collections.abc import MutableMapping
+from collections.abc import Callable, MutableMapping, Sequence
+from functools import partial
 from typing import Any
 
 import attrs
@@ -36,7 +37,16 @@ from kvferry.adapters.paged_gather import BlockSite, HostSpan, TensorGather
 from kvferry.adapters.torch_frames import dest_problem, dest_spans
 from kvferry.core.header import PayloadLayout
 
-__all__ = ["PayloadLane", "SliceLane", "gather_payload", "gather_slice_payloads", "TEMPLATES_KEPT"]
+__all__ = [
+    "HeadSlices",
+    "PayloadLane",
+    "SliceLane",
+    "Slot",
+    "Slots",
+    "gather_payload",
+    "gather_slice_payloads",
+    "TEMPLATES_KEPT",
+]
 
 #: Payload templates a lane remembers as checked (all forgotten when full).
 TEMPLATES_KEPT = 64
@@ -44,8 +54,10 @@ TEMPLATES_KEPT = 64
 #: views of the cache last sent from; a lane of another cache is replaced, not kept beside it,
 #: so an old cache is not held alive by it).
 LANE_KEY = "lane"
-#: Head slices as ``(offset_in_shard, num_slices)``, one per payload gathered.
-Slots = tuple[tuple[int, int], ...]
+#: A head slice as ``(offset_in_shard, num_slices)``.
+Slot = tuple[int, int]
+#: Head slices, one per payload gathered.
+Slots = tuple[Slot, ...]
 #: The key of a caller's slice lane (:func:`gather_slice_payloads`), kept beside its lane.
 SLICE_LANE_KEY = "slices"
 
@@ -65,11 +77,19 @@ class LaneChecks:
     #: id(template descriptors) -> (descriptors, tokens, positions of the present tensors)
     _templates: dict[int, tuple[Any, int, tuple[int, ...]]] = attrs.field(init=False, factory=dict, repr=False)
 
-    def payload_fits(self, plan: ExtractionPlan, buffer: torch.Tensor, layout: PayloadLayout) -> bool:
+    def payload_fits(
+        self,
+        plan: ExtractionPlan,
+        buffer: torch.Tensor,
+        layout: PayloadLayout,
+        checked: Callable[[], ExtractionPlan] | None = None,
+    ) -> bool:
         """A host buffer that holds the payload, the tensors' data start aligned for the widest
         dtype, and a template whose spans and shapes the general path's own checks passed for
         ``plan`` (checked the first time it is met with this many tokens, then remembered;
-        the general path's ConfigError for one the plan does not fill)."""
+        the general path's ConfigError for one the plan does not fill). ``checked``: the plan
+        the template is checked against when that is not ``plan`` (a head slice of it, with its
+        token count), asked for only then."""
         if (
             dest_problem(buffer, layout) is not None
             or buffer.device.type != "cpu"
@@ -80,7 +100,7 @@ class LaneChecks:
         entries = layout.header.tensors
         known = self._templates.get(id(entries))
         if known is None or known[0] is not entries or known[1] != tokens:
-            present = _checked_template(plan, buffer, layout)
+            present = _checked_template(plan if checked is None else checked(), buffer, layout)
             if present is None or len(present) != len(self.sites):
                 return False
             if len(self._templates) >= TEMPLATES_KEPT:
@@ -217,6 +237,43 @@ def gather_payload(
     plan.gather_all((spans[: plan.num_layers], spans[plan.num_layers :]))
 
 
+def _head_slice(plan: ExtractionPlan, offset_in_shard: int, num_slices: int) -> ExtractionPlan:
+    return plan.head_slice(offset_in_shard, num_slices)
+
+
+@attrs.define(eq=False)
+class HeadSlices:
+    """One request's head slices: slice ``slots[j]`` of ``whole`` (a plan of its cache's
+    geometry), each planned by ``slicer`` (:meth:`ExtractionPlan.head_slice`, or a sender's own
+    function around it) only when it is asked for (:meth:`plan`) and then kept. A slice lane
+    serves a request it knows from ``whole`` alone, so such a request is not sliced at all."""
+
+    whole: ExtractionPlan
+    slots: Slots
+    slicer: Callable[[ExtractionPlan, int, int], ExtractionPlan] = _head_slice
+    #: slot -> its sliced plan (shared by :meth:`only`'s subsets)
+    _made: dict[Slot, ExtractionPlan] = attrs.field(factory=dict, repr=False)
+
+    @property
+    def geometry(self) -> CacheGeometry | None:
+        return self.whole.geometry
+
+    def plan(self, j: int) -> ExtractionPlan:
+        """Slice ``j``'s plan (what ``slicer`` raises for it, e.g. RoutingError)."""
+        slot = self.slots[j]
+        made = self._made.get(slot)
+        if made is None:
+            made = self._made[slot] = self.slicer(self.whole, *slot)
+        return made
+
+    def plans(self) -> list[ExtractionPlan]:
+        return [self.plan(j) for j in range(len(self.slots))]
+
+    def only(self, picked: Sequence[int]) -> HeadSlices:
+        """The slices ``picked`` (indices into :attr:`slots`), sharing the plans made."""
+        return HeadSlices(self.whole, tuple(self.slots[j] for j in picked), self.slicer, self._made)
+
+
 @attrs.define(eq=False)
 class SliceLane:
     """The one-pass fan-out gather (:func:`~kvferry.adapters.paged_cache.gather_slices`) of one
@@ -225,47 +282,52 @@ class SliceLane:
 
     ``geometry`` and ``slots`` (the ``(offset_in_shard, num_slices)`` of each slice gathered, in
     order) name what it serves, ``copies`` how many destinations each slice is written to from its
-    one read; ``blocks[j]``: slice ``j``'s views in wire order (absent layers left out), compared
-    by identity with a request's sliced plans (the geometry's narrowed sites, made once per
+    one read; ``blocks``: the whole tensors' views in wire order (absent layers left out: the
+    geometry's sites), compared by identity with a request's whole plan, so a request it serves
+    is never sliced (the slices of those views are the geometry's narrowed sites, made once per
     cache and slice); ``calls``: per tensor the split copy's source (slice 0's view), the bytes
     from one slice's view to the next (0 for a single slice), the walk after the destination,
     source, ids and count (``nblocks, block_stride, d0, s0, d1, s1, d2, s2, piece``) and a block's
     bytes; ``checks``: over slice 0's sites (:class:`LaneChecks`)."""
 
     geometry: CacheGeometry = attrs.field(repr=False)
-    slots: tuple[tuple[int, int], ...]
+    slots: Slots
     copies: int
-    blocks: tuple[tuple[torch.Tensor, ...], ...] = attrs.field(repr=False)
+    blocks: tuple[torch.Tensor, ...] = attrs.field(repr=False)
     native: Any = attrs.field(repr=False)
     calls: tuple[tuple[int, int, tuple[int, ...], int], ...] = attrs.field(repr=False)
     checks: LaneChecks
 
     @classmethod
-    def of(
-        cls, geometry: CacheGeometry | None, slots: Slots, plans: list[ExtractionPlan], copies: int
-    ) -> SliceLane | None:
-        """The lane of ``plans`` (slice ``slots[j]`` of one request each, made by
-        :meth:`~kvferry.adapters.paged_cache.ExtractionPlan.head_slice` from a plan of
-        ``geometry``); None where the general path would not write every tensor with one native
-        split copy to host buffers (the slices not equal views of one tensor at a fixed
-        distance, more destinations than the native copy takes, torch on more threads)."""
+    def of(cls, slices: HeadSlices, copies: int) -> SliceLane | None:
+        """The lane of ``slices`` (their plans are made here, each by
+        :meth:`~kvferry.adapters.paged_cache.ExtractionPlan.head_slice` of a plan of the
+        geometry's views); None where the general path would not write every tensor with one
+        native split copy to host buffers (the slices not equal views of one tensor at a fixed
+        distance, more destinations than the native copy takes, torch on more threads), or the
+        whole plan is not one selection of blocks over its geometry's views."""
         native = paged_gather._native
+        geometry, slots = slices.geometry, slices.slots
         if (
             native is None
             or geometry is None
-            or not plans
-            or len(plans) != len(slots)
+            or not slots
             or copies < 1
-            or len(plans) * copies > paged_gather.MAX_SPLIT
-            or (len(plans) == 1 and copies == 1)
+            or len(slots) * copies > paged_gather.MAX_SPLIT
+            or (len(slots) == 1 and copies == 1)
             or not _one_thread()
         ):
             return None
-        per_slot = [_present(p) for p in plans]
-        count = len(per_slot[0])
+        whole = _present(slices.whole)
+        per_slot = [_present(p) for p in slices.plans()]
+        count = len(whole)
         if not count or any(len(g) != count for g in per_slot):
             return None
-        first = per_slot[0][0]
+        first = whole[0]
+        for gather in whole:
+            own = geometry.site(gather.layer, gather.which)
+            if own is None or own.blocks is not gather.blocks or not _same_selection(gather, first):
+                return None
         cpu = torch.device("cpu")
         narrowed = [geometry.head_slice(*slot) for slot in slots]
         calls: list[tuple[int, int, tuple[int, ...], int]] = []
@@ -279,8 +341,8 @@ class SliceLane:
                 if (
                     not isinstance(site, BlockSite)
                     or site.blocks is not gather.blocks
-                    or gather.layer != gathers[0].layer
-                    or gather.which != gathers[0].which
+                    or gather.layer != whole[k].layer
+                    or gather.which != whole[k].which
                     or not _same_selection(gather, first)
                 ):
                     return None
@@ -309,7 +371,7 @@ class SliceLane:
             geometry,
             slots,
             copies,
-            tuple(tuple(g.blocks for g in gathers) for gathers in per_slot),
+            tuple(g.blocks for g in whole),
             native,
             tuple(calls),
             LaneChecks(
@@ -319,43 +381,42 @@ class SliceLane:
             ),
         )
 
-    def serves(self, geometry: CacheGeometry | None, slots: Slots, plans: list[ExtractionPlan], copies: int) -> bool:
-        """Whether ``plans`` are this lane's slices of its cache, with one selection of blocks,
-        and the native copy is still the general path's choice for them."""
+    def serves(self, slices: HeadSlices, copies: int) -> bool:
+        """Whether ``slices`` are this lane's slices of a plan that reads its views with one
+        selection of blocks, and the native copy is still the general path's choice for them
+        (nothing is sliced to tell)."""
         if (
-            geometry is not self.geometry
-            or slots != self.slots
+            slices.geometry is not self.geometry
+            or slices.slots != self.slots
             or copies != self.copies
             or paged_gather._native is not self.native
             or not _one_thread()
         ):
             return False
-        first: TensorGather | None = None
-        for plan, blocks in zip(plans, self.blocks):
-            gathers = _present(plan)
-            if len(gathers) != len(blocks):
-                return False
-            first = first or gathers[0]
-            if not all(g.blocks is b and _same_selection(g, first) for g, b in zip(gathers, blocks)):
-                return False
-        return True
-
-    def fits(self, plans: list[ExtractionPlan], buffers: list[torch.Tensor], layouts: list[PayloadLayout]) -> bool:
-        """Whether :meth:`run` writes what the general path would (``plans`` already
-        :meth:`serves` this lane): every buffer holds its payload, on the host, its data start
-        aligned; every template was checked the general path's way once for this many tokens;
-        every block id inside every view. ``buffers[d]``/``layouts[d]``: destination ``d`` =
-        copy ``d % copies`` of slice ``d // copies``."""
-        fit = self.checks.payload_fits
-        if not all(fit(plans[d // self.copies], b, lay) for d, (b, lay) in enumerate(zip(buffers, layouts))):
+        gathers = _present(slices.whole)
+        if len(gathers) != len(self.blocks):
             return False
-        return self.checks.selection_fits(_first(plans[0]))
+        first = gathers[0]
+        return all(g.blocks is b and _same_selection(g, first) for g, b in zip(gathers, self.blocks))
 
-    def run(self, plans: list[ExtractionPlan], buffers: list[torch.Tensor], layouts: list[PayloadLayout]) -> None:
+    def fits(self, slices: HeadSlices, buffers: list[torch.Tensor], layouts: list[PayloadLayout]) -> bool:
+        """Whether :meth:`run` writes what the general path would (``slices`` already
+        :meth:`serves` this lane): every buffer holds its payload, on the host, its data start
+        aligned; every template was checked the general path's way once for this many tokens
+        (against its slice's plan, made then); every block id inside every view.
+        ``buffers[d]``/``layouts[d]``: destination ``d`` = copy ``d % copies`` of slice
+        ``d // copies``."""
+        fit, whole, copies = self.checks.payload_fits, slices.whole, self.copies
+        for d, (buffer, layout) in enumerate(zip(buffers, layouts)):
+            if not fit(whole, buffer, layout, partial(slices.plan, d // copies)):
+                return False
+        return self.checks.selection_fits(_first(whole))
+
+    def run(self, slices: HeadSlices, buffers: list[torch.Tensor], layouts: list[PayloadLayout]) -> None:
         """Gather every slice into its destinations (only after :meth:`serves` and :meth:`fits`
         said yes): per tensor one split copy of the whole blocks, then each destination's
         partial last block."""
-        first = _first(plans[0])
+        first = _first(slices.whole)
         positions = self.checks.present
         places = [(buffer.data_ptr(), layout.spans, positions(layout)) for buffer, layout in zip(buffers, layouts)]
         split, gather, copies = self.native.gather_split, self.native.gather, self.copies
@@ -379,27 +440,26 @@ class SliceLane:
 
 
 def gather_slice_payloads(
-    geometry: CacheGeometry | None,
-    slots: tuple[tuple[int, int], ...],
-    plans: list[ExtractionPlan],
+    slices: HeadSlices,
     buffers: list[torch.Tensor],
     layouts: list[PayloadLayout],
     copies: int = 1,
     lanes: MutableMapping[str, Any] | None = None,
 ) -> None:
-    """:func:`~kvferry.adapters.paged_cache.gather_slices` of ``plans`` (slice ``slots[j]`` of
-    one request of ``geometry`` each) into payload buffers: destination ``d`` (``buffers[d]`` at
-    ``layouts[d]``) gets slice ``d // copies``. Through the caller's :class:`SliceLane` (kept in
-    ``lanes``) when the request fits it, a new one when the slices or the cache are others, else
-    the general way, which raises what it raises."""
+    """:func:`~kvferry.adapters.paged_cache.gather_slices` of ``slices`` into payload buffers:
+    destination ``d`` (``buffers[d]`` at ``layouts[d]``) gets slice ``d // copies``. Through the
+    caller's :class:`SliceLane` (kept in ``lanes``) when the request fits it, a new one when the
+    slices or the cache are others, else the general way (every slice planned), which raises
+    what it raises."""
     lane = lanes.get(SLICE_LANE_KEY) if lanes is not None else None
-    if not isinstance(lane, SliceLane) or not lane.serves(geometry, slots, plans, copies):
-        lane = SliceLane.of(geometry, slots, plans, copies)
+    if not isinstance(lane, SliceLane) or not lane.serves(slices, copies):
+        lane = SliceLane.of(slices, copies)
         if lanes is not None and lane is not None:
             lanes[SLICE_LANE_KEY] = lane
-    if lane is not None and lane.fits(plans, buffers, layouts):
-        lane.run(plans, buffers, layouts)
+    if lane is not None and lane.fits(slices, buffers, layouts):
+        lane.run(slices, buffers, layouts)
         return
+    plans = slices.plans()
     views = [dest_spans(buffer, layout) for buffer, layout in zip(buffers, layouts)]
     dests = [(v[: plans[d // copies].num_layers], v[plans[d // copies].num_layers :]) for d, v in enumerate(views)]
     gather_slices(plans, dests, copies)

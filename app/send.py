@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Mapping, Sequence
+from functools import partial
 from typing import Any
 
 import attrs
@@ -35,7 +36,7 @@ from kvferry.adapters.paged_cache import (
     ExtractionSkipped,
     plan_extraction,
 )
-from kvferry.adapters.payload_lane import gather_payload, gather_slice_payloads
+from kvferry.adapters.payload_lane import HeadSlices, Slot, gather_payload, gather_slice_payloads
 from kvferry.adapters.torch_frames import (
     encode_bytes,
     encode_device_tensor,
@@ -131,6 +132,21 @@ def request_scales(kv_scales: Mapping[str, Any], plan: ExtractionPlan) -> dict[s
 
 
 @attrs.frozen
+class _Shaped:
+    """What fixes a plan's tensor shapes (and so its layout template): a uniform cache's
+    ``geometry`` and the request's ``tokens`` (:func:`_uniform_tokens`), and for a head slice
+    of such a plan its ``slot`` ``(offset_in_shard, num_slices)``."""
+
+    geometry: CacheGeometry | None
+    tokens: int
+    slot: Slot | None = None
+
+    @property
+    def key(self) -> tuple[int, Slot | None]:
+        return (self.tokens, self.slot)
+
+
+@attrs.frozen
 class KeyJob:
     """One payload to put: its key, the receiver rank it feeds (None when a hook chose keys)
     and the head slice it carries."""
@@ -162,8 +178,11 @@ class SendPath:
     _is_reservable: Implements = attrs.field(init=False, factory=lambda: Implements(Reservable))
     _takes_frames: Implements = attrs.field(init=False, factory=lambda: Implements(FramesPut))
     _templates: dict[tuple, Any] = attrs.field(init=False, factory=dict)  # see _layout
-    #: The uniform cache last sent from and its templates by token count (see _layout).
-    _by_tokens: tuple[CacheGeometry | None, dict[int, Any]] = attrs.field(init=False, factory=lambda: (None, {}))
+    #: The uniform cache last sent from and its templates by token count and head slot (see
+    #: _layout and _Shaped).
+    _by_tokens: tuple[CacheGeometry | None, dict[tuple[int, Slot | None], Any]] = attrs.field(
+        init=False, factory=lambda: (None, {})
+    )
     #: the native copies of this sender's cache, prepared once (adapters.payload_lane)
     _lanes: dict[str, Any] = attrs.field(init=False, factory=dict)
     #: The last request's cache geometry: the next request of the same cache plans with it.
@@ -378,17 +397,9 @@ class SendPath:
         same_as = [None if first[slot] == i else first[slot] for i, slot in enumerate(slots)]
         if all(k is None for k in same_as) and any(j.num_slices < 2 for j in jobs):
             return {}  # nothing shared: the one-pass gather needs slices
-        sliced: dict[tuple[int, int], ExtractionPlan] = {}  # each head slice planned once
+        slices = HeadSlices(plan, tuple(slots), slice_plan_heads)  # each planned only if needed
         try:
-            for slot in slots:
-                if slot not in sliced:
-                    sliced[slot] = slice_plan_heads(plan, *slot)
-            filled = self._fill_reserved(
-                connector,
-                [(sliced[slot], j.key, self._metadata(plan, j)) for slot, j in zip(slots, jobs)],
-                same_as,
-                (plan.geometry, tuple(slots)),
-            )
+            filled = self._fill_reserved(connector, slices, [(j.key, self._metadata(plan, j)) for j in jobs], same_as)
         except KVFerryError:  # a full pool, a local fault: each key takes the single path
             return {}
         put: dict[str, int] = {}
@@ -401,25 +412,26 @@ class SendPath:
     def _fill_reserved(
         self,
         connector: Any,
-        items: Sequence[tuple[ExtractionPlan, str, dict[str, Any]]],
+        source: ExtractionPlan | HeadSlices,
+        entries: Sequence[tuple[str, dict[str, Any]]],
         same_as: Sequence[int | None] | None = None,
-        slices: tuple[CacheGeometry | None, tuple[tuple[int, int], ...]] | None = None,
     ) -> list[Any]:
-        """Reserve a region per ``(plan, key, metadata)``, gather every plan into its region
-        (several: the one-pass ``gather_slices``) and write the headers; the reservations,
-        ready to commit. ``same_as[i] = k`` (``k < i``): item ``i`` carries the same tensors as
-        item ``k``, so its tensor bytes are copied from ``k``'s region instead of gathered.
-        ``slices``: the items' plans are head slices of one request of this cache geometry,
-        item ``i`` the slice ``(offset_in_shard, num_slices)`` of the tuple's ``i``-th (they are
-        gathered through the sender's slice lane). Any exception aborts every reservation taken."""
+        """Reserve a region per ``(key, metadata)`` entry, gather what the entry carries into it
+        and write the headers; the reservations, ready to commit. ``source``: one plan (one
+        entry), or one request's head slices (entry ``i`` carries slice ``source.slots[i]``),
+        gathered in one pass over the cache through the sender's slice lane: a request the lane
+        serves, of a token count seen before, is never sliced (see :meth:`_layouts`).
+        ``same_as[i] = k`` (``k < i``): entry ``i`` carries the same tensors as entry ``k``, so
+        its tensor bytes are copied from ``k``'s region, or written from the same read when
+        every slice goes to as many receivers. Any exception aborts every reservation taken."""
         reservations: list[Any] = []
         try:
-            layouts = [self._layout(p, meta) for p, _, meta in items]
-            for (_, key, _), layout in zip(items, layouts):
+            layouts = self._layouts(source, entries)
+            for (key, _), layout in zip(entries, layouts):
                 reservations.append(
                     connector.reserve(str(self.from_stage), str(self.to_stage), key, layout.total_nbytes)
                 )
-            shared = list(same_as) if same_as is not None else [None] * len(items)
+            shared = list(same_as) if same_as is not None else [None] * len(entries)
             gathered = [i for i, k in enumerate(shared) if k is None]
             holders = {i: [i] for i in gathered}  # item -> the items that carry its tensors
             for i, k in enumerate(shared):
@@ -430,29 +442,25 @@ class SendPath:
                 # every slice to each of its receivers from one read of the cache (replicated
                 # heads, a latent for several receivers): no copy between regions afterwards
                 written = [i for k in gathered for i in holders[k]]
-                shared = [None] * len(items)
+                shared = [None] * len(entries)
             else:
                 written, copies = gathered, 1
-            if len(written) == 1:  # one payload: the cache's native copies, prepared once
-                i = written[0]
-                gather_payload(items[i][0], reservations[i].buffer, layouts[i], self._lanes)
-            else:
-                geometry, slots = slices if slices is not None else (None, tuple((0, 1) for _ in items))
+            if isinstance(source, HeadSlices):
                 gather_slice_payloads(
-                    geometry,
-                    tuple(slots[i] for i in gathered),
-                    [items[i][0] for i in gathered],
+                    source.only(gathered),
                     [reservations[i].buffer for i in written],
                     [layouts[i] for i in written],
                     copies,
-                    self._lanes if slices is not None else None,
+                    self._lanes,
                 )
+            else:  # one payload: the cache's native copies, prepared once
+                gather_payload(source, reservations[0].buffer, layouts[0], self._lanes)
             for i, k in enumerate(shared):
                 if k is not None:  # same tensors, same offsets from the data start: one copy
                     src, dst = layouts[k], layouts[i]
                     count = src.total_nbytes - src.data_start
                     if count != dst.total_nbytes - dst.data_start:
-                        raise ConfigError(f"{items[i][1]}: payload differs in size from {items[k][1]}")
+                        raise ConfigError(f"{entries[i][0]}: payload differs in size from {entries[k][0]}")
                     reservations[i].buffer[dst.data_start : dst.total_nbytes].copy_(
                         reservations[k].buffer[src.data_start : src.total_nbytes]
                     )
@@ -464,17 +472,42 @@ class SendPath:
             raise
         return reservations
 
-    def _layout(self, plan: ExtractionPlan, meta: dict[str, Any]) -> Any:
+    def _layouts(self, source: ExtractionPlan | HeadSlices, entries: Sequence[tuple[str, dict[str, Any]]]) -> list[Any]:
+        """Each entry's payload layout (see :meth:`_fill_reserved`). A head slice of a uniform
+        cache's plan has its template found by the cache, the token count and its slot; its
+        plan is made only when that template is new."""
+        if not isinstance(source, HeadSlices):
+            return [self._layout(source, meta) for _, meta in entries]
+        tokens = _uniform_tokens(source.whole)
+        if tokens is None:
+            return [self._layout(source.plan(i), meta) for i, (_, meta) in enumerate(entries)]
+        return [
+            self._layout(source.whole, meta, _Shaped(source.geometry, tokens, slot), partial(source.plan, i))
+            for i, ((_, meta), slot) in enumerate(zip(entries, source.slots, strict=True))
+        ]
+
+    def _layout(
+        self,
+        plan: ExtractionPlan,
+        meta: dict[str, Any],
+        shaped: _Shaped | None = None,
+        shapes_of: Callable[[], ExtractionPlan] | None = None,
+    ) -> Any:
         """The payload layout: the part fixed by the tensors' dtypes and shapes (a template) is
         kept per shape signature, so a request of a shape seen before only renders its header.
         A plan of a uniform cache (:attr:`CacheGeometry.uniform`) with every layer present has
         its shapes fixed by the cache and its token count: its template is found by those two,
-        without listing the tensors' shapes (the templates of one cache at a time are kept so)."""
-        tokens = _uniform_tokens(plan)
+        without listing the tensors' shapes (the templates of one cache at a time are kept so);
+        a head slice of such a plan by those and its slot, given as ``shaped`` with ``plan`` the
+        whole request's (a sliced plan keeps no geometry) and ``shapes_of`` giving the slice's
+        plan, asked for only when its template is new."""
+        if shaped is None:
+            tokens = _uniform_tokens(plan)
+            shaped = None if tokens is None else _Shaped(plan.geometry, tokens)
         geometry, by_tokens = self._by_tokens
-        if tokens is not None and geometry is plan.geometry and tokens in by_tokens:
-            return by_tokens[tokens].layout(plan.request_id, plan.block_ids, meta)
-        keys, values = plan.dtype_shapes()
+        if shaped is not None and geometry is shaped.geometry and shaped.key in by_tokens:
+            return by_tokens[shaped.key].layout(plan.request_id, plan.block_ids, meta)
+        keys, values = (plan if shapes_of is None else shapes_of()).dtype_shapes()
         signature = (tuple(keys), tuple(values))
         template = self._templates.get(signature)
         if template is None:
@@ -482,17 +515,17 @@ class SendPath:
             if len(self._templates) >= _TEMPLATES_KEPT:
                 self._templates.clear()
             self._templates[signature] = template
-        if tokens is not None:
-            if geometry is not plan.geometry or len(by_tokens) >= _TEMPLATES_KEPT:
+        if shaped is not None:
+            if geometry is not shaped.geometry or len(by_tokens) >= _TEMPLATES_KEPT:
                 by_tokens = {}  # another cache's (or too many): dropped, not held alive
-                self._by_tokens = (plan.geometry, by_tokens)
-            by_tokens[tokens] = template
+                self._by_tokens = (shaped.geometry, by_tokens)
+            by_tokens[shaped.key] = template
         return template.layout(plan.request_id, plan.block_ids, meta)
 
     def _put_reserved(
         self, connector: Any, plan: ExtractionPlan, key: str, meta: dict[str, Any]
     ) -> tuple[bool, int, Any]:
-        [reservation] = self._fill_reserved(connector, [(plan, key, meta)])
+        [reservation] = self._fill_reserved(connector, plan, [(key, meta)])
         return reservation.commit()
 
     def _put_frames(

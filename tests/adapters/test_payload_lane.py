@@ -16,10 +16,11 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvferry.adapters import paged_gather
-from kvferry.adapters.paged_cache import ExtractionPlan, plan_extraction
+from kvferry.adapters.paged_cache import ExtractionPlan, gather_slices, plan_extraction
 from kvferry.adapters.payload_lane import (
     LANE_KEY,
     SLICE_LANE_KEY,
+    HeadSlices,
     PayloadLane,
     SliceLane,
     gather_payload,
@@ -213,16 +214,29 @@ def test_a_head_slice_and_an_mla_latent_take_the_path_that_fits_them() -> None:
 
 # ------------------------------------------------------------------------- head slices
 def slice_payloads(plan: ExtractionPlan, slots: tuple, copies: int) -> tuple[list, list[PayloadLayout]]:
-    """Each slot's sliced plan, and one zeroed buffer and layout per destination (plan-major)."""
+    """Each slot's sliced plan, and one layout per destination (plan-major)."""
     plans = [plan.head_slice(*slot) for slot in slots]
     layouts = [payload_layout(plans[d // copies]) for d in range(len(slots) * copies)]
     return plans, layouts
 
 
 def general_slices(plans: list, layouts: list[PayloadLayout], copies: int) -> list[torch.Tensor]:
+    """The general path's bytes: ``gather_slices`` of the sliced plans into each layout's spans."""
     outs = [torch.zeros(layout.total_nbytes, dtype=torch.uint8) for layout in layouts]
-    gather_slice_payloads(None, tuple((0, 1) for _ in plans), plans, outs, layouts, copies)  # no lane: general
+    views = [dest_spans(out, layout) for out, layout in zip(outs, layouts)]
+    n = plans[0].num_layers
+    gather_slices(plans, [(v[:n], v[n:]) for v in views], copies)
     return outs
+
+
+def counted(plan: ExtractionPlan, slots: tuple, made: list) -> HeadSlices:
+    """``plan``'s head slices ``slots``, each slice planned appending its slot to ``made``."""
+
+    def slicer(whole: ExtractionPlan, offset: int, count: int) -> ExtractionPlan:
+        made.append((offset, count))
+        return whole.head_slice(offset, count)
+
+    return HeadSlices(plan, slots, slicer)
 
 
 def expected_heads(cache: list, ids: list[int], seq_len: int, which: int, heads: tuple[int, int]) -> list:
@@ -246,22 +260,31 @@ def test_a_slice_lane_writes_what_the_general_path_writes_for_every_request_of_i
     layers, block, heads, dim, dtype, split, requests
 ) -> None:
     """The head slices of requests of one cache (``split``: slices, copies of each), each with
-    its own blocks and length: the first makes the slice lane, every one is served by it, and
-    every destination holds the general path's bytes and its heads of the blocks, by torch."""
+    its own blocks and length, each slice's template kept by length (as a sender keeps them):
+    the first makes the slice lane, every one is served by it, only a request of a new length
+    has its slices planned (to check their templates), and every destination holds the
+    general path's bytes and its heads of the blocks, by torch."""
     slices, copies = split
     if heads % slices:
         return
     cache = flash_cache(layers, 12, block, heads, dim, dtype, seed=len(requests) + heads)
     slots = tuple((j, slices) for j in range(slices)) if slices > 1 else ((0, 1),)
     lanes: dict = {}
+    templates: dict[int, list] = {}
     geometry, lane = None, None
     for ids, cut in requests:
         seq_len = max(1, len(ids) * block - cut % block)
         plan = plan_of(cache, ids, seq_len, block, geometry=geometry)
         geometry = plan.geometry
-        plans, layouts = slice_payloads(plan, slots, copies)
+        plans = [plan.head_slice(*slot) for slot in slots]
+        new_length = seq_len not in templates
+        if new_length:
+            templates[seq_len] = [kv_layout_template(*p.dtype_shapes()) for p in plans]
+        layouts = [payload_layout(plan, templates[seq_len][d // copies]) for d in range(len(slots) * copies)]
         outs = [torch.zeros(layout.total_nbytes, dtype=torch.uint8) for layout in layouts]
-        gather_slice_payloads(geometry, slots, plans, outs, layouts, copies, lanes)
+        made: list = []
+        gather_slice_payloads(counted(plan, slots, made), outs, layouts, copies, lanes)
+        assert made == (list(slots) if new_length else []), (seq_len, made)
         wants = general_slices(plans, layouts, copies)
         width = heads // slices
         for d, (out, want, layout) in enumerate(zip(outs, wants, layouts)):
@@ -275,8 +298,9 @@ def test_a_slice_lane_writes_what_the_general_path_writes_for_every_request_of_i
                     assert torch.equal(got.view(torch.uint8), want_t.contiguous().view(torch.uint8)), (d, which, layer)
         if lane is None:
             lane = lanes[SLICE_LANE_KEY]
-        assert lanes[SLICE_LANE_KEY] is lane and lane.serves(geometry, slots, plans, copies)
-        assert lane.fits(plans, outs, layouts)  # written by the lane, not the general path
+        served = counted(plan, slots, made)
+        assert lanes[SLICE_LANE_KEY] is lane and lane.serves(served, copies)
+        assert lane.fits(served, outs, layouts) and made == (list(slots) if new_length else [])  # the lane wrote
 
 
 @needs_native
@@ -290,29 +314,29 @@ def test_a_slice_lane_serves_only_its_cache_its_slices_and_one_thread() -> None:
     slots = ((0, 2), (1, 2))
     plan = plan_of(cache, ids, seq_len, 16)
     plans, layouts = slice_payloads(plan, slots, 1)
-    lane = SliceLane.of(plan.geometry, slots, plans, 1)
+    sliced = HeadSlices(plan, slots)
+    lane = SliceLane.of(sliced, 1)
     assert lane is not None
-    assert lane.serves(plan.geometry, slots, plans, 1)
+    assert lane.serves(HeadSlices(plan, slots), 1)
     moved = plan_of(other, ids, seq_len, 16, geometry=plan.geometry)
     assert moved.geometry is not plan.geometry
-    assert not lane.serves(moved.geometry, slots, [moved.head_slice(*s) for s in slots], 1)
-    quarters = ((0, 4), (1, 4))
-    assert not lane.serves(plan.geometry, quarters, [plan.head_slice(*s) for s in quarters], 1)
-    assert not lane.serves(plan.geometry, slots, plans, 2)
+    assert not lane.serves(HeadSlices(moved, slots), 1)
+    assert not lane.serves(HeadSlices(plan, ((0, 4), (1, 4))), 1)
+    assert not lane.serves(HeadSlices(plan, slots), 2)
     torch.set_num_threads(2)
     try:
-        assert not lane.serves(plan.geometry, slots, plans, 1)
-        assert SliceLane.of(plan.geometry, slots, plans, 1) is None
+        assert not lane.serves(HeadSlices(plan, slots), 1)
+        assert SliceLane.of(HeadSlices(plan, slots), 1) is None
     finally:
         torch.set_num_threads(1)
     outs = [torch.zeros(layout.total_nbytes, dtype=torch.uint8) for layout in layouts]
-    assert lane.fits(plans, outs, layouts)
+    assert lane.fits(sliced, outs, layouts)
     short = [torch.zeros(layout.total_nbytes - 1, dtype=torch.uint8) for layout in layouts]
-    assert not lane.fits(plans, short, layouts)
+    assert not lane.fits(sliced, short, layouts)
     skewed = [torch.zeros(layout.total_nbytes + 1, dtype=torch.uint8)[1:] for layout in layouts]
-    assert not lane.fits(plans, skewed, layouts)
+    assert not lane.fits(sliced, skewed, layouts)
     # control: the general path writes the skewed buffers (unaligned spans: torch copies)
-    gather_slice_payloads(plan.geometry, slots, plans, skewed, layouts, 1, {})
+    gather_slice_payloads(sliced, skewed, layouts, 1, {})
     wants = general_slices(plans, layouts, 1)
     for got, want, layout in zip(skewed, wants, layouts):
         assert torch.equal(got[layout.data_start :], want[layout.data_start :])
@@ -330,23 +354,24 @@ def test_a_slice_lane_checks_each_template_the_general_paths_way_and_reads_only_
     other = flash_cache(2, 8, 16, 4, 64, torch.bfloat16, seed=8)
     slots = ((0, 2), (1, 2))
     plan = plan_of(cache, [1, 2], 32, 16)
-    plans, layouts = slice_payloads(plan, slots, 1)
-    lane = SliceLane.of(plan.geometry, slots, plans, 1)
+    _, layouts = slice_payloads(plan, slots, 1)
+    lane = SliceLane.of(HeadSlices(plan, slots), 1)
     assert lane is not None
     outs = [torch.zeros(layout.total_nbytes, dtype=torch.uint8) for layout in layouts]
-    assert lane.fits(plans, outs, layouts)
+    assert lane.fits(HeadSlices(plan, slots), outs, layouts)
     shorter = plan_of(cache, [1, 2], 20, 16, geometry=plan.geometry)  # 20 tokens: not these templates
-    short_plans = [shorter.head_slice(*s) for s in slots]
-    assert lane.serves(plan.geometry, slots, short_plans, 1)
+    made: list = []
+    short_slices = counted(shorter, slots, made)
+    assert lane.serves(short_slices, 1) and made == []  # served from the whole plan: nothing sliced
     with pytest.raises(ConfigError):  # the general path's own complaint: shapes do not match
-        lane.fits(short_plans, outs, layouts)
+        lane.fits(short_slices, outs, layouts)
+    assert made == [slots[0]]  # the template checked against the slice's own plan
     foreign = plan_of(other, [1, 2], 32, 16)
     mixed = attrs_.evolve(plan, keys=(foreign.keys[0], *plan.keys[1:]))  # layer 0's keys from `other`
-    mixed_plans = [mixed.head_slice(*s) for s in slots]
-    assert not lane.serves(plan.geometry, slots, mixed_plans, 1)
+    assert not lane.serves(HeadSlices(mixed, slots), 1)
     lanes = {SLICE_LANE_KEY: lane}
     written = [torch.zeros(layout.total_nbytes, dtype=torch.uint8) for layout in layouts]
-    gather_slice_payloads(plan.geometry, slots, mixed_plans, written, layouts, 1, lanes)
+    gather_slice_payloads(HeadSlices(mixed, slots), written, layouts, 1, lanes)
     for j, (out, layout) in enumerate(zip(written, layouts)):
         got = dest_views(out, layout)[0]  # layer 0's keys
         want = expected_heads(other, [1, 2], 32, 0, (2 * j, 2 * j + 2))[0]

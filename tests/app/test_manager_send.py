@@ -319,6 +319,64 @@ def test_spec2_4_fan_out_is_sliced_on_the_sender_and_tagged(kit, memory_connecto
     assert kit.pool_is_empty(memory_connector)
 
 
+def test_fan_out_templates_are_found_by_cache_token_count_and_slot(
+    kit, memory_connector, make_sender, monkeypatch
+) -> None:
+    """A fan-out sender lists a head slice's tensor shapes (for its layout template) once per
+    cache, token count and slot; a request of a length seen before finds both slices'
+    templates by those and, with the native copy, is not sliced at all (the slice lane serves
+    it from the whole plan). Every payload holds its receiver's heads of the cache it was sent
+    from, in its shapes, whatever order the lengths and caches come in."""
+    from kvferry.adapters import paged_gather
+    from kvferry.adapters.paged_cache import ExtractionPlan
+
+    listed: list[int] = []
+    sliced: list[int] = []
+    real_shapes, real_slice = ExtractionPlan.dtype_shapes, ExtractionPlan.head_slice
+
+    def shapes(plan: ExtractionPlan) -> Any:
+        listed.append(1)
+        return real_shapes(plan)
+
+    def head_slice(plan: ExtractionPlan, *slot: int) -> Any:
+        sliced.append(1)
+        return real_slice(plan, *slot)
+
+    monkeypatch.setattr(ExtractionPlan, "dtype_shapes", shapes)
+    monkeypatch.setattr(ExtractionPlan, "head_slice", head_slice)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # where the native copy is chosen (paged_gather.NATIVE_MAX_THREADS)
+    try:
+        _send_rounds(kit, memory_connector, make_sender, listed, sliced, paged_gather.NATIVE_GATHER)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _send_rounds(kit, memory_connector, make_sender, listed: list, sliced: list, native: bool) -> None:
+    # heads of 64 values: pieces the native copy takes (smaller ones go through torch, sliced)
+    first, second = kit.PagedModel(seed=1, heads=8, head_dim=64), kit.PagedModel(seed=2, heads=4, head_dim=64)
+    sender = make_sender(memory_connector, 1, 2)
+    caches = {id(first): first.rank_cache(), id(second): second.rank_cache()}
+    # (cache, tokens, shapes listed: one per slice when the cache and length are new to the sender)
+    rounds = [(first, 10, 2), (first, 3, 2), (first, 10, 0), (first, 3, 0), (second, 10, 2), (first, 10, 2)]
+    for n, (model, seq_len, lists) in enumerate(rounds):
+        listed.clear()
+        sliced.clear()
+        request = {"block_ids": [3, 1, 5], "seq_len": seq_len}
+        [outcome] = sender.send_requests({f"r{n}": request}, caches[id(model)], model.block_size, "float32")
+        assert outcome.ok and len(outcome.keys) == 2, outcome
+        assert len(listed) == lists, (n, listed)
+        if native:  # as many slices planned as templates listed: none when the lane serves it
+            assert len(sliced) == lists, (n, sliced)
+        for target, key in enumerate(outcome.keys):
+            decoded, got_k, got_v = _raw(memory_connector, key)
+            assert decoded.metadata["tp_head_slice"]["offset_in_shard"] == target
+            want_k, want_v = model.expected(request["block_ids"], seq_len, target, 2)
+            assert [t.shape for t in got_k] == [t.shape for t in want_k]
+            assert all(kit.bits_equal(a, b) for a, b in zip(got_k + got_v, want_k + want_v))
+    assert kit.pool_is_empty(memory_connector)
+
+
 class _Reserving:
     """A reservable connector over ``inner`` that logs reserve/commit order and fails the
     reservations whose (1-based) numbers are in ``fail``."""
