@@ -7,7 +7,8 @@ from __future__ import annotations
 import json
 import os
 import subprocess
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor, wait
 from pathlib import Path
 from typing import Any
 
@@ -116,6 +117,23 @@ class Instance(InstanceProcess):
         """The instance's log lines about KV transfers (for assertion messages)."""
         keep = ("KV load failed", "KV Transfer metrics", "kvferry", "kv_transfer_params")
         return "\n".join(line for line in self.tail(1_000_000).splitlines() if any(k in line for k in keep))[-4000:]
+
+
+def start_together(*starts: Callable[[], Instance]) -> list[Instance]:
+    """The instances ``starts`` make, started at once (each constructor waits until its instance
+    is ready; each instance runs on the cores its own start pins it to, so a P/D pair on cores 0
+    and 1 takes the slower start, not both one after the other). All or none: when one fails,
+    the others are closed and its error raised (the first in ``starts`` order)."""
+    with ThreadPoolExecutor(len(starts)) as pool:
+        futures = [pool.submit(start) for start in starts]
+        wait(futures)
+    started = [f.result() for f in futures if f.exception() is None]
+    errors = [f.exception() for f in futures if f.exception() is not None]
+    if errors:
+        for inst in started:
+            inst.close()
+        raise errors[0]  # type: ignore[misc]
+    return started
 
 
 def huge_page_mb(pid: int) -> float:

@@ -25,7 +25,16 @@ import subprocess
 from typing import Any
 
 import pytest
-from harness import PROC, Instance, assert_loaded_without_failures, failures, free_base_port, prompts, vllm_python
+from harness import (
+    PROC,
+    Instance,
+    assert_loaded_without_failures,
+    failures,
+    free_base_port,
+    prompts,
+    start_together,
+    vllm_python,
+)
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(1200)]
 
@@ -53,18 +62,16 @@ def _start(model: Any, decode_tp: int) -> tuple[Instance, Instance]:
     py, root, path = model
     extra = {"base_port": free_base_port(), "load_timeout_s": 30}
     base = {"model": str(path), "extra": extra, **BACKEND}
-    d = Instance(
-        py,
-        {**base, "kv_role": "kv_consumer", "tp": decode_tp},
-        cpu="0|1" if decode_tp == 2 else "0",
-        log=root / f"decode_tp{decode_tp}.log",
-        timeout_s=600,
+    d, p = start_together(
+        lambda: Instance(
+            py,
+            {**base, "kv_role": "kv_consumer", "tp": decode_tp},
+            cpu="0|1" if decode_tp == 2 else "0",
+            log=root / f"decode_tp{decode_tp}.log",
+            timeout_s=600,
+        ),
+        lambda: Instance(py, {**base, "kv_role": "kv_producer"}, cpu="1", log=root / f"prefill_for_tp{decode_tp}.log"),
     )
-    try:
-        p = Instance(py, {**base, "kv_role": "kv_producer"}, cpu="1", log=root / f"prefill_for_tp{decode_tp}.log")
-    except BaseException:
-        d.close()
-        raise
     print("startup:", {f"decode_tp{decode_tp}_s": round(d.startup_s, 1), "prefill_tp1_s": round(p.startup_s, 1)})
     return d, p
 

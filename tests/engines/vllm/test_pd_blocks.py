@@ -21,6 +21,7 @@ from harness import (
     free_base_port,
     make_model,
     prompts,
+    start_together,
     vllm_python,
 )
 
@@ -41,19 +42,20 @@ def _pair(model: Any, prefill_bs: int, decode_bs: int) -> tuple[Instance, Instan
     py, root, path = model
     extra = {"base_port": free_base_port(), "load_timeout_s": 20}
     base = {"model": str(path), "extra": extra}
-    d = Instance(
-        py, {**base, "kv_role": "kv_consumer", "block_size": decode_bs}, cpu="0", log=root / f"decode_{decode_bs}.log"
-    )
-    try:
-        p = Instance(
+    d, p = start_together(
+        lambda: Instance(
+            py,
+            {**base, "kv_role": "kv_consumer", "block_size": decode_bs},
+            cpu="0",
+            log=root / f"decode_{decode_bs}.log",
+        ),
+        lambda: Instance(
             py,
             {**base, "kv_role": "kv_producer", "block_size": prefill_bs},
             cpu="1",
             log=root / f"prefill_{prefill_bs}.log",
-        )
-    except BaseException:
-        d.close()
-        raise
+        ),
+    )
     startup = {f"decode_{decode_bs}_s": round(d.startup_s, 1), f"prefill_{prefill_bs}_s": round(p.startup_s, 1)}
     print("startup:", startup)
     return d, p

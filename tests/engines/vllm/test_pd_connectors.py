@@ -20,6 +20,7 @@ from harness import (
     make_model,
     nixl_or_skip,
     prompts,
+    start_together,
     vllm_python,
 )
 
@@ -45,15 +46,15 @@ def pair(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactor
     model = make_model(py, root / "model", 1)
     extra = {"connector": CONNECTORS[kind], "base_port": free_base_port(), "load_timeout_s": 20}
     timings: dict[str, float] = {}
-    d = Instance(py, {"model": str(model), "kv_role": "kv_consumer", "extra": extra}, cpu="0", log=root / "decode.log")
-    timings["startup_decode_s"] = round(d.startup_s, 1)
-    try:
-        p = Instance(
+    d, p = start_together(
+        lambda: Instance(
+            py, {"model": str(model), "kv_role": "kv_consumer", "extra": extra}, cpu="0", log=root / "decode.log"
+        ),
+        lambda: Instance(
             py, {"model": str(model), "kv_role": "kv_producer", "extra": extra}, cpu="1", log=root / "prefill.log"
-        )
-    except BaseException:
-        d.close()
-        raise
+        ),
+    )
+    timings["startup_decode_s"] = round(d.startup_s, 1)
     timings["startup_prefill_s"] = round(p.startup_s, 1)
     yield d, p, timings, kind
     p.close()

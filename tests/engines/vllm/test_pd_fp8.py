@@ -25,6 +25,7 @@ from harness import (
     free_base_port,
     make_model,
     prompts,
+    start_together,
     vllm_python,
 )
 
@@ -59,12 +60,11 @@ def model(tmp_path_factory: pytest.TempPathFactory) -> Any:
 def test_fp8_pages_and_tokens_equal_a_single_fp8_instance(model: Any) -> None:
     py, root, path = model
     base = {"model": str(path), "extra": {"base_port": free_base_port(), "load_timeout_s": 20}, "block_size": BS}
-    d = Instance(py, {**base, "kv_role": "kv_consumer", "kv_cache_dtype": "fp8"}, cpu="0", log=root / "decode.log")
-    try:
-        p = Instance(py, {**base, "kv_role": "kv_producer", "kv_cache_dtype": "fp8"}, cpu="1", log=root / "prefill.log")
-    except BaseException:
-        d.close()
-        raise
+    fp8 = {**base, "kv_cache_dtype": "fp8"}
+    d, p = start_together(
+        lambda: Instance(py, {**fp8, "kv_role": "kv_consumer"}, cpu="0", log=root / "decode.log"),
+        lambda: Instance(py, {**fp8, "kv_role": "kv_producer"}, cpu="1", log=root / "prefill.log"),
+    )
     print("startup:", {"decode_s": round(d.startup_s, 1), "prefill_s": round(p.startup_s, 1)})
     try:
         ps = prompts(LENGTHS, seed=51)

@@ -24,7 +24,7 @@ from collections.abc import Iterator
 from typing import Any
 
 import pytest
-from harness import Instance, failures, make_model, prompts, vllm_python
+from harness import Instance, failures, make_model, prompts, start_together, vllm_python
 
 from kvferry.adapters.connectors.zmq.client import HEARTBEAT_TIMEOUT_S
 from kvferry.app.bench.netns import Host, Net, unavailable_reason
@@ -87,22 +87,23 @@ def pair(net: Any, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
     timings: dict[str, float] = {}
     started: list[Instance] = []
     try:
-        d = Instance(
-            py,
-            {"model": str(model), "kv_role": "kv_consumer", "extra": d_extra, "policy": "fail"},
-            cpu="0",
-            log=root / "decode.log",
-            wrap=b.argv([]),
+        d, p = start_together(
+            lambda: Instance(
+                py,
+                {"model": str(model), "kv_role": "kv_consumer", "extra": d_extra, "policy": "fail"},
+                cpu="0",
+                log=root / "decode.log",
+                wrap=b.argv([]),
+            ),
+            lambda: Instance(
+                py,
+                {"model": str(model), "kv_role": "kv_producer", "extra": p_extra},
+                cpu="1",
+                log=root / "prefill.log",
+                wrap=a.argv([]),
+            ),
         )
-        started.append(d)
-        p = Instance(
-            py,
-            {"model": str(model), "kv_role": "kv_producer", "extra": p_extra},
-            cpu="1",
-            log=root / "prefill.log",
-            wrap=a.argv([]),
-        )
-        started.append(p)
+        started += [d, p]
         timings.update(startup_decode_s=round(d.startup_s, 1), startup_prefill_s=round(p.startup_s, 1))
         yield {"d": d, "p": p, "a": a, "b": b, "wire": wire, "base": base, "timings": timings}
     finally:

@@ -27,6 +27,7 @@ from harness import (
     failures,
     free_base_port,
     prompts,
+    start_together,
     vllm_python,
 )
 
@@ -49,14 +50,14 @@ def pair(tmp_path_factory: pytest.TempPathFactory) -> Any:
     subprocess.run(cmd, check=True, timeout=300, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     base = free_base_port()
     extra = {"base_port": base, "load_timeout_s": 10}
-    d = Instance(
-        py,
-        {"model": str(model), "kv_role": "kv_consumer", "block_size": D_BS, "policy": "recompute", "extra": extra},
-        cpu="0",
-        log=Path(root) / "decode.log",
-    )
-    try:
-        p = Instance(
+    d, p = start_together(
+        lambda: Instance(
+            py,
+            {"model": str(model), "kv_role": "kv_consumer", "block_size": D_BS, "policy": "recompute", "extra": extra},
+            cpu="0",
+            log=Path(root) / "decode.log",
+        ),
+        lambda: Instance(
             py,
             {
                 "model": str(model),
@@ -66,10 +67,8 @@ def pair(tmp_path_factory: pytest.TempPathFactory) -> Any:
             },
             cpu="1",
             log=Path(root) / "prefill.log",
-        )
-    except BaseException:
-        d.close()
-        raise
+        ),
+    )
     print("startup:", {"decode_s": round(d.startup_s, 1), "prefill_s": round(p.startup_s, 1)})
     yield p, d
     p.close()

@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from harness import Instance, failures, free_base_port, make_model, prompts, vllm_python
+from harness import Instance, failures, free_base_port, make_model, prompts, start_together, vllm_python
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(1800)]
 
@@ -53,10 +53,20 @@ def _start(env: dict, name: str, model: str, role: str, cpu: str, **cfg: Any) ->
 
 
 @pytest.fixture(scope="module")
-def decode(env: dict) -> Any:
-    inst = _start(env, "decode", "model_a", "kv_consumer", "0")
-    yield inst
-    inst.close()
+def pair(env: dict) -> Any:
+    """The decode and prefill_a, started at once (each on its own core)."""
+    d, p = start_together(
+        lambda: _start(env, "decode", "model_a", "kv_consumer", "0"),
+        lambda: _start(env, "prefill_a", "model_a", "kv_producer", "1"),
+    )
+    yield d, p
+    p.close()  # (a test may have closed it already)
+    d.close()
+
+
+@pytest.fixture(scope="module")
+def decode(pair: Any) -> Any:
+    return pair[0]
 
 
 @pytest.fixture(scope="module")
@@ -66,10 +76,8 @@ def reference(decode: Instance) -> list[list[int]]:
 
 
 @pytest.fixture(scope="module")
-def prefill_a(env: dict, decode: Instance) -> Any:
-    inst = _start(env, "prefill_a", "model_a", "kv_producer", "1")
-    yield inst
-    inst.close()
+def prefill_a(pair: Any) -> Any:
+    return pair[1]
 
 
 def _params_of_this_prefill(env: dict, tids: list[str], ps: list[list[int]]) -> list[dict]:

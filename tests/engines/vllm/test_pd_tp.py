@@ -11,7 +11,16 @@ import hashlib
 from typing import Any
 
 import pytest
-from harness import NIXL_LOOPBACK, Instance, free_base_port, make_model, nixl_or_skip, prompts, vllm_python
+from harness import (
+    NIXL_LOOPBACK,
+    Instance,
+    free_base_port,
+    make_model,
+    nixl_or_skip,
+    prompts,
+    start_together,
+    vllm_python,
+)
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(1200)]
 
@@ -31,20 +40,18 @@ def pair(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactor
     root = tmp_path_factory.mktemp(f"vllm_tp_{kind}")
     model = make_model(py, root / "model", 1)
     extra = {"connector": CONNECTORS[kind], "base_port": free_base_port(), "load_timeout_s": 30}
-    d = Instance(
-        py,
-        {"model": str(model), "kv_role": "kv_consumer", "extra": extra, "tp": 2},
-        cpu="0|1",
-        log=root / "decode_tp2.log",
-        timeout_s=600,
-    )
-    try:
-        p = Instance(
+    d, p = start_together(
+        lambda: Instance(
+            py,
+            {"model": str(model), "kv_role": "kv_consumer", "extra": extra, "tp": 2},
+            cpu="0|1",
+            log=root / "decode_tp2.log",
+            timeout_s=600,
+        ),
+        lambda: Instance(
             py, {"model": str(model), "kv_role": "kv_producer", "extra": extra}, cpu="1", log=root / "prefill_tp1.log"
-        )
-    except BaseException:
-        d.close()
-        raise
+        ),
+    )
     print("startup:", kind, {"decode_tp2_s": round(d.startup_s, 1), "prefill_tp1_s": round(p.startup_s, 1)})
     yield d, p, kind
     p.close()
