@@ -155,18 +155,19 @@ def groups(names: tuple[str, ...], timeout_s: float, storage: str = "") -> list[
         out.append(Group("local", Side({}, dc), (RowSpec("local", "local"),)))
     if "floor" in want:
         out.append(Group("floor", Side({"prefix_caching": True}, dc), (RowSpec("floor", "floor"),)))
-    kinds: tuple[tuple[str, dict[str, Any], dict[str, Any]], ...] = (
-        ("kvferry_shm", {"type": "shm"}, {}),
-        ("kvferry_zmq", {"type": "zmq"}, {}),
-        # the request runs in the step that loads its KV (docs/vllm.md, load_mode)
-        ("kvferry_shm_sync", {"type": "shm"}, {"load_mode": "sync"}),
+    kinds: tuple[tuple[str, dict[str, Any], tuple[str, ...]], ...] = (
+        # the sync row (the request runs in the step that loads its KV: docs/vllm.md, load_mode)
+        # asks for it per request (decode_params), on the shm row's instances
+        ("kvferry_shm", {"type": "shm"}, ("kvferry_shm", "kvferry_shm_sync")),
+        ("kvferry_zmq", {"type": "zmq"}, ("kvferry_zmq",)),
         # the pool path over NIXL READs, beside vLLM's NixlConnector on the same transports
-        ("kvferry_nixl", KVFERRY_NIXL, {}),
+        ("kvferry_nixl", KVFERRY_NIXL, ("kvferry_nixl",)),
     )
-    for name, conn, more in kinds:
-        if name in want:
-            d, p = _kvferry(conn, timeout_s, **more)
-            out.append(Group(name, Side(d, dc), (RowSpec(name, "remote"),), prefill=Side(p, pc)))
+    for name, conn, measured in kinds:
+        specs = tuple(RowSpec(row, "remote") for row in measured if row in want)
+        if specs:
+            d, p = _kvferry(conn, timeout_s)
+            out.append(Group(name, Side(d, dc), specs, prefill=Side(p, pc)))
     if "example" in want:
         cfg: dict[str, Any] = {
             "connector": "ExampleConnector",
@@ -279,7 +280,11 @@ def decode_params(
         }
     if row == "example":
         return None
-    return dict(prefill_out) if prefill_out is not None else None
+    if prefill_out is None:
+        return None
+    if row == "kvferry_shm_sync":  # a proxy that waited for the prefill asks for a sync load
+        return {**prefill_out, "load_mode": "sync"}
+    return dict(prefill_out)
 
 
 def _bootstrap(port: int) -> None:

@@ -73,6 +73,13 @@ def test_handoff_of_each_connector() -> None:
     assert handoff("example", "t1") is None
     made = {"remote_host": "127.0.0.1", "remote_block_ids": [1, 2]}
     assert decode_params("nixl", "t1", made, engine_id="e", bootstrap_port=1) == made
+    # the sync row asks for a sync load in the request (the instance's own mode stays async)
+    assert decode_params("kvferry_shm", "t1", made, engine_id=None, bootstrap_port=None) == made
+    assert decode_params("kvferry_shm_sync", "t1", made, engine_id=None, bootstrap_port=None) == {
+        **made,
+        "load_mode": "sync",
+    }
+    assert decode_params("kvferry_shm_sync", "t1", None, engine_id=None, bootstrap_port=None) is None
     moon = decode_params("mooncake", "t1", None, engine_id="e", bootstrap_port=4321)
     assert moon == {
         "do_remote_prefill": True,
@@ -94,6 +101,10 @@ def test_every_row_has_a_group_with_its_instances() -> None:
         assert g.prefill is not None and g.prefill.cpu == "1" and g.decode.cpu == "0"
         assert g.prefill.cfg["kv_role"] == "kv_producer" and g.decode.cfg["kv_role"] == "kv_consumer"
     assert by_name["kvferry_shm"].decode.cfg["extra"] == by_name["kvferry_shm"].prefill.cfg["extra"]  # type: ignore[union-attr]
+    # the sync row runs on the shm row's instances (its load mode is the request's), after it
+    assert [spec.name for spec in by_name["kvferry_shm"].rows] == ["kvferry_shm", "kvferry_shm_sync"]
+    assert "load_mode" not in by_name["kvferry_shm"].decode.cfg["extra"]
+    assert [g.name for g in groups(("kvferry_shm_sync",), 30.0)] == ["kvferry_shm"]
     # kvferry's nixl row: the connector over UCX on the transports vLLM's NixlConnector row gets
     nixl = by_name["kvferry_nixl"]
     assert nixl.prefill is not None and nixl.prefill.cfg["kv_role"] == "kv_producer"

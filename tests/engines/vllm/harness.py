@@ -7,8 +7,9 @@ from __future__ import annotations
 import json
 import os
 import subprocess
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor, wait
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -221,13 +222,48 @@ def start_on(env: dict[str, Any], name: str, model: str, role: str, cpu: str) ->
     )
 
 
+@contextmanager
+def decode_on(env: dict[str, Any], model: str = "model_a", prefill_model: str = "model_a") -> Iterator[Instance]:
+    """The decode instance of ``env[model]`` on core 0, started at once with the prefill the
+    module's first :func:`hand_off` of ``prefill_model`` takes (on core 1; kept in ``env`` until
+    then). Both closed at the end, the prefill if no hand-off took it."""
+    decode, prefill = start_together(
+        lambda: start_on(env, "decode", model, "kv_consumer", "0"),
+        lambda: start_on(env, f"prefill_{prefill_model}", prefill_model, "kv_producer", "1"),
+    )
+    env[_READY] = (prefill_model, prefill)
+    try:
+        yield decode
+    finally:
+        _, left = env.pop(_READY, (None, None))
+        if left is not None:
+            left.close()
+        decode.close()
+
+
+#: env key of the prefill decode_on started ahead: (its model, the instance)
+_READY = "ready_prefill"
+
+
+def _prefill_for(env: dict[str, Any], model: str) -> Instance:
+    """The prefill decode_on started, if it is of ``model``, else a new one (the one started
+    ahead is closed first: both would bind the same ports)."""
+    ready_model, ready = env.pop(_READY, (None, None))
+    if ready is not None and ready_model == model:
+        return ready  # type: ignore[no-any-return]
+    if ready is not None:
+        ready.close()
+    return start_on(env, f"prefill_{model}", model, "kv_producer", "1")
+
+
 def hand_off(
     env: dict[str, Any], decode: Instance, model: str, lengths: list[int], tokens: int
 ) -> tuple[list[list[int]], float, dict[str, Any], list[dict[str, Any]]]:
-    """Prompts of ``lengths`` (seed 7) prefilled by a new prefill of ``env[model]`` (closed after)
-    and decoded for ``tokens`` by ``decode`` over its KV: every prompt loaded, none failed. The
-    decode's tokens, the bytes it loaded, the prefill's cache groups and jobs, the params."""
-    prefill = start_on(env, f"prefill_{model}", model, "kv_producer", "1")
+    """Prompts of ``lengths`` (seed 7) prefilled by a prefill of ``env[model]`` (the one
+    :func:`decode_on` started, or a new one; closed after) and decoded for ``tokens`` by
+    ``decode`` over its KV: every prompt loaded, none failed. The decode's tokens, the bytes it
+    loaded, the prefill's cache groups and jobs, the params."""
+    prefill = _prefill_for(env, model)
     try:
         ps = prompts(lengths, seed=7)
         before = decode.metrics()

@@ -13,7 +13,7 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
-from harness import Instance, cache_groups, hand_off, prompts, start_on, two_models
+from harness import Instance, cache_groups, decode_on, hand_off, prompts, two_models
 
 from kvferry.app.vllm.groups import kept_first_page, prompt_pages
 
@@ -33,9 +33,8 @@ def env(tmp_path_factory: pytest.TempPathFactory) -> Any:
 
 @pytest.fixture(scope="module")
 def decode(env: dict) -> Any:
-    inst = start_on(env, "decode", "model_a", "kv_consumer", "0")
-    yield inst
-    inst.close()
+    with decode_on(env) as inst:  # and model_a's prefill, started at once, for the first hand-off
+        yield inst
 
 
 @pytest.fixture(scope="module")

@@ -22,6 +22,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -57,16 +58,15 @@ def env(tmp_path_factory: pytest.TempPathFactory) -> Any:
     root = tmp_path_factory.mktemp("vllm_producer")
     model_a, model_b = make_model(py, root / "model_a", 1), make_model(py, root / "model_b", 2)
     ps, other = prompts(LENGTHS, seed=11), prompts(LENGTHS, seed=12)
-    return {
-        "py": py,
-        "root": root,
-        "model": model_a,
-        "prompts": ps,
-        "hf": _hf_kv(py, model_a, ps, root / "hf_a.pt"),
-        "hf_other_weights": _hf_kv(py, model_b, ps, root / "hf_b.pt"),
-        "hf_other_prompts": _hf_kv(py, model_a, other, root / "hf_other.pt"),
-        "base": free_base_port(),
+    jobs = {  # the three references computed at once (processes of their own)
+        "hf": (model_a, ps, root / "hf_a.pt"),
+        "hf_other_weights": (model_b, ps, root / "hf_b.pt"),
+        "hf_other_prompts": (model_a, other, root / "hf_other.pt"),
     }
+    with ThreadPoolExecutor(len(jobs)) as pool:
+        refs = {name: pool.submit(_hf_kv, py, *args) for name, args in jobs.items()}
+        hf = {name: future.result() for name, future in refs.items()}
+    return {"py": py, "root": root, "model": model_a, "prompts": ps, **hf, "base": free_base_port()}
 
 
 @pytest.fixture(scope="module")
