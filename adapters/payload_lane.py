@@ -237,10 +237,6 @@ def gather_payload(
     plan.gather_all((spans[: plan.num_layers], spans[plan.num_layers :]))
 
 
-def _head_slice(plan: ExtractionPlan, offset_in_shard: int, num_slices: int) -> ExtractionPlan:
-    return plan.head_slice(offset_in_shard, num_slices)
-
-
 @attrs.define(eq=False)
 class HeadSlices:
     """One request's head slices: slice ``slots[j]`` of ``whole`` (a plan of its cache's
@@ -250,7 +246,7 @@ class HeadSlices:
 
     whole: ExtractionPlan
     slots: Slots
-    slicer: Callable[[ExtractionPlan, int, int], ExtractionPlan] = _head_slice
+    slicer: Callable[[ExtractionPlan, int, int], ExtractionPlan] = ExtractionPlan.head_slice
     #: slot -> its sliced plan (shared by :meth:`only`'s subsets)
     _made: dict[Slot, ExtractionPlan] = attrs.field(factory=dict, repr=False)
 

@@ -127,9 +127,7 @@ class Group:
     needs_dir: bool = False
 
 
-def _kvferry(
-    connector: Mapping[str, Any], timeout_s: float, tp: int = 1, **more: Any
-) -> tuple[dict[str, Any], dict[str, Any]]:
+def _kvferry(connector: Mapping[str, Any], timeout_s: float, tp: int = 1) -> tuple[dict[str, Any], dict[str, Any]]:
     # a load on loopback that has not arrived in 30 s has failed: fail it then, not at --timeout
     # kv_recompute_threshold 0: every length is handed off (the rows measure the hand-off itself)
     extra = {
@@ -138,7 +136,6 @@ def _kvferry(
         "load_timeout_s": min(timeout_s, 30.0),
         "kv_recompute_threshold": 0,
     }
-    extra.update(more)
     return (
         {"kv_role": "kv_consumer", "extra": extra, "tp": tp},
         {"kv_role": "kv_producer", "extra": extra},
