@@ -62,7 +62,23 @@ def free_base_port() -> int:
     return platform_free_base_port(2)
 
 
-def make_model(py: str, path: Path, seed: int) -> Path:
+#: The tiny random models this session made, by (interpreter, kind, seed), where they lie. A
+#: model is a function of its kind and seed, so a module asking for one made before gets that
+#: one (making one takes 10-15 s; a dozen modules ask for the same few).
+_MADE: dict[tuple[str, str, int], Path] = {}
+
+
+def made_once(py: str, kind: str, path: Path, seed: int, make: Callable[[str, Path, int], Path]) -> Path:
+    """The model ``kind`` of ``seed``: the one made earlier in this session when it is still
+    there, else ``make(py, path, seed)`` (and remembered)."""
+    made = _MADE.get((py, kind, seed))
+    if made is not None and (made / "config.json").exists():
+        return made
+    _MADE[py, kind, seed] = made = make(py, path, seed)
+    return made
+
+
+def _make_model(py: str, path: Path, seed: int) -> Path:
     if not (path / "config.json").exists():
         subprocess.run(
             [py, str(PROC), "make-model", str(path), str(seed)],
@@ -72,6 +88,12 @@ def make_model(py: str, path: Path, seed: int) -> Path:
             stderr=subprocess.PIPE,
         )
     return path
+
+
+def make_model(py: str, path: Path, seed: int) -> Path:
+    """The tests' tiny random Llama of ``seed`` (engine_proc.py ``make-model``): made at
+    ``path``, or the one this session made already (:func:`made_once`)."""
+    return made_once(py, "model", path, seed, _make_model)
 
 
 class Instance(InstanceProcess):

@@ -12,13 +12,15 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
+from harness import made_once
+
+from kvferry.app.bench.engine import served
 from kvferry.app.bench.engine.served import (
     PROXY,
     WARM,
     Served,
     kvferry_counters,
     kvferry_transfer_config,
-    make_serve_model,
     ready,
     start_proxy,
     start_server,
@@ -44,6 +46,13 @@ __all__ = [
     "not_plain",
     "pd_behind_proxy",
 ]
+
+
+def make_serve_model(py: str, path: Path, seed: int) -> Path:
+    """The serve tests' tiny random Llama with a tokenizer (the bench's
+    :func:`~kvferry.app.bench.engine.served.make_serve_model`): made at ``path``, or the one
+    this session made already (``harness.made_once``)."""
+    return made_once(py, "serve", path, seed, served.make_serve_model)
 
 
 def counters_when(
