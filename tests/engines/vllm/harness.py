@@ -62,38 +62,25 @@ def free_base_port() -> int:
     return platform_free_base_port(2)
 
 
-#: The tiny random models this session made, by (interpreter, kind, seed), where they lie. A
-#: model is a function of its kind and seed, so a module asking for one made before gets that
-#: one (making one takes 10-15 s; a dozen modules ask for the same few).
-_MADE: dict[tuple[str, str, int], Path] = {}
+#: The tiny random models this session made, by what makes them (interpreter, maker, seed and its
+#: arguments), where they lie. A model is a function of those, so a module asking for one made
+#: before gets that one (making one takes 10-15 s; a dozen modules ask for the same few).
+_MADE: dict[tuple[Any, ...], Path] = {}
 
 
-def made_once(py: str, kind: str, path: Path, seed: int, make: Callable[[str, Path, int], Path]) -> Path:
-    """The model ``kind`` of ``seed``: the one made earlier in this session when it is still
-    there, else ``make(py, path, seed)`` (and remembered)."""
-    made = _MADE.get((py, kind, seed))
+def made_once(key: tuple[Any, ...], path: Path, make: Callable[[Path], Path]) -> Path:
+    """The model ``key`` names: the one made earlier in this session when it is still there,
+    else ``make(path)`` (and remembered)."""
+    made = _MADE.get(key)
     if made is not None and (made / "config.json").exists():
         return made
-    _MADE[py, kind, seed] = made = make(py, path, seed)
+    _MADE[key] = made = make(path)
     return made
 
 
-def _make_model(py: str, path: Path, seed: int) -> Path:
-    if not (path / "config.json").exists():
-        subprocess.run(
-            [py, str(PROC), "make-model", str(path), str(seed)],
-            check=True,
-            timeout=300,
-            stdout=subprocess.DEVNULL,
-            stderr=subprocess.PIPE,
-        )
-    return path
-
-
 def make_model(py: str, path: Path, seed: int) -> Path:
-    """The tests' tiny random Llama of ``seed`` (engine_proc.py ``make-model``): made at
-    ``path``, or the one this session made already (:func:`made_once`)."""
-    return made_once(py, "model", path, seed, _make_model)
+    """The tests' tiny random Llama of ``seed`` (engine_proc.py ``make-model``; :func:`proc_model`)."""
+    return proc_model(py, path, "make-model", seed)
 
 
 class Instance(InstanceProcess):
@@ -211,12 +198,17 @@ def assert_other_kv_changes_tokens(
 
 
 def proc_model(py: str, path: Path, op: str, seed: int, *args: object) -> Path:
-    """A tiny random model made by engine_proc.py's ``op`` (``make-hybrid-model``,
-    ``make-mamba-model``) at ``path``, unless it is there already."""
-    if not (path / "config.json").exists():
-        cmd = [py, str(PROC), op, str(path), str(seed), *map(str, args)]
-        subprocess.run(cmd, check=True, timeout=300, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
-    return path
+    """A tiny random model made by engine_proc.py's ``op`` (``make-model``, ``make-mla-model``,
+    ``make-hybrid-model``, ``make-mamba-model``) at ``path``, unless it is there already; or
+    the same one this session made elsewhere (:func:`made_once`)."""
+
+    def make(at: Path) -> Path:
+        if not (at / "config.json").exists():
+            cmd = [py, str(PROC), op, str(at), str(seed), *map(str, args)]
+            subprocess.run(cmd, check=True, timeout=300, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+        return at
+
+    return made_once((py, op, seed, *map(str, args)), path, make)
 
 
 def two_models(root: Path, op: str, *args: object) -> dict[str, Any]:

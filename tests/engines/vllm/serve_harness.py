@@ -52,7 +52,7 @@ def make_serve_model(py: str, path: Path, seed: int) -> Path:
     """The serve tests' tiny random Llama with a tokenizer (the bench's
     :func:`~kvferry.app.bench.engine.served.make_serve_model`): made at ``path``, or the one
     this session made already (``harness.made_once``)."""
-    return made_once(py, "serve", path, seed, served.make_serve_model)
+    return made_once((py, "serve", seed), path, lambda at: served.make_serve_model(py, at, seed))
 
 
 def counters_when(

@@ -21,16 +21,15 @@ across TP sizes).
 
 from __future__ import annotations
 
-import subprocess
 from typing import Any
 
 import pytest
 from harness import (
-    PROC,
     Instance,
     assert_loaded_without_failures,
     failures,
     free_base_port,
+    proc_model,
     prompts,
     start_together,
     vllm_python,
@@ -51,11 +50,7 @@ def root(tmp_path_factory: pytest.TempPathFactory) -> Any:
 
 def _model(root: Any, layers: int) -> Any:
     py, base = root
-    path = base / f"model_{layers}"
-    if not (path / "config.json").exists():
-        cmd = [py, str(PROC), "make-mla-model", str(path), "1", str(layers)]
-        subprocess.run(cmd, check=True, timeout=300, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
-    return py, base, path
+    return py, base, proc_model(py, base / f"model_{layers}", "make-mla-model", 1, layers)
 
 
 def _start(model: Any, decode_tp: int) -> tuple[Instance, Instance]:

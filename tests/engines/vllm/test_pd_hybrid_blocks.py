@@ -14,18 +14,17 @@ block size (32) gets its own window: the decode's load of the 100-token prompt f
 
 from __future__ import annotations
 
-import subprocess
 from pathlib import Path
 from typing import Any
 
 import pytest
 from harness import (
-    PROC,
     Instance,
     assert_other_kv_changes_tokens,
     cache_groups,
     failures,
     free_base_port,
+    proc_model,
     prompts,
     start_together,
     vllm_python,
@@ -45,9 +44,7 @@ PAGE_BYTES = 2 * D_BS * 2 * 32 * 2  # one decode block of one layer: 2 KV heads 
 def pair(tmp_path_factory: pytest.TempPathFactory) -> Any:
     py = vllm_python()
     root = tmp_path_factory.mktemp("vllm_hybrid_blocks")
-    model = root / "model"
-    cmd = [py, str(PROC), "make-hybrid-model", str(model), "1", str(WINDOW)]
-    subprocess.run(cmd, check=True, timeout=300, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    model = proc_model(py, root / "model", "make-hybrid-model", 1, WINDOW)
     base = free_base_port()
     extra = {"base_port": base, "load_timeout_s": 10}
     d, p = start_together(
